@@ -1,0 +1,56 @@
+"""``moecache-ctl``: control and tools.
+
+Each subcommand lives in the module named for its concept and exposes ``main(argv) -> int``;
+this dispatcher only routes, so modules stay independent.
+"""
+import importlib
+import sys
+
+from . import MoecacheError
+
+# name -> ("module", "function", one-line help)
+COMMANDS = {
+    "demo": ("moecached.demo", "main", "write a scaled model, run the daemon, replay a workload, print results"),
+    "inspect": ("moecached.index", "main", "index the routed experts of a GGUF model (or split set)"),
+    "synth": ("moecached.synth", "main", "write a real-layout GGUF fixture with stamped expert bytes"),
+    "status": ("moecached.ctlstats", "status_main", "ask a running daemon for its status"),
+    "stats": ("moecached.ctlstats", "stats_main", "ask a running daemon for its counters"),
+    "trace": ("moecached.ctlstats", "trace_main", "start/stop routing-trace recording in the daemon"),
+    "policy": ("moecached.simulate", "main", "replay routing traces through cache policies (simulator)"),
+    "replay": ("moecached.replay", "main", "replay a routing trace against a live daemon"),
+    "guard": ("moecached.guard", "main", "run a command, kill it if MemAvailable falls under a floor"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: moecache-ctl COMMAND [ARGS...]", "", "commands:"]
+    for name, (_, _, help_) in COMMANDS.items():
+        lines.append(f"  {name:<9} {help_}")
+    lines.append("")
+    lines.append("moecache-ctl COMMAND --help for a command's options")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"moecache-ctl: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    modname, func, _ = COMMANDS[name]
+    fn = getattr(importlib.import_module(modname), func)
+    try:
+        rc = fn(rest)
+    except MoecacheError as e:
+        print(f"moecache-ctl {name}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Builds the Cython core: every cython_ext/<name>.pyx becomes the module moecached.<name>.
+
+Modules do not cimport each other (one .pyx per concept, each self-contained), so a plain
+`pip install .` needs nothing beyond the build requirements in pyproject.toml.
+"""
+import glob
+import os
+
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+exts = [
+    Extension(
+        "moecached." + os.path.splitext(os.path.basename(p))[0],
+        [p],
+        include_dirs=[numpy.get_include()],
+        extra_compile_args=["-O3"],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    )
+    for p in sorted(glob.glob("cython_ext/*.pyx"))
+]
+setup(ext_modules=cythonize(exts, language_level=3, include_path=["cython_ext"],
+                            compiler_directives={"boundscheck": False, "wraparound": False}))
