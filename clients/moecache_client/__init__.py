@@ -1,0 +1,1 @@
+"""Python client of the moecached expert cache daemon (see docs/protocol.md)."""
