@@ -1,0 +1,446 @@
+"""Slot arena: one shared-memory file holding every cached expert, reserved and mlock'd up front.
+
+Layout (bytes, all offsets relative to the start of the arena file)::
+
+    class 0: part "gate"  array  [n_slots x part_bytes["gate"]]   page-aligned start
+             part "up"    array  [n_slots x part_bytes["up"]]     page-aligned start
+             part "down"  array  ...
+    class 1: ...
+
+Part ``p`` of slot ``i`` of a class lives at ``part_off[p] + i * part_bytes[p]``: each part is one
+packed array in ggml's expert-tensor layout (``[ne0, ne1, n_slots]``), so an engine can run
+``MUL_MAT_ID`` over the slots directly. ``Arena.descriptor()`` is a JSON-able description of all
+of this; another process maps the file read-only with :func:`map_readonly`.
+
+Budget: each size class gets the same share (one ``fraction`` for all classes) of its layers'
+experts, ``n_slots(class) = floor(fraction * len(class.layers) * n_experts)``, with the largest
+fraction (<= 1) whose total (page-rounded) bytes fit the budget. ``slots=N`` picks the largest
+fraction whose total slot count is <= N.
+
+Errors are :class:`ArenaError`, one line naming the path/value, what was expected, and the fix.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import mmap
+import os
+import resource
+import secrets
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import numpy as np
+
+from . import MoecacheError
+
+__all__ = ["ArenaError", "ClassLayout", "Arena", "map_readonly", "plan_slots"]
+
+DESCRIPTOR_VERSION = 1
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+MADV_REMOVE = 9
+
+
+class ArenaError(MoecacheError):
+    """The arena could not be planned, reserved, mapped or locked; the message names the fix."""
+
+
+@dataclass
+class ClassLayout:
+    """Where one size class's slots live in the arena.
+
+    ``part_off[p]``: byte offset (page-aligned) of part ``p``'s packed array in the arena file;
+    ``part_bytes[p]``: bytes of part ``p`` of one expert (= the array's slot stride);
+    ``slot_bytes``: sum of ``part_bytes`` (bytes of one expert); ``n_slots``: slots in the class.
+    """
+    id: int
+    layers: list[int]
+    parts: list[str]
+    part_bytes: dict[str, int]
+    part_off: dict[str, int]
+    n_slots: int
+    slot_bytes: int
+    part_types: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "layers": list(self.layers), "parts": list(self.parts),
+                "part_bytes": dict(self.part_bytes), "part_off": dict(self.part_off),
+                "n_slots": self.n_slots, "slot_bytes": self.slot_bytes,
+                "part_types": {k: (v if isinstance(v, (int, str)) else str(v))
+                               for k, v in self.part_types.items()}}
+
+
+def _round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def _class_bytes(sc, n: int, page: int) -> int:
+    return sum(_round_up(n * int(sc.part_bytes[p]), page) for p in sc.parts)
+
+
+def plan_slots(index, *, budget_bytes: int | None = None, slots: int | None = None,
+               page_size: int = mmap.PAGESIZE) -> dict[int, int]:
+    """Slots per size class id for a budget in bytes or a total slot count (exactly one given).
+
+    One fraction ``f`` in (0, 1] for all classes: ``n(c) = floor(f * len(c.layers) * n_experts)``;
+    ``f`` is the largest value whose total fits (bytes: sum of page-rounded part arrays <=
+    ``budget_bytes``; slots: sum of ``n(c)`` <= ``slots``). Raises :class:`ArenaError` if some
+    class would get 0 slots, naming the minimum budget.
+    """
+    if (budget_bytes is None) == (slots is None):
+        raise ArenaError(f"give exactly one of budget_bytes or slots (got budget_bytes={budget_bytes}, "
+                         f"slots={slots})")
+    classes = list(index.size_classes)
+    if not classes:
+        raise ArenaError("index has no size classes (no routed experts found); check the model file")
+    n_exp = int(index.n_experts)
+    weights = {sc.id: len(sc.layers) * n_exp for sc in classes}
+
+    def counts(f: Fraction) -> dict[int, int]:
+        return {sc.id: int(f * weights[sc.id]) for sc in classes}
+
+    def cost(f: Fraction) -> int:
+        c = counts(f)
+        if budget_bytes is not None:
+            return sum(_class_bytes(sc, c[sc.id], page_size) for sc in classes)
+        return sum(c.values())
+
+    limit = budget_bytes if budget_bytes is not None else slots
+    # candidate fractions: every point where some class's floor() steps up
+    cands = sorted({Fraction(k, w) for w in set(weights.values()) for k in range(1, w + 1)})
+    lo, hi = 0, len(cands) - 1
+    best = None
+    while lo <= hi:  # cost is monotone in f
+        mid = (lo + hi) // 2
+        if cost(cands[mid]) <= limit:
+            best = cands[mid]
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    got = counts(best) if best is not None else {sc.id: 0 for sc in classes}
+    if min(got.values()) < 1:
+        fmin = max(Fraction(1, w) for w in weights.values())
+        need = cost(fmin)
+        unit = "bytes" if budget_bytes is not None else "slots"
+        raise ArenaError(
+            f"budget {limit} {unit} gives size class(es) "
+            f"{[cid for cid, n in got.items() if n < 1]} no slot; every class needs >= 1 slot, "
+            f"so the minimum is {need} {unit}"
+            + (f" ({need / 2**20:.1f} MiB)" if unit == "bytes" else "") + "; raise the budget")
+    return got
+
+
+CAP_IPC_LOCK = 14
+
+
+def _has_cap_ipc_lock() -> bool:
+    """True if this process may lock memory past RLIMIT_MEMLOCK (effective CAP_IPC_LOCK)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
+    except OSError:
+        pass
+    return False
+
+
+def _memlock_locked_now() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmLck:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class Arena:
+    """The shared slot pool of one cache: a file under ``dir``, fallocate'd, mmap'd shared, mlock'd.
+
+    Exactly one of ``budget_bytes`` (total arena bytes, page rounding included) or ``slots``
+    (total slots over all classes) is given. ``hugetlb=True`` expects ``dir`` on hugetlbfs (page
+    size from statvfs). ``lock=False`` skips mlock (and the RLIMIT_MEMLOCK check; the check
+    also passes when the process holds CAP_IPC_LOCK, since the kernel then ignores the limit). ``mode``/``gid``
+    set the file's permissions/group so client processes can map it read-only.
+
+    Attributes: ``path`` (str), ``size`` (bytes), ``page_size`` (bytes), ``classes``
+    (list of :class:`ClassLayout`, in the index's size-class order), ``base_address`` (int,
+    virtual address of the writable mapping; valid until :meth:`close`), ``locked`` (bool).
+
+    Raises :class:`ArenaError` on: a budget too small for one slot per class, a file that already
+    exists, ``dir`` too small (ENOSPC at fallocate), RLIMIT_MEMLOCK below the arena size, mlock
+    failure. Nothing is left behind (file unlinked) when construction fails.
+    """
+
+    def __init__(self, index, *, budget_bytes: int | None = None, slots: int | None = None,
+                 dir: str = "/dev/shm", name: str | None = None, hugetlb: bool = False,
+                 lock: bool = True, mode: int = 0o640, gid: int | None = None):
+        self._mm = None
+        self._fd = -1
+        self.locked = False
+        self.page_size = int(os.statvfs(dir).f_bsize) if hugetlb else mmap.PAGESIZE
+        self.hugetlb = bool(hugetlb)
+        self.n_experts = int(index.n_experts)
+        counts = plan_slots(index, budget_bytes=budget_bytes, slots=slots, page_size=self.page_size)
+        page = self.page_size
+        off = 0
+        self.classes: list[ClassLayout] = []
+        for sc in index.size_classes:
+            n = counts[sc.id]
+            part_off, part_bytes = {}, {}
+            for p in sc.parts:
+                part_bytes[p] = int(sc.part_bytes[p])
+                part_off[p] = off
+                off += _round_up(n * part_bytes[p], page)
+            self.classes.append(ClassLayout(
+                id=int(sc.id), layers=[int(x) for x in sc.layers], parts=list(sc.parts),
+                part_bytes=part_bytes, part_off=part_off, n_slots=n,
+                slot_bytes=sum(part_bytes.values()),
+                part_types=dict(getattr(sc, "part_types", {}) or {})))
+        self._by_id = {c.id: c for c in self.classes}
+        self.size = max(off, page)
+        name = name or f"moecached-{os.getpid()}-{secrets.token_hex(4)}"
+        self.path = os.path.join(dir, name)
+        self.lock = bool(lock)
+
+        if lock:
+            self._check_memlock()
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        except FileExistsError:
+            raise ArenaError(f"arena file {self.path} already exists (another daemon, or a stale one); "
+                             f"remove it or pass another name") from None
+        except OSError as e:
+            raise ArenaError(f"cannot create arena file {self.path}: {e.strerror}; "
+                             f"check that {dir} exists and is writable") from None
+        try:
+            os.fchmod(self._fd, mode)  # umask must not narrow what clients were promised
+            if gid is not None:
+                os.fchown(self._fd, -1, gid)
+            try:
+                os.posix_fallocate(self._fd, 0, self.size)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                    st = os.statvfs(dir)
+                    raise ArenaError(
+                        f"cannot reserve {self.size} bytes ({self.size / 2**20:.1f} MiB) for {self.path}: "
+                        f"{dir} has {st.f_bavail * st.f_frsize} bytes free of "
+                        f"{st.f_blocks * st.f_frsize}; enlarge it (mount -o remount,size=... {dir}) "
+                        f"or lower the budget") from None
+                raise ArenaError(f"posix_fallocate({self.path}, {self.size}) failed: {e.strerror}; "
+                                 f"use a tmpfs/hugetlbfs dir that supports fallocate") from None
+            self._mm = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED,
+                                 mmap.PROT_READ | mmap.PROT_WRITE)
+            anchor = ctypes.c_char.from_buffer(self._mm)
+            self.base_address = ctypes.addressof(anchor)
+            del anchor
+            self._np = np.frombuffer(self._mm, dtype=np.uint8)
+            if lock:
+                self._mlock(0, self.size)
+                self.locked = True
+        except BaseException:
+            self._teardown(unlink=True)
+            raise
+
+    # ---- locking -------------------------------------------------------------------------
+    def _check_memlock(self) -> None:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        if soft == resource.RLIM_INFINITY or _has_cap_ipc_lock():
+            return  # with CAP_IPC_LOCK the kernel does not apply the limit
+        have = soft - _memlock_locked_now()
+        if have < self.size:
+            raise ArenaError(
+                f"RLIMIT_MEMLOCK is {soft} bytes ({soft // 1024} KiB), {max(have, 0)} left, but arena "
+                f"{self.path} needs {self.size} bytes locked; set LimitMEMLOCK=infinity in the systemd "
+                f"unit or run 'ulimit -l unlimited' before starting (or pass lock=False / --no-lock)")
+
+    def _mlock(self, off: int, length: int) -> None:
+        if length <= 0:
+            return
+        if _libc.mlock(ctypes.c_void_p(self.base_address + off), ctypes.c_size_t(length)) != 0:
+            err = ctypes.get_errno()
+            _libc.munlock(ctypes.c_void_p(self.base_address + off), ctypes.c_size_t(length))
+            raise ArenaError(
+                f"mlock of {length} bytes at offset {off} of {self.path} failed: {os.strerror(err)}; "
+                f"raise the locked-memory limit (systemd LimitMEMLOCK=infinity, ulimit -l unlimited), "
+                f"free RAM, or pass lock=False")
+
+    # ---- addressing ----------------------------------------------------------------------
+    def layout(self, class_id: int) -> ClassLayout:
+        """The :class:`ClassLayout` of class ``class_id`` (KeyError-safe: raises ArenaError)."""
+        try:
+            return self._by_id[class_id]
+        except KeyError:
+            raise ArenaError(f"no size class {class_id} in arena {self.path}; classes are "
+                             f"{sorted(self._by_id)}") from None
+
+    def part_offset(self, class_id: int, slot: int, part: str) -> int:
+        """Byte offset in the arena file of part ``part`` of slot ``slot`` of class ``class_id``."""
+        c = self.layout(class_id)
+        if not 0 <= slot < c.n_slots:
+            raise ArenaError(f"slot {slot} out of range for class {class_id} of {self.path} "
+                             f"(0..{c.n_slots - 1})")
+        return c.part_off[part] + slot * c.part_bytes[part]
+
+    def view(self, class_id: int, slot: int, part: str) -> np.ndarray:
+        """Writable uint8 view, shape ``(part_bytes[part],)``, of one slot's part."""
+        off = self.part_offset(class_id, slot, part)
+        return self._np[off:off + self._by_id[class_id].part_bytes[part]]
+
+    def descriptor(self) -> dict:
+        """JSON-able layout: everything another process needs to map the file and find a part.
+
+        Keys: ``version``, ``path``, ``size`` (bytes), ``page_size``, ``hugetlb``, ``n_experts``,
+        ``classes`` (list of dicts: id, layers, parts, part_bytes, part_off, n_slots, slot_bytes,
+        part_types), ``layer_class`` ({str(layer): class id}).
+        """
+        return {"version": DESCRIPTOR_VERSION, "path": self.path, "size": self.size,
+                "page_size": self.page_size, "hugetlb": self.hugetlb, "n_experts": self.n_experts,
+                "classes": [c.to_dict() for c in self.classes],
+                "layer_class": {str(l): c.id for c in self.classes for l in c.layers}}
+
+    # ---- release / restore ---------------------------------------------------------------
+    def _slot_ranges(self, class_id: int, slots: list[int]) -> list[tuple[int, int]]:
+        """Merged [start, end) byte ranges of the given slots' parts, sorted."""
+        c = self.layout(class_id)
+        ss = sorted(set(int(s) for s in slots))
+        for s in ss:
+            if not 0 <= s < c.n_slots:
+                raise ArenaError(f"slot {s} out of range for class {class_id} of {self.path} "
+                                 f"(0..{c.n_slots - 1})")
+        out = []
+        for p in c.parts:
+            pb, po = c.part_bytes[p], c.part_off[p]
+            run_start = prev = None
+            for s in ss:
+                if prev is not None and s == prev + 1:
+                    prev = s
+                    continue
+                if run_start is not None:
+                    out.append((po + run_start * pb, po + (prev + 1) * pb))
+                run_start = prev = s
+            if run_start is not None:
+                out.append((po + run_start * pb, po + (prev + 1) * pb))
+        return sorted(out)
+
+    def release_memory(self, class_id: int, slots: list[int]) -> int:
+        """Give back the pages lying wholly inside these slots' part ranges (munlock + punch hole).
+
+        Pages shared with a neighbouring slot stay. The slots' contents become undefined (zeros);
+        call :meth:`restore_memory` before reusing them. Returns bytes released.
+        """
+        page = self.page_size
+        total = 0
+        for a, b in self._slot_ranges(class_id, slots):
+            a2, b2 = _round_up(a, page), b // page * page
+            if b2 <= a2:
+                continue
+            n = b2 - a2
+            if self.locked:
+                _libc.munlock(ctypes.c_void_p(self.base_address + a2), ctypes.c_size_t(n))
+            if _libc.fallocate(self._fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, a2, n) != 0:
+                err = ctypes.get_errno()
+                if _libc.madvise(ctypes.c_void_p(self.base_address + a2), ctypes.c_size_t(n),
+                                 MADV_REMOVE) != 0:
+                    if self.locked:
+                        self._mlock(a2, n)
+                    raise ArenaError(f"cannot release {n} bytes at offset {a2} of {self.path}: "
+                                     f"{os.strerror(err)}; the filesystem must support hole punching")
+            total += n
+        return total
+
+    def restore_memory(self, class_id: int, slots: list[int]) -> None:
+        """Re-reserve (fallocate) and re-lock every page touching these slots' parts.
+
+        Raises :class:`ArenaError` if the filesystem is full or locking fails. Contents are zero
+        where pages had been released.
+        """
+        page = self.page_size
+        for a, b in self._slot_ranges(class_id, slots):
+            a2, b2 = a // page * page, _round_up(b, page)
+            try:
+                os.posix_fallocate(self._fd, a2, b2 - a2)
+            except OSError as e:
+                raise ArenaError(f"cannot re-reserve {b2 - a2} bytes at offset {a2} of {self.path}: "
+                                 f"{e.strerror}; free space in {os.path.dirname(self.path)}") from None
+            if self.locked:
+                self._mlock(a2, b2 - a2)
+
+    # ---- lifetime ------------------------------------------------------------------------
+    def _teardown(self, unlink: bool) -> None:
+        self._np = None
+        if self._mm is not None:
+            if self.locked:
+                _libc.munlock(ctypes.c_void_p(self.base_address), ctypes.c_size_t(self.size))
+                self.locked = False
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # views still alive: the mapping goes when the last one does
+            self._mm = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def close(self, unlink: bool = True) -> None:
+        """Unlock, unmap and (default) unlink the arena file. Idempotent."""
+        self._teardown(unlink)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            if self._mm is not None or self._fd >= 0:
+                self._teardown(unlink=False)
+        except Exception:
+            pass
+
+
+def map_readonly(descriptor: dict) -> tuple[mmap.mmap, dict]:
+    """Map an arena read-only from its :meth:`Arena.descriptor` (plain mmap of the file).
+
+    Returns ``(mm, layout)``: ``mm`` a read-only ``mmap`` of ``descriptor["size"]`` bytes;
+    ``layout`` the descriptor with ``classes`` keyed by class id as well (``layout["by_id"]``).
+    Part ``p`` of slot ``i`` of class ``c`` is ``mm[off : off + part_bytes[p]]`` with
+    ``off = by_id[c]["part_off"][p] + i * by_id[c]["part_bytes"][p]``.
+    Raises :class:`ArenaError` if the file is missing, smaller than ``size``, or the version unknown.
+    """
+    if descriptor.get("version") != DESCRIPTOR_VERSION:
+        raise ArenaError(f"arena descriptor version {descriptor.get('version')!r}, expected "
+                         f"{DESCRIPTOR_VERSION}; upgrade the client to match the daemon")
+    path, size = descriptor["path"], int(descriptor["size"])
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise ArenaError(f"cannot open arena {path}: {e.strerror}; is the daemon running, and is "
+                         f"this user in the arena file's group?") from None
+    try:
+        have = os.fstat(fd).st_size
+        if have < size:
+            raise ArenaError(f"arena {path} is {have} bytes, descriptor says {size}; the daemon "
+                             f"restarted: fetch a fresh descriptor")
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    layout = dict(descriptor)
+    layout["by_id"] = {int(c["id"]): c for c in descriptor["classes"]}
+    return mm, layout
