@@ -1,0 +1,523 @@
+"""Routing traces: the ``.npz`` format, its validation, a JSONL converter and the recorder.
+
+A trace is the routing decision of an MoE model, token by token (see ``docs/trace-format.md``):
+
+================  ===============================  ==============================================
+array             dtype / shape                    meaning
+================  ===============================  ==============================================
+``experts``       int16 ``[T, L, k]``              expert ids per token and MoE layer, router rank
+                                                   order; ``-1`` = missing / padding
+``is_prompt``     bool ``[T]``                     True for prompt (prefill) tokens
+``weights``       float32 ``[T, L, k]`` (opt.)     gate weights, 0 where ``experts == -1``
+``predicted``     int16 ``[T, L, kp]`` (opt.)      expert ids a gate-ahead predictor expected
+                                                   before routing; ``-1`` padded
+``step``          int32 ``[T]`` (opt.)             tokens verified together (one multi-token step,
+                                                   e.g. MTP drafts) share a step id; each id is
+                                                   one contiguous run of tokens
+``meta``          0-d str (JSON object)            ``n_experts``, ``top_k``, ``n_moe_layers``,
+                                                   counts, provenance ...
+================  ===============================  ==============================================
+
+``L`` counts MoE layers only: trace layer ``i`` is the model's ``i``-th block with routed experts.
+
+Every validation error is a :class:`TraceError` (a ``MoecacheError`` and ``ValueError``) whose
+message is one line naming the file, the array, the offending value and what was expected.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from . import MoecacheError
+
+__all__ = ["Trace", "TraceError", "load_trace", "save_trace", "convert_jsonl", "convert_main",
+           "TraceRecorder"]
+
+
+class TraceError(MoecacheError, ValueError):
+    """A trace file or array is malformed; ``str(e)`` is one line naming file, array, value."""
+
+
+@dataclass
+class Trace:
+    """One routing trace (arrays as in the module docstring).
+
+    Attributes:
+        experts: int16 ``[n_tokens, n_layers, top_k]``, ``-1`` = missing.
+        is_prompt: bool ``[n_tokens]``.
+        weights: optional float32 ``[n_tokens, n_layers, top_k]``.
+        predicted: optional int16 ``[n_tokens, n_layers, k_pred]``, ``-1`` padded.
+        step: optional int32 ``[n_tokens]``; equal ids = one multi-token step (contiguous).
+        meta: JSON-able dict; ``n_experts`` is read from here (else inferred as max id + 1).
+    """
+
+    experts: np.ndarray
+    is_prompt: np.ndarray
+    weights: Optional[np.ndarray] = None
+    predicted: Optional[np.ndarray] = None
+    step: Optional[np.ndarray] = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.experts.shape[0])
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.experts.shape[1])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.experts.shape[2])
+
+    @property
+    def n_experts(self) -> int:
+        """Experts per layer: ``meta['n_experts']`` or, when absent, the largest id + 1."""
+        n = self.meta.get("n_experts")
+        if n is not None:
+            return int(n)
+        m = int(self.experts.max()) if self.experts.size else -1
+        if self.predicted is not None and self.predicted.size:
+            m = max(m, int(self.predicted.max()))
+        return max(m + 1, 1)
+
+    @property
+    def n_decode(self) -> int:
+        return int(self.n_tokens - np.count_nonzero(self.is_prompt))
+
+    def validate(self, name: str = "<trace>") -> "Trace":
+        """Check shapes, dtypes and id ranges; returns self. Raises TraceError (one line)."""
+        _validate(self, name)
+        return self
+
+
+def _err(name, array, found, expected):
+    return TraceError(f"{name}: {array}: found {found}, expected {expected}")
+
+
+def _check_ids(name, array, a, n_experts):
+    if a.size == 0:
+        return
+    lo, hi = int(a.min()), int(a.max())
+    if lo < -1:
+        idx = tuple(int(i) for i in np.argwhere(a < -1)[0])
+        raise _err(name, f"{array}{list(idx)}", lo, "-1 (missing) or an expert id >= 0")
+    if n_experts is not None and hi >= n_experts:
+        idx = tuple(int(i) for i in np.argwhere(a >= n_experts)[0])
+        raise _err(name, f"{array}{list(idx)}", hi, f"an expert id < n_experts = {n_experts}")
+
+
+def _validate(t: Trace, name: str) -> None:
+    e = t.experts
+    if not isinstance(e, np.ndarray) or e.ndim != 3:
+        raise _err(name, "experts", f"shape {getattr(e, 'shape', type(e).__name__)}",
+                   "3 dimensions [tokens, moe_layers, top_k]")
+    if not np.issubdtype(e.dtype, np.integer):
+        raise _err(name, "experts", f"dtype {e.dtype}", "an integer dtype (int16)")
+    T, L, k = e.shape
+    if L < 1 or k < 1:
+        raise _err(name, "experts", f"shape {e.shape}", "at least 1 layer and top_k >= 1")
+    if not isinstance(t.meta, dict):
+        raise _err(name, "meta", type(t.meta).__name__, "a JSON object")
+    ne = t.meta.get("n_experts")
+    if ne is not None and (not isinstance(ne, (int, np.integer)) or ne < 1):
+        raise _err(name, "meta.n_experts", repr(ne), "an int >= 1")
+    for key, want in (("n_moe_layers", L), ("n_tokens", T)):
+        v = t.meta.get(key)
+        if v is not None and v != want:
+            raise _err(name, f"meta.{key}", v, f"{want} (experts.shape)")
+    _check_ids(name, "experts", e, ne)
+    p = t.is_prompt
+    if not isinstance(p, np.ndarray) or p.shape != (T,):
+        raise _err(name, "is_prompt", f"shape {getattr(p, 'shape', None)}", f"({T},)")
+    if p.dtype != np.bool_:
+        raise _err(name, "is_prompt", f"dtype {p.dtype}", "bool")
+    if t.weights is not None:
+        w = t.weights
+        if w.shape != e.shape:
+            raise _err(name, "weights", f"shape {w.shape}", f"{e.shape} (experts.shape)")
+        if not np.issubdtype(w.dtype, np.floating):
+            raise _err(name, "weights", f"dtype {w.dtype}", "float32")
+    if t.predicted is not None:
+        q = t.predicted
+        if q.ndim != 3 or q.shape[:2] != (T, L):
+            raise _err(name, "predicted", f"shape {q.shape}", f"({T}, {L}, k_pred)")
+        if not np.issubdtype(q.dtype, np.integer):
+            raise _err(name, "predicted", f"dtype {q.dtype}", "int16")
+        _check_ids(name, "predicted", q, ne)
+    if t.step is not None:
+        s = t.step
+        if s.shape != (T,):
+            raise _err(name, "step", f"shape {s.shape}", f"({T},)")
+        if not np.issubdtype(s.dtype, np.integer):
+            raise _err(name, "step", f"dtype {s.dtype}", "int32")
+        if T:
+            runs = s[np.r_[True, s[1:] != s[:-1]]]
+            if len(np.unique(runs)) != len(runs):
+                _, first = np.unique(runs, return_index=True)
+                dup = runs[np.setdiff1d(np.arange(len(runs)), first)[0]]
+                raise _err(name, "step", f"id {int(dup)} in two separate runs",
+                           "each step id on one contiguous run of tokens")
+
+
+def load_trace(path) -> Trace:
+    """Read and validate a trace ``.npz`` (no pickles).
+
+    Returns:
+        Trace with ``experts`` as int16, ``is_prompt`` bool, optional arrays as stored.
+    Raises:
+        TraceError: missing file/array, bad JSON meta, bad shape/dtype/value (one line).
+    """
+    name = os.fspath(path)
+    try:
+        z = np.load(name, allow_pickle=False)
+    except FileNotFoundError:
+        raise TraceError(f"{name}: file not found, expected a trace .npz") from None
+    except Exception as ex:  # zipfile / pickle errors
+        raise TraceError(f"{name}: unreadable ({type(ex).__name__}: {ex}), expected a .npz "
+                         "written by numpy.savez") from None
+    with z:
+        files = set(z.files)
+        for req in ("experts", "is_prompt"):
+            if req not in files:
+                raise _err(name, req, "no such array", "arrays experts and is_prompt")
+        meta = {}
+        if "meta" in files:
+            raw = z["meta"]
+            try:
+                meta = json.loads(str(raw[()] if raw.ndim == 0 else raw))
+            except (json.JSONDecodeError, TypeError) as ex:
+                raise _err(name, "meta", f"invalid JSON ({ex})", "a 0-d str holding a JSON object")
+        get = (lambda k: z[k] if k in files else None)
+        t = Trace(experts=z["experts"], is_prompt=z["is_prompt"], weights=get("weights"),
+                  predicted=get("predicted"), step=get("step"), meta=meta)
+    _validate(t, name)
+    t.experts = t.experts.astype(np.int16, copy=False)
+    if t.predicted is not None:
+        t.predicted = t.predicted.astype(np.int16, copy=False)
+    if t.step is not None:
+        t.step = t.step.astype(np.int32, copy=False)
+    return t
+
+
+def save_trace(path, trace: Trace) -> None:
+    """Validate and write ``trace`` as a compressed ``.npz``.
+
+    ``meta`` gains/updates ``n_tokens``, ``n_prompt_tokens``, ``n_decode_tokens``,
+    ``n_moe_layers``, ``top_k`` and, when absent, ``n_experts`` (inferred).
+    Raises TraceError when the trace is invalid.
+    """
+    name = os.fspath(path)
+    _validate(trace, name)
+    meta = dict(trace.meta)
+    meta.setdefault("n_experts", trace.n_experts)
+    meta.update(n_tokens=trace.n_tokens, n_prompt_tokens=int(np.count_nonzero(trace.is_prompt)),
+                n_decode_tokens=trace.n_decode, n_moe_layers=trace.n_layers, top_k=trace.top_k)
+    arrays = dict(experts=trace.experts.astype(np.int16), is_prompt=trace.is_prompt.astype(bool),
+                  meta=np.array(json.dumps(meta)))
+    if trace.weights is not None:
+        arrays["weights"] = trace.weights.astype(np.float32)
+    if trace.predicted is not None:
+        arrays["predicted"] = trace.predicted.astype(np.int16)
+    if trace.step is not None:
+        arrays["step"] = trace.step.astype(np.int32)
+    d = os.path.dirname(os.path.abspath(name))
+    os.makedirs(d, exist_ok=True)
+    tmp = name + ".tmp.npz"
+    np.savez_compressed(tmp, **arrays)
+    os.replace(tmp, name)
+
+
+# ----------------------------------------------------------------------------- JSONL form
+
+def _pad(rows, width, fill, dtype):
+    out = np.full((len(rows), width), fill, dtype=dtype)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, :len(r)] = r
+    return out
+
+
+def _build(tokens, n_layers, top_k, n_experts, meta, name="<jsonl>") -> Trace:
+    """tokens: list of dicts {prompt, step, layers: {l: (experts, weights|None, predicted|None)}}."""
+    T = len(tokens)
+    L = n_layers if n_layers is not None else 1 + max(
+        (l for t in tokens for l in t["layers"]), default=0)
+    k = max([top_k or 0] + [len(v[0]) for t in tokens for v in t["layers"].values()]) or 1
+    kp = max([0] + [len(v[2]) for t in tokens for v in t["layers"].values() if v[2] is not None])
+    has_w = any(v[1] is not None for t in tokens for v in t["layers"].values())
+    has_s = any(t.get("step") is not None for t in tokens)
+    experts = np.full((T, L, k), -1, np.int16)
+    weights = np.zeros((T, L, k), np.float32) if has_w else None
+    predicted = np.full((T, L, kp), -1, np.int16) if kp else None
+    for i, t in enumerate(tokens):
+        for l, (ex, w, pr) in t["layers"].items():
+            if not 0 <= l < L:
+                raise _err(name, f"token {i} layer", l, f"0..{L - 1}")
+            experts[i, l, :len(ex)] = ex
+            if w is not None:
+                if len(w) != len(ex):
+                    raise _err(name, f"token {i} layer {l} weights", f"{len(w)} values",
+                               f"{len(ex)} (one per expert)")
+                weights[i, l, :len(w)] = w
+            if pr is not None and len(pr):
+                predicted[i, l, :len(pr)] = pr
+    step = None
+    if has_s:
+        step = np.array([t["step"] if t.get("step") is not None else -1 for t in tokens], np.int32)
+        if (step < 0).any():
+            raise _err(name, "step", "missing on some tokens", "a step id on every token or none")
+    meta = dict(meta)
+    if n_experts is not None:
+        meta["n_experts"] = int(n_experts)
+    tr = Trace(experts=experts, is_prompt=np.array([bool(t["prompt"]) for t in tokens], bool),
+               weights=weights, predicted=predicted, step=step, meta=meta)
+    _validate(tr, name)
+    return tr
+
+
+def convert_jsonl(in_path, n_experts=None, n_layers=None, top_k=None, meta=None) -> Trace:
+    """Read the JSONL form (see docs/trace-format.md) into a validated Trace.
+
+    Lines (blank lines and lines starting with ``#`` are skipped):
+      * ``{"meta": {...}}`` -- optional, merged into meta (``n_experts`` etc.).
+      * token form: ``{"experts": [[ids of layer 0], [ids of layer 1], ...], "prompt": bool,
+        "weights": [[...]...]?, "predicted": [[...]...]?, "step": int?}``.
+      * layer form: ``{"layer": l, "experts": [ids], "prompt": bool, "token": int?,
+        "weights": [...]?, "predicted": [...]?, "step": int?}``; without ``token``, a new
+        token starts whenever ``layer`` does not increase (the way engines log forward passes).
+    Args override meta: n_experts, n_layers (MoE layers), top_k (minimum row width).
+    Raises:
+        TraceError: unreadable line (names file:line), bad field, ids out of range.
+    """
+    name = os.fspath(in_path)
+    meta = dict(meta or {})
+    tokens = []
+    by_index = {}
+    last_layer = None
+    try:
+        fh = open(name, encoding="utf-8")
+    except FileNotFoundError:
+        raise TraceError(f"{name}: file not found, expected a JSONL trace") from None
+    with fh:
+        for lineno, line in enumerate(fh, 1):
+            s = line.strip()
+            if not s or s.startswith("#"):
+                continue
+            where = f"{name}:{lineno}"
+            try:
+                rec = json.loads(s)
+            except json.JSONDecodeError as ex:
+                raise TraceError(f"{where}: invalid JSON ({ex.msg}), expected one object per line")
+            if not isinstance(rec, dict):
+                raise _err(where, "line", type(rec).__name__, "a JSON object")
+            if "meta" in rec and "experts" not in rec:
+                if not isinstance(rec["meta"], dict):
+                    raise _err(where, "meta", type(rec["meta"]).__name__, "a JSON object")
+                meta.update(rec["meta"])
+                continue
+            if "experts" not in rec:
+                raise _err(where, "experts", "absent", "an 'experts' field (or a 'meta' line)")
+            prompt = rec.get("prompt", rec.get("is_prompt"))
+            if not isinstance(prompt, bool):
+                raise _err(where, "prompt", repr(prompt), "true or false")
+            step = rec.get("step")
+            if step is not None and not isinstance(step, int):
+                raise _err(where, "step", repr(step), "an int")
+            ex = rec["experts"]
+
+            def ids(v, field_):
+                if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                      for x in v):
+                    raise _err(where, field_, repr(v)[:60], "a list of ints")
+                return v
+
+            if "layer" in rec:
+                l = rec["layer"]
+                if not isinstance(l, int) or l < 0:
+                    raise _err(where, "layer", repr(l), "an int >= 0")
+                entry = (ids(ex, "experts"), rec.get("weights"),
+                         ids(rec["predicted"], "predicted") if "predicted" in rec else None)
+                if "token" in rec:
+                    ti = rec["token"]
+                    if ti not in by_index:
+                        by_index[ti] = {"prompt": prompt, "step": step, "layers": {}}
+                        tokens.append(by_index[ti])
+                    tok = by_index[ti]
+                else:
+                    if last_layer is None or l <= last_layer:
+                        tokens.append({"prompt": prompt, "step": step, "layers": {}})
+                    tok = tokens[-1]
+                    last_layer = l
+                if l in tok["layers"]:
+                    raise _err(where, "layer", l, "each layer once per token")
+                tok["layers"][l] = entry
+            else:
+                if not isinstance(ex, list):
+                    raise _err(where, "experts", type(ex).__name__, "a list (one list per layer)")
+                w = rec.get("weights")
+                pr = rec.get("predicted")
+                layers = {}
+                for l, row in enumerate(ex):
+                    layers[l] = (ids(row, f"experts[{l}]"), None if w is None else w[l],
+                                 None if pr is None else ids(pr[l], f"predicted[{l}]"))
+                tokens.append({"prompt": prompt, "step": step, "layers": layers})
+    n_experts = n_experts if n_experts is not None else meta.get("n_experts")
+    n_layers = n_layers if n_layers is not None else meta.get("n_moe_layers")
+    top_k = top_k if top_k is not None else meta.get("top_k")
+    meta.pop("n_moe_layers", None)
+    meta.pop("top_k", None)
+    meta.pop("n_tokens", None)
+    meta.setdefault("source_path", os.path.basename(name))
+    return _build(tokens, n_layers, top_k, n_experts, meta, name)
+
+
+def convert_main(argv) -> int:
+    """``moecache-ctl trace convert IN.jsonl OUT.npz [--n-experts N] [--layers L] [--top-k K]``."""
+    argv = list(argv)
+    if argv and argv[0] == "convert":
+        argv = argv[1:]
+    ap = argparse.ArgumentParser(prog="moecache-ctl trace convert",
+                                 description="convert a JSONL routing log into a trace .npz "
+                                             "(format: docs/trace-format.md)")
+    ap.add_argument("input", help="JSONL file (token form or layer form)")
+    ap.add_argument("output", help="trace .npz to write")
+    ap.add_argument("--n-experts", type=int, help="experts per layer (else meta line / max id + 1)")
+    ap.add_argument("--layers", type=int, help="MoE layers (else meta line / max layer + 1)")
+    ap.add_argument("--top-k", type=int, help="minimum width of the experts array")
+    ap.add_argument("--meta", help="JSON object merged into meta")
+    a = ap.parse_args(argv)
+    meta = {}
+    if a.meta:
+        try:
+            meta = json.loads(a.meta)
+        except json.JSONDecodeError as ex:
+            raise TraceError(f"--meta: invalid JSON ({ex.msg}), expected a JSON object")
+    t = convert_jsonl(a.input, n_experts=a.n_experts, n_layers=a.layers, top_k=a.top_k, meta=meta)
+    save_trace(a.output, t)
+    print(f"{a.output}: {t.n_tokens} tokens ({t.n_tokens - t.n_decode} prompt / {t.n_decode} "
+          f"decode), {t.n_layers} MoE layers, top_k {t.top_k}, n_experts {t.n_experts}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- recorder
+
+class TraceRecorder:
+    """Collects the daemon's acquires into a trace; thread-safe.
+
+    Usage::
+
+        rec = TraceRecorder("/tmp/run.npz", n_layers=48, top_k=8, n_experts=128, client=None)
+        rec.record(layer_idx, [3, 17, ...], is_prompt=False, client="llama")  # per acquire
+        rec.close()                                                           # writes the file
+
+    Args:
+        path: output ``.npz``.
+        n_layers: MoE layers of the model (trace layer = MoE-layer index).
+        top_k: row width; an acquire of more experts (e.g. a batched prefill) widens every row
+            (padded with -1).
+        n_experts: experts per layer (ids must be below it).
+        client: record only this client's acquires (None = every client).
+    Tokens: each client has its own current token; it ends when that client's layer index does
+    not increase (wraps to a lower or the same layer). Tokens are written in the order they end
+    (pending ones at ``close``). A token's prompt tag is that of its first acquire.
+    With more than one client, ``meta['clients']`` lists names and ``meta['token_client']`` the
+    index of each token's client.
+    """
+
+    def __init__(self, path, n_layers: int, top_k: int, n_experts: int, client=None, meta=None):
+        if n_layers < 1 or top_k < 1 or n_experts < 1:
+            raise TraceError(f"TraceRecorder: n_layers/top_k/n_experts: found "
+                             f"{n_layers}/{top_k}/{n_experts}, expected all >= 1")
+        self.path = os.fspath(path)
+        self.n_layers, self.top_k, self.n_experts = int(n_layers), int(top_k), int(n_experts)
+        self.client = client
+        self.meta = dict(meta or {})
+        self._lock = threading.Lock()
+        self._tokens = []       # (client_idx, is_prompt, {layer: tuple(experts)})
+        self._cur = {}          # client -> [is_prompt, last_layer, {layer: experts}]
+        self._clients = {}
+        self._closed = False
+        self.width = self.top_k
+
+    def record(self, layer_idx: int, experts, is_prompt: bool, client=None) -> None:
+        """Append one acquire: MoE-layer ``layer_idx``, expert ids (sequence of ints).
+
+        Raises TraceError on a layer or id out of range, or after ``close()``.
+        """
+        if self.client is not None and client != self.client:
+            return
+        l = int(layer_idx)
+        if not 0 <= l < self.n_layers:
+            raise TraceError(f"TraceRecorder.record: layer_idx: found {l}, expected "
+                             f"0..{self.n_layers - 1}")
+        ex = tuple(int(e) for e in experts)
+        for e in ex:
+            if not 0 <= e < self.n_experts:
+                raise TraceError(f"TraceRecorder.record: expert: found {e}, expected "
+                                 f"0..{self.n_experts - 1}")
+        with self._lock:
+            if self._closed:
+                raise TraceError(f"TraceRecorder.record: {self.path}: recorder closed, expected "
+                                 "record() before close()")
+            cur = self._cur.get(client)
+            if cur is not None and l <= cur[1]:
+                self._finish(client)
+                cur = None
+            if cur is None:
+                cur = self._cur[client] = [bool(is_prompt), -1, {}]
+            cur[1] = l
+            cur[2][l] = ex
+            self.width = max(self.width, len(ex))
+
+    def _finish(self, client):
+        cur = self._cur.pop(client)
+        ci = self._clients.setdefault(client, len(self._clients))
+        self._tokens.append((ci, cur[0], cur[2]))
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens finished so far (pending per-client tokens not counted)."""
+        return len(self._tokens)
+
+    def to_trace(self) -> Trace:
+        """The trace recorded so far, pending tokens included (does not close)."""
+        with self._lock:
+            toks = list(self._tokens)
+            for c, cur in self._cur.items():
+                ci = self._clients.get(c, len(self._clients))
+                toks.append((ci, cur[0], cur[2]))
+            clients = dict(self._clients)
+            for c in self._cur:
+                clients.setdefault(c, len(clients))
+        T = len(toks)
+        experts = np.full((T, self.n_layers, self.width), -1, np.int16)
+        for i, (_, _, layers) in enumerate(toks):
+            for l, ex in layers.items():
+                experts[i, l, :len(ex)] = ex
+        meta = dict(self.meta, n_experts=self.n_experts, recorded_by="moecached",
+                    prompt_marking="client tag")
+        names = sorted(clients, key=clients.get)
+        meta["clients"] = [None if c is None else str(c) for c in names]
+        if len(names) > 1:
+            meta["token_client"] = [t[0] for t in toks]
+        return Trace(experts=experts, is_prompt=np.array([t[1] for t in toks], bool), meta=meta)
+
+    def save(self) -> Trace:
+        """Write everything recorded so far to ``path``; returns the written Trace."""
+        t = self.to_trace()
+        save_trace(self.path, t)
+        return t
+
+    def close(self) -> Trace:
+        """Write the file and stop recording (later ``record`` raises). Returns the Trace."""
+        t = self.save()
+        with self._lock:
+            self._closed = True
+        return t
