@@ -1,0 +1,169 @@
+"""The moecached wire protocol: message framing, limits and request validation.
+
+Every message is one ZeroMQ frame holding a msgpack map (see docs/protocol.md, which is the
+normative description a C or C++ engine can implement from). The server is a ROUTER socket,
+clients are DEALER sockets; a client may put an empty delimiter frame before the payload
+(REQ-style envelope) and gets the same envelope back.
+
+Requests: ``{"v": 1, "id": <uint>, "op": <str>, ...}``.
+Replies:  ``{"v": 1, "id": <same>, "ok": true, "session": <uint>, ...}`` or
+          ``{"v": 1, "id": <same>, "ok": false, "session": <uint>,
+             "error": {"code": <str>, "message": <str>}}``.
+"""
+from __future__ import annotations
+
+import msgpack
+
+from . import MoecacheError
+
+PROTOCOL_VERSION = 1
+
+#: Limits applied while unpacking, so a small message declaring a huge array or string is
+#: refused before anything is allocated (msgpack checks declared lengths against these).
+MAX_MESSAGE_BYTES = 4 << 20        # 4 MiB: ~500k expert ids per message, far above real batches
+MAX_ARRAY_LEN = 1 << 16            # 65536 entries: (layers x top-k) of the largest batches
+MAX_MAP_LEN = 64
+MAX_STR_LEN = 4096
+MAX_BIN_LEN = 0                    # the protocol never carries binary payloads
+
+OPS = ("hello", "acquire", "prefetch", "release", "stats", "status", "ping", "bye",
+       "trace_start", "trace_stop")
+
+# Error codes (stable strings; docs/protocol.md lists them with meanings).
+E_MALFORMED = "malformed"          # not msgpack, not a map, over the size limits
+E_VERSION = "version"              # protocol version not supported
+E_UNKNOWN_OP = "unknown_op"
+E_BAD_TYPE = "bad_type"            # a field has the wrong type or is missing
+E_OUT_OF_RANGE = "out_of_range"    # layer or expert id not in the model
+E_TOO_LARGE = "too_large"          # request larger than its size class can ever hold / limits
+E_UNKNOWN_LEASE = "unknown_lease"  # released twice, expired, or never existed
+E_STALE_LEASE = "stale_lease"      # lease id from another daemon instance (before a restart)
+E_NOT_OWNER = "not_owner"          # releasing another client's lease
+E_LOAD_FAILED = "load_failed"      # reading an expert from the model file failed
+E_TIMEOUT = "timeout"
+E_UNAVAILABLE = "unavailable"      # cannot be satisfied at the current (shrunk) budget
+E_SHUTDOWN = "shutdown"            # the daemon is stopping
+E_INTERNAL = "internal"
+
+
+class ProtocolError(MoecacheError):
+    """A request the server refuses; becomes a structured error reply ``{code, message}``."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def pack(msg: dict) -> bytes:
+    """Encode one message (a dict) as msgpack bytes."""
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(data: bytes) -> dict:
+    """Decode one request frame with the protocol's limits.
+
+    Raises:
+        ProtocolError(E_MALFORMED): over MAX_MESSAGE_BYTES, not msgpack, trailing bytes,
+            a declared length over the limits, or not a map.
+    """
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(E_MALFORMED, f"message of {len(data)} bytes: expected at most {MAX_MESSAGE_BYTES}")
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True, max_str_len=MAX_STR_LEN,
+                              max_bin_len=MAX_BIN_LEN, max_array_len=MAX_ARRAY_LEN,
+                              max_map_len=MAX_MAP_LEN, max_ext_len=0)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise ProtocolError(E_MALFORMED, f"message is not valid msgpack within limits: {type(e).__name__}: {e}"[:300])
+    except Exception as e:  # any other decoder failure is still the client's malformed input
+        raise ProtocolError(E_MALFORMED, f"message is not valid msgpack: {type(e).__name__}: {e}"[:300])
+    if not isinstance(msg, dict):
+        raise ProtocolError(E_MALFORMED, f"message is a msgpack {type(msg).__name__}: expected a map")
+    return msg
+
+
+def _int(msg: dict, key: str, *, lo: int | None = None, hi: int | None = None, default=None):
+    v = msg.get(key, default)
+    if v is None:
+        raise ProtocolError(E_BAD_TYPE, f"field {key!r} missing: expected an integer")
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ProtocolError(E_BAD_TYPE, f"field {key!r} is {type(v).__name__} {v!r:.40}: expected an integer")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ProtocolError(E_OUT_OF_RANGE, f"field {key!r} = {v}: expected {lo}..{hi}")
+    return v
+
+
+def header(msg: dict) -> tuple[int, str]:
+    """Check ``v``, ``id`` and ``op``; returns (request id, op).
+
+    A request whose id cannot be read is answered with id 0.
+    """
+    rid = msg.get("id", 0)
+    if isinstance(rid, bool) or not isinstance(rid, int) or not (0 <= rid < 2**64):
+        raise ProtocolError(E_BAD_TYPE, f"field 'id' = {rid!r:.40}: expected an unsigned 64-bit integer")
+    v = msg.get("v")
+    if v != PROTOCOL_VERSION:
+        raise ProtocolError(E_VERSION, f"protocol version {v!r:.20}: expected {PROTOCOL_VERSION}")
+    op = msg.get("op")
+    if not isinstance(op, str):
+        raise ProtocolError(E_BAD_TYPE, f"field 'op' is {type(op).__name__}: expected a string")
+    if op not in OPS:
+        raise ProtocolError(E_UNKNOWN_OP, f"unknown op {op!r:.40}: expected one of {', '.join(OPS)}")
+    return rid, op
+
+
+class RequestChecker:
+    """Validates (layer, experts) requests against a model's index.
+
+    Args:
+        expert_layers: GGUF block numbers that have routed experts.
+        n_experts: experts per layer.
+        max_experts: cap on the total expert ids in one request.
+    """
+
+    def __init__(self, expert_layers, n_experts: int, max_experts: int = MAX_ARRAY_LEN):
+        self.layers = frozenset(int(x) for x in expert_layers)
+        self.lo, self.hi = min(self.layers), max(self.layers)
+        self.n_experts = n_experts
+        self.max_experts = max_experts
+
+    def requests(self, msg: dict) -> list[tuple[int, list[int]]]:
+        """Normalize ``{"layer", "experts"}`` or ``{"layers": [[layer, [experts]], ...]}``.
+
+        Returns [(layer, [expert, ...]), ...]. Raises ProtocolError (bad_type, out_of_range,
+        too_large) naming the field and value.
+        """
+        if "layers" in msg:
+            raw = msg["layers"]
+            if not isinstance(raw, list) or not raw:
+                raise ProtocolError(E_BAD_TYPE, "field 'layers' must be a non-empty array of [layer, [experts]]")
+            items = []
+            for i, it in enumerate(raw):
+                if not isinstance(it, (list, tuple)) or len(it) != 2:
+                    raise ProtocolError(E_BAD_TYPE, f"layers[{i}] must be [layer, [experts]]")
+                items.append((it[0], it[1], f"layers[{i}]"))
+        else:
+            items = [(msg.get("layer"), msg.get("experts"), "")]
+        out, total, seen_layers = [], 0, set()
+        for layer, experts, where in items:
+            p = f"{where}." if where else ""
+            if isinstance(layer, bool) or not isinstance(layer, int):
+                raise ProtocolError(E_BAD_TYPE, f"field '{p}layer' is {type(layer).__name__}: expected an integer")
+            if layer not in self.layers:
+                raise ProtocolError(E_OUT_OF_RANGE, f"field '{p}layer' = {layer}: expected a layer with routed experts ({self.lo}..{self.hi})")
+            if layer in seen_layers:
+                raise ProtocolError(E_BAD_TYPE, f"field '{p}layer' = {layer} appears twice in one request")
+            seen_layers.add(layer)
+            if not isinstance(experts, list) or not experts:
+                raise ProtocolError(E_BAD_TYPE, f"field '{p}experts' must be a non-empty array of integers")
+            total += len(experts)
+            if total > self.max_experts:
+                raise ProtocolError(E_TOO_LARGE, f"request names {total}+ experts: expected at most {self.max_experts}")
+            for e in experts:
+                if isinstance(e, bool) or not isinstance(e, int):
+                    raise ProtocolError(E_BAD_TYPE, f"field '{p}experts' holds {type(e).__name__} {e!r:.20}: expected integers")
+                if not 0 <= e < self.n_experts:
+                    raise ProtocolError(E_OUT_OF_RANGE, f"expert {e} in layer {layer}: expected 0..{self.n_experts - 1}")
+            if len(set(experts)) != len(experts):
+                raise ProtocolError(E_BAD_TYPE, f"field '{p}experts' of layer {layer} repeats an expert id")
+            out.append((layer, list(experts)))
+        return out

@@ -1,0 +1,557 @@
+"""The moecached server: one ZeroMQ ROUTER socket in front of an ExpertCache.
+
+One event-loop thread owns the socket (ZeroMQ sockets are not thread-safe). Acquires are
+handed to the cache asynchronously; reader threads finish loads and hand completions back to
+the loop through a deque plus a wake-up pipe, so the loop never blocks on a read. Replies use
+``ROUTER_MANDATORY``: a reply to a client that vanished raises EHOSTUNREACH and the lease it
+carried is rolled back (released) at once.
+
+Leases belong to the ZeroMQ routing id (one DEALER connection) that took them. A client that
+sends nothing for ``heartbeat_s`` seconds loses its leases; the Python client pings on its
+own while idle.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import fcntl
+import heapq
+import logging
+import os
+import signal
+import time
+
+import zmq
+
+from . import MoecacheError, __version__
+from . import protocol as P
+
+log = logging.getLogger("moecached.server")
+
+
+class ServerError(MoecacheError):
+    """Start-up problems: endpoint in use, bad endpoint, socket permissions."""
+
+
+class _Client:
+    __slots__ = ("ident", "name", "pid", "first_seen", "last_seen", "leases", "pending",
+                 "requests", "acquires", "hits", "misses", "prefetch_hits", "prefetches",
+                 "errors", "stall_s")
+
+    def __init__(self, ident: bytes, now: float):
+        self.ident = ident
+        self.name = ident.hex()
+        self.pid = None
+        self.first_seen = self.last_seen = now
+        self.leases: set[int] = set()
+        self.pending: dict[int, int] = {}  # ticket -> request id
+        self.requests = self.acquires = self.hits = self.misses = 0
+        self.prefetch_hits = self.prefetches = self.errors = 0
+        self.stall_s = 0.0
+
+    def summary(self) -> dict:
+        looked = self.hits + self.prefetch_hits + self.misses
+        return {"name": self.name, "pid": self.pid, "leases": len(self.leases),
+                "pending": len(self.pending), "requests": self.requests,
+                "acquires": self.acquires, "hits": self.hits,
+                "prefetch_hits": self.prefetch_hits, "demand_misses": self.misses,
+                "hit_rate": (self.hits + self.prefetch_hits) / looked if looked else None,
+                "prefetches": self.prefetches, "errors": self.errors,
+                "stall_s": round(self.stall_s, 6),
+                "idle_s": round(time.monotonic() - self.last_seen, 3)}
+
+
+def _ipc_path(endpoint: str) -> str | None:
+    return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+
+
+class Server:
+    """Serves one ExpertCache on one ZeroMQ endpoint.
+
+    Args:
+        cache: a ``moecached.cache.ExpertCache``.
+        endpoint: ``ipc:///path`` (default deployment) or ``tcp://host:port``.
+        model_path: shown in hello/stats.
+        heartbeat_s: seconds of silence after which a client's leases are released.
+        socket_mode / gid: permissions of the ipc socket file (0660, service group).
+        on_tick: optional callable(now) run about every ``tick_s`` seconds in the loop
+            (the memory floor hooks in here).
+    Raises:
+        ServerError: another daemon holds the endpoint, or the endpoint cannot be bound.
+    """
+
+    def __init__(self, cache, *, endpoint: str, model_path: str = "", heartbeat_s: float = 5.0,
+                 socket_mode: int = 0o660, gid: int | None = None, on_tick=None, tick_s: float = 1.0,
+                 max_request_experts: int = P.MAX_ARRAY_LEN):
+        self.cache = cache
+        self.index = cache.index
+        self.endpoint = endpoint
+        self.model_path = model_path
+        self.heartbeat_s = float(heartbeat_s)
+        self.on_tick = on_tick
+        self.tick_s = tick_s
+        self.session = int.from_bytes(os.urandom(8), "little") >> 1
+        self.started = time.time()
+        self.checker = P.RequestChecker(self.index.expert_layers, self.index.n_experts,
+                                        max_experts=max_request_experts)
+        self.moe_index = {l: i for i, l in enumerate(self.index.expert_layers)}
+        self.clients: dict[bytes, _Client] = {}
+        self.leases: dict[int, tuple[bytes, object]] = {}
+        self.lease_lo: int | None = None
+        self.lease_hi: int | None = None
+        self.deadlines: list = []  # heap of (t, ticket, ident, rid)
+        self.done = collections.deque()
+        self.recorder = None
+        self.recorder_client = None
+        self.counters = collections.Counter()
+        self._stopping = False
+        self._lock_fd = None
+        self._ipc = _ipc_path(endpoint)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES + 1024)
+        self._bind(socket_mode, gid)
+
+    # ---- start / stop -------------------------------------------------------------------
+    def _bind(self, mode: int, gid: int | None) -> None:
+        if self._ipc:
+            d = os.path.dirname(self._ipc) or "."
+            if not os.path.isdir(d):
+                raise ServerError(f"endpoint {self.endpoint}: directory {d} does not exist "
+                                  "(systemd creates /run/moecached via RuntimeDirectory=; create it or pick another path)")
+            lock_path = self._ipc + ".lock"
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                try:
+                    other = os.pread(fd, 32, 0).decode().strip() or "?"
+                except OSError:
+                    other = "?"
+                os.close(fd)
+                raise ServerError(f"endpoint {self.endpoint}: another moecached (pid {other}) is serving it; "
+                                  "stop it first or choose another --endpoint")
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            self._lock_fd = fd
+            if os.path.exists(self._ipc):
+                # We hold the lock, so whoever made this socket file is gone: a crash left it.
+                log.warning("removing stale socket %s left by a previous daemon", self._ipc)
+                os.unlink(self._ipc)
+            old = os.umask(0o777 & ~mode)
+            try:
+                self.sock.bind(self.endpoint)
+            finally:
+                os.umask(old)
+            os.chmod(self._ipc, mode)
+            if gid is not None:
+                os.chown(self._ipc, -1, gid)
+        else:
+            try:
+                self.sock.bind(self.endpoint)
+            except zmq.ZMQError as e:
+                raise ServerError(f"endpoint {self.endpoint}: cannot bind: {e}")
+
+    def stop(self) -> None:
+        """Ask the loop to stop (thread- and signal-safe)."""
+        self._stopping = True
+        try:
+            os.write(self._wake_w, b"s")
+        except OSError:
+            pass
+
+    def install_signal_handlers(self, on_hup=None) -> None:
+        """SIGTERM/SIGINT stop the loop gracefully; SIGHUP calls ``on_hup`` (reload)."""
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        signal.signal(signal.SIGINT, lambda *_: self.stop())
+        if on_hup is not None:
+            self._hup = False
+
+            def _hup(*_):
+                self._hup = True
+                self.stop_wake()
+            self._on_hup = on_hup
+            signal.signal(signal.SIGHUP, _hup)
+
+    def stop_wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"h")
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Fail pending requests, close the socket, remove the socket and lock files."""
+        for c in list(self.clients.values()):
+            for ticket, rid in list(c.pending.items()):
+                self.cache.cancel(ticket)
+                self._send_error(c.ident, rid, P.E_SHUTDOWN, "daemon is shutting down")
+            c.pending.clear()
+        self._drain_done(final=True)
+        for lid, (ident, lease) in list(self.leases.items()):
+            try:
+                self.cache.release(lease)
+            except Exception:
+                pass
+        self.leases.clear()
+        if self.recorder is not None:
+            self._trace_stop()
+        self.sock.close(linger=0)
+        if self._ipc:
+            for p in (self._ipc,):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+            if self._lock_fd is not None:
+                try:
+                    os.unlink(self._ipc + ".lock")
+                except FileNotFoundError:
+                    pass
+                os.close(self._lock_fd)
+                self._lock_fd = None
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # ---- the loop ---------------------------------------------------------------------
+    def serve_forever(self, ready=None) -> None:
+        """Run the event loop until ``stop()``; then ``close()``.
+
+        Args:
+            ready: optional callable run once the socket is bound and the loop starts
+                (the daemon sends READY=1 to systemd here).
+        """
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_tick = time.monotonic()
+        next_hb = time.monotonic() + self.heartbeat_s / 4
+        if ready:
+            ready()
+        try:
+            while not self._stopping:
+                now = time.monotonic()
+                timeout = min(next_tick, next_hb) - now
+                if self.deadlines:
+                    timeout = min(timeout, self.deadlines[0][0] - now)
+                events = dict(poller.poll(max(0, int(timeout * 1000) + 1)))
+                if self._wake_r in events:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                    if getattr(self, "_hup", False):
+                        self._hup = False
+                        try:
+                            self._on_hup()
+                        except Exception as e:
+                            log.error("reload failed: %s", e)
+                if self.sock in events:
+                    for _ in range(256):
+                        try:
+                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                        except zmq.Again:
+                            break
+                        self._handle(frames)
+                self._drain_done()
+                now = time.monotonic()
+                while self.deadlines and self.deadlines[0][0] <= now:
+                    _, ticket, ident, rid = heapq.heappop(self.deadlines)
+                    c = self.clients.get(ident)
+                    if c is not None and ticket in c.pending and self.cache.cancel(ticket):
+                        del c.pending[ticket]
+                        c.errors += 1
+                        self._send_error(ident, rid, P.E_TIMEOUT, "acquire timed out waiting for reads")
+                if now >= next_hb:
+                    self._expire_clients(now)
+                    next_hb = now + max(0.05, self.heartbeat_s / 4)
+                if now >= next_tick:
+                    next_tick = now + self.tick_s
+                    if self.on_tick is not None:
+                        try:
+                            self.on_tick(now)
+                        except Exception as e:  # never let the floor kill the server
+                            log.error("periodic task failed: %s", e)
+        finally:
+            self.close()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"d")
+        except BlockingIOError:
+            pass  # pipe full: the loop is already awake
+
+    def _handle(self, frames: list) -> None:
+        if len(frames) == 2:
+            ident, envelope, payload = frames[0], None, frames[1]
+        elif len(frames) == 3 and frames[1] == b"":
+            ident, envelope, payload = frames[0], b"", frames[2]
+        else:
+            self.counters["malformed"] += 1
+            if len(frames) >= 1:
+                self._send(frames[0], {"v": P.PROTOCOL_VERSION, "id": 0, "ok": False,
+                                       "session": self.session,
+                                       "error": {"code": P.E_MALFORMED,
+                                                 "message": f"request has {len(frames) - 1} frames: expected 1 (or an empty delimiter + 1)"}})
+            return
+        now = time.monotonic()
+        c = self.clients.get(ident)
+        if c is None:
+            c = self.clients[ident] = _Client(ident, now)
+        c.last_seen = now
+        c.requests += 1
+        self.counters["requests"] += 1
+        rid = 0
+        try:
+            msg = P.unpack(payload)
+            rid, op = P.header(msg)
+            getattr(self, "_op_" + op)(c, rid, msg)
+        except P.ProtocolError as e:
+            c.errors += 1
+            self.counters["errors"] += 1
+            self._send_error(ident, rid, e.code, str(e))
+        except MoecacheError as e:
+            c.errors += 1
+            self.counters["errors"] += 1
+            self._send_error(ident, rid, _code_of(e), str(e))
+        except Exception as e:  # a bug must not take the daemon down for everyone
+            log.exception("internal error handling a request")
+            self._send_error(ident, rid, P.E_INTERNAL, f"{type(e).__name__}: {e}")
+
+    def _send(self, ident: bytes, msg: dict) -> bool:
+        try:
+            self.sock.send_multipart([ident, P.pack(msg)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno in (errno.EHOSTUNREACH, zmq.EAGAIN):
+                self.counters["undeliverable"] += 1
+                return False
+            raise
+
+    def _reply(self, ident: bytes, rid: int, **fields) -> bool:
+        fields.update(v=P.PROTOCOL_VERSION, id=rid, ok=True, session=self.session)
+        return self._send(ident, fields)
+
+    def _send_error(self, ident: bytes, rid: int, code: str, message: str) -> bool:
+        return self._send(ident, {"v": P.PROTOCOL_VERSION, "id": rid, "ok": False,
+                                  "session": self.session,
+                                  "error": {"code": code, "message": message}})
+
+    # ---- client lifetime --------------------------------------------------------------
+    def _drop_client(self, c: _Client, why: str) -> None:
+        for ticket in list(c.pending):
+            self.cache.cancel(ticket)
+        c.pending.clear()
+        n = 0
+        for lid in list(c.leases):
+            _, lease = self.leases.pop(lid)
+            self.cache.release(lease)
+            n += 1
+        c.leases.clear()
+        self.clients.pop(c.ident, None)
+        self.counters["clients_dropped"] += 1
+        if n:
+            log.info("client %s (pid %s) %s: released %d leases", c.name, c.pid, why, n)
+
+    def _expire_clients(self, now: float) -> None:
+        for c in list(self.clients.values()):
+            if now - c.last_seen > self.heartbeat_s:
+                self._drop_client(c, f"silent for {now - c.last_seen:.1f}s")
+
+    # ---- completions from reader threads ----------------------------------------------
+    def _complete(self, ident: bytes, rid: int, ticket_box: list, tag, result) -> None:
+        """Cache callback (any thread): queue the result for the loop."""
+        self.done.append((ident, rid, ticket_box, tag, result))
+        self._wake()
+
+    def _drain_done(self, final: bool = False) -> None:
+        while self.done:
+            ident, rid, ticket_box, tag, result = self.done.popleft()
+            ticket = ticket_box[0] if ticket_box else None
+            c = self.clients.get(ident)
+            alive = c is not None and (ticket is None or ticket in c.pending)
+            if c is not None and ticket is not None:
+                c.pending.pop(ticket, None)
+            if isinstance(result, Exception):
+                if alive and not final:
+                    c.errors += 1
+                    self._send_error(ident, rid, _code_of(result), str(result))
+                continue
+            lease = result
+            if not alive or final:
+                self.cache.release(lease)  # nobody to hand it to: roll back
+                continue
+            c.acquires += 1
+            c.hits += lease.hits
+            c.misses += lease.misses
+            c.prefetch_hits += lease.prefetch_hits
+            c.stall_s += lease.stall_s
+            items = [list(t) for t in lease.items]
+            if not self._reply(ident, rid, lease=lease.id, items=items, hits=lease.hits,
+                               prefetch_hits=lease.prefetch_hits, misses=lease.misses,
+                               stall_us=int(lease.stall_s * 1e6)):
+                self.cache.release(lease)  # undelivered: roll back
+                self._drop_client(c, "unreachable")
+                continue
+            self.leases[lease.id] = (ident, lease)
+            c.leases.add(lease.id)
+            if self.lease_lo is None or lease.id < self.lease_lo:
+                self.lease_lo = lease.id
+            if self.lease_hi is None or lease.id > self.lease_hi:
+                self.lease_hi = lease.id
+            if self.recorder is not None and (self.recorder_client in (None, c.name)):
+                for layer, experts in _group(lease.items):
+                    self.recorder.record(self.moe_index[layer], experts, tag == "prompt", c.name)
+
+    # ---- operations -------------------------------------------------------------------
+    def _op_hello(self, c: _Client, rid: int, msg: dict) -> None:
+        name = msg.get("client")
+        if name is not None:
+            if not isinstance(name, str) or not name:
+                raise P.ProtocolError(P.E_BAD_TYPE, "field 'client' must be a non-empty string")
+            c.name = name[:64]
+        pid = msg.get("pid")
+        if isinstance(pid, int) and not isinstance(pid, bool):
+            c.pid = pid
+        idx = self.index
+        self._reply(c.ident, rid, protocol=P.PROTOCOL_VERSION, server=f"moecached {__version__}",
+                    fingerprint=idx.fingerprint(), model=self.model_path,
+                    arena=self.cache.descriptor(), index=idx.to_json(),
+                    expert_layers=list(idx.expert_layers), n_experts=idx.n_experts,
+                    top_k=idx.top_k, heartbeat_s=self.heartbeat_s,
+                    limits={"max_message_bytes": P.MAX_MESSAGE_BYTES,
+                            "max_array_len": P.MAX_ARRAY_LEN,
+                            "max_request_experts": self.checker.max_experts})
+
+    def _op_ping(self, c: _Client, rid: int, msg: dict) -> None:
+        self._reply(c.ident, rid, t=time.time())
+
+    def _op_acquire(self, c: _Client, rid: int, msg: dict) -> None:
+        reqs = self.checker.requests(msg)
+        tag = msg.get("tag")
+        if tag is not None and tag not in ("prompt", "decode"):
+            raise P.ProtocolError(P.E_BAD_TYPE, f"field 'tag' = {tag!r:.20}: expected 'prompt' or 'decode'")
+        timeout_ms = msg.get("timeout_ms")
+        if timeout_ms is not None:
+            timeout_ms = P._int(msg, "timeout_ms", lo=0, hi=86_400_000)
+        box: list = []
+        ident = c.ident
+        ticket = self.cache.acquire_async(reqs, lambda res: self._complete(ident, rid, box, tag, res), tag=tag)
+        box.append(ticket)
+        # The callback may already have run inline (all resident): then it is in self.done
+        # with box filled now, and _drain_done sees the ticket as pending below.
+        c.pending[ticket] = rid
+        if timeout_ms is not None:
+            heapq.heappush(self.deadlines, (time.monotonic() + timeout_ms / 1000, ticket, ident, rid))
+        self._drain_done()
+
+    def _op_prefetch(self, c: _Client, rid: int, msg: dict) -> None:
+        reqs = self.checker.requests(msg)
+        n = self.cache.prefetch_many(reqs)
+        c.prefetches += n
+        if not msg.get("noreply"):
+            self._reply(c.ident, rid, queued=n)
+
+    def _op_release(self, c: _Client, rid: int, msg: dict) -> None:
+        if "leases" in msg:
+            ids = msg["leases"]
+            if not isinstance(ids, list):
+                raise P.ProtocolError(P.E_BAD_TYPE, "field 'leases' must be an array of lease ids")
+        else:
+            ids = [msg.get("lease")]
+        for lid in ids:
+            if isinstance(lid, bool) or not isinstance(lid, int):
+                raise P.ProtocolError(P.E_BAD_TYPE, f"lease id {lid!r:.30}: expected an integer")
+        # validate all before releasing any (all-or-nothing)
+        for lid in ids:
+            owner = self.leases.get(lid)
+            if owner is None:
+                if self.lease_lo is not None and self.lease_lo <= lid <= self.lease_hi:
+                    raise P.ProtocolError(P.E_UNKNOWN_LEASE, f"lease {lid} is not held: released twice or expired")
+                raise P.ProtocolError(P.E_STALE_LEASE, f"lease {lid} was not issued by this daemon instance (stale: from before a restart?)")
+            if owner[0] != c.ident:
+                raise P.ProtocolError(P.E_NOT_OWNER, f"lease {lid} belongs to another client")
+        for lid in ids:
+            _, lease = self.leases.pop(lid)
+            c.leases.discard(lid)
+            self.cache.release(lease)
+        if not msg.get("noreply"):
+            self._reply(c.ident, rid, released=len(ids))
+
+    def _op_bye(self, c: _Client, rid: int, msg: dict) -> None:
+        n = len(c.leases)
+        self._reply(c.ident, rid, released=n)
+        self._drop_client(c, "said bye")
+
+    def stats(self) -> dict:
+        """Everything ``moecache-ctl stats`` shows: cache counters + server + per client."""
+        st = dict(self.cache.stats())
+        st.update(uptime_s=round(time.time() - self.started, 3), pid=os.getpid(),
+                  version=__version__, model=self.model_path, endpoint=self.endpoint,
+                  session=self.session, fingerprint=self.index.fingerprint(),
+                  leases=len(self.leases), server=dict(self.counters),
+                  clients=[c.summary() for c in self.clients.values()],
+                  tracing=(self.recorder.path if self.recorder is not None else None))
+        return st
+
+    def _op_stats(self, c: _Client, rid: int, msg: dict) -> None:
+        self._reply(c.ident, rid, stats=self.stats())
+
+    def _op_status(self, c: _Client, rid: int, msg: dict) -> None:
+        st = self.cache.stats()
+        keep = ("budget_bytes", "configured_budget_bytes", "current_budget_bytes", "slots",
+                "slots_used", "pinned", "hits", "demand_misses", "prefetch_hits",
+                "hit_rate", "reads_in_flight")
+        self._reply(c.ident, rid, status={
+            "state": "serving", "pid": os.getpid(), "version": __version__,
+            "uptime_s": round(time.time() - self.started, 3), "model": self.model_path,
+            "endpoint": self.endpoint, "clients": len(self.clients), "leases": len(self.leases),
+            **{k: st[k] for k in keep if k in st}})
+
+    def _op_trace_start(self, c: _Client, rid: int, msg: dict) -> None:
+        path = msg.get("path")
+        if not isinstance(path, str) or not path:
+            raise P.ProtocolError(P.E_BAD_TYPE, "field 'path' must be a file path string")
+        who = msg.get("client")
+        if who is not None and not isinstance(who, str):
+            raise P.ProtocolError(P.E_BAD_TYPE, "field 'client' must be a string")
+        if self.recorder is not None:
+            self._trace_stop()
+        from .trace import TraceRecorder
+        idx = self.index
+        try:
+            self.recorder = TraceRecorder(path, len(idx.expert_layers), idx.top_k, idx.n_experts, client=who)
+        except OSError as e:
+            raise P.ProtocolError(P.E_BAD_TYPE, f"trace file {path}: {e.strerror}")
+        self.recorder_client = who
+        self._reply(c.ident, rid, path=path)
+
+    def _trace_stop(self) -> dict:
+        rec, self.recorder = self.recorder, None
+        info = rec.close() if rec is not None else None
+        return {"path": getattr(rec, "path", None), "info": info if isinstance(info, dict) else None}
+
+    def _op_trace_stop(self, c: _Client, rid: int, msg: dict) -> None:
+        if self.recorder is None:
+            raise P.ProtocolError(P.E_BAD_TYPE, "no trace is being recorded")
+        self._reply(c.ident, rid, **self._trace_stop())
+
+
+def _group(items):
+    """[(layer, expert, class, slot), ...] -> [(layer, [experts]), ...] in order."""
+    out: dict[int, list[int]] = {}
+    for layer, expert, _, _ in items:
+        out.setdefault(layer, []).append(expert)
+    return list(out.items())
+
+
+def _code_of(e: Exception) -> str:
+    name = type(e).__name__
+    return {"LoadError": P.E_LOAD_FAILED, "RequestError": P.E_TOO_LARGE,
+            "LeaseError": P.E_UNKNOWN_LEASE, "CapacityError": P.E_UNAVAILABLE,
+            "TimeoutError": P.E_TIMEOUT, "CacheClosed": P.E_SHUTDOWN}.get(name, getattr(e, "code", P.E_INTERNAL))
