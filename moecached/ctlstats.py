@@ -1,0 +1,115 @@
+"""``moecache-ctl status | stats | trace``: talk to a running daemon.
+
+Output is memcached-style ``STAT name value`` lines (``--json`` for scripts).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import MoecacheError
+
+
+def _client(endpoint: str, timeout: float):
+    try:
+        from moecache_client import Client, ClientError, Timeout  # noqa: F401
+    except ImportError as e:  # pragma: no cover
+        raise MoecacheError(f"moecache_client is not installed: {e}")
+    try:
+        return Client(endpoint, name="moecache-ctl", timeout=timeout, connect_timeout=timeout)
+    except Exception as e:
+        raise MoecacheError(f"cannot reach moecached at {endpoint}: {e}")
+
+
+def _parser(prog: str, desc: str) -> argparse.ArgumentParser:
+    from moecache_client import DEFAULT_ENDPOINT
+    p = argparse.ArgumentParser(prog=f"moecache-ctl {prog}", description=desc)
+    p.add_argument("--endpoint", "-e", default=DEFAULT_ENDPOINT, help="daemon endpoint (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    return p
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if v is None:
+        return "-"
+    return str(v)
+
+
+def _stat_lines(d: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out += _stat_lines(v, f"{prefix}{k}.")
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            for i, x in enumerate(v):
+                tag = x.get("name", x.get("id", i))
+                out += _stat_lines(x, f"{prefix}{k}.{tag}.")
+        elif isinstance(v, list):
+            out.append(f"STAT {prefix}{k} {','.join(_fmt(x) for x in v)}")
+        else:
+            out.append(f"STAT {prefix}{k} {_fmt(v)}")
+    return out
+
+
+def _print(d: dict, as_json: bool) -> None:
+    if as_json:
+        json.dump(d, sys.stdout, indent=1, sort_keys=True, default=str)
+        print()
+    else:
+        print("\n".join(_stat_lines(d)))
+        print("END")
+
+
+def status_main(argv) -> int:
+    a = _parser("status", "one-screen status of a running moecached").parse_args(argv)
+    c = _client(a.endpoint, a.timeout)
+    try:
+        _print(c.status(), a.json)
+    finally:
+        c.close()
+    return 0
+
+
+def stats_main(argv) -> int:
+    a = _parser("stats", "all counters of a running moecached (cache, reads, per client)").parse_args(argv)
+    c = _client(a.endpoint, a.timeout)
+    try:
+        st = c.stats()
+    finally:
+        c.close()
+    # leave out the ctl's own connection from the per-client list
+    st["clients"] = [x for x in st.get("clients", []) if x.get("name") != "moecache-ctl"]
+    _print(st, a.json)
+    return 0
+
+
+def trace_main(argv) -> int:
+    if argv and argv[0] == "convert":
+        from .trace import convert_main
+        return convert_main(argv[1:])
+    p = _parser("trace", "record the acquires a running daemon serves into a trace file "
+                         "(docs/trace-format.md); 'trace convert IN.jsonl OUT.npz' converts logs")
+    p.add_argument("action", choices=["start", "stop"])
+    p.add_argument("file", nargs="?", help="output .npz (start)")
+    p.add_argument("--client", help="record only this client's acquires")
+    a = p.parse_args(argv)
+    c = _client(a.endpoint, a.timeout)
+    try:
+        if a.action == "start":
+            if not a.file:
+                raise MoecacheError("trace start needs FILE")
+            import os
+            r = c.trace_start(os.path.abspath(a.file), a.client)
+        else:
+            r = c.trace_stop()
+    except Exception as e:
+        raise MoecacheError(str(e))
+    finally:
+        c.close()
+    r = {k: v for k, v in r.items() if k in ("path", "info")}
+    _print(r, a.json)
+    return 0
