@@ -1,0 +1,429 @@
+"""Reader pool: threads loading byte ranges of the model files into memory, O_DIRECT by default.
+
+A *job* is a list of reads ``(file_id, file_offset, nbytes, dest_address)`` (one expert, all its
+parts). Jobs are cut into chunks of about ``chunk_bytes`` (inner boundaries aligned to the file's
+direct-I/O alignment) that all threads share: a priority queue of jobs, demand (0) before
+prefetch (1), FIFO within a priority; the first queued job hands out its next chunk. Each chunk
+is one ``moecached._io.read_chunk`` call, which runs without the GIL: an O_DIRECT ``pread`` of the
+range widened to alignment into the thread's aligned bounce buffer, then ``memcpy`` to dest
+(straight into dest when offset, length and dest are all aligned).
+
+A job's callback runs once, from a reader thread, after every chunk finished or after the first
+failure (once chunks already in flight have finished: no thread writes to dest after the
+callback). ``error`` is None on success, else a :class:`ReadError`; on error dest holds partial
+data that must never be published.
+
+Filesystems that refuse O_DIRECT (EINVAL at open or at the first read: ramfs, some overlays,
+FUSE) are read buffered, with one warning per pool through ``log`` and ``POSIX_FADV_DONTNEED``
+after each read so the page cache does not keep a second copy of the experts.
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import ctypes
+import ctypes.util
+import errno
+import heapq
+import itertools
+import logging
+import mmap
+import os
+import threading
+import time
+
+from . import MoecacheError
+from ._io import read_chunk
+
+__all__ = ["ReadError", "ReaderPool", "dio_alignment", "LATENCY_EDGES_S"]
+
+# job latency histogram bucket upper edges, seconds (last bucket: > 5 s)
+LATENCY_EDGES_S = [50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3,
+                   100e-3, 200e-3, 500e-3, 1.0, 2.0, 5.0]
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_STATX_DIOALIGN = 0x2000
+_AT_FDCWD = -100
+
+
+class ReadError(MoecacheError):
+    """A load failed (short read, I/O error, file changed, pool closed); names file and offset."""
+
+
+def dio_alignment(path: str) -> int:
+    """Direct-I/O alignment of ``path`` in bytes: max(mem, offset) from statx STATX_DIOALIGN, else 4096."""
+    try:
+        statx = _libc.statx
+    except AttributeError:
+        return 4096
+    buf = ctypes.create_string_buffer(256)
+    if statx(_AT_FDCWD, os.fsencode(path), 0, _STATX_DIOALIGN, buf) != 0:
+        return 4096
+    raw = buf.raw
+    mask = int.from_bytes(raw[0:4], "little")
+    mem_align = int.from_bytes(raw[152:156], "little")
+    off_align = int.from_bytes(raw[156:160], "little")
+    if not mask & _STATX_DIOALIGN or not mem_align or not off_align:
+        return 4096
+    a = max(mem_align, off_align, 512)
+    return a if a & (a - 1) == 0 else 4096
+
+
+class _Job:
+    __slots__ = ("id", "priority", "chunks", "next", "inflight", "done", "error", "callback",
+                 "t0", "nbytes", "finished")
+
+    def __init__(self, jid, priority, chunks, callback, nbytes):
+        self.id = jid
+        self.priority = priority
+        self.chunks = chunks      # list of (file_id, offset, nbytes, dest) or [None] for an empty job
+        self.next = 0             # index of the next chunk to hand out
+        self.inflight = 0
+        self.done = 0
+        self.error = None
+        self.callback = callback
+        self.t0 = time.perf_counter()
+        self.nbytes = nbytes
+        self.finished = False
+
+
+class ReaderPool:
+    """Threads reading byte ranges of ``files`` into raw memory; see the module docstring.
+
+    ``files``: absolute paths, indexed by ``file_id`` in reads. ``threads``: reader threads.
+    ``chunk_bytes``: target chunk size (bytes). ``direct``: try O_DIRECT (False: buffered
+    reads + DONTNEED). ``file_sizes`` / ``file_mtimes_ns``: what the index saw (default: what
+    fstat sees at open); a difference at open or later fails loads with :class:`ReadError`.
+    ``log``: a ``logging.Logger`` (default ``logging.getLogger("moecached.readers")``).
+    Raises :class:`ReadError` at construction if a file cannot be opened or already differs.
+    """
+
+    def __init__(self, files: list[str], *, threads: int = 16, chunk_bytes: int = 256 * 1024,
+                 direct: bool = True, file_sizes=None, file_mtimes_ns=None, log=None):
+        if threads < 1 or chunk_bytes < 4096:
+            raise ReadError(f"threads={threads}, chunk_bytes={chunk_bytes}: need threads >= 1 and "
+                            f"chunk_bytes >= 4096")
+        self.log = log or logging.getLogger("moecached.readers")
+        self.files = [os.fspath(f) for f in files]
+        self.chunk_bytes = int(chunk_bytes)
+        self._fds: list[int] = []
+        self._direct: list[bool] = []
+        self._align: list[int] = []
+        self._warned = False
+        self._fallback_lock = threading.Lock()
+        try:
+            for i, f in enumerate(self.files):
+                self._open(i, f, direct)
+            self._expect = []
+            for i, fd in enumerate(self._fds):
+                st = os.fstat(fd)
+                size = int(file_sizes[i]) if file_sizes is not None else st.st_size
+                mt = int(file_mtimes_ns[i]) if file_mtimes_ns is not None else st.st_mtime_ns
+                self._expect.append((size, mt))
+            self.check_files()
+        except BaseException:
+            for fd in self._fds:
+                os.close(fd)
+            self._fds = []
+            raise
+        self._max_align = max(self._align, default=4096)
+        self._bounce_bytes = self.chunk_bytes + 2 * max(self._max_align, 4096)
+        self._cond = threading.Condition(threading.Lock())
+        self._heap: list = []
+        self._jobs: dict[int, _Job] = {}
+        self._seq = itertools.count()
+        self._ids = itertools.count(1)
+        self._closing = False
+        self._stats = {"reads": 0, "bytes": 0, "jobs": 0, "errors": 0}
+        self._hist = [0] * (len(LATENCY_EDGES_S) + 1)
+        self._recent = collections.deque(maxlen=4096)
+        self._bounces = []
+        self._threads = []
+        for t in range(threads):
+            buf = mmap.mmap(-1, self._bounce_bytes)  # page-aligned
+            anchor = ctypes.c_char.from_buffer(buf)
+            addr = ctypes.addressof(anchor)
+            del anchor
+            self._bounces.append((buf, addr))
+            th = threading.Thread(target=self._run, args=(addr,), name=f"moecached-reader-{t}",
+                                  daemon=True)
+            th.start()
+            self._threads.append(th)
+
+    # ---- files ---------------------------------------------------------------------------
+    def _open(self, i: int, path: str, direct: bool) -> None:
+        fd = -1
+        if direct:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise ReadError(f"cannot open {path}: {e.strerror}; check the model path and "
+                                    f"permissions") from None
+                self._warn_fallback(path, "open")
+        if fd < 0:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as e:
+                raise ReadError(f"cannot open {path}: {e.strerror}; check the model path and "
+                                f"permissions") from None
+        self._fds.append(fd)
+        self._direct.append(bool(_fcntl_getfl(fd) & os.O_DIRECT))
+        self._align.append(dio_alignment(path))
+
+    def _warn_fallback(self, path: str, where: str) -> None:
+        if not self._warned:
+            self._warned = True
+            self.log.warning("O_DIRECT refused (%s of %s): reading buffered with POSIX_FADV_DONTNEED "
+                             "instead; expect page-cache churn and lower bandwidth", where, path)
+
+    def _to_buffered(self, fid: int) -> None:
+        """The filesystem refused an O_DIRECT read: clear O_DIRECT on this file's fd."""
+        with self._fallback_lock:
+            if not self._direct[fid]:
+                return
+            import fcntl
+            fd = self._fds[fid]
+            fcntl.fcntl(fd, fcntl.F_SETFL, _fcntl_getfl(fd) & ~os.O_DIRECT)
+            self._direct[fid] = False
+            self._warn_fallback(self.files[fid], "first read")
+
+    def _changed(self, fid: int) -> str | None:
+        """How file ``fid`` differs from what the index saw, or None."""
+        try:
+            st = os.fstat(self._fds[fid])
+            st2 = os.stat(self.files[fid])
+        except OSError as e:
+            return f"cannot stat ({e.strerror})"
+        size, mt = self._expect[fid]
+        if st.st_ino != st2.st_ino or st.st_dev != st2.st_dev:
+            return "was replaced (another inode now at the path)"
+        if st.st_size != size:
+            return f"size changed from {size} to {st.st_size} bytes"
+        if st.st_mtime_ns != mt:
+            return f"mtime changed from {mt} to {st.st_mtime_ns} ns"
+        return None
+
+    def check_files(self) -> None:
+        """Raise :class:`ReadError` if a file's size, mtime or inode differs from the index's view."""
+        for fid in range(len(self.files)):
+            why = self._changed(fid)
+            if why:
+                raise ReadError(f"model file {self.files[fid]} {why} since it was indexed; restart "
+                                f"the daemon (or reload) so the index is rebuilt")
+
+    # ---- jobs ----------------------------------------------------------------------------
+    def _split(self, reads) -> tuple[list, int]:
+        chunks, total = [], 0
+        cb = self.chunk_bytes
+        nfiles = len(self._fds)
+        for fid, off, n, dest in reads:
+            fid, off, n, dest = int(fid), int(off), int(n), int(dest)
+            if not 0 <= fid < nfiles or off < 0 or n < 0 or (n and not dest):
+                raise ReadError(f"bad read (file_id={fid}, offset={off}, nbytes={n}, dest={dest:#x}); "
+                                f"file ids are 0..{nfiles - 1}, offsets and sizes >= 0, dest non-null")
+            total += n
+            a = self._align[fid]
+            end = off + n
+            while off < end:
+                stop = (off + cb) // a * a  # inner boundaries aligned: widening only at the ends
+                if stop <= off:
+                    stop = off + cb
+                stop = min(stop, end)
+                chunks.append((fid, off, stop - off, dest))
+                dest += stop - off
+                off = stop
+        return chunks, total
+
+    def submit(self, reads, *, priority: int, callback) -> int:
+        """Queue one job; returns its id (int > 0).
+
+        ``reads``: iterable of ``(file_id, file_offset, nbytes, dest_address)`` (bytes; dest is a raw
+        address that must stay valid and writable until the callback). ``priority``: 0 demand,
+        1 prefetch. ``callback(job_id, error, nbytes, seconds)`` runs once from a reader thread:
+        error None or :class:`ReadError`; nbytes = total requested bytes; seconds = submit to
+        completion. Must not block for long (it holds up a reader thread).
+        Raises :class:`ReadError` if the pool is closed or a read is malformed.
+        """
+        if priority not in (0, 1):
+            raise ReadError(f"priority {priority!r}: expected 0 (demand) or 1 (prefetch)")
+        chunks, total = self._split(reads)
+        if not chunks:
+            chunks = [None]  # empty job: still completes through a reader thread
+        with self._cond:
+            if self._closing:
+                raise ReadError("reader pool closed: cannot submit")
+            jid = next(self._ids)
+            job = _Job(jid, priority, chunks, callback, total)
+            self._jobs[jid] = job
+            heapq.heappush(self._heap, (priority, next(self._seq), job))
+            self._cond.notify(min(len(chunks), len(self._threads)))
+        return jid
+
+    def promote(self, job_id: int) -> bool:
+        """Move a prefetch job's not-yet-issued chunks to demand priority (behind queued demand jobs).
+
+        Returns True if the job was prefetch priority and still had chunks waiting; False if it is
+        unknown, finished, already demand, or all its chunks are already being read.
+        """
+        with self._cond:
+            job = self._jobs.get(job_id)
+            if job is None or job.priority == 0 or job.error is not None or job.next >= len(job.chunks):
+                return False
+            job.priority = 0
+            heapq.heappush(self._heap, (0, next(self._seq), job))  # old entry goes stale
+            self._cond.notify()
+            return True
+
+    def _take(self):
+        """Next (job, chunk) or None when closing. Caller holds self._cond."""
+        heap = self._heap
+        while True:
+            if self._closing:
+                return None
+            while heap:
+                prio, _seq, job = heap[0]
+                if prio != job.priority or job.next >= len(job.chunks) or job.error is not None:
+                    heapq.heappop(heap)  # stale (promoted, exhausted, failed)
+                    continue
+                chunk = job.chunks[job.next]
+                job.next += 1
+                job.inflight += 1
+                if job.next >= len(job.chunks):
+                    heapq.heappop(heap)
+                return job, chunk
+            self._cond.wait()
+
+    def _read(self, chunk, bounce: int):
+        """Do one chunk; returns None or a ReadError."""
+        fid, off, n, dest = chunk
+        fd = self._fds[fid]
+        for _attempt in range(2):
+            direct = self._direct[fid]
+            got = read_chunk(fd, off, n, dest, bounce, self._bounce_bytes, self._align[fid], direct)
+            if got == -errno.EINVAL and direct:
+                self._to_buffered(fid)  # filesystem refused O_DIRECT at read time
+                continue
+            break
+        if got == n:
+            return None
+        path = self.files[fid]
+        why = self._changed(fid)
+        if why:
+            return ReadError(f"model file {path} {why} while reading {n} bytes at offset {off}; "
+                             f"load failed; restart the daemon so the index is rebuilt")
+        if got < 0:
+            return ReadError(f"read of {n} bytes at offset {off} of {path} failed: "
+                             f"{os.strerror(-got)} (errno {-got}); check the disk (dmesg)")
+        return ReadError(f"short read at offset {off} of {path}: got {got} of {n} bytes; the file "
+                         f"is shorter than the index expects: re-index the model")
+
+    def _run(self, bounce: int) -> None:
+        cond = self._cond
+        while True:
+            with cond:
+                got = self._take()
+            if got is None:
+                return
+            job, chunk = got
+            err = None
+            if chunk is not None:
+                try:
+                    err = self._read(chunk, bounce)
+                except Exception as e:  # never let a reader thread die
+                    err = ReadError(f"reader crashed on {self.files[chunk[0]]} offset {chunk[1]}: {e!r}")
+            with cond:
+                job.inflight -= 1
+                job.done += 1
+                if chunk is not None:
+                    self._stats["reads"] += 1
+                    if err is None:
+                        self._stats["bytes"] += chunk[2]
+                if err is not None and job.error is None:
+                    job.error = err
+                    job.next = len(job.chunks)  # cancel the rest
+                fin = job.inflight == 0 and (job.error is not None or job.done == len(job.chunks))
+                if fin:
+                    job.finished = True
+                    del self._jobs[job.id]
+                    dt = time.perf_counter() - job.t0
+                    self._finish_stats(job, dt)
+            if fin:
+                self._callback(job, dt)
+
+    def _finish_stats(self, job: _Job, dt: float) -> None:
+        self._stats["jobs"] += 1
+        if job.error is not None:
+            self._stats["errors"] += 1
+        self._hist[bisect.bisect_left(LATENCY_EDGES_S, dt)] += 1
+        self._recent.append(dt)
+
+    def _callback(self, job: _Job, dt: float) -> None:
+        try:
+            job.callback(job.id, job.error, job.nbytes, dt)
+        except Exception:
+            self.log.exception("reader callback for job %d raised", job.id)
+
+    # ---- introspection / lifetime ---------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters: ``reads`` (chunk reads issued), ``bytes`` (read OK), ``jobs`` (finished),
+        ``errors`` (failed jobs), ``in_flight`` (jobs submitted, not finished), ``queued_demand`` /
+        ``queued_prefetch`` (jobs with no chunk issued yet), ``latency_edges_s`` +
+        ``latency_hist`` (job latency counts; last bucket > last edge), ``p50_s`` / ``p99_s``
+        (over the last 4096 jobs; None if none), ``direct`` (bool per file), ``align`` (per file).
+        """
+        with self._cond:
+            s = dict(self._stats)
+            s["in_flight"] = len(self._jobs)
+            qd = qp = 0
+            for j in self._jobs.values():
+                if j.next == 0 and j.inflight == 0 and j.error is None:
+                    if j.priority == 0:
+                        qd += 1
+                    else:
+                        qp += 1
+            s["queued_demand"], s["queued_prefetch"] = qd, qp
+            s["latency_edges_s"] = list(LATENCY_EDGES_S)
+            s["latency_hist"] = list(self._hist)
+            rec = sorted(self._recent)
+        s["p50_s"] = rec[len(rec) // 2] if rec else None
+        s["p99_s"] = rec[min(len(rec) - 1, int(len(rec) * 0.99))] if rec else None
+        s["direct"] = list(self._direct)
+        s["align"] = list(self._align)
+        return s
+
+    def close(self) -> None:
+        """Stop the threads (after their current chunk); every unfinished job's callback gets
+        ``ReadError("reader pool closed")``. Idempotent."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self._cond.notify_all()
+        for th in self._threads:
+            th.join()
+        with self._cond:
+            left = list(self._jobs.values())
+            self._jobs.clear()
+            self._heap.clear()
+        for job in left:
+            job.error = ReadError("reader pool closed")
+            dt = time.perf_counter() - job.t0
+            self._callback(job, dt)
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        for buf, _ in self._bounces:
+            buf.close()
+        self._bounces = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _fcntl_getfl(fd: int) -> int:
+    import fcntl
+    return fcntl.fcntl(fd, fcntl.F_GETFL)

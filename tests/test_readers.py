@@ -1,0 +1,318 @@
+"""Reader pool: bit-exact loads (unaligned, split files), O_DIRECT fallback, truncation, priority."""
+import errno
+import logging
+import mmap
+import os
+import subprocess
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from moecached import readers as readers_mod
+from moecached.readers import ReadError, ReaderPool
+
+
+class Waiter:
+    """Collects callbacks; wait(jid) returns (error, nbytes, seconds)."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.done = {}
+        self.order = []
+        self.calls = {}
+
+    def __call__(self, jid, err, nbytes, secs):
+        with self.cond:
+            self.calls[jid] = self.calls.get(jid, 0) + 1
+            self.done[jid] = (err, nbytes, secs)
+            self.order.append(jid)
+            self.cond.notify_all()
+
+    def wait(self, jid, timeout=30):
+        with self.cond:
+            assert self.cond.wait_for(lambda: jid in self.done, timeout), f"job {jid} never finished"
+            return self.done[jid]
+
+
+def write_random(path, size, seed):
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    data.tofile(path)
+    return data
+
+
+class Dest:
+    """An mmap'd destination buffer with a raw address."""
+
+    def __init__(self, n):
+        self.buf = mmap.mmap(-1, max(n, 1))
+        self.arr = np.frombuffer(self.buf, dtype=np.uint8)
+        self.addr = self.arr.ctypes.data
+
+
+@pytest.fixture
+def files(tmp_path):
+    """A "split" model: two files of random bytes, on tmp_path (a disk filesystem: O_DIRECT)."""
+    d = str(tmp_path)
+    paths, datas = [], []
+    for i, size in enumerate([3 * 2**20 + 1234, 1 * 2**20 + 96]):  # a "split" model: two files
+        p = os.path.join(d, f"model-{i:05d}-of-00002.gguf")
+        datas.append(write_random(p, size, i))
+        paths.append(p)
+    yield paths, datas
+
+
+def random_reads(datas, rng, n, dest_size):
+    """Random (fid, off, nbytes, dest_off) with 32-byte-aligned-ish and odd offsets/lengths."""
+    out, pos = [], 0
+    for _ in range(n):
+        fid = int(rng.integers(len(datas)))
+        size = len(datas[fid])
+        ln = int(rng.choice([1, 31, 32, 4096, 4097, 65536 + 32, 300_000, 600_001]))
+        ln = min(ln, size)
+        off = int(rng.integers(0, size - ln + 1))
+        if rng.random() < 0.5:
+            off = off // 32 * 32
+        if pos + ln > dest_size:
+            break
+        out.append((fid, off, ln, pos))
+        pos += ln + int(rng.integers(0, 100))
+    return out
+
+
+@pytest.mark.parametrize("chunk", [4096, 64 * 1024, 256 * 1024])
+def test_bit_exact_unaligned_split(files, chunk):
+    paths, datas = files
+    rng = np.random.default_rng(chunk)
+    dest = Dest(8 * 2**20)
+    w = Waiter()
+    with ReaderPool(paths, threads=4, chunk_bytes=chunk) as pool:
+        assert all(pool.stats()["direct"]), "test files should be on an O_DIRECT filesystem"
+        jobs = []
+        for _ in range(6):
+            reads = random_reads(datas, rng, 8, 8 * 2**20)
+            # jobs write disjoint areas: offset each job's dests
+            jobs.append((reads, pool.submit([(f, o, n, dest.addr + d) for f, o, n, d in reads],
+                                            priority=int(rng.integers(2)), callback=w)))
+            err, nbytes, secs = w.wait(jobs[-1][1])
+            assert err is None and nbytes == sum(r[2] for r in reads) and secs >= 0
+            for f, o, n, d in reads:
+                assert np.array_equal(dest.arr[d:d + n], datas[f][o:o + n]), (f, o, n, d)
+        # an aligned read into an aligned dest goes straight in (and must be right too)
+        jid = pool.submit([(0, 8192, 65536, dest.addr)], priority=0, callback=w)
+        assert w.wait(jid)[0] is None
+        assert np.array_equal(dest.arr[:65536], datas[0][8192:8192 + 65536])
+        # the tail of the file (widened read crosses EOF)
+        size = len(datas[0])
+        jid = pool.submit([(0, size - 777, 777, dest.addr + 5)], priority=0, callback=w)
+        assert w.wait(jid)[0] is None
+        assert np.array_equal(dest.arr[5:5 + 777], datas[0][-777:])
+        st = pool.stats()
+        assert st["jobs"] == 8 and st["in_flight"] == 0 and st["bytes"] > 0
+        assert sum(st["latency_hist"]) == 8 and st["p50_s"] is not None
+    assert all(c == 1 for c in w.calls.values())
+
+
+def test_empty_job_and_bad_reads(files):
+    paths, _ = files
+    w = Waiter()
+    with ReaderPool(paths, threads=2) as pool:
+        jid = pool.submit([], priority=0, callback=w)
+        assert w.wait(jid)[:2] == (None, 0)
+        with pytest.raises(ReadError, match="file ids are 0..1"):
+            pool.submit([(5, 0, 10, 1)], priority=0, callback=w)
+        with pytest.raises(ReadError, match="priority"):
+            pool.submit([], priority=3, callback=w)
+
+
+def test_many_concurrent_jobs_bit_exact(files):
+    paths, datas = files
+    rng = np.random.default_rng(7)
+    per = 70_000
+    dest = Dest(200 * per)
+    w = Waiter()
+    want = []
+    with ReaderPool(paths, threads=16, chunk_bytes=16384) as pool:
+        for j in range(200):
+            f = int(rng.integers(2))
+            o = int(rng.integers(0, len(datas[f]) - per)) // 32 * 32
+            want.append((pool.submit([(f, o, per, dest.addr + j * per)], priority=j % 2, callback=w),
+                         f, o, j))
+        for jid, f, o, j in want:
+            assert w.wait(jid)[0] is None
+            assert np.array_equal(dest.arr[j * per:(j + 1) * per], datas[f][o:o + per])
+
+
+def _ramfs_dir():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount ramfs")
+    d = tempfile.mkdtemp()
+    r = subprocess.run(["mount", "-t", "ramfs", "-o", "size=64m", "ramfs", d], capture_output=True)
+    if r.returncode:
+        os.rmdir(d)
+        pytest.skip("cannot mount ramfs: " + r.stderr.decode().strip())
+    return d
+
+
+def test_odirect_refused_falls_back_with_one_warning(caplog):
+    """ramfs refuses O_DIRECT at open (tmpfs accepts it on Linux >= 6.6): buffered, still exact."""
+    d = _ramfs_dir()
+    try:
+        paths = [os.path.join(d, "a.gguf"), os.path.join(d, "b.gguf")]
+        datas = [write_random(p, 2**20 + 333, i) for i, p in enumerate(paths)]
+        dest = Dest(2**21)
+        w = Waiter()
+        with caplog.at_level(logging.WARNING, logger="moecached.readers"):
+            with ReaderPool(paths, threads=3, chunk_bytes=8192) as pool:
+                assert pool.stats()["direct"] == [False, False]
+                jid = pool.submit([(0, 33, 500_000, dest.addr + 1), (1, 4097, 300_000, dest.addr + 600_000)],
+                                  priority=0, callback=w)
+                assert w.wait(jid)[0] is None
+        assert np.array_equal(dest.arr[1:500_001], datas[0][33:500_033])
+        assert np.array_equal(dest.arr[600_000:900_000], datas[1][4097:304_097])
+        warns = [r for r in caplog.records if "O_DIRECT refused" in r.getMessage()]
+        assert len(warns) == 1
+    finally:
+        subprocess.run(["umount", d])
+        os.rmdir(d)
+
+
+def test_odirect_on_dev_shm_is_correct(tmp_path):
+    """/dev/shm: O_DIRECT refused on old kernels, accepted on new ones; either way bytes are exact."""
+    p = os.path.join("/dev/shm", f"moecached-test-{os.getpid()}.gguf")
+    try:
+        data = write_random(p, 2**20 + 5, 3)
+        dest = Dest(2**20)
+        w = Waiter()
+        with ReaderPool([p], threads=2, chunk_bytes=65536) as pool:
+            jid = pool.submit([(0, 100, 900_000, dest.addr + 3)], priority=0, callback=w)
+            assert w.wait(jid)[0] is None
+        assert np.array_equal(dest.arr[3:900_003], data[100:900_100])
+    finally:
+        os.unlink(p)
+
+
+def test_odirect_refused_at_first_read(files, monkeypatch, caplog):
+    """Some filesystems open O_DIRECT but fail the read with EINVAL: switch to buffered once."""
+    paths, datas = files
+    real = readers_mod.read_chunk
+    calls = {"n": 0}
+
+    def fake(fd, off, n, dest, bounce, bb, align, direct):  # noqa: PLR0913
+        if direct:
+            calls["n"] += 1
+            return -errno.EINVAL
+        return real(fd, off, n, dest, bounce, bb, align, direct)
+
+    monkeypatch.setattr(readers_mod, "read_chunk", fake)
+    dest = Dest(2**20)
+    w = Waiter()
+    with caplog.at_level(logging.WARNING, logger="moecached.readers"):
+        with ReaderPool(paths, threads=4, chunk_bytes=4096) as pool:
+            jid = pool.submit([(0, 32, 200_000, dest.addr)], priority=0, callback=w)
+            assert w.wait(jid)[0] is None
+            assert pool.stats()["direct"] == [False, True]
+    assert np.array_equal(dest.arr[:200_000], datas[0][32:200_032])
+    assert len([r for r in caplog.records if "O_DIRECT refused" in r.getMessage()]) == 1
+
+
+def test_truncated_mid_run_fails_job_others_fine(files):
+    paths, datas = files
+    dest = Dest(2 * 2**20)
+    w = Waiter()
+    with ReaderPool(paths, threads=4, chunk_bytes=65536) as pool:
+        jid = pool.submit([(0, 2**20, 2**20, dest.addr)], priority=0, callback=w)
+        assert w.wait(jid)[0] is None
+        os.truncate(paths[0], 2**20 + 100)  # the file shrinks under the running daemon
+        bad = pool.submit([(0, 2**20 - 32, 500_000, dest.addr)], priority=0, callback=w)
+        good = pool.submit([(1, 96, 300_000, dest.addr + 2**20)], priority=0, callback=w)
+        err = w.wait(bad)[0]
+        assert isinstance(err, ReadError)
+        msg = str(err)
+        assert paths[0] in msg and "size changed" in msg and "offset" in msg
+        assert w.wait(good)[0] is None
+        assert np.array_equal(dest.arr[2**20:2**20 + 300_000], datas[1][96:300_096])
+        with pytest.raises(ReadError, match="size changed"):
+            pool.check_files()
+        assert pool.stats()["errors"] == 1
+    assert w.calls[bad] == 1
+
+
+def test_short_read_vs_index_size(files):
+    """The index claims a bigger file than is there: the load fails with a short-read error."""
+    paths, datas = files
+    with pytest.raises(ReadError, match="size changed"):
+        ReaderPool(paths, file_sizes=[len(datas[0]) + 10, len(datas[1])])
+    # with the sizes right but a read past EOF: short read, named as such
+    dest = Dest(2**20)
+    w = Waiter()
+    with ReaderPool(paths, threads=2) as pool:
+        jid = pool.submit([(1, len(datas[1]) - 100, 200, dest.addr)], priority=0, callback=w)
+        err = w.wait(jid)[0]
+        assert isinstance(err, ReadError) and "short read" in str(err) and "got 100 of 200" in str(err)
+
+
+def test_demand_overtakes_queued_prefetch_and_promote(files):
+    paths, datas = files
+    dest = Dest(64 * 2**20)
+    w = Waiter()
+    gate = threading.Event()
+    blocked = []
+
+    def slow_cb(jid, err, n, s):
+        blocked.append(jid)
+        gate.wait(10)  # the single reader thread is held here: queue builds up behind it
+        w(jid, err, n, s)
+
+    with ReaderPool(paths, threads=1, chunk_bytes=4096) as pool:
+        first = pool.submit([(0, 0, 4096, dest.addr)], priority=0, callback=slow_cb)
+        deadline = time.time() + 10
+        while not blocked and time.time() < deadline:
+            time.sleep(0.001)
+        pre = [pool.submit([(0, 4096 * i, 40_000, dest.addr + 2**20 * i)], priority=1, callback=w)
+               for i in range(1, 5)]
+        dem = [pool.submit([(1, 4096 * i, 40_000, dest.addr + 2**20 * (10 + i))], priority=0, callback=w)
+               for i in range(2)]
+        st = pool.stats()
+        assert st["queued_prefetch"] == 4 and st["queued_demand"] == 2
+        assert pool.promote(pre[2]) is True
+        assert pool.promote(pre[2]) is False      # already demand
+        assert pool.promote(dem[0]) is False      # demand already
+        assert pool.promote(first) is False       # running
+        assert pool.promote(12345) is False       # unknown
+        gate.set()
+        for j in pre + dem:
+            assert w.wait(j)[0] is None
+    order = [j for j in w.order if j != first]
+    assert order[:3] == [dem[0], dem[1], pre[2]], (order, dem, pre)
+    assert order[3:] == [pre[0], pre[1], pre[3]]
+    for i in range(1, 5):
+        assert np.array_equal(dest.arr[2**20 * i:2**20 * i + 40_000], datas[0][4096 * i:4096 * i + 40_000])
+
+
+def test_close_fails_pending_jobs(files):
+    paths, _ = files
+    dest = Dest(2**20)
+    w = Waiter()
+    gate = threading.Event()
+    started = threading.Event()
+
+    def slow(jid, err, n, s):
+        started.set()
+        gate.wait(10)
+        w(jid, err, n, s)
+
+    pool = ReaderPool(paths, threads=1, chunk_bytes=4096)
+    pool.submit([(0, 0, 4096, dest.addr)], priority=0, callback=slow)
+    started.wait(10)
+    pending = [pool.submit([(0, 0, 100_000, dest.addr)], priority=1, callback=w) for _ in range(3)]
+    threading.Timer(0.2, gate.set).start()
+    pool.close()
+    for j in pending:
+        err = w.wait(j)[0]
+        assert isinstance(err, ReadError) and "closed" in str(err)
+    with pytest.raises(ReadError, match="closed"):
+        pool.submit([], priority=0, callback=w)
+    assert all(c == 1 for c in w.calls.values())
