@@ -1,0 +1,950 @@
+"""The expert cache: ties the GGUF index, the slot arena, the reader pool and the eviction policy.
+
+Model::
+
+    index (where each expert's bytes are)  --->  ReaderPool (O_DIRECT reads)  --->  Arena slots
+                                                                                    ^
+    acquire / acquire_many / acquire_async / prefetch / release  ---- ExpertCache --+-- LRU per pool
+
+* A *pool* is a set of slots of one size class with one LRU: policy ``"global"`` has one pool per
+  size class (all its layers share the class's slots); ``"per-layer"`` gives every layer of a class
+  an equal share of the class's slots (``n_slots // len(layers)``) with its own LRU.
+* An expert ``(layer, expert)`` is, in its pool, *absent*, *loading* (slot allocated, read in
+  flight, pinned by the load) or *resident* (slot published). A slot is published only when its
+  read succeeded; a failed read frees the slot and fails every acquire waiting on it with
+  :class:`LoadError` (other loads go on).
+* ``acquire`` is all-or-nothing: a request is granted only when every expert in it is resident or
+  can get a slot right now (free, or by evicting an unpinned key from the cold end); then it pins
+  all of its experts, starts one read per absent expert (demand priority; a queued prefetch of a
+  wanted expert is promoted; an in-flight read is shared, never repeated) and completes when the
+  last of its reads lands. A request that cannot get its slots yet waits in a FIFO queue holding
+  no pins (so waiters can never deadlock each other); a request whose experts are all resident or
+  already loading never waits in that queue (it needs no new slot).
+* Pins: every lease pins its experts until ``release``; every load pins its slot until it ends.
+  Pinned keys are never evicted, never given back by :meth:`ExpertCache.set_budget`.
+* Prefetched experts enter the LRU at the cold end and are marked *unused*; the first demand use
+  counts a prefetch hit and moves them hot; evicting an unused one counts a wasted prefetch.
+
+Lock discipline: one ``threading.Lock`` around all bookkeeping; reads are submitted, promoted,
+memory released/restored and user callbacks invoked only after the lock is dropped.
+
+Counting (per requested expert, disjoint, ``hits + prefetch_hits + misses == len(experts)``):
+``hits`` = resident and already demanded before; ``prefetch_hits`` = first demand of an expert a
+prefetch brought in (resident, or still in flight: the read is promoted); ``misses`` = everything
+else (a new demand read, or waiting on another request's in-flight demand read).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+
+from . import MoecacheError
+from .policy import LRU
+from .stats import LatencyHistogram
+
+__all__ = ["CacheError", "RequestError", "LeaseError", "LoadError", "AcquireTimeout",
+           "Lease", "ExpertCache"]
+
+
+class CacheError(MoecacheError):
+    """Base of every cache error; ``str(e)`` is one line. Also raised as-is for "cache closed"."""
+
+
+class RequestError(CacheError):
+    """Bad request, raised at once: unknown layer, expert out of range, duplicate expert, empty
+    request, or more experts of one pool than it can ever hold (or holds now, with
+    ``shrunk_policy="error"``)."""
+
+
+class LeaseError(CacheError):
+    """Release of a lease id that is unknown, already released, or from another cache instance."""
+
+
+class LoadError(CacheError):
+    """A read needed by this acquire failed (short read, EIO, file changed); names layer, expert
+    and file. The expert stays absent; a later acquire retries the read."""
+
+
+class AcquireTimeout(CacheError):
+    """A blocking acquire did not complete within ``timeout``; it was cancelled (no pins held)."""
+
+
+@dataclass(slots=True)
+class Lease:
+    """What an acquire returns; pins its experts until :meth:`ExpertCache.release`.
+
+    Attributes:
+        id: lease id; unique and increasing from a random 63-bit base per cache instance (ids from
+            another instance, e.g. before a restart, are recognisably stale). For
+            ``acquire_async`` it equals the ticket id.
+        items: ``(layer, expert, class_id, slot)`` per requested expert, in request order (for
+            ``acquire_many``: layers in request order, experts in order within each layer).
+            Part ``p`` of an item is at ``arena.part_offset(class_id, slot, p)``.
+        hits, prefetch_hits, misses: how the experts were found (see module doc; they sum to
+            ``len(items)``).
+        stall_s: seconds from the call to the lease being ready (0.0 when all were resident).
+    """
+    id: int
+    items: list
+    hits: int
+    prefetch_hits: int
+    misses: int
+    stall_s: float
+
+    @property
+    def slots(self) -> list[int]:
+        """Slot of each item, in request order (meaningful per size class; for one-layer leases)."""
+        return [it[3] for it in self.items]
+
+
+class _Pool:
+    """Slots of one size class under one LRU (a whole class, or one layer's share)."""
+    __slots__ = ("cid", "lru", "res", "alloc", "loading", "unused", "free", "disabled",
+                 "max_cap", "n_keys", "layers")
+
+    def __init__(self, cid: int, layers: list[int], n_experts: int, slots: list[int]):
+        self.cid = cid
+        self.layers = layers
+        self.n_keys = len(layers) * n_experts
+        self.lru = LRU(self.n_keys)
+        self.res = [-1] * self.n_keys      # key -> slot when resident (published), else -1
+        self.alloc = [-1] * self.n_keys    # key -> slot when resident or loading, else -1
+        self.loading: dict[int, _Load] = {}
+        self.unused = bytearray(self.n_keys)  # 1: brought in by prefetch, not demanded yet
+        self.free = list(reversed(slots))  # pop() hands out the lowest slot first
+        self.disabled: list[int] = []      # slots given back by set_budget
+        self.max_cap = len(slots)
+
+    @property
+    def cap(self) -> int:
+        return self.max_cap - len(self.disabled)
+
+
+class _Layer:
+    __slots__ = ("layer", "pool", "base", "cid", "offs", "fids", "ne")
+
+    def __init__(self, layer, pool, base, cid, offs, fids, ne):
+        self.layer, self.pool, self.base, self.cid = layer, pool, base, cid
+        self.offs, self.fids, self.ne = offs, fids, ne
+
+
+class _Load:
+    __slots__ = ("pool", "key", "slot", "layer", "expert", "demanded", "prefetched", "waiters",
+                 "job_id", "priority", "fid0")
+
+    def __init__(self, pool, key, slot, layer, expert, demanded, fid0):
+        self.pool, self.key, self.slot, self.layer, self.expert = pool, key, slot, layer, expert
+        self.demanded = demanded
+        self.prefetched = not demanded
+        self.waiters: list[_Req] = []
+        self.job_id = None
+        self.priority = 0 if demanded else 1
+        self.fid0 = fid0
+
+
+class _Req:
+    __slots__ = ("id", "groups", "by_pool", "cb", "t0", "state", "pending", "pins", "items",
+                 "hits", "pf", "misses", "tag")
+    QUEUED, LOADING, DONE = 0, 1, 2
+
+    def __init__(self, rid, groups, by_pool, cb, tag):
+        self.id = rid
+        self.groups = groups        # [(_Layer, [expert, ...]), ...] in request order
+        self.by_pool = by_pool      # {pool: [key, ...]}
+        self.cb = cb
+        self.t0 = time.perf_counter()
+        self.state = _Req.QUEUED
+        self.pending = 0
+        self.pins: list = []        # [(pool, [key, ...])]
+        self.items = None
+        self.hits = self.pf = self.misses = 0
+        self.tag = tag
+
+
+class ExpertCache:
+    """Expert cache over one model (see module doc for semantics).
+
+    Args:
+        index: an ``ExpertIndex`` (``moecached.index.open_index``).
+        budget_bytes / slots: arena size, exactly one (``moecached.arena.plan_slots`` semantics:
+            each size class gets the same share of its layers' experts). Neither: all experts.
+        policy: ``"global"`` (one LRU per size class over all its layers) or ``"per-layer"``.
+        readers: reader threads; chunk_bytes: read chunk size (bytes); direct_io: O_DIRECT.
+        arena_dir, arena_name, hugetlb, lock_memory: passed to ``Arena`` (``lock=lock_memory``).
+        shrunk_policy: what an acquire that fits the class's configured size but not its current
+            (``set_budget``-shrunk) size does: ``"wait"`` (queue until the budget grows) or
+            ``"error"`` (RequestError at once).
+        log: a ``logging.Logger`` (default ``logging.getLogger("moecached.cache")``).
+
+    Attributes: ``arena`` (``Arena``), ``index``, ``readers`` (``ReaderPool``).
+
+    Raises:
+        CacheError: bad policy, or ``"per-layer"`` with fewer slots than layers in a class.
+        ArenaError: from the arena (budget, /dev/shm, RLIMIT_MEMLOCK).
+    """
+
+    def __init__(self, index, *, budget_bytes=None, slots=None, policy="global", readers=16,
+                 chunk_bytes=256 * 1024, arena_dir="/dev/shm", arena_name=None, hugetlb=False,
+                 lock_memory=True, direct_io=True, shrunk_policy="wait", log=None):
+        from .arena import Arena, plan_slots
+        from .readers import ReaderPool
+
+        if policy not in ("global", "per-layer"):
+            raise CacheError(f"policy: found {policy!r}, expected 'global' or 'per-layer'")
+        if shrunk_policy not in ("wait", "error"):
+            raise CacheError(f"shrunk_policy: found {shrunk_policy!r}, expected 'wait' or 'error'")
+        self.log = log or logging.getLogger("moecached.cache")
+        self.index = index
+        self.policy = policy
+        self.shrunk_policy = shrunk_policy
+        self._plan_slots = plan_slots
+        self._closed = False
+        self._lock = threading.Lock()
+        self._budget_lock = threading.Lock()
+        ne = self.n_experts = int(index.n_experts)
+        if budget_bytes is None and slots is None:
+            slots = sum(len(sc.layers) for sc in index.size_classes) * ne
+        self.arena = Arena(index, budget_bytes=budget_bytes, slots=slots, dir=arena_dir,
+                           name=arena_name, hugetlb=hugetlb, lock=lock_memory)
+        try:
+            self._build(index, ne)
+            files = [str(getattr(f, "path", f)) for f in index.files]
+            self._file_names = files
+            sizes, mtimes = [], []
+            for f in files:
+                st = os.stat(f)
+                sizes.append(st.st_size)
+                mtimes.append(st.st_mtime_ns)
+            self.readers = ReaderPool(files, threads=readers, chunk_bytes=chunk_bytes,
+                                      direct=direct_io, file_sizes=sizes, file_mtimes_ns=mtimes,
+                                      log=self.log)
+        except BaseException:
+            self.arena.close(unlink=True)
+            raise
+
+        base = secrets.randbits(62) | (1 << 62)  # random 63-bit base, far from 2**63
+        self._id_base = base
+        self._ids = itertools.count(base)
+        self._leases: dict[int, list] = {}     # lease id -> [(pool, [keys])]
+        self._reqs: dict[int, _Req] = {}       # ticket -> request not yet completed
+        self._waitq: list[_Req] = []           # FIFO of requests waiting for slots
+        # counters
+        nl = max(self._layers) + 1
+        self._l_hits = [0] * nl
+        self._l_pf = [0] * nl
+        self._l_miss = [0] * nl
+        self._l_reads = [0] * nl
+        self.c_prefetches = 0
+        self.c_wasted = 0
+        self.c_bytes = 0
+        self.c_reads = 0
+        self.c_read_errors = 0
+        self.c_inflight = 0
+        self.c_evictions = 0
+        self.c_leases = 0
+        self.c_waits = 0
+        self.c_shrinks = 0
+        self.c_grows = 0
+        self._lat = LatencyHistogram()
+
+    # ------------------------------------------------------------------ construction
+    def _build(self, index, ne):
+        arena = self.arena
+        self._base_addr = arena.base_address
+        self._cls = {}           # cid -> (layout, [pools])
+        self._layers: dict[int, _Layer] = {}
+        self._max_bytes = 0
+        for c in arena.classes:
+            self._max_bytes += c.n_slots * c.slot_bytes
+            pools = []
+            if self.policy == "global":
+                pools.append((_Pool(c.id, list(c.layers), ne, list(range(c.n_slots))), c.layers))
+            else:
+                share = c.n_slots // len(c.layers)
+                if share < 1:
+                    raise CacheError(
+                        f"policy 'per-layer': size class {c.id} has {c.n_slots} slots for "
+                        f"{len(c.layers)} layers, expected >= 1 per layer; raise the budget")
+                for i, layer in enumerate(c.layers):
+                    pools.append((_Pool(c.id, [layer], ne,
+                                        list(range(i * share, (i + 1) * share))), [layer]))
+            self._cls[c.id] = (c, [p for p, _ in pools])
+            pbytes = [c.part_bytes[p] for p in c.parts]
+            for pool, layers in pools:
+                for li, layer in enumerate(layers):
+                    offs, fids = index.part_table(layer)
+                    if offs.shape != (ne, len(c.parts)):
+                        raise CacheError(f"index part_table({layer}): shape {offs.shape}, "
+                                         f"expected {(ne, len(c.parts))}")
+                    spans = index.parts(layer, 0)
+                    for p, sp in enumerate(spans):
+                        if (int(sp.offset) != int(offs[0, p]) or int(sp.nbytes) != pbytes[p]
+                                or int(fids[0, p]) != int(sp.file)):
+                            raise CacheError(
+                                f"index layer {layer} part {p}: parts() and part_table() disagree "
+                                f"or part bytes {sp.nbytes} != class {c.id} part bytes {pbytes[p]}")
+                    self._layers[int(layer)] = _Layer(int(layer), pool, li * ne, c.id,
+                                                      offs.tolist(), fids.tolist(), ne)
+        self._pools = [p for _, ps in self._cls.values() for p in ps]
+
+    # ------------------------------------------------------------------ helpers (under lock)
+    def _reads_for(self, L: _Layer, expert: int, slot: int) -> list:
+        c = self._cls[L.cid][0]
+        offs, fids = L.offs[expert], L.fids[expert]
+        out = []
+        for p, name in enumerate(c.parts):
+            pb = c.part_bytes[name]
+            out.append((fids[p], offs[p], pb, self._base_addr + c.part_off[name] + slot * pb))
+        return out
+
+    def _evict_one(self, pool: _Pool) -> int:
+        """Evict the coldest unpinned key of ``pool``; returns its slot or -1."""
+        k = pool.lru.victim()
+        if k < 0:
+            return -1
+        pool.lru.remove(k)
+        s = pool.alloc[k]
+        pool.alloc[k] = -1
+        pool.res[k] = -1
+        if pool.unused[k]:
+            pool.unused[k] = 0
+            self.c_wasted += 1
+        self.c_evictions += 1
+        return s
+
+    def _take_slot(self, pool: _Pool) -> int:
+        if pool.free:
+            return pool.free.pop()
+        return self._evict_one(pool)
+
+    def _start_load(self, L: _Layer, expert: int, slot: int, demanded: bool, submits: list):
+        pool = L.pool
+        k = L.base + expert
+        load = _Load(pool, k, slot, L.layer, expert, demanded, L.fids[expert][0])
+        pool.alloc[k] = slot
+        pool.loading[k] = load
+        pool.lru.insert(k, not demanded)
+        pool.lru.pin(k)                  # the load's own pin, dropped when it ends
+        self.c_inflight += 1
+        self._l_reads[L.layer] += 1
+        submits.append((load, self._reads_for(L, expert, slot)))
+        return load
+
+    def _validate(self, requests) -> tuple[list, dict]:
+        """-> (groups [(_Layer, experts)], by_pool {pool: [keys]}); RequestError when bad."""
+        if self._closed:
+            raise CacheError("cache closed")
+        groups = []
+        by_pool: dict[_Pool, list] = {}
+        for layer, experts in requests:
+            L = self._layers.get(layer)
+            if L is None:
+                raise RequestError(f"layer {layer!r}: not a layer with routed experts "
+                                   f"(expected one of {sorted(self._layers)})")
+            ex = [int(e) for e in experts]
+            for e in ex:
+                if not 0 <= e < L.ne:
+                    raise RequestError(f"layer {layer} expert {e}: out of range 0..{L.ne - 1}")
+            keys = by_pool.setdefault(L.pool, [])
+            keys.extend(L.base + e for e in ex)
+            groups.append((L, ex))
+        if not groups or not any(ex for _, ex in groups):
+            raise RequestError("empty request: no experts listed")
+        for pool, keys in by_pool.items():
+            if len(set(keys)) != len(keys):
+                raise RequestError(f"duplicate expert in request for layer(s) {pool.layers[:1]}..."
+                                   if len(pool.layers) > 1 else
+                                   f"duplicate expert in request for layer {pool.layers[0]}")
+            n = len(keys)
+            where = (f"size class {pool.cid}" if self.policy == "global"
+                     else f"layer {pool.layers[0]} (size class {pool.cid})")
+            if n > pool.max_cap:
+                raise RequestError(f"request needs {n} slots of {where}, which holds at most "
+                                   f"{pool.max_cap}; raise the budget or split the request")
+            if n > pool.cap and self.shrunk_policy == "error":
+                raise RequestError(f"request needs {n} slots of {where}, which holds {pool.cap} "
+                                   f"now (budget shrunk from {pool.max_cap})")
+        return groups, by_pool
+
+    def _can_grant(self, req: _Req) -> bool:
+        for pool, keys in req.by_pool.items():
+            alloc, res, lru = pool.alloc, pool.res, pool.lru
+            need = own = 0
+            for k in keys:
+                if alloc[k] < 0:
+                    need += 1
+                elif res[k] >= 0 and lru.pin_count(k) == 0:
+                    own += 1
+            if need and need > len(pool.free) + len(lru) - lru.pinned - own:
+                return False
+        return True
+
+    def _needs_slots(self, req: _Req) -> bool:
+        for pool, keys in req.by_pool.items():
+            alloc = pool.alloc
+            for k in keys:
+                if alloc[k] < 0:
+                    return True
+        return False
+
+    def _grant(self, req: _Req, submits: list, promotes: list) -> None:
+        """Pin everything of ``req``, start its missing loads (caller checked _can_grant)."""
+        items = []
+        misses = []
+        hits = pf = miss = 0
+        pins = []
+        for L, ex in req.groups:
+            pool, base, cid, layer = L.pool, L.base, L.cid, L.layer
+            alloc, res, lru, unused = pool.alloc, pool.res, pool.lru, pool.unused
+            keys = []
+            lh = lp = lm = 0
+            for e in ex:
+                k = base + e
+                keys.append(k)
+                s = alloc[k]
+                if s < 0:
+                    items.append(None)
+                    misses.append((len(items) - 1, L, e))
+                    lm += 1
+                    continue
+                lru.pin(k)
+                lru.touch(k)
+                items.append((layer, e, cid, s))
+                if res[k] >= 0:
+                    if unused[k]:
+                        unused[k] = 0
+                        lp += 1
+                    else:
+                        lh += 1
+                else:
+                    load = pool.loading[k]
+                    load.waiters.append(req)
+                    req.pending += 1
+                    if not load.demanded:
+                        load.demanded = True
+                        lp += 1
+                        if load.priority:
+                            promotes.append(load)
+                    else:
+                        lm += 1
+            pins.append((pool, keys))
+            self._l_hits[layer] += lh
+            self._l_pf[layer] += lp
+            self._l_miss[layer] += lm
+            hits += lh
+            pf += lp
+            miss += lm
+        for i, L, e in misses:          # second pass: own keys are pinned, evictions are safe
+            s = self._take_slot(L.pool)
+            assert s >= 0, "grant without a slot (bookkeeping bug)"
+            load = self._start_load(L, e, s, True, submits)
+            L.pool.lru.pin(load.key)
+            load.waiters.append(req)
+            req.pending += 1
+            items[i] = (L.layer, e, L.cid, s)
+        req.items = items
+        req.pins = pins
+        req.hits, req.pf, req.misses = hits, pf, miss
+        req.state = _Req.LOADING
+
+    def _finish(self, req: _Req, done: list) -> None:
+        req.state = _Req.DONE
+        self._reqs.pop(req.id, None)
+        self._leases[req.id] = req.pins
+        self.c_leases += 1
+        stall = time.perf_counter() - req.t0 if (req.misses or req.pf or req.pending) else 0.0
+        done.append((req.cb, Lease(req.id, req.items, req.hits, req.pf, req.misses, stall)))
+
+    def _unpin(self, pins) -> None:
+        for pool, keys in pins:
+            unpin = pool.lru.unpin
+            for k in keys:
+                unpin(k)
+
+    def _fail(self, req: _Req, err: CacheError, done: list) -> None:
+        if req.state == _Req.LOADING:
+            self._unpin(req.pins)
+        elif req.state == _Req.QUEUED:
+            try:
+                self._waitq.remove(req)
+            except ValueError:
+                pass
+        req.state = _Req.DONE
+        req.pins = []
+        self._reqs.pop(req.id, None)
+        done.append((req.cb, err))
+
+    def _kick(self, submits, promotes, done) -> None:
+        """Grant queued requests that fit now, FIFO per pool (a blocked pool blocks later ones)."""
+        blocked = set()
+        for req in list(self._waitq):
+            if req.state != _Req.QUEUED:
+                continue
+            if blocked and any(p in blocked for p in req.by_pool):
+                blocked.update(req.by_pool)
+                continue
+            if self._can_grant(req):
+                self._waitq.remove(req)
+                self._grant(req, submits, promotes)
+                if req.pending == 0:
+                    self._finish(req, done)
+            else:
+                blocked.update(req.by_pool)
+
+    # ------------------------------------------------------------------ outside the lock
+    def _after(self, submits, promotes, done) -> None:
+        """Submit reads, promote, run callbacks: always called with the lock released."""
+        readers = self.readers
+        for load, reads in submits:
+            try:
+                jid = readers.submit(reads, priority=load.priority,
+                                     callback=lambda j, err, n, sec, _l=load:
+                                     self._on_read(_l, err, n, sec))
+            except Exception as e:  # pool closed or refused: fail the load like a read error
+                self._on_read(load, e, 0, 0.0)
+                continue
+            load.job_id = jid
+            if load.priority and load.demanded:
+                readers.promote(jid)
+        for load in promotes:
+            jid = load.job_id
+            if jid is not None:
+                readers.promote(jid)
+        for cb, res in done:
+            try:
+                cb(res)
+            except Exception:
+                self.log.exception("moecached cache: acquire callback raised")
+
+    def _on_read(self, load: _Load, error, nbytes: int, seconds: float) -> None:
+        submits, promotes, done = [], [], []
+        with self._lock:
+            if self._closed:
+                return
+            pool, k = load.pool, load.key
+            self.c_inflight -= 1
+            self.c_reads += 1
+            self._lat.add(seconds)
+            del pool.loading[k]
+            if error is None:
+                self.c_bytes += nbytes
+                pool.res[k] = load.slot
+                pool.lru.unpin(k)
+                if not load.demanded:
+                    pool.unused[k] = 1
+                for req in load.waiters:
+                    if req.state == _Req.LOADING:
+                        req.pending -= 1
+                        if req.pending == 0:
+                            self._finish(req, done)
+            else:
+                self.c_read_errors += 1
+                fname = self._file_names[load.fid0] if 0 <= load.fid0 < len(self._file_names) else "?"
+                msg = str(error).splitlines()[0] if str(error) else type(error).__name__
+                err = LoadError(f"load of layer {load.layer} expert {load.expert} from {fname} "
+                                f"failed: {msg}")
+                for req in load.waiters:
+                    if req.state == _Req.LOADING:
+                        self._fail(req, err, done)
+                pool.lru.unpin(k)
+                pool.lru.remove(k)
+                pool.alloc[k] = -1
+                pool.res[k] = -1
+                pool.unused[k] = 0
+                pool.free.append(load.slot)
+            load.waiters = []
+            if self._waitq:
+                self._kick(submits, promotes, done)
+        if error is not None:
+            self.log.warning("moecached cache: %s", err)
+        if submits or promotes or done:
+            self._after(submits, promotes, done)
+
+    # ------------------------------------------------------------------ public API
+    def acquire(self, layer: int, experts, timeout: float | None = None) -> Lease:
+        """Block until every expert of ``layer`` in ``experts`` is resident; pin them; return a Lease.
+
+        Args:
+            layer: GGUF block number with routed experts (one of ``index.expert_layers``).
+            experts: expert ids (ints ``0 .. n_experts-1``, no duplicates).
+            timeout: seconds, or None to wait for ever.
+        Returns: :class:`Lease`, items in the order of ``experts``.
+        Raises: RequestError (at once), LoadError, AcquireTimeout, CacheError("cache closed").
+        """
+        lock = self._lock
+        lock.acquire()
+        try:
+            L = self._layers.get(layer)
+            if L is not None and not self._closed:        # fast path: everything resident
+                pool = L.pool
+                res, base, ne = pool.res, L.base, L.ne
+                slots = []
+                for e in experts:
+                    if not 0 <= e < ne:
+                        break
+                    s = res[base + e]
+                    if s < 0:
+                        break
+                    slots.append(s)
+                else:
+                    n = len(slots)
+                    if n and len(set(experts)) == n:
+                        lru, unused = pool.lru, pool.unused
+                        touch, pin = lru.touch, lru.pin
+                        keys = [base + e for e in experts]
+                        pf = 0
+                        for k in keys:
+                            touch(k)
+                            pin(k)
+                            if unused[k]:
+                                unused[k] = 0
+                                pf += 1
+                        lid = next(self._ids)
+                        self._leases[lid] = [(pool, keys)]
+                        self.c_leases += 1
+                        cid = L.cid
+                        self._l_hits[layer] += n - pf
+                        if pf:
+                            self._l_pf[layer] += pf
+                        return Lease(lid, [(layer, e, cid, s) for e, s in zip(experts, slots)],
+                                     n - pf, pf, 0, 0.0)
+        finally:
+            lock.release()
+        return self.acquire_many([(layer, experts)], timeout=timeout)
+
+    def acquire_many(self, requests, timeout: float | None = None) -> Lease:
+        """Like :meth:`acquire` for several layers at once: one all-or-nothing lease.
+
+        Args:
+            requests: ``[(layer, [expert, ...]), ...]``; a layer may appear once only per pool
+                key (a repeated (layer, expert) is a RequestError).
+            timeout: seconds or None.
+        Returns: one :class:`Lease`, items layer by layer in request order.
+        Raises: as :meth:`acquire`.
+        """
+        ev = threading.Event()
+        box = []
+
+        def cb(res):
+            box.append(res)
+            ev.set()
+
+        ticket = self.acquire_async(requests, cb)
+        if not ev.wait(timeout):
+            if self.cancel(ticket):
+                raise AcquireTimeout(f"acquire of {sum(len(e) for _, e in requests)} experts "
+                                     f"timed out after {timeout} s")
+            ev.wait()
+        res = box[0]
+        if isinstance(res, BaseException):
+            raise res
+        return res
+
+    def acquire_async(self, requests, callback, *, tag=None) -> int:
+        """Start an acquire of ``[(layer, [experts]), ...]``; returns its ticket (= the lease id).
+
+        Every layer's reads are queued at once. ``callback(result)`` gets a :class:`Lease` or a
+        :class:`CacheError` (LoadError, "cache closed") exactly once, unless :meth:`cancel`
+        returned True for the ticket (then never): inline before this returns when everything is
+        resident, otherwise from a reader thread (or the thread whose release/set_budget freed
+        the slots it waited for). Bad requests raise RequestError here, no callback.
+        ``tag`` is kept on the request (for the caller's bookkeeping; shown nowhere else).
+        """
+        submits, promotes, done = [], [], []
+        with self._lock:
+            groups, by_pool = self._validate(requests)
+            rid = next(self._ids)
+            req = _Req(rid, groups, by_pool, callback, tag)
+            self._reqs[rid] = req
+            blocked = self._waitq and self._needs_slots(req) and any(
+                p in q.by_pool for q in self._waitq for p in by_pool)
+            if not blocked and self._can_grant(req):
+                self._grant(req, submits, promotes)
+                if req.pending == 0:
+                    self._finish(req, done)
+            else:
+                self.c_waits += 1
+                self._waitq.append(req)
+        self._after(submits, promotes, done)
+        return rid
+
+    def cancel(self, ticket: int) -> bool:
+        """Drop a waiting acquire (client vanished): unpin what it pinned; its reads go on as
+        prefetches (their experts enter unused). Returns False when the ticket is unknown or
+        already completed/failed (then its callback has been or is being called)."""
+        with self._lock:
+            req = self._reqs.pop(ticket, None)
+            if req is None or req.state == _Req.DONE:
+                return False
+            if req.state == _Req.QUEUED:
+                self._waitq.remove(req)
+            else:
+                self._unpin(req.pins)
+                for pool, keys in req.pins:
+                    for k in keys:
+                        load = pool.loading.get(k)
+                        if load is not None and req in load.waiters:
+                            load.waiters.remove(req)
+                            if not any(w.state == _Req.LOADING for w in load.waiters):
+                                load.demanded = False
+            req.state = _Req.DONE
+            req.pins = []
+            submits, promotes, done = [], [], []
+            if self._waitq:
+                self._kick(submits, promotes, done)
+        self._after(submits, promotes, done)
+        return True
+
+    def prefetch(self, layer: int, experts) -> int:
+        """Queue prefetch reads (low priority) for the absent ones of ``experts`` of ``layer``.
+
+        Resident or in-flight experts are skipped; an expert that cannot get a slot now (pool all
+        pinned, or acquires queued for slots in that pool) is skipped too: prefetch never waits
+        and never jumps the queue. Returns the number of reads queued. RequestError on a bad
+        layer/expert.
+        """
+        return self.prefetch_many([(layer, experts)])
+
+    def prefetch_many(self, requests) -> int:
+        """:meth:`prefetch` for ``[(layer, [experts]), ...]``; returns reads queued in total."""
+        submits = []
+        with self._lock:
+            if self._closed:
+                raise CacheError("cache closed")
+            waiting = {p for q in self._waitq for p in q.by_pool} if self._waitq else ()
+            for layer, experts in requests:
+                L = self._layers.get(layer)
+                if L is None:
+                    raise RequestError(f"layer {layer!r}: not a layer with routed experts")
+                pool = L.pool
+                if pool in waiting:
+                    continue
+                for e in experts:
+                    e = int(e)
+                    if not 0 <= e < L.ne:
+                        raise RequestError(f"layer {layer} expert {e}: out of range 0..{L.ne - 1}")
+                    if pool.alloc[L.base + e] >= 0:
+                        continue
+                    s = self._take_slot(pool)
+                    if s < 0:
+                        break
+                    self._start_load(L, e, s, False, submits)
+                    self.c_prefetches += 1
+        if submits:
+            self._after(submits, (), ())
+        return len(submits)
+
+    def release(self, lease_or_id) -> None:
+        """Unpin a lease (a :class:`Lease` or its id). LeaseError when unknown or released twice."""
+        lid = lease_or_id.id if isinstance(lease_or_id, Lease) else lease_or_id
+        lock = self._lock
+        lock.acquire()
+        pins = self._leases.pop(lid, None)
+        if pins is None:
+            lock.release()
+            if isinstance(lid, int) and not self._id_base <= lid < self._id_base + (1 << 40):
+                raise LeaseError(f"lease {lid}: not from this cache instance (stale: daemon restarted?)")
+            raise LeaseError(f"lease {lid}: unknown or already released")
+        for pool, keys in pins:
+            unpin = pool.lru.unpin
+            for k in keys:
+                unpin(k)
+        if not self._waitq:
+            lock.release()
+            return
+        submits, promotes, done = [], [], []
+        try:
+            self._kick(submits, promotes, done)
+        finally:
+            lock.release()
+        self._after(submits, promotes, done)
+
+    def set_budget(self, budget_bytes: int) -> dict:
+        """Resize the cache to ``budget_bytes`` (clamped to the configured size).
+
+        Shrink: per pool, give back free slots first, then evict unpinned keys from the cold end,
+        and release those slots' memory (``arena.release_memory``); pinned (leased or loading)
+        slots are never touched, so a shrink may stop short (reported). Grow: restore given-back
+        slots (``arena.restore_memory``) up to the target and let waiting acquires in.
+        Targets per class follow ``arena.plan_slots``; per-layer pools get ``target // layers``.
+        Returns ``{"slots_before", "slots_after", "slots_target", "bytes_released",
+        "bytes_restored"}`` (slots summed over all pools). Raises CacheError (with the arena's
+        reason) when the budget gives some class no slot.
+        """
+        from .arena import ArenaError
+        try:
+            counts = self._plan_slots(self.index, budget_bytes=int(budget_bytes),
+                                      page_size=self.arena.page_size)
+        except ArenaError as e:
+            raise CacheError(f"set_budget({budget_bytes}): {e}") from None
+        with self._budget_lock:
+            shrink, grow = [], []       # (pool, [slots])
+            before = after = target_total = 0
+            with self._lock:
+                if self._closed:
+                    raise CacheError("cache closed")
+                for cid, (c, pools) in self._cls.items():
+                    t = min(counts.get(cid, c.n_slots), c.n_slots)
+                    if self.policy == "per-layer":
+                        t = t // len(c.layers)
+                    for pool in pools:
+                        tgt = min(t, pool.max_cap)
+                        target_total += tgt
+                        cur = pool.cap
+                        before += cur
+                        if tgt < cur:
+                            take = []
+                            while len(take) < cur - tgt and pool.free:
+                                take.append(pool.free.pop())
+                            while len(take) < cur - tgt:
+                                s = self._evict_one(pool)
+                                if s < 0:
+                                    break
+                                take.append(s)
+                            pool.disabled.extend(take)
+                            if take:
+                                shrink.append((pool, take))
+                        elif tgt > cur:
+                            take = pool.disabled[:tgt - cur]
+                            del pool.disabled[:tgt - cur]
+                            grow.append((pool, take))
+                        after += pool.cap
+                if shrink:
+                    self.c_shrinks += 1
+                if grow:
+                    self.c_grows += 1
+            released = 0
+            for pool, take in shrink:
+                released += self.arena.release_memory(pool.cid, take)
+            restored = 0
+            failed = None
+            for pool, take in grow:
+                try:
+                    self.arena.restore_memory(pool.cid, take)
+                    restored += len(take) * self._cls[pool.cid][0].slot_bytes
+                except Exception as e:  # keep them disabled, report
+                    failed = e
+                    with self._lock:
+                        pool.disabled.extend(take)
+                        after -= len(take)
+                    continue
+            submits, promotes, done = [], [], []
+            with self._lock:
+                for pool, take in grow:
+                    if not any(s in pool.disabled for s in take[:1]):
+                        pool.free.extend(take)
+                if self._waitq:
+                    self._kick(submits, promotes, done)
+            self._after(submits, promotes, done)
+            if failed is not None:
+                raise CacheError(f"set_budget({budget_bytes}): grow stopped at {after} slots: {failed}")
+            return {"slots_before": before, "slots_after": after, "slots_target": target_total,
+                    "bytes_released": released, "bytes_restored": restored}
+
+    def pinned_count(self) -> int:
+        """Distinct pinned keys over all pools (leased or loading)."""
+        with self._lock:
+            return sum(p.lru.pinned for p in self._pools)
+
+    def descriptor(self) -> dict:
+        """Arena descriptor (``Arena.descriptor()``) plus ``fingerprint`` (index), ``policy``,
+        ``n_experts``, ``expert_layers`` and ``size_classes`` (id, layers, parts, part_bytes,
+        slot_bytes, n_slots) — everything a client needs to find a leased slot's bytes."""
+        d = dict(self.arena.descriptor())
+        d["fingerprint"] = self.index.fingerprint()
+        d["policy"] = self.policy
+        d["n_experts"] = self.n_experts
+        d["expert_layers"] = [int(x) for x in self.index.expert_layers]
+        d["size_classes"] = [{"id": c.id, "layers": list(c.layers), "parts": list(c.parts),
+                              "part_bytes": dict(c.part_bytes), "slot_bytes": c.slot_bytes,
+                              "n_slots": c.n_slots} for c in self.arena.classes]
+        return d
+
+    def stats(self) -> dict:
+        """Counters (ints unless noted; bytes in bytes, times in microseconds):
+
+        ``hits``, ``demand_misses``, ``prefetch_hits`` (per requested expert, see module doc),
+        ``prefetches`` (prefetch reads queued), ``wasted_prefetches`` (evicted unused),
+        ``evictions``, ``bytes_read``, ``reads`` (completed), ``read_errors``,
+        ``reads_in_flight``, ``read_latency`` (LatencyHistogram.to_dict: count, mean_us, max_us,
+        p50_us, p99_us, buckets_us), ``leases`` (granted), ``leases_open``, ``waiting``
+        (requests queued for slots), ``acquires_queued`` (total that had to queue),
+        ``pinned``, ``classes`` (per size class: id, slot_bytes, slots_max, slots, used
+        (resident+loading), pinned, loading, free, hits, demand_misses, prefetch_hits, reads),
+        ``layers`` ({layer: {hits, demand_misses, prefetch_hits, reads}}),
+        ``budget`` ({configured_bytes, current_bytes}), ``shrink_events``, ``grow_events``,
+        ``readers`` (ReaderPool.stats()).
+        """
+        with self._lock:
+            classes = []
+            for cid, (c, pools) in self._cls.items():
+                d = {"id": cid, "slot_bytes": c.slot_bytes, "slots_max": sum(p.max_cap for p in pools),
+                     "slots": sum(p.cap for p in pools), "used": sum(len(p.lru) for p in pools),
+                     "pinned": sum(p.lru.pinned for p in pools),
+                     "loading": sum(len(p.loading) for p in pools),
+                     "free": sum(len(p.free) for p in pools)}
+                d["hits"] = sum(self._l_hits[l] for l in c.layers)
+                d["demand_misses"] = sum(self._l_miss[l] for l in c.layers)
+                d["prefetch_hits"] = sum(self._l_pf[l] for l in c.layers)
+                d["reads"] = sum(self._l_reads[l] for l in c.layers)
+                classes.append(d)
+            layers = {l: {"hits": self._l_hits[l], "demand_misses": self._l_miss[l],
+                          "prefetch_hits": self._l_pf[l], "reads": self._l_reads[l]}
+                      for l in sorted(self._layers)}
+            cur = sum(p.cap * self._cls[p.cid][0].slot_bytes for p in self._pools)
+            out = {
+                "hits": sum(self._l_hits), "demand_misses": sum(self._l_miss),
+                "prefetch_hits": sum(self._l_pf), "prefetches": self.c_prefetches,
+                "wasted_prefetches": self.c_wasted, "evictions": self.c_evictions,
+                "bytes_read": self.c_bytes, "reads": self.c_reads,
+                "read_errors": self.c_read_errors, "reads_in_flight": self.c_inflight,
+                "read_latency": self._lat.to_dict(), "leases": self.c_leases,
+                "leases_open": len(self._leases), "waiting": len(self._waitq),
+                "acquires_queued": self.c_waits,
+                "pinned": sum(p.lru.pinned for p in self._pools),
+                "classes": classes, "layers": layers,
+                "budget": {"configured_bytes": self._max_bytes, "current_bytes": cur},
+                "shrink_events": self.c_shrinks, "grow_events": self.c_grows,
+                "policy": self.policy,
+            }
+        try:
+            out["readers"] = self.readers.stats()
+        except Exception:
+            out["readers"] = {}
+        return out
+
+    def close(self) -> None:
+        """Fail every waiting acquire with CacheError("cache closed"), stop the readers, unlink
+        the arena. Idempotent. Open leases die with the arena."""
+        done = []
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            err = CacheError("cache closed")
+            for req in list(self._reqs.values()):
+                if req.state != _Req.DONE:
+                    req.state = _Req.DONE
+                    done.append((req.cb, err))
+            self._reqs.clear()
+            self._waitq.clear()
+        for cb, res in done:
+            try:
+                cb(res)
+            except Exception:
+                self.log.exception("moecached cache: acquire callback raised")
+        try:
+            self.readers.close()
+        finally:
+            self.arena.close(unlink=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
