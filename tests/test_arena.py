@@ -241,3 +241,19 @@ def test_small_shm_fails_at_start():
     finally:
         subprocess.run(["umount", d])
         os.rmdir(d)
+
+
+def test_real_index_two_classes(model_factory, tmp_path):
+    from moecached.index import open_index
+    idx = open_index(model_factory("deepseek-v2-lite-Q4_K_M", layers=4, experts=8, split=2))
+    assert len(idx.size_classes) >= 2
+    whole = sum(len(c.layers) * idx.n_experts * c.slot_bytes for c in idx.size_classes)
+    with Arena(idx, budget_bytes=whole // 2, dir=str(tmp_path), lock=False) as ar:
+        assert ar.size <= whole // 2
+        for c, sc in zip(ar.classes, idx.size_classes):
+            assert c.parts == list(sc.parts) and c.slot_bytes == sc.slot_bytes
+            # same share of each class's experts (within one slot of rounding)
+            assert abs(c.n_slots / (len(c.layers) * idx.n_experts) - 0.5) <= 1 / (len(c.layers) * idx.n_experts) + 0.05
+        d = ar.descriptor()
+        assert d["layer_class"] == {str(l): c for l, c in idx.layer_class.items()}
+        assert {k: v for k, v in d["classes"][0]["part_types"].items()} == dict(idx.size_classes[0].part_types)

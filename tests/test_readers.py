@@ -316,3 +316,46 @@ def test_close_fails_pending_jobs(files):
     with pytest.raises(ReadError, match="closed"):
         pool.submit([], priority=0, callback=w)
     assert all(c == 1 for c in w.calls.values())
+
+
+# ---- real layouts: index -> arena slots -> readers -> stamped bytes verified ----------------
+
+REAL = [("deepseek-v2-lite-Q4_K_M", dict(layers=4, experts=8, split=2)),   # two size classes, split
+        ("qwen3-30b-a3b-Q4_K_M", dict(layers=3, experts=8, split=3)),
+        ("gpt-oss-20b-MXFP4", dict(layers=2, experts=4)),                  # per-expert biases (tiny parts)
+        ("qwen3-next-80b-a3b-Q4_K_M-fused-gate-up", dict(layers=2, experts=4)),
+        ("mixtral-8x7b-Q4_K_M", dict(layers=1, experts=2, legacy=True))]   # per-expert tensors
+
+
+@pytest.mark.parametrize("name,kw", REAL, ids=[r[0] for r in REAL])
+def test_real_layout_into_arena_slots(model_factory, name, kw, tmp_path):
+    from moecached.arena import Arena
+    from moecached.index import open_index
+    from moecached.synth import verify_expert_bytes
+
+    idx = open_index(model_factory(name, **kw))
+    with Arena(idx, slots=max(4 * len(idx.size_classes), idx.n_experts * len(idx.expert_layers) // 2),
+               dir=str(tmp_path), lock=False) as ar, \
+            ReaderPool(idx.files, threads=8, chunk_bytes=64 * 1024, file_sizes=idx.file_sizes,
+                       file_mtimes_ns=idx.file_mtimes_ns) as pool:
+        w = Waiter()
+        placed = []  # (layer, expert, class, slot, job)
+        next_slot = {c.id: 0 for c in ar.classes}
+        rng = np.random.default_rng(1)
+        for layer in idx.expert_layers:
+            cid = idx.layer_class[layer]
+            lay = ar.layout(cid)
+            offs, fids = idx.part_table(layer)
+            for e in rng.permutation(idx.n_experts)[:3]:
+                slot = next_slot[cid] % lay.n_slots
+                next_slot[cid] += 1
+                placed = [p for p in placed if (p[2], p[3]) != (cid, slot)]
+                reads = [(int(fids[e, j]), int(offs[e, j]), lay.part_bytes[p],
+                          ar.base_address + ar.part_offset(cid, slot, p)) for j, p in enumerate(lay.parts)]
+                jid = pool.submit(reads, priority=int(e) % 2, callback=w)
+                assert w.wait(jid)[0] is None
+                placed.append((layer, int(e), cid, slot, jid))
+        for layer, e, cid, slot, _ in placed:
+            for span in idx.parts(layer, e):
+                bad = verify_expert_bytes(ar.view(cid, slot, span.part), layer, span.part, e)
+                assert bad is None, bad
