@@ -418,6 +418,7 @@ def open_index(path: str) -> ExpertIndex:
 
     # routed experts
     layers: dict[int, dict[str, object]] = {}
+    ref = None  # the first routed-expert tensor: the expert count every other must match
     for b in sorted(blocks):
         merged, legacy = {}, {}
         for rest, t in blocks[b]:
@@ -465,19 +466,14 @@ def open_index(path: str) -> ExpertIndex:
                                     f"expected {t0.qtype.name} {list(t0.ne)} as {t0.name}")
             spans[part] = (e, t0.nbytes, t0.qtype.name, t0.ne, [d[i].file for i in range(e)],
                            [d[i].offset for i in range(e)], t0)
-        ref = None
         for part in sorted(spans, key=_part_key):
             e, *_rest, t = spans[part]
-            if idx.n_experts == 0:
-                idx.n_experts, ref = e, t
             if ref is None:
-                ref = t
+                idx.n_experts, ref = e, t
             if e != idx.n_experts:
                 raise GGUFError(f"{files[t.file]}: tensor {t.name}: found {e} experts, "
                                 f"expected {idx.n_experts} as {ref.name}")
         layers[b] = spans
-        if ref is None:
-            pass
     if not layers:
         raise GGUFError(f"{first}: tensors: found no routed-expert tensors (blk.N.ffn_*_exps.* or "
                         f"blk.N.ffn_*.E.weight) among {len(tensors)}, expected at least one")

@@ -1,0 +1,97 @@
+"""Shared model fixtures for tests (owned by the index/synth work; others import these).
+
+Usage in any test module::
+
+    from fixtures import make_model, layout_path      # tests/ is on sys.path via conftest.py
+
+    def test_something(tmp_path):
+        path = make_model(tmp_path, "qwen3-30b-a3b-Q4_K_M", layers=4, experts=8)
+        idx = moecached.index.open_index(path)
+
+or, session-scoped, through the ``model_factory`` fixture of ``tests/conftest.py``::
+
+    def test_other(model_factory):
+        path = model_factory("olmoe-1b-7b-0924-Q4_K_M", layers=2, experts=4, split=3)
+
+``make_model`` writes each distinct (layout, layers, experts, split, legacy, seed) once per
+session (module-level cache; the files live in the first caller's tmp dir, which pytest keeps
+for the session) and returns the path to open (first shard for split sets). Expert bytes are
+``moecached.synth.expected_expert_bytes(block, part, expert, nbytes, seed)``; use
+``read_and_verify`` to check every slice of an index.
+
+Layouts: the embedded ``qwen3-30b-a3b-Q4_K_M`` always works; other names come from
+``$MOECACHE_SHARED/layouts`` or ``<repo>/../shared/layouts`` and the test is skipped (with the
+reason) when that directory is absent.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from moecached.layout import DATA_DIR, shared_layouts_dir
+from moecached.synth import verify_expert_bytes, write_model
+
+_CACHE: dict[tuple, str] = {}
+
+
+def layout_path(name: str) -> str:
+    """Path of a layout by name (embedded default, or a shared layout without ``.json``) or path;
+    skips the calling test when a shared layout is needed but the directory is absent."""
+    if os.path.isfile(name):
+        return name
+    emb = DATA_DIR / f"{name}.layout.json"
+    if emb.is_file():
+        return str(emb)
+    d = shared_layouts_dir()
+    if d is None:
+        pytest.skip(f"shared layouts not found (set MOECACHE_SHARED or provide ../shared/layouts) for {name}")
+    p = d / (name if name.endswith(".json") else f"{name}.json")
+    if not p.is_file():
+        pytest.skip(f"layout {name} not in {d}")
+    return str(p)
+
+
+def complete_layouts() -> list[str]:
+    """Names of the complete layouts in the shared directory ([] when absent)."""
+    d = shared_layouts_dir()
+    if d is None:
+        return []
+    return sorted(p.name[:-5] for p in d.glob("*.json") if not p.name.endswith(".partial.json"))
+
+
+def make_model(tmp_path, layout_name: str, layers=4, experts=8, split=None, legacy=False, seed=0) -> str:
+    """Write (once per session) a scaled synth model and return the path to open.
+    ``layers``: N or a list of source block numbers; see moecached.synth.write_model."""
+    key = (layout_name, tuple(layers) if isinstance(layers, (list, tuple)) else layers, experts, split, legacy, seed)
+    p = _CACHE.get(key)
+    if p and os.path.exists(p):
+        return p
+    lp = layout_path(layout_name)
+    tag = f"{Path(lp).name.split('.')[0]}-L{'_'.join(map(str, key[1])) if isinstance(key[1], tuple) else key[1]}" \
+          f"-E{experts}-S{split or 1}{'-legacy' if legacy else ''}-seed{seed}"
+    out = Path(tmp_path) / "models" / tag / "model.gguf"
+    paths = write_model(lp, out, layers=layers, experts=experts, split=split, seed=seed, progress=False, legacy=legacy)
+    _CACHE[key] = paths[0]
+    return paths[0]
+
+
+def read_and_verify(idx, seed=0, experts=None) -> list[str]:
+    """Read every expert part of every expert block through ``idx`` (plain reads at
+    PartSpan.offset) and return the list of mismatch descriptions (empty when all slices
+    carry their own stamp and bytes)."""
+    bad = []
+    fs = [open(f, "rb") for f in idx.files]
+    try:
+        for layer in idx.expert_layers:
+            for e in (range(idx.n_experts) if experts is None else experts):
+                for s in idx.parts(layer, e):
+                    fs[s.file].seek(s.offset)
+                    r = verify_expert_bytes(fs[s.file].read(s.nbytes), layer, s.part, e, seed)
+                    if r:
+                        bad.append(r)
+    finally:
+        for f in fs:
+            f.close()
+    return bad
