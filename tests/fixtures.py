@@ -37,14 +37,16 @@ _CACHE: dict[tuple, str] = {}
 
 
 def layout_path(name: str) -> str:
-    """Path of a layout by name (embedded default, or a shared layout without ``.json``) or path;
+    """Path of a layout by name (a shared layout without ``.json``, else the embedded default) or path;
     skips the calling test when a shared layout is needed but the directory is absent."""
     if os.path.isfile(name):
         return name
+    d = shared_layouts_dir()
+    if d is not None and (d / f"{name}.json").is_file():
+        return str(d / f"{name}.json")
     emb = DATA_DIR / f"{name}.layout.json"
     if emb.is_file():
         return str(emb)
-    d = shared_layouts_dir()
     if d is None:
         pytest.skip(f"shared layouts not found (set MOECACHE_SHARED or provide ../shared/layouts) for {name}")
     p = d / (name if name.endswith(".json") else f"{name}.json")
