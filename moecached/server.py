@@ -309,6 +309,9 @@ class Server:
         rid = 0
         try:
             msg = P.unpack(payload)
+            r = msg.get("id")
+            if isinstance(r, int) and not isinstance(r, bool) and 0 <= r < 2**64:
+                rid = r  # answer with the caller's id even when the rest is wrong
             rid, op = P.header(msg)
             getattr(self, "_op_" + op)(c, rid, msg)
         except P.ProtocolError as e:

@@ -410,7 +410,7 @@ class Client:
                             break
                         last_rx = now
                         try:
-                            rep = msgpack.unpackb(data, raw=False)
+                            rep = msgpack.unpackb(data, raw=False, strict_map_key=False)
                             rid = rep["id"]
                         except Exception:
                             continue

@@ -1,0 +1,178 @@
+"""Server + client against a real ExpertCache on real-layout fixtures (in-process daemon thread)."""
+import os
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from moecached.cache import ExpertCache
+from moecached.index import open_index
+from moecached.server import Server, ServerError
+from moecache_client import Client, ServerError as CError
+
+
+def file_bytes(idx, layer, expert):
+    out = {}
+    for s in idx.parts(layer, expert):
+        with open(idx.files[s.file], "rb") as f:
+            f.seek(s.offset)
+            out[s.part] = f.read(s.nbytes)
+    return out
+
+
+class Daemon:
+    def __init__(self, path, tmp, **kw):
+        self.idx = open_index(path)
+        self.cache = ExpertCache(self.idx, slots=kw.pop("slots", 16), lock_memory=False, readers=4)
+        self.endpoint = f"ipc://{tmp}/d.sock"
+        self.server = Server(self.cache, endpoint=self.endpoint, model_path=path, **kw)
+        self.t = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.t.start()
+
+    def stop(self):
+        self.server.stop()
+        self.t.join(10)
+        self.cache.close()
+
+
+@pytest.fixture
+def daemon(model_factory, tmp_path):
+    d = Daemon(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8), tmp_path, heartbeat_s=1.0)
+    yield d
+    d.stop()
+
+
+def raw(endpoint, payload, frames=None):
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    s.send_multipart(frames if frames is not None else [payload])
+    assert s.poll(5000), "daemon did not answer"
+    rep = msgpack.unpackb(s.recv_multipart()[-1], raw=False)
+    s.close()
+    return rep
+
+
+def test_acquire_bytes_exact_and_stats(daemon):
+    idx = daemon.idx
+    with Client(daemon.endpoint, name="t1") as c:
+        assert c.expert_layers == idx.expert_layers
+        for layer in idx.expert_layers:
+            with c.acquire(layer, [0, 3, 5]) as lease:
+                assert len(lease.slots) == 3
+                for e in (0, 3, 5):
+                    want = file_bytes(idx, layer, e)
+                    got = lease.parts(e)
+                    assert set(got) == set(want)
+                    for p in want:
+                        assert bytes(got[p]) == want[p], (layer, e, p)
+                    assert not got["down"].flags.writeable
+        # second time: hits
+        lease = c.acquire(idx.expert_layers[-1], [0, 3, 5])
+        assert lease.hits == 3 and lease.misses == 0
+        lease.release()
+        st = c.stats()
+        me = [x for x in st["clients"] if x["name"] == "t1"]
+        assert me and me[0]["hits"] >= 3 and me[0]["demand_misses"] >= 3 * len(idx.expert_layers)
+    assert daemon.cache.pinned_count() == 0
+
+
+def test_multi_layer_acquire_and_prefetch(daemon):
+    idx = daemon.idx
+    L = idx.expert_layers
+    with Client(daemon.endpoint) as c:
+        assert c.prefetch(L[0], [1, 2], wait=True) == 2
+        with c.acquire_many([(L[0], [1, 2]), (L[1], [4])]) as lease:
+            assert [(l, e) for l, e, _, _ in lease.items] == [(L[0], 1), (L[0], 2), (L[1], 4)]
+            assert bytes(lease.part(4, "gate", layer=L[1])) == file_bytes(idx, L[1], 4)["gate"]
+
+
+@pytest.mark.parametrize("msg,code", [
+    ({"v": 1, "id": 7, "op": "nope"}, "unknown_op"),
+    ({"v": 2, "id": 7, "op": "ping"}, "version"),
+    ({"v": 1, "id": 7, "op": "acquire", "layer": "x", "experts": [1]}, "bad_type"),
+    ({"v": 1, "id": 7, "op": "acquire", "layer": 999, "experts": [1]}, "out_of_range"),
+    ({"v": 1, "id": 7, "op": "acquire", "layer": 0, "experts": [99]}, "out_of_range"),
+    ({"v": 1, "id": 7, "op": "acquire", "layer": 0, "experts": [1, 1]}, "bad_type"),
+    ({"v": 1, "id": 7, "op": "acquire", "layer": 0, "experts": []}, "bad_type"),
+    ({"v": 1, "id": 7, "op": "release", "lease": 12345}, "stale_lease"),
+    ({"v": 1, "id": 7, "op": "release", "lease": "a"}, "bad_type"),
+])
+def test_structured_errors(daemon, msg, code):
+    rep = raw(daemon.endpoint, msgpack.packb(msg))
+    assert rep["ok"] is False and rep["error"]["code"] == code, rep
+    assert rep["id"] == 7
+    assert raw(daemon.endpoint, msgpack.packb({"v": 1, "id": 8, "op": "ping"}))["ok"]
+
+
+def test_malformed_and_huge_declared_array(daemon):
+    for payload in (b"\xc1garbage", b"\x93\x01", msgpack.packb([1, 2]),
+                    b"\xdd\xff\xff\xff\xff",                    # array32 declaring 4G entries
+                    b"\xdf\x7f\xff\xff\xff",                    # map32 declaring 2G pairs
+                    b"\xdb\xff\xff\xff\x00abc"):                # str32 declaring 4 GB
+        rep = raw(daemon.endpoint, payload)
+        assert rep["ok"] is False and rep["error"]["code"] == "malformed", (payload, rep)
+    rep = raw(daemon.endpoint, None, frames=[b"a", b"b", b"c"])
+    assert rep["error"]["code"] == "malformed"
+    # a large legitimate batch works: every layer x every expert in one acquire... (within slots)
+    L = daemon.idx.expert_layers
+    rep = raw(daemon.endpoint, msgpack.packb({"v": 1, "id": 9, "op": "prefetch",
+                                              "layers": [[l, list(range(8))] for l in L]}))
+    assert rep["ok"], rep
+
+
+def test_too_large_request(daemon):
+    # 16 slots over 4 layers of 8 experts: one class can never hold 8 experts x 4 layers
+    L = daemon.idx.expert_layers
+    with Client(daemon.endpoint) as c:
+        with pytest.raises(CError) as ei:
+            c.acquire_many([(l, list(range(8))) for l in L])
+        assert ei.value.code == "too_large"
+        c.acquire(L[0], [0]).release()  # still serving
+
+
+def test_lease_ownership_and_double_release(daemon):
+    L = daemon.idx.expert_layers
+    with Client(daemon.endpoint, name="a") as a, Client(daemon.endpoint, name="b") as b:
+        lease = a.acquire(L[0], [1])
+        with pytest.raises(CError) as ei:
+            b._call({"op": "release", "lease": lease.id})
+        assert ei.value.code == "not_owner"
+        a._call({"op": "release", "lease": lease.id})
+        with pytest.raises(CError) as ei:
+            a._call({"op": "release", "lease": lease.id})
+        assert ei.value.code == "unknown_lease"
+        lease.released = True
+    assert daemon.cache.pinned_count() == 0
+
+
+def test_heartbeat_expiry_releases_pins(daemon):
+    L = daemon.idx.expert_layers
+    c = Client(daemon.endpoint, heartbeat_s=100)  # never pings: looks dead to the daemon
+    c.acquire(L[0], [1, 2])
+    assert daemon.cache.pinned_count() == 2
+    deadline = time.time() + 5
+    while daemon.cache.pinned_count() and time.time() < deadline:
+        time.sleep(0.05)
+    assert daemon.cache.pinned_count() == 0
+    c._closed = True
+
+
+def test_second_daemon_refused_and_stale_socket(daemon, model_factory, tmp_path):
+    with pytest.raises(ServerError, match="another moecached"):
+        Server(daemon.cache, endpoint=daemon.endpoint)
+
+
+def test_stale_socket_file_replaced(model_factory, tmp_path):
+    sock = tmp_path / "d.sock"
+    sock.write_text("left by a crash")
+    d = Daemon(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8), tmp_path)
+    try:
+        with Client(d.endpoint) as c:
+            assert c.ping() < 5
+    finally:
+        d.stop()
+    assert not sock.exists() and not (tmp_path / "d.sock.lock").exists()
