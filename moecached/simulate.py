@@ -1,0 +1,462 @@
+"""Cache-policy simulator: replay routing traces through eviction policies.
+
+``moecache-ctl policy TRACE... [--policies LIST] [--sizes LIST] [--layout JSON | --model GGUF]
+[--gbps X] [--compute-ms X] [--warmup N] [--json] [--plot PNG]``
+
+Access model (exact rules in ``docs/policies.md``): tokens are grouped into steps (one token
+each unless the trace has ``step``); for each step and each MoE layer in order, the union of
+the step's experts in that layer (first-appearance order, ``-1`` skipped) is accessed together:
+each is looked up, loaded on a miss (evicting the policy's victim when the budget is full) and
+pinned, then all are released. Prompt tokens warm the cache; only decode tokens count. A trace
+without decode tokens counts every token after a warm-up prefix (default ``min(256, T // 4)``),
+and the result says so in ``note``.
+
+Sizes -> slots (capacity is in expert slots):
+  * a float fraction ``f`` (CLI: has a ``.`` or ends in ``%``): ``s = round_half_up(f * E)``
+    slots for every layer; a size class with ``n`` layers gets ``s * n`` slots.
+  * an int ``S`` (CLI: plain integer): ``S`` slots in all, split over size classes exactly as
+    the daemon does (``moecached.arena.plan_slots``: the largest fraction ``f`` with
+    ``sum_c floor(f * n_c * E) <= S``; class c gets ``floor(f * n_c * E)``); per-layer policies
+    give each layer of a class ``class_slots // n_c`` (as the cache's ``per-layer`` mode).
+Per-layer policies (``lru lfu slru opt``) have a budget per layer; the others one per class.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Optional
+
+import numpy as np
+
+from . import MoecacheError
+from . import _policy as _c
+from .policy import NEEDS_FUTURE, POLICIES, expand_policies, make_policy
+from .trace import Trace, load_trace
+
+__all__ = ["SimulationError", "Stream", "prepare", "capacities", "simulate", "main",
+           "layout_bytes", "model_bytes", "DEFAULT_GBPS", "HALVE_EVERY"]
+
+DEFAULT_GBPS = 3.7
+HALVE_EVERY = 64
+
+
+class SimulationError(MoecacheError, ValueError):
+    """Bad simulator input (size too small for a layer's experts, bad classes, ...)."""
+
+
+@dataclass
+class Stream:
+    """A trace flattened into the access stream (see ``_policy.build_stream``).
+
+    keys int64 [A] (key = layer * E + expert), set_start int64 [S+1], set_layer int64 [S],
+    set_counted uint8 [S], set_tokens_before int64 [S] (tokens of earlier steps),
+    max_set int64 [L] (largest set per layer), counted_tokens, warmup (tokens), note.
+    """
+    keys: np.ndarray
+    set_start: np.ndarray
+    set_layer: np.ndarray
+    set_counted: np.ndarray
+    set_tokens_before: np.ndarray
+    max_set: np.ndarray
+    n_layers: int
+    n_experts: int
+    n_tokens: int
+    counted_tokens: int
+    warmup: int
+    note: str
+    _next_use: Optional[np.ndarray] = None
+
+    @property
+    def next_use(self) -> np.ndarray:
+        if self._next_use is None:
+            self._next_use = _c.next_use(self.keys, self.n_layers * self.n_experts)
+        return self._next_use
+
+
+def prepare(trace, warmup: Optional[int] = None) -> Stream:
+    """Build the access stream of ``trace`` (a Trace or a path).
+
+    Args:
+        warmup: tokens at the start that never count. Default: 0 when the trace has decode
+            tokens (prompt tokens never count anyway), else ``min(256, T // 4)``.
+    Counted steps: first token index >= warmup and, when the trace has decode tokens, at least
+    one decode token in the step.
+    """
+    t = load_trace(trace) if not isinstance(trace, Trace) else trace.validate()
+    T, L, E = t.n_tokens, t.n_layers, t.n_experts
+    has_decode = t.n_decode > 0
+    if warmup is None:
+        warmup = 0 if has_decode else min(256, T // 4)
+    if warmup < 0:
+        raise SimulationError(f"warmup: found {warmup}, expected >= 0 tokens")
+    if t.step is not None and T:
+        starts = np.flatnonzero(np.r_[True, t.step[1:] != t.step[:-1]])
+    else:
+        starts = np.arange(T)
+    step_start = np.r_[starts, T].astype(np.int64)
+    ex = np.ascontiguousarray(t.experts, dtype=np.int16)
+    keys, ss, sl, st = _c.build_stream(ex, step_start, E)
+    decode = ~t.is_prompt
+    step_has_decode = np.logical_or.reduceat(decode, starts) if T else np.zeros(0, bool)
+    step_ok = step_start[:-1] >= warmup
+    if has_decode:
+        step_ok &= step_has_decode
+    counted = step_ok[st].astype(np.uint8)
+    tokens_before = step_start[:-1][st].astype(np.int64)
+    sizes = np.diff(ss)
+    max_set = np.zeros(L, np.int64)
+    if len(sl):
+        np.maximum.at(max_set, sl, sizes)
+    ntok = np.diff(step_start)
+    counted_tokens = int(ntok[step_ok].sum())
+    if has_decode:
+        note = "" if warmup == 0 else f"decode tokens after a warm-up prefix of {warmup} tokens"
+    else:
+        note = (f"no decode tokens: counting all {counted_tokens} tokens after a warm-up "
+                f"prefix of {min(warmup, T)} tokens")
+    return Stream(keys=keys, set_start=ss, set_layer=sl, set_counted=counted,
+                  set_tokens_before=tokens_before, max_set=max_set, n_layers=L, n_experts=E,
+                  n_tokens=T, counted_tokens=counted_tokens, warmup=warmup, note=note)
+
+
+def _classes(per_class_layers, L):
+    if per_class_layers is None:
+        return [list(range(L))]
+    cls = [list(map(int, c)) for c in per_class_layers]
+    flat = sorted(x for c in cls for x in c)
+    if flat != list(range(L)) or any(not c for c in cls):
+        raise SimulationError(f"per_class_layers: found {cls}, expected non-empty lists that "
+                              f"partition the trace layers 0..{L - 1}")
+    return cls
+
+
+def capacities(size, n_layers: int, n_experts: int, per_class_layers=None):
+    """Slots for ``size`` (see module docstring).
+
+    Returns:
+        (class_caps list[int] per class, layer_caps int64 [n_layers], description str).
+    Raises:
+        SimulationError: size <= 0, a float above 1, a non-number.
+    """
+    cls = _classes(per_class_layers, n_layers)
+    E = n_experts
+    layer_caps = np.zeros(n_layers, np.int64)
+    if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, float, np.integer,
+                                                                   np.floating)):
+        raise SimulationError(f"size: found {size!r}, expected a fraction (float) or slots (int)")
+    if isinstance(size, (float, np.floating)):
+        if not 0 < size <= 1:
+            raise SimulationError(f"size: found {size}, expected a fraction in (0, 1]")
+        s = int(math.floor(size * E + 0.5))
+        layer_caps[:] = s
+        class_caps = [s * len(c) for c in cls]
+        desc = f"{size:g} x {E} = {s} slots/layer"
+    else:
+        S = int(size)
+        if S < 1:
+            raise SimulationError(f"size: found {S} slots, expected >= 1")
+        weights = [len(c) * E for c in cls]
+        cands = sorted({Fraction(k, w) for w in set(weights) for k in range(1, w + 1)})
+        best = Fraction(0)
+        lo, hi = 0, len(cands) - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if sum(int(cands[mid] * w) for w in weights) <= S:
+                best = cands[mid]
+                lo = mid + 1
+            else:
+                hi = mid - 1
+        class_caps = [int(best * w) for w in weights]
+        for c, cap in zip(cls, class_caps):
+            layer_caps[c] = cap // len(c)
+        desc = f"{S} slots -> {sum(class_caps)} used ({'/'.join(map(str, class_caps))} per class)"
+    return class_caps, layer_caps, desc
+
+
+def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[int] = None,
+             bytes_per_expert=None, stream: Optional[Stream] = None) -> dict:
+    """Replay ``trace`` through ``policy`` at cache ``size``.
+
+    Args:
+        trace: Trace or path (ignored when ``stream`` from :func:`prepare` is given).
+        policy: a name of ``moecached.policy.POLICIES`` (e.g. ``"g-lru"``, the daemon's).
+        size: float fraction of each layer's experts, or int total slots (module docstring).
+        per_class_layers: list of lists of trace-layer indices, one list per size class;
+            ``class`` policies get one budget per class, exactly like the daemon. Default: one
+            class holding every layer.
+        warmup: see :func:`prepare`.
+        bytes_per_expert: optional sequence [n_layers] of bytes read per expert miss.
+    Returns:
+        dict: policy, scope, size, slots (total), class_caps, hits, accesses, misses, hit_rate
+        (hits / accesses, nan when nothing counted), hits_per_layer, accesses_per_layer,
+        counted_tokens, warmup, note, seconds (replay time); with ``bytes_per_expert`` also
+        bytes_per_token.
+    Raises:
+        SimulationError: a budget smaller than the experts one step routes to one layer (they
+        must all be resident together), bad size or classes. ValueError: unknown policy.
+    """
+    st = stream if stream is not None else prepare(trace, warmup)
+    L, E = st.n_layers, st.n_experts
+    scope = POLICIES[expand_policies([policy])[0]][0]
+    cls = _classes(per_class_layers, L)
+    class_caps, layer_caps, desc = capacities(size, L, E, cls)
+    if scope == "layer":
+        group = np.repeat(np.arange(L, dtype=np.int64), E)
+        caps = layer_caps
+        need = st.max_set
+        for l in range(L):
+            if caps[l] < max(need[l], 1):
+                raise SimulationError(
+                    f"size {size} ({desc}): layer {l} gets {caps[l]} slots, expected >= "
+                    f"{max(need[l], 1)} (experts one step routes to that layer)")
+    else:
+        class_of_layer = np.zeros(L, np.int64)
+        for ci, c in enumerate(cls):
+            class_of_layer[c] = ci
+        group = np.repeat(class_of_layer, E)
+        caps = np.array(class_caps, np.int64)
+        for ci, c in enumerate(cls):
+            need = max(int(st.max_set[c].max()), 1)
+            if caps[ci] < need:
+                raise SimulationError(f"size {size} ({desc}): size class {ci} gets {caps[ci]} "
+                                      f"slots, expected >= {need}")
+    pol = make_policy(policy, group, caps, st.next_use if policy in NEEDS_FUTURE else None)
+    halve = HALVE_EVERY if POLICIES[policy][2] else 0
+    t0 = time.perf_counter()
+    hits, acc = _c.replay(pol, st.keys, st.set_start, st.set_layer, st.set_counted,
+                          st.set_tokens_before, L, halve)
+    dt = time.perf_counter() - t0
+    H, A = int(hits.sum()), int(acc.sum())
+    out = dict(policy=policy, scope=scope, size=size, size_desc=desc,
+               slots=int(caps.sum()), class_caps=[int(x) for x in class_caps],
+               hits=H, accesses=A, misses=A - H, hit_rate=(H / A) if A else float("nan"),
+               hits_per_layer=hits.tolist(), accesses_per_layer=acc.tolist(),
+               counted_tokens=st.counted_tokens, warmup=st.warmup, note=st.note,
+               seconds=dt, stream_accesses=int(len(st.keys)))
+    if bytes_per_expert is not None:
+        b = np.asarray(bytes_per_expert, dtype=np.float64)
+        if b.shape != (L,):
+            raise SimulationError(f"bytes_per_expert: found {b.shape[0] if b.ndim else b} "
+                                  f"layers, expected {L} (the trace's MoE layers)")
+        miss = (acc - hits).astype(np.float64)
+        out["bytes_per_token"] = float(miss @ b / st.counted_tokens) if st.counted_tokens \
+            else float("nan")
+    return out
+
+
+def layout_bytes(path) -> tuple:
+    """Bytes per expert per MoE layer from a layout JSON (``expert_bytes`` entries, parts
+    summed), and the size classes (layers grouped by equal per-expert bytes).
+    Returns (list[int] per trace layer, list of lists of trace layers)."""
+    try:
+        with open(path) as fh:
+            d = json.load(fh)
+    except (OSError, json.JSONDecodeError) as ex:
+        raise SimulationError(f"{path}: unreadable layout ({ex}), expected a layout JSON")
+    eb = d.get("expert_bytes")
+    if not isinstance(eb, list) or not eb:
+        raise SimulationError(f"{path}: expert_bytes: absent or empty, expected a list of "
+                              "{layer, <part>: {bytes_per_expert}}")
+    rows = sorted(eb, key=lambda r: r["layer"])
+    per = [sum(v["bytes_per_expert"] for k, v in r.items()
+               if isinstance(v, dict) and "bytes_per_expert" in v) for r in rows]
+    return per, _group_equal(per)
+
+
+def _group_equal(per):
+    cls = {}
+    for i, b in enumerate(per):
+        cls.setdefault(b, []).append(i)
+    return list(cls.values())
+
+
+def model_bytes(path) -> tuple:
+    """Bytes per expert per MoE layer and the daemon's size classes from a GGUF model
+    (``moecached.index.open_index``). Returns (list[int], list of lists of trace layers)."""
+    from .index import open_index  # lazy: heavy, and optional for the simulator
+    idx = open_index(path)
+    pos = {b: i for i, b in enumerate(idx.expert_layers)}
+    per = [0] * len(idx.expert_layers)
+    cls = []
+    for sc in idx.size_classes:
+        layers = sorted(pos[b] for b in sc.layers)
+        cls.append(layers)
+        for i in layers:
+            per[i] = int(sc.slot_bytes)
+    return per, cls
+
+
+def _parse_size(s: str):
+    s = s.strip()
+    try:
+        if s.endswith("%"):
+            return float(s[:-1]) / 100.0
+        if "." in s or "e" in s.lower():
+            return float(s)
+        return int(s)
+    except ValueError:
+        raise SimulationError(f"--sizes: found {s!r}, expected a fraction (0.25, 25%) or "
+                              "an integer slot count") from None
+
+
+def _fmt_size(x):
+    return f"{x * 100:g}%" if isinstance(x, float) else f"{x} slots"
+
+
+def _table(title, rows, cols, cell):
+    w0 = max([len(title)] + [len(r) for r in rows])
+    heads = [_fmt_size(c) for c in cols]
+    ws = [max(9, len(h)) for h in heads]
+    lines = [f"{title:<{w0}}  " + "  ".join(f"{h:>{w}}" for h, w in zip(heads, ws))]
+    for r in rows:
+        lines.append(f"{r:<{w0}}  " + "  ".join(f"{cell(r, c):>{w}}" for c, w in zip(cols, ws)))
+    return "\n".join(lines)
+
+
+def run(paths, policies, sizes, warmup=None, bytes_per_expert=None, per_class_layers=None,
+        gbps=DEFAULT_GBPS, compute_ms=None):
+    """Simulate every trace x policy x size; returns a list of per-trace dicts."""
+    out = []
+    for p in paths:
+        t = load_trace(p)
+        st = prepare(t, warmup)
+        bpe, cls = bytes_per_expert, per_class_layers
+        if bpe is not None and len(bpe) != t.n_layers:
+            raise SimulationError(f"{p}: layout/model has {len(bpe)} MoE layers, expected "
+                                  f"{t.n_layers} (the trace's)")
+        res = {}
+        for pol in policies:
+            for sz in sizes:
+                try:
+                    r = simulate(t, pol, sz, cls, warmup, bpe, stream=st)
+                    if bpe is not None:
+                        bpt = r["bytes_per_token"]
+                        r["drive_tok_s"] = gbps * 1e9 / bpt if bpt else float("inf")
+                        if compute_ms is not None:
+                            r["tok_s_with_compute"] = 1.0 / (bpt / (gbps * 1e9)
+                                                             + compute_ms / 1e3)
+                except SimulationError as ex:
+                    r = dict(policy=pol, size=sz, error=str(ex))
+                res[(pol, sz)] = r
+        out.append(dict(trace=os.fspath(p), model=t.meta.get("model"), n_tokens=t.n_tokens,
+                        n_layers=t.n_layers, n_experts=t.n_experts, top_k=t.top_k,
+                        counted_tokens=st.counted_tokens, warmup=st.warmup, note=st.note,
+                        n_classes=len(cls) if cls else 1, results=res))
+    return out
+
+
+def _plot(out, policies, sizes, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SimulationError("--plot needs matplotlib (pip install matplotlib)") from None
+    n = len(out)
+    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.6), squeeze=False)
+    xs = sorted(sizes, key=lambda s: (s if isinstance(s, float) else 2.0 + s))
+    for ax, o in zip(axes[0], out):
+        for pol in policies:
+            pts = [(s, o["results"][(pol, s)].get("hit_rate")) for s in xs]
+            pts = [(s, h) for s, h in pts if h is not None and h == h]
+            if pts:
+                xv = [s * 100 if isinstance(s, float) else s for s, _ in pts]
+                ax.plot(xv, [h * 100 for _, h in pts], marker="o", ms=3, lw=1.2,
+                        ls="--" if pol in NEEDS_FUTURE else "-", label=pol)
+        ax.set_title(os.path.basename(o["trace"]).replace(".npz", ""), fontsize=8)
+        ax.set_xlabel("cache size (% of each layer's experts)" if all(
+            isinstance(s, float) for s in xs) else "cache size")
+        ax.set_ylabel("hit rate (%)")
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    axes[0][-1].legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    """CLI entry (``moecache-ctl policy``); returns the exit status."""
+    ap = argparse.ArgumentParser(prog="moecache-ctl policy",
+                                 description="replay routing traces through cache policies")
+    ap.add_argument("traces", nargs="+", metavar="TRACE", help="trace .npz files")
+    ap.add_argument("--policies", default="all",
+                    help=f"comma list of {', '.join(POLICIES)} (aliases: w-tinylfu, all)")
+    ap.add_argument("--sizes", default="0.25,0.5,0.75",
+                    help="comma list: fractions of each layer's experts (0.25, 25%%) or "
+                         "integer total slots")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--layout", help="layout JSON (expert_bytes) for bytes per expert")
+    src.add_argument("--model", help="GGUF model for bytes per expert and size classes")
+    ap.add_argument("--gbps", type=float, default=DEFAULT_GBPS,
+                    help="drive read bandwidth, GB/s (1e9 bytes/s)")
+    ap.add_argument("--compute-ms", type=float, help="compute time per token, ms")
+    ap.add_argument("--warmup", type=int, help="tokens at the start that never count "
+                    "(default: 0 with decode tokens, else min(256, T/4))")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    ap.add_argument("--plot", help="write hit rate vs cache size per policy (PNG)")
+    a = ap.parse_args(argv)
+    try:
+        policies = expand_policies(a.policies)
+    except ValueError as ex:
+        raise SimulationError(f"--policies: {ex}") from None
+    sizes = [_parse_size(s) for s in a.sizes.split(",") if s.strip()]
+    if a.gbps <= 0:
+        raise SimulationError(f"--gbps: found {a.gbps}, expected > 0")
+    bpe = cls = None
+    if a.layout:
+        bpe, cls = layout_bytes(a.layout)
+    elif a.model:
+        bpe, cls = model_bytes(a.model)
+    out = run(a.traces, policies, sizes, a.warmup, bpe, cls, a.gbps, a.compute_ms)
+    if a.plot:
+        _plot(out, policies, sizes, a.plot)
+    if a.json:
+        js = []
+        for o in out:
+            o = dict(o)
+            o["results"] = [r for r in o["results"].values()]
+            js.append(o)
+        json.dump(js, sys.stdout, indent=1, default=float)
+        print()
+        return 0
+    for o in out:
+        print(f"== {o['trace']}: {o['n_tokens']} tokens, {o['n_layers']} MoE layers, "
+              f"{o['n_experts']} experts, top-{o['top_k']}; counted tokens {o['counted_tokens']}"
+              + (f"; {o['n_classes']} size classes" if o["n_classes"] > 1 else ""))
+        if o["note"]:
+            print(f"note: {o['note']}")
+        res = o["results"]
+        errs = sorted({r["error"] for r in res.values() if "error" in r})
+
+        def cell(fmt):
+            def f(p, s):
+                r = res[(p, s)]
+                return "n/a" if "error" in r else fmt(r)
+            return f
+
+        print(_table("hit rate", policies, sizes, cell(lambda r: f"{r['hit_rate'] * 100:.1f}%")))
+        if bpe is not None:
+            print(_table("MB read/token", policies, sizes,
+                         cell(lambda r: f"{r['bytes_per_token'] / 1e6:.1f}")))
+            print(_table(f"tok/s @{a.gbps:g} GB/s", policies, sizes,
+                         cell(lambda r: f"{r['drive_tok_s']:.2f}")))
+            if a.compute_ms is not None:
+                print(_table(f"tok/s +{a.compute_ms:g} ms", policies, sizes,
+                             cell(lambda r: f"{r['tok_s_with_compute']:.2f}")))
+        for e in errs:
+            print(f"n/a: {e}")
+        print()
+    if a.plot:
+        print(f"plot: {a.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
