@@ -104,6 +104,7 @@ class Server:
         self.recorder = None
         self.recorder_client = None
         self.counters = collections.Counter()
+        self.extra_stats = None  # optional callable -> dict merged into stats (the floor)
         self._stopping = False
         self._lock_fd = None
         self._ipc = _ipc_path(endpoint)
@@ -500,6 +501,8 @@ class Server:
                   leases=len(self.leases), server=dict(self.counters),
                   clients=[c.summary() for c in self.clients.values()],
                   tracing=(self.recorder.path if self.recorder is not None else None))
+        if self.extra_stats is not None:
+            st.update(self.extra_stats())
         return st
 
     def _op_stats(self, c: _Client, rid: int, msg: dict) -> None:
@@ -507,14 +510,21 @@ class Server:
 
     def _op_status(self, c: _Client, rid: int, msg: dict) -> None:
         st = self.cache.stats()
-        keep = ("budget_bytes", "configured_budget_bytes", "current_budget_bytes", "slots",
-                "slots_used", "pinned", "hits", "demand_misses", "prefetch_hits",
-                "hit_rate", "reads_in_flight")
+        looked = st.get("hits", 0) + st.get("prefetch_hits", 0) + st.get("demand_misses", 0)
+        budget = st.get("budget", {})
+        classes = st.get("classes", [])
         self._reply(c.ident, rid, status={
             "state": "serving", "pid": os.getpid(), "version": __version__,
             "uptime_s": round(time.time() - self.started, 3), "model": self.model_path,
             "endpoint": self.endpoint, "clients": len(self.clients), "leases": len(self.leases),
-            **{k: st[k] for k in keep if k in st}})
+            "budget_configured_bytes": budget.get("configured_bytes"),
+            "budget_current_bytes": budget.get("current_bytes"),
+            "slots": sum(x.get("slots", 0) for x in classes),
+            "slots_used": sum(x.get("used", 0) for x in classes),
+            "pinned": st.get("pinned"), "hits": st.get("hits"),
+            "prefetch_hits": st.get("prefetch_hits"), "demand_misses": st.get("demand_misses"),
+            "hit_rate": (st.get("hits", 0) + st.get("prefetch_hits", 0)) / looked if looked else None,
+            "reads_in_flight": st.get("reads_in_flight")})
 
     def _op_trace_start(self, c: _Client, rid: int, msg: dict) -> None:
         path = msg.get("path")

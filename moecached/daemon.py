@@ -1,0 +1,172 @@
+"""``moecached``: the daemon's entry point (what ``systemctl start moecached`` runs).
+
+    moecached --model PATH [--budget SIZE | --slots N] [--endpoint ipc://...] [--config FILE]
+
+Start-up order: configuration (file + flags, validated) -> index of the model's experts ->
+arena reserved and locked + readers -> ZeroMQ socket bound -> READY=1 to systemd. A failure
+at any step prints one line and exits 1 (systemd restarts it per the unit file). SIGTERM
+stops gracefully (pending requests fail with ``shutdown``, socket and arena files removed);
+SIGHUP re-reads the config file and applies what can change without a restart.
+"""
+from __future__ import annotations
+
+import argparse
+import grp
+import logging
+import os
+import sys
+
+from . import MoecacheError, __version__
+from . import config as C
+
+log = logging.getLogger("moecached")
+
+
+def _setup_logging(level: str) -> None:
+    try:
+        from .logs import setup_logging
+        setup_logging(level)
+    except ImportError:  # pragma: no cover
+        logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
+
+
+def _notify(*lines: str) -> None:
+    try:
+        from . import notify
+    except ImportError:  # pragma: no cover
+        return
+    notify.notify("\n".join(lines))
+
+
+def min_budget_for(index, cache) -> int:
+    """Smallest budget the memory floor may shrink to: two layers' top-k of every size class
+    (one layer computing, the next loading), in bytes."""
+    need = 0
+    for sc in index.size_classes:
+        need += 2 * index.top_k * sc.slot_bytes
+    return min(need, cache.arena.size)
+
+
+def build(cfg: C.Config):
+    """Index + cache + (floor) + server for a validated Config. Returns (server, cache, floor)."""
+    from .cache import ExpertCache
+    from .index import open_index
+    from .server import Server
+
+    _notify("STATUS=indexing " + cfg.model)
+    idx = open_index(cfg.model)
+    gid = grp.getgrnam(cfg.group).gr_gid if cfg.group else None
+    _notify("STATUS=reserving and locking the arena")
+    cache = ExpertCache(idx, budget_bytes=cfg.budget, slots=cfg.slots, policy=cfg.policy,
+                        readers=cfg.readers, chunk_bytes=cfg.chunk, arena_dir=cfg.arena_dir,
+                        hugetlb=cfg.hugetlb, lock_memory=cfg.lock_memory, direct_io=cfg.direct_io,
+                        shrunk_policy=cfg.on_pressure)
+    try:
+        os.chmod(cache.arena.path, cfg.arena_mode)
+        if gid is not None:
+            os.chown(cache.arena.path, -1, gid)
+        floor = None
+        if cfg.floor is not None:
+            from .floor import MemoryFloor
+            floor = MemoryFloor(cfg.floor, cfg.floor_hysteresis, cache.arena.size,
+                                cfg.min_budget if cfg.min_budget is not None else min_budget_for(idx, cache),
+                                cache.set_budget, interval=cfg.floor_interval_s,
+                                min_change_interval=cfg.floor_min_change_s,
+                                log=logging.getLogger("moecached.floor"))
+
+        watchdog = None
+        try:
+            from . import notify as N
+            watchdog = getattr(N, "watchdog_ping", None) if N.watchdog_interval() else None
+        except Exception:
+            watchdog = None
+
+        def on_tick(now):
+            if floor is not None:
+                floor.tick(now)
+            if watchdog is not None:
+                watchdog()
+
+        server = Server(cache, endpoint=cfg.endpoint, model_path=cfg.model,
+                        heartbeat_s=cfg.heartbeat_s, socket_mode=cfg.socket_mode, gid=gid,
+                        on_tick=on_tick, tick_s=min(1.0, cfg.floor_interval_s),
+                        max_request_experts=cfg.max_request_experts)
+        if floor is not None:
+            server.extra_stats = lambda: {"floor": floor.stats()}
+    except BaseException:
+        cache.close()
+        raise
+    return server, cache, floor
+
+
+def run(cfg: C.Config) -> int:
+    """Run the daemon until SIGTERM/SIGINT. Returns the process exit code."""
+    try:
+        server, cache, floor = build(cfg)
+    except MoecacheError as e:
+        log.error("%s", e)
+        _notify(f"STATUS=failed: {e}")
+        return 1
+    state = {"cfg": cfg}
+
+    def reload():
+        try:
+            new = C.load_config(cfg.path, {k: v for k, v in cfg.as_dict().items()
+                                           if cfg.sources.get(k) == "command line"},
+                                origin="command line", cli=False)
+        except MoecacheError as e:
+            log.error("SIGHUP: config not reloaded: %s", e)
+            return
+        apply, restart = C.reload_changes(state["cfg"], new)
+        if "log_level" in apply:
+            logging.getLogger().setLevel(new.log_level.upper())
+        if "heartbeat_s" in apply:
+            server.heartbeat_s = new.heartbeat_s
+        if floor is not None and any(k.startswith("floor") for k in apply):
+            floor.reconfigure(floor_bytes=new.floor, hysteresis_bytes=new.floor_hysteresis)
+        if restart:
+            log.warning("SIGHUP: %s changed; these need a restart", ", ".join(restart))
+        log.info("SIGHUP: reloaded %s", ", ".join(apply) or "nothing changed")
+        state["cfg"] = new
+
+    server.install_signal_handlers(on_hup=reload)
+    st = cache.stats()
+
+    def ready():
+        slots = sum(c.n_slots for c in cache.arena.classes)
+        msg = (f"serving {os.path.basename(cfg.model)} on {cfg.endpoint}: {slots} slots, "
+               f"{cache.arena.size / 2**30:.2f} GiB arena")
+        log.info("moecached %s %s", __version__, msg)
+        _notify("READY=1", f"STATUS={msg}", f"MAINPID={os.getpid()}")
+
+    try:
+        server.serve_forever(ready=ready)
+    finally:
+        _notify("STOPPING=1")
+        cache.close()
+    log.info("stopped")
+    del st
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="moecached", description="Expert cache daemon for mixture-of-experts models "
+                                "(see docs/operations.md)")
+    p.add_argument("--version", action="version", version=f"moecached {__version__}")
+    p.add_argument("--print-config", action="store_true", help="print the effective configuration as TOML and exit")
+    C.add_cli_args(p)
+    args = p.parse_args(argv)
+    try:
+        cfg = C.config_from_args(args, check_runnable=not args.print_config)
+    except MoecacheError as e:
+        print(f"moecached: error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(C.dump_toml(cfg), end="")
+        return 0
+    _setup_logging(cfg.log_level)
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
