@@ -1,0 +1,518 @@
+"""Daemon configuration: ``/etc/moecached/moecached.toml`` (``tomllib``), overridden by CLI flags.
+
+Precedence: built-in defaults < the config file < command-line flags (or ``overrides``). The
+default file is read only if it exists; a file named with ``--config`` must exist.
+
+Every value is validated; a bad one raises :class:`ConfigError` with one line naming where it
+came from, the key, the value and what was expected, for example::
+
+    /etc/moecached/moecached.toml: readers = 0: expected an integer from 1 to 1024
+    command line: --budget = "8GG": expected a size such as 8GiB, 512M, ...
+    /etc/moecached/moecached.toml: unknown key "budjet" (did you mean "budget"?)
+
+The keys, their defaults and meaning are in :data:`KEYS` (and ``docs/operations.md``,
+``systemd/moecached.toml.example``). Sizes take units (see :mod:`moecached.units`), modes are
+octal (``0o660`` in TOML, or the string ``"0660"``).
+
+API: :class:`Config`, :func:`load_config`, :func:`add_cli_args`, :func:`config_from_args`,
+:func:`reload_changes` (what a SIGHUP may apply without a restart), :func:`dump_toml`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import grp
+import json
+import os
+import re
+import shlex
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from . import MoecacheError
+from .units import SIZE_EXPECTED, SizeError, parse_size
+
+__all__ = ["Config", "ConfigError", "KEYS", "DEFAULT_PATH", "DEFAULT_ENDPOINT", "RELOADABLE",
+           "load_config", "add_cli_args", "config_from_args", "reload_changes", "dump_toml"]
+
+DEFAULT_PATH = "/etc/moecached/moecached.toml"
+DEFAULT_ENDPOINT = "ipc:///run/moecached/moecached.sock"
+DEFAULT_GROUP = "moecached"
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+#: Longest ipc:// path: sizeof(sockaddr_un.sun_path) - 1.
+MAX_IPC_PATH = 107
+
+
+class ConfigError(MoecacheError):
+    """An invalid configuration value, unknown key or unreadable file; ``str(e)`` is one line."""
+
+
+_AUTO = object()   # "group" not given: "moecached" if that group exists, else none
+
+
+@dataclass
+class Config:
+    """The daemon's settings. Sizes are bytes, times seconds, modes ints (e.g. ``0o660``)."""
+    model: Optional[str] = None              # GGUF file (first file of a split set)
+    budget: Optional[int] = None             # cache size in bytes (or give slots)
+    slots: Optional[int] = None              # cache size in expert slots (or give budget)
+    endpoint: str = DEFAULT_ENDPOINT         # ZeroMQ endpoint, ipc:// (tcp:// needs allow_tcp)
+    allow_tcp: bool = False                  # permit a tcp:// endpoint (no access control!)
+    arena_dir: str = "/dev/shm"              # where the arena file lives (tmpfs or hugetlbfs)
+    hugetlb: bool = False                    # back the arena with huge pages
+    lock_memory: bool = True                 # mlock the arena
+    direct_io: bool = True                   # O_DIRECT reads of the model
+    readers: int = 16                        # reader threads
+    chunk: int = 256 * KiB                   # read size, bytes (multiple of 4 KiB)
+    policy: str = "global"                   # eviction scope: global | per-layer
+    floor: Optional[int] = None              # memory floor, bytes; None = off
+    floor_hysteresis: int = 1 * GiB          # grow back above floor + this
+    floor_interval_s: float = 1.0            # floor sampling period
+    floor_min_change_s: float = 5.0          # least time between a change and a grow
+    min_budget: Optional[int] = None         # the floor never shrinks below this (None: daemon picks)
+    on_pressure: str = "error"               # acquire that cannot fit: error | wait
+    pressure_timeout_s: float = 30.0         # on_pressure = wait: give up after this
+    heartbeat_s: float = 5.0                 # client lease heartbeat period
+    socket_mode: int = 0o660                 # mode of the ipc socket file
+    arena_mode: int = 0o640                  # mode of the arena file
+    group: Optional[str] = None              # group owning socket and arena (None: leave as is)
+    log_level: str = "info"                  # debug | info | warning | error
+    max_request_experts: int = 16384         # experts named in one request, at most
+    max_message_bytes: int = 4 * MiB         # largest request message accepted
+    # where each value came from: "default", the config file's path, or "command line"
+    sources: dict = field(default_factory=dict, repr=False, compare=False)
+    path: Optional[str] = field(default=None, compare=False)   # config file read, if any
+
+    @property
+    def ipc_path(self) -> Optional[str]:
+        """Filesystem path of an ``ipc://`` endpoint, else None."""
+        return self.endpoint[len("ipc://"):] if self.endpoint.startswith("ipc://") else None
+
+    def as_dict(self) -> dict:
+        """The settings (no bookkeeping fields) as a plain dict."""
+        return {k: getattr(self, k) for k in KEYS}
+
+
+# -- validators: value -> parsed value, or raise _Bad(expected) -----------------------------------
+
+class _Bad(Exception):
+    def __init__(self, expected: str):
+        super().__init__(expected)
+        self.expected = expected
+
+
+def _int_range(lo: int, hi: int) -> Callable:
+    def v(x):
+        if isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi:
+            raise _Bad(f"an integer from {lo} to {hi}")
+        return x
+    return v
+
+
+def _float_range(lo: float, hi: float, lo_open: bool = False) -> Callable:
+    desc = f"a number of seconds {'>' if lo_open else '>='} {lo:g} and <= {hi:g}"
+
+    def v(x):
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise _Bad(desc)
+        x = float(x)
+        if not (x > lo if lo_open else x >= lo) or not x <= hi:
+            raise _Bad(desc)
+        return x
+    return v
+
+
+def _bool(x):
+    if not isinstance(x, bool):
+        raise _Bad("true or false")
+    return x
+
+
+def _choice(*opts: str) -> Callable:
+    desc = " or ".join(f'"{o}"' for o in opts)
+
+    def v(x):
+        if not isinstance(x, str) or x.lower() not in opts:
+            raise _Bad(desc)
+        return x.lower()
+    return v
+
+
+def _size(lo: int = 0, multiple: int = 1, hi: Optional[int] = None, optional_zero: bool = False) -> Callable:
+    extra = []
+    if lo == 1:
+        extra.append("more than 0 bytes")
+    elif lo > 0:
+        extra.append(f"at least {_human(lo)}")
+    if hi is not None:
+        extra.append(f"at most {_human(hi)}")
+    if multiple > 1:
+        extra.append(f"a multiple of {_human(multiple)}")
+    desc = SIZE_EXPECTED + (", " + ", ".join(extra) if extra else "")
+    if optional_zero:
+        desc += "; 0 or false turns it off"
+
+    def v(x):
+        if optional_zero and (x is False or x == 0 or x == "0"):
+            return None
+        try:
+            n = parse_size(x)
+        except SizeError:
+            raise _Bad(desc) from None
+        if n < lo or (hi is not None and n > hi) or n % multiple:
+            raise _Bad(desc)
+        return n
+    return v
+
+
+def _human(n: int) -> str:
+    for unit, f in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= f and n % f == 0:
+            return f"{n // f} {unit}"
+    return f"{n} B"
+
+
+def _mode(x):
+    desc = 'a file mode from 0o000 to 0o777: 0o660 (a TOML octal integer) or "0660"'
+    if isinstance(x, str) and re.fullmatch(r"(0o|0)?[0-7]{1,4}", x.strip()):
+        s = x.strip()
+        n = int(s[2:] if s.startswith("0o") else s, 8)
+    elif isinstance(x, int) and not isinstance(x, bool):
+        n = x
+    else:
+        raise _Bad(desc)
+    if not 0 <= n <= 0o777:
+        raise _Bad(desc)
+    return n
+
+
+def _abs_path(x):
+    if not isinstance(x, str) or not x.startswith("/") or "\0" in x:
+        raise _Bad("an absolute path")
+    return os.path.normpath(x)
+
+
+def _model(x):
+    if not isinstance(x, str) or not x or "\0" in x:
+        raise _Bad("the path of a GGUF file")
+    return x
+
+
+def _endpoint(x):
+    desc = (f"ipc:///absolute/path (at most {MAX_IPC_PATH} bytes) or tcp://HOST:PORT")
+    if not isinstance(x, str):
+        raise _Bad(desc)
+    if x.startswith("ipc://"):
+        p = x[len("ipc://"):]
+        if not p.startswith("/") or len(p.encode()) > MAX_IPC_PATH or "\0" in p:
+            raise _Bad(desc)
+        return x
+    if re.fullmatch(r"tcp://(\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}", x) and \
+            0 < int(x.rsplit(":", 1)[1]) < 65536:
+        return x
+    raise _Bad(desc)
+
+
+def _group(x):
+    if x is None or x == "" or x is False:
+        return None
+    if isinstance(x, int) and not isinstance(x, bool):
+        try:
+            return grp.getgrgid(x).gr_name
+        except KeyError:
+            raise _Bad("an existing group (name or gid), or \"\" for none") from None
+    if isinstance(x, str):
+        try:
+            grp.getgrnam(x)
+            return x
+        except KeyError:
+            raise _Bad("an existing group (name or gid), or \"\" for none") from None
+    raise _Bad("an existing group (name or gid), or \"\" for none")
+
+
+def _log_level(x):
+    if isinstance(x, str) and x.lower() == "warn":
+        return "warning"
+    return _choice("debug", "info", "warning", "error")(x)
+
+
+@dataclass(frozen=True)
+class Key:
+    """One configuration key: its validator, CLI flag, metavar and help."""
+    check: Callable
+    flag: str
+    help: str
+    metavar: Optional[str] = None
+    kind: str = "str"    # str | int | float | bool | size | mode (how CLI strings are read)
+
+
+KEYS: dict[str, Key] = {
+    "model": Key(_model, "--model", "GGUF model file (first file of a split set)", "PATH"),
+    "budget": Key(_size(lo=1), "--budget", "cache size, e.g. 16GiB (or give --slots)", "SIZE", "size"),
+    "slots": Key(_int_range(1, 1 << 24), "--slots", "cache size in expert slots (or give --budget)", "N", "int"),
+    "endpoint": Key(_endpoint, "--endpoint", f"ZeroMQ endpoint (default {DEFAULT_ENDPOINT})", "URL"),
+    "allow_tcp": Key(_bool, "--allow-tcp", "permit a tcp:// endpoint (it has no access control)", kind="bool"),
+    "arena_dir": Key(_abs_path, "--arena-dir", "directory of the arena file (default /dev/shm)", "DIR"),
+    "hugetlb": Key(_bool, "--hugetlb", "back the arena with huge pages (arena_dir on hugetlbfs)", kind="bool"),
+    "lock_memory": Key(_bool, "--lock-memory", "mlock the arena (default on)", kind="bool"),
+    "direct_io": Key(_bool, "--direct-io", "read the model with O_DIRECT (default on)", kind="bool"),
+    "readers": Key(_int_range(1, 1024), "--readers", "reader threads (default 16)", "N", "int"),
+    "chunk": Key(_size(lo=4 * KiB, hi=64 * MiB, multiple=4 * KiB), "--chunk", "read size (default 256KiB)",
+                 "SIZE", "size"),
+    "policy": Key(_choice("global", "per-layer"), "--policy", "eviction scope: global or per-layer", "NAME"),
+    "floor": Key(_size(optional_zero=True), "--floor",
+                 "shrink the cache when available memory falls under SIZE (default off)", "SIZE", "size"),
+    "floor_hysteresis": Key(_size(), "--floor-hysteresis", "grow back above floor + SIZE (default 1GiB)",
+                            "SIZE", "size"),
+    "floor_interval_s": Key(_float_range(0, 60, lo_open=True), "--floor-interval",
+                            "seconds between memory samples (default 1)", "S", "float"),
+    "floor_min_change_s": Key(_float_range(0, 3600), "--floor-min-change",
+                              "seconds a surplus must last before growing back (default 5)", "S", "float"),
+    "min_budget": Key(_size(), "--min-budget", "the floor never shrinks the cache below SIZE", "SIZE", "size"),
+    "on_pressure": Key(_choice("error", "wait"), "--on-pressure",
+                       "an acquire that cannot fit: error (default) or wait", "MODE"),
+    "pressure_timeout_s": Key(_float_range(0, 3600), "--pressure-timeout",
+                              "with on_pressure=wait, give up after S seconds (default 30)", "S", "float"),
+    "heartbeat_s": Key(_float_range(0, 3600, lo_open=True), "--heartbeat",
+                       "client heartbeat period, seconds (default 5)", "S", "float"),
+    "socket_mode": Key(_mode, "--socket-mode", "mode of the socket file (default 0660)", "MODE", "mode"),
+    "arena_mode": Key(_mode, "--arena-mode", "mode of the arena file (default 0640)", "MODE", "mode"),
+    "group": Key(_group, "--group", 'group owning socket and arena (default "moecached" if it exists; "" for none)',
+                 "GROUP"),
+    "log_level": Key(_log_level, "--log-level", "debug, info (default), warning or error", "LEVEL"),
+    "max_request_experts": Key(_int_range(1, 1 << 24), "--max-request-experts",
+                               "most experts one request may name (default 16384)", "N", "int"),
+    "max_message_bytes": Key(_size(lo=4 * KiB, hi=1 * GiB), "--max-message-bytes",
+                             "largest request message (default 4MiB)", "SIZE", "size"),
+}
+
+#: Keys a SIGHUP can apply to a running daemon; others need a restart.
+RELOADABLE = frozenset({"budget", "slots", "floor", "floor_hysteresis", "floor_interval_s",
+                        "floor_min_change_s", "min_budget", "on_pressure", "pressure_timeout_s",
+                        "heartbeat_s", "log_level", "max_request_experts", "max_message_bytes"})
+
+assert set(KEYS) == {f.name for f in dataclasses.fields(Config)} - {"sources", "path"}
+
+
+def _show(v: Any) -> str:
+    """A value as it would be written in TOML (strings quoted)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, dict):
+        return "{...}"
+    return repr(v)
+
+
+def _from_cli(key: str, v: Any) -> Any:
+    """Turn a command-line string into the type a TOML file would hold, where unambiguous."""
+    if not isinstance(v, str):
+        return v
+    kind = KEYS[key].kind
+    s = v.strip()
+    if kind == "int" and re.fullmatch(r"[+-]?[0-9]+", s):
+        return int(s)
+    if kind == "float":
+        try:
+            return float(s)
+        except ValueError:
+            return v
+    return v
+
+
+def _fmt(where: str, key: str, value: Any, cli: bool) -> str:
+    """``path: key = value`` for files, ``command line: --flag value`` for flags."""
+    if cli:
+        shown = shlex.quote(value) if isinstance(value, str) else _show(value)
+        return f"{where}: {KEYS[key].flag} {shown}"
+    return f"{where}: {key} = {_show(value)}"
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[dict] = None, *,
+                check_runnable: bool = True, origin: str = "override", cli: bool = False) -> Config:
+    """Build a :class:`Config` from defaults, the TOML file and ``overrides``.
+
+    * ``path``: the file to read; None means :data:`DEFAULT_PATH` if it exists, else no file.
+      An explicit path that cannot be read is an error.
+    * ``overrides``: ``{key: value}`` applied after the file (None values are ignored); values
+      are TOML-typed (``int``, ``str``, ...), or CLI strings when ``cli`` is true. Giving one of
+      ``budget`` / ``slots`` here replaces the other one from the file.
+    * ``origin``: how override errors name their source ("command line" for flags).
+    * ``check_runnable``: also require what the daemon needs to start: ``model`` set and an
+      existing file, one of ``budget`` / ``slots``, an existing ``arena_dir``.
+
+    Raises :class:`ConfigError` (one line) on any problem.
+    """
+    if path is None and os.path.exists(DEFAULT_PATH):
+        path = DEFAULT_PATH
+    raw: dict = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: cannot read the config file: no such file") from None
+        except IsADirectoryError:
+            raise ConfigError(f"{path}: cannot read the config file: it is a directory") from None
+        except PermissionError:
+            raise ConfigError(f"{path}: cannot read the config file: permission denied") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config file: {e.strerror or e}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: invalid TOML: not UTF-8 text") from None
+
+    cfg = Config(path=path)
+    cfg.sources = {k: "default" for k in KEYS}
+    given: dict = {}   # key -> the value as written, for cross-key errors
+    group_given = False
+
+    def apply(src: dict, where: str, is_cli: bool) -> None:
+        nonlocal group_given
+        for key, value in src.items():
+            if key not in KEYS:
+                names = list(KEYS)
+                if is_cli:
+                    shown_key = "--" + key.replace("_", "-")
+                    guess = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+                    hint = f' (did you mean "{KEYS[guess[0]].flag}"?)' if guess else ""
+                else:
+                    shown_key = key
+                    guess = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+                    hint = f' (did you mean "{guess[0]}"?)' if guess else ""
+                raise ConfigError(f'{where}: unknown key "{shown_key}"{hint}')
+            if value is None:
+                continue
+            v = _from_cli(key, value) if is_cli else value
+            try:
+                parsed = KEYS[key].check(v)
+            except _Bad as e:
+                raise ConfigError(f"{_fmt(where, key, value, is_cli)}: expected {e.expected}") from None
+            setattr(cfg, key, parsed)
+            cfg.sources[key] = where
+            given[key] = value
+            if key == "group":
+                group_given = True
+
+    if raw:
+        apply(raw, path, False)
+    if overrides:
+        ov = {k: v for k, v in overrides.items() if v is not None}
+        # --budget replaces the file's slots and --slots the file's budget
+        if "budget" in ov and "slots" not in ov:
+            cfg.slots, cfg.sources["slots"] = None, "default"
+        if "slots" in ov and "budget" not in ov:
+            cfg.budget, cfg.sources["budget"] = None, "default"
+        apply(ov, origin, cli)
+
+    if not group_given:
+        try:
+            grp.getgrnam(DEFAULT_GROUP)
+            cfg.group = DEFAULT_GROUP
+        except KeyError:
+            cfg.group = None
+
+    _cross_check(cfg, cli, given)
+    if check_runnable:
+        _check_runnable(cfg, cli, given)
+    return cfg
+
+
+def _where(cfg: Config, key: str) -> str:
+    s = cfg.sources.get(key, "default")
+    return s if s != "default" else (cfg.path or "configuration")
+
+
+def _from_flag(cfg: Config, key: str, cli: bool) -> bool:
+    return cli and cfg.sources.get(key) not in ("default", cfg.path)
+
+
+def _at(cfg: Config, key: str, cli: bool, given: dict) -> str:
+    """``where: key = value`` (or ``where: --flag value``), the value as it was written."""
+    v = given.get(key, getattr(cfg, key))
+    return _fmt(_where(cfg, key), key, v, _from_flag(cfg, key, cli))
+
+
+def _cross_check(cfg: Config, cli: bool, given: dict) -> None:
+    if cfg.budget is not None and cfg.slots is not None:
+        raise ConfigError(f"{_where(cfg, 'slots')}: budget and slots are both set: expected only one of them")
+    if cfg.endpoint.startswith("tcp://") and not cfg.allow_tcp:
+        raise ConfigError(f"{_at(cfg, 'endpoint', cli, given)}: expected an ipc:// endpoint; tcp:// has no access "
+                          "control and needs allow_tcp = true (or --allow-tcp)")
+    if cfg.min_budget is not None and cfg.budget is not None and cfg.min_budget > cfg.budget:
+        raise ConfigError(f"{_at(cfg, 'min_budget', cli, given)}: expected at most the budget ({cfg.budget} bytes)")
+
+
+def _check_runnable(cfg: Config, cli: bool, given: dict) -> None:
+    where = cfg.path or "configuration"
+    if cfg.model is None:
+        raise ConfigError(f'{where}: model is not set: expected model = "/path/to/model.gguf" '
+                          "in the config file or --model PATH")
+    if not os.path.isfile(cfg.model):
+        why = "no such file" if not os.path.exists(cfg.model) else "not a regular file"
+        raise ConfigError(f"{_at(cfg, 'model', cli, given)}: expected an existing GGUF file ({why})")
+    if cfg.budget is None and cfg.slots is None:
+        raise ConfigError(f'{where}: neither budget nor slots is set: expected budget = "SIZE" or slots = N '
+                          "in the config file, or --budget / --slots")
+    if not os.path.isdir(cfg.arena_dir):
+        raise ConfigError(f"{_at(cfg, 'arena_dir', cli, given)}: expected an existing directory")
+
+
+# -- command line -------------------------------------------------------------------------------
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--config`` and one flag per key (``--budget``, ``--floor``, ...; booleans get
+    ``--x/--no-x``). Every default is None so only flags actually given override the file.
+    Values are validated by :func:`config_from_args`, not by argparse."""
+    g = parser.add_argument_group("configuration (flags override the config file)")
+    g.add_argument("--config", metavar="PATH", default=None,
+                   help=f"TOML config file (default {DEFAULT_PATH} if it exists)")
+    for key, k in KEYS.items():
+        if k.kind == "bool":
+            g.add_argument(k.flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=k.help)
+        else:
+            g.add_argument(k.flag, dest=key, metavar=k.metavar, default=None, help=k.help)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, *, check_runnable: bool = True) -> Config:
+    """The :class:`Config` for parsed ``args`` (from a parser given :func:`add_cli_args`)."""
+    overrides = {k: getattr(args, k, None) for k in KEYS}
+    return load_config(getattr(args, "config", None), overrides, check_runnable=check_runnable,
+                       origin="command line", cli=True)
+
+
+# -- reload & dump ------------------------------------------------------------------------------
+
+def reload_changes(old: Config, new: Config) -> tuple[dict, list]:
+    """Compare two configs for SIGHUP: ``({key: (old, new)} a running daemon can apply,
+    [keys that changed but need a restart])``."""
+    apply, restart = {}, []
+    for k in KEYS:
+        a, b = getattr(old, k), getattr(new, k)
+        if a != b:
+            if k in RELOADABLE:
+                apply[k] = (a, b)
+            else:
+                restart.append(k)
+    return apply, restart
+
+
+def dump_toml(cfg: Config) -> str:
+    """The settings as TOML (None values commented out), e.g. for ``--print-config``."""
+    lines = []
+    for k in KEYS:
+        v = getattr(cfg, k)
+        if v is None:
+            lines.append(f"# {k} =")
+        elif k in ("socket_mode", "arena_mode"):
+            lines.append(f"{k} = 0o{v:03o}")
+        elif KEYS[k].kind == "size":
+            lines.append(f'{k} = "{_human(v).replace(" ", "")}"')
+        else:
+            lines.append(f"{k} = {_show(v)}")
+    return "\n".join(lines) + "\n"

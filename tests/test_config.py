@@ -1,0 +1,289 @@
+"""Configuration: defaults, file + CLI precedence, and the exact text of every validation error."""
+import argparse
+import os
+import tomllib
+
+import pytest
+
+import moecached.config as config
+from moecached import MoecacheError
+from moecached.config import (Config, ConfigError, KEYS, add_cli_args, config_from_args, dump_toml,
+                              load_config, reload_changes)
+from moecached.units import SIZE_EXPECTED
+
+GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "systemd", "moecached.toml.example")
+
+
+@pytest.fixture(autouse=True)
+def no_default_file(monkeypatch, tmp_path):
+    # never read the machine's /etc/moecached/moecached.toml
+    monkeypatch.setattr(config, "DEFAULT_PATH", str(tmp_path / "absent.toml"))
+
+
+@pytest.fixture
+def model(tmp_path):
+    p = tmp_path / "m.gguf"
+    p.write_bytes(b"GGUF")
+    return str(p)
+
+
+def write(tmp_path, text, name="c.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def parser():
+    return add_cli_args(argparse.ArgumentParser(prog="moecached"))
+
+
+def cli(*argv, check_runnable=False):
+    return config_from_args(parser().parse_args(list(argv)), check_runnable=check_runnable)
+
+
+def err_file(tmp_path, text, **kw):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as ei:
+        load_config(path, check_runnable=kw.pop("check_runnable", False), **kw)
+    msg = str(ei.value)
+    assert "\n" not in msg
+    return path, msg
+
+
+def err_cli(*argv, check_runnable=False):
+    with pytest.raises(ConfigError) as ei:
+        cli(*argv, check_runnable=check_runnable)
+    msg = str(ei.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_defaults(monkeypatch):
+    monkeypatch.setattr(config, "DEFAULT_GROUP", "no-such-group-moecached-test")
+    c = load_config(check_runnable=False)
+    assert c.endpoint == "ipc:///run/moecached/moecached.sock"
+    assert c.arena_dir == "/dev/shm" and c.readers == 16 and c.chunk == 256 * KiB
+    assert c.policy == "global" and c.on_pressure == "error" and c.heartbeat_s == 5.0
+    assert c.socket_mode == 0o660 and c.arena_mode == 0o640
+    assert c.group is None                     # the default group does not exist here
+    assert c.floor is None and c.budget is None and c.slots is None
+    assert c.lock_memory is True and c.direct_io is True and c.hugetlb is False and c.allow_tcp is False
+    assert c.ipc_path == "/run/moecached/moecached.sock"
+    assert all(v == "default" for v in c.sources.values())
+
+
+def test_default_group_used_when_it_exists(monkeypatch):
+    monkeypatch.setattr(config, "DEFAULT_GROUP", "root")
+    assert load_config(check_runnable=False).group == "root"
+    assert load_config(overrides={"group": ""}, check_runnable=False).group is None
+
+
+def test_file_then_cli_precedence(tmp_path, model):
+    path = write(tmp_path, f'model = "{model}"\nbudget = "8GiB"\nreaders = 4\nsocket_mode = 0o600\n'
+                           'floor = "2G"\nlog_level = "DEBUG"\nlock_memory = false\n')
+    c = config_from_args(parser().parse_args(["--config", path, "--readers", "8", "--lock-memory"]))
+    assert c.model == model and c.budget == 8 * GiB and c.readers == 8 and c.socket_mode == 0o600
+    assert c.floor == 2 * GiB and c.log_level == "debug" and c.lock_memory is True
+    assert c.sources["readers"] == "command line" and c.sources["budget"] == path
+    assert c.sources["chunk"] == "default" and c.path == path
+    # --slots replaces the file's budget (and vice versa)
+    c = config_from_args(parser().parse_args(["--config", path, "--slots", "100"]))
+    assert c.slots == 100 and c.budget is None
+
+
+def test_default_path_read_only_if_present(monkeypatch, tmp_path):
+    p = write(tmp_path, "readers = 3\n", "default.toml")
+    monkeypatch.setattr(config, "DEFAULT_PATH", p)
+    assert load_config(check_runnable=False).readers == 3
+    monkeypatch.setattr(config, "DEFAULT_PATH", str(tmp_path / "gone.toml"))
+    assert load_config(check_runnable=False).readers == 16
+
+
+def test_mode_forms(tmp_path):
+    assert load_config(write(tmp_path, 'socket_mode = "0660"\narena_mode = "640"\n'),
+                       check_runnable=False).arena_mode == 0o640
+    assert cli("--socket-mode", "0o600").socket_mode == 0o600
+
+
+def test_floor_off_forms(tmp_path):
+    assert load_config(write(tmp_path, "floor = 0\n"), check_runnable=False).floor is None
+    assert load_config(write(tmp_path, "floor = false\n"), check_runnable=False).floor is None
+    assert cli("--floor", "0").floor is None
+    assert cli("--floor", "1.5G").floor == 1536 * MiB
+
+
+def test_tcp_allowed_when_configured():
+    c = cli("--endpoint", "tcp://127.0.0.1:5555", "--allow-tcp")
+    assert c.endpoint == "tcp://127.0.0.1:5555" and c.ipc_path is None
+
+
+# -- exact error texts ---------------------------------------------------------------------------
+
+SIZE = SIZE_EXPECTED
+FILE_ERRORS = [
+    ('readers = 0', 'readers = 0: expected an integer from 1 to 1024'),
+    ('readers = "16"', 'readers = "16": expected an integer from 1 to 1024'),
+    ('readers = true', 'readers = true: expected an integer from 1 to 1024'),
+    ('slots = 0', f'slots = 0: expected an integer from 1 to {1 << 24}'),
+    ('budget = "8GG"', f'budget = "8GG": expected {SIZE}, more than 0 bytes'),
+    ('budget = 0', f'budget = 0: expected {SIZE}, more than 0 bytes'),
+    ('budget = -1', f'budget = -1: expected {SIZE}, more than 0 bytes'),
+    ('chunk = "1000"', f'chunk = "1000": expected {SIZE}, at least 4 KiB, at most 64 MiB, a multiple of 4 KiB'),
+    ('chunk = "128M"', f'chunk = "128M": expected {SIZE}, at least 4 KiB, at most 64 MiB, a multiple of 4 KiB'),
+    ('floor = "lots"', f'floor = "lots": expected {SIZE}; 0 or false turns it off'),
+    ('floor_hysteresis = "x"', f'floor_hysteresis = "x": expected {SIZE}'),
+    ('min_budget = [1]', f'min_budget = [1]: expected {SIZE}'),
+    ('max_message_bytes = "1K"', f'max_message_bytes = "1K": expected {SIZE}, at least 4 KiB, at most 1 GiB'),
+    ('max_request_experts = 0', f'max_request_experts = 0: expected an integer from 1 to {1 << 24}'),
+    ('policy = "lru"', 'policy = "lru": expected "global" or "per-layer"'),
+    ('on_pressure = "block"', 'on_pressure = "block": expected "error" or "wait"'),
+    ('log_level = "loud"', 'log_level = "loud": expected "debug" or "info" or "warning" or "error"'),
+    ('hugetlb = "yes"', 'hugetlb = "yes": expected true or false'),
+    ('lock_memory = 1', 'lock_memory = 1: expected true or false'),
+    ('direct_io = "no"', 'direct_io = "no": expected true or false'),
+    ('allow_tcp = 0', 'allow_tcp = 0: expected true or false'),
+    ('heartbeat_s = 0', 'heartbeat_s = 0: expected a number of seconds > 0 and <= 3600'),
+    ('heartbeat_s = "5s"', 'heartbeat_s = "5s": expected a number of seconds > 0 and <= 3600'),
+    ('floor_interval_s = 61', 'floor_interval_s = 61: expected a number of seconds > 0 and <= 60'),
+    ('floor_min_change_s = -1', 'floor_min_change_s = -1: expected a number of seconds >= 0 and <= 3600'),
+    ('pressure_timeout_s = 1e9', 'pressure_timeout_s = 1000000000.0: expected a number of seconds >= 0 and <= 3600'),
+    ('socket_mode = 660', 'socket_mode = 660: expected a file mode from 0o000 to 0o777: '
+                          '0o660 (a TOML octal integer) or "0660"'),
+    ('arena_mode = "rw-r-----"', 'arena_mode = "rw-r-----": expected a file mode from 0o000 to 0o777: '
+                                 '0o660 (a TOML octal integer) or "0660"'),
+    ('arena_dir = "shm"', 'arena_dir = "shm": expected an absolute path'),
+    ('model = ""', 'model = "": expected the path of a GGUF file'),
+    ('model = 3', 'model = 3: expected the path of a GGUF file'),
+    ('endpoint = "ipc://relative.sock"', 'endpoint = "ipc://relative.sock": expected ipc:///absolute/path '
+                                         '(at most 107 bytes) or tcp://HOST:PORT'),
+    (f'endpoint = "ipc:///{"x" * 120}"', f'endpoint = "ipc:///{"x" * 120}": expected ipc:///absolute/path '
+                                         '(at most 107 bytes) or tcp://HOST:PORT'),
+    ('endpoint = "inproc://x"', 'endpoint = "inproc://x": expected ipc:///absolute/path (at most 107 bytes) '
+                                'or tcp://HOST:PORT'),
+    ('endpoint = "tcp://h:99999"\nallow_tcp = true', 'endpoint = "tcp://h:99999": expected ipc:///absolute/path '
+                                                     '(at most 107 bytes) or tcp://HOST:PORT'),
+    ('group = "no-such-group-moecached-test"', 'group = "no-such-group-moecached-test": expected an existing '
+                                               'group (name or gid), or "" for none'),
+    ('group = 3.5', 'group = 3.5: expected an existing group (name or gid), or "" for none'),
+    ('[server]\nx = 1', 'unknown key "server"'),
+]
+
+
+@pytest.mark.parametrize("text,expected", FILE_ERRORS, ids=[e[1].split(" ")[0] + str(i) for i, e in enumerate(FILE_ERRORS)])
+def test_file_error_text(tmp_path, text, expected):
+    path, msg = err_file(tmp_path, text + "\n")
+    assert msg == f"{path}: {expected}"
+
+
+def test_every_key_has_an_error_case():
+    covered = {t.split(" ")[0].split("=")[0] for t, _ in FILE_ERRORS}
+    assert set(KEYS) <= covered | {"budget"}, set(KEYS) - covered
+
+
+def test_unknown_key_did_you_mean(tmp_path):
+    path, msg = err_file(tmp_path, 'budjet = "8G"\n')
+    assert msg == f'{path}: unknown key "budjet" (did you mean "budget"?)'
+    path, msg = err_file(tmp_path, 'zzz = 1\n')
+    assert msg == f'{path}: unknown key "zzz"'
+    with pytest.raises(ConfigError) as ei:
+        load_config(overrides={"socket_mod": 0o600}, check_runnable=False, origin="override")
+    assert str(ei.value) == 'override: unknown key "socket_mod" (did you mean "socket_mode"?)'
+
+
+def test_invalid_toml_and_missing_file(tmp_path):
+    path, msg = err_file(tmp_path, 'readers = \n')
+    assert msg.startswith(f"{path}: invalid TOML: ") and "line 1" in msg
+    missing = str(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError) as ei:
+        load_config(missing, check_runnable=False)
+    assert str(ei.value) == f"{missing}: cannot read the config file: no such file"
+    with pytest.raises(ConfigError) as ei:
+        load_config(str(tmp_path), check_runnable=False)
+    assert str(ei.value) == f"{tmp_path}: cannot read the config file: it is a directory"
+
+
+def test_cross_key_errors(tmp_path, model):
+    path, msg = err_file(tmp_path, 'budget = "1G"\nslots = 10\n')
+    assert msg == f"{path}: budget and slots are both set: expected only one of them"
+    path, msg = err_file(tmp_path, 'endpoint = "tcp://*:5555"\n')
+    assert msg == (f'{path}: endpoint = "tcp://*:5555": expected an ipc:// endpoint; tcp:// has no access '
+                   'control and needs allow_tcp = true (or --allow-tcp)')
+    path, msg = err_file(tmp_path, 'budget = "1G"\nmin_budget = "2G"\n')
+    assert msg == f'{path}: min_budget = "2G": expected at most the budget (1073741824 bytes)'
+
+
+def test_runnable_errors(tmp_path, model):
+    path, msg = err_file(tmp_path, 'budget = "1G"\n', check_runnable=True)
+    assert msg == (f'{path}: model is not set: expected model = "/path/to/model.gguf" in the config file '
+                   'or --model PATH')
+    path, msg = err_file(tmp_path, f'model = "{tmp_path}/x.gguf"\nbudget = "1G"\n', check_runnable=True)
+    assert msg == f'{path}: model = "{tmp_path}/x.gguf": expected an existing GGUF file (no such file)'
+    path, msg = err_file(tmp_path, f'model = "{tmp_path}"\nbudget = "1G"\n', check_runnable=True)
+    assert msg == f'{path}: model = "{tmp_path}": expected an existing GGUF file (not a regular file)'
+    path, msg = err_file(tmp_path, f'model = "{model}"\n', check_runnable=True)
+    assert msg == (f'{path}: neither budget nor slots is set: expected budget = "SIZE" or slots = N in the '
+                   'config file, or --budget / --slots')
+    path, msg = err_file(tmp_path, f'model = "{model}"\nslots = 4\narena_dir = "/nonexistent-dir"\n',
+                         check_runnable=True)
+    assert msg == f'{path}: arena_dir = "/nonexistent-dir": expected an existing directory'
+    assert load_config(write(tmp_path, f'model = "{model}"\nslots = 4\n'), check_runnable=True).slots == 4
+
+
+def test_cli_error_texts(model):
+    assert err_cli("--readers", "0") == "command line: --readers 0: expected an integer from 1 to 1024"
+    assert err_cli("--readers", "many") == "command line: --readers many: expected an integer from 1 to 1024"
+    assert err_cli("--budget", "8GG") == f"command line: --budget 8GG: expected {SIZE}, more than 0 bytes"
+    assert err_cli("--heartbeat", "x") == ("command line: --heartbeat x: expected a number of seconds > 0 "
+                                           "and <= 3600")
+    assert err_cli("--policy", "lfu") == 'command line: --policy lfu: expected "global" or "per-layer"'
+    assert err_cli("--endpoint", "tcp://*:1") == (
+        "command line: --endpoint 'tcp://*:1': expected an ipc:// endpoint; tcp:// has no access control "
+        "and needs allow_tcp = true (or --allow-tcp)")
+    assert err_cli("--budget", "1G", "--min-budget", "2G") == (
+        "command line: --min-budget 2G: expected at most the budget (1073741824 bytes)")
+    assert err_cli("--model", "/nonexistent.gguf", "--budget", "1G", check_runnable=True) == (
+        "command line: --model /nonexistent.gguf: expected an existing GGUF file (no such file)")
+    assert err_cli("--budget", "1G", check_runnable=True) == (
+        'configuration: model is not set: expected model = "/path/to/model.gguf" in the config file '
+        'or --model PATH')
+    with pytest.raises(ConfigError) as ei:
+        load_config(overrides={"readrs": 1}, cli=True, origin="command line", check_runnable=False)
+    assert str(ei.value) == 'command line: unknown key "--readrs" (did you mean "--readers"?)'
+
+
+def test_config_error_is_moecache_error():
+    assert issubclass(ConfigError, MoecacheError)
+
+
+def test_reload_changes(tmp_path):
+    a = load_config(write(tmp_path, 'budget = "8G"\nfloor = "2G"\nreaders = 4\n'), check_runnable=False)
+    b = load_config(write(tmp_path, 'budget = "6G"\nfloor = "3G"\nreaders = 8\n', "b.toml"), check_runnable=False)
+    apply, restart = reload_changes(a, b)
+    assert apply == {"budget": (8 * GiB, 6 * GiB), "floor": (2 * GiB, 3 * GiB)}
+    assert restart == ["readers"]
+
+
+def test_dump_round_trips(tmp_path):
+    c = cli("--budget", "3GiB", "--floor", "1G", "--socket-mode", "0600")
+    text = dump_toml(c)
+    c2 = load_config(write(tmp_path, text), check_runnable=False)
+    assert c2.as_dict() == c.as_dict()
+
+
+def test_example_file_is_valid_and_complete(tmp_path, model):
+    with open(EXAMPLE, "rb") as f:
+        tomllib.load(f)       # parses
+    text = open(EXAMPLE).read()
+    for key in KEYS:
+        assert f"{key} =" in text, f"{key} missing from moecached.toml.example"
+    c = load_config(EXAMPLE, check_runnable=False)
+    assert c.readers == 16 and c.endpoint == Config().endpoint
+
+
+def test_every_key_has_a_flag():
+    p = parser()
+    flags = {a for act in p._actions for a in act.option_strings}
+    for key, k in KEYS.items():
+        assert k.flag in flags
+    assert "--config" in flags and "--no-lock-memory" in flags
