@@ -101,15 +101,12 @@ class Layout:
     extra: dict = field(default_factory=dict)
 
     def meta_int(self, suffix: str, default=None):
-        """Integer value of ``{arch}.{suffix}`` (or ``suffix`` when it names a full key), else default."""
-        for key in (f"{self.arch}.{suffix}", suffix):
-            v = self.metadata.get(key)
-            if isinstance(v, dict):
-                v = v.get("value")
-            if isinstance(v, bool):
-                continue
-            if isinstance(v, int):
-                return v
+        """Integer value of the key ``{arch}.{suffix}``, else default (notes and strings ignored)."""
+        v = self.metadata.get(f"{self.arch}.{suffix}")
+        if isinstance(v, dict):
+            v = v.get("value")
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
         return default
 
     def gguf_metadata(self) -> tuple[list, list]:
