@@ -215,11 +215,11 @@ class ExpertCache:
             self._build(index, ne)
             files = [str(getattr(f, "path", f)) for f in index.files]
             self._file_names = files
-            sizes, mtimes = [], []
-            for f in files:
-                st = os.stat(f)
-                sizes.append(st.st_size)
-                mtimes.append(st.st_mtime_ns)
+            sizes = getattr(index, "file_sizes", None)
+            mtimes = getattr(index, "file_mtimes_ns", None)
+            if not sizes or not mtimes:  # duck-typed index: what the files are now
+                sts = [os.stat(f) for f in files]
+                sizes, mtimes = [st.st_size for st in sts], [st.st_mtime_ns for st in sts]
             self.readers = ReaderPool(files, threads=readers, chunk_bytes=chunk_bytes,
                                       direct=direct_io, file_sizes=sizes, file_mtimes_ns=mtimes,
                                       log=self.log)
