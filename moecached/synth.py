@@ -414,7 +414,8 @@ def main(argv=None) -> int:
         print(p)
     dt = max(st["seconds"], 1e-9)
     print(f"wrote {len(paths)} file(s): {st['apparent_bytes'] / 2**30:.3f} GiB of tensor data, "
-          f"{st['bytes_written'] / 2**30:.3f} GiB written (rest holes) in {dt:.1f} s "
+          f"{st['bytes_written'] / 2**30:.3f} GiB written"
+          f"{' (rest holes)' if st['bytes_written'] < st['apparent_bytes'] else ''} in {dt:.1f} s "
           f"({st['bytes_written'] / 1e6 / dt:.0f} MB/s)", file=sys.stderr)
     return 0
 
