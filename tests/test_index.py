@@ -206,3 +206,21 @@ def test_index_reads_no_tensor_data(tmp_path):
                         progress=False)
     idx = open_index(paths[0])
     assert isinstance(idx, ExpertIndex) and idx.size_classes[0].parts == ["gate", "up", "down"]
+
+
+@pytest.mark.parametrize("shift", [4096, 32, -4096])
+def test_misplaced_reads_are_caught(model_factory, shift):
+    """The check itself can fail: an index whose offsets are off by a page or an alignment step
+    (or that swaps two experts) is reported by read_and_verify."""
+    idx = open_index(model_factory("qwen3-30b-a3b-Q4_K_M", layers=[0, 6, 8], experts=8))
+    b = idx.expert_layers[1]
+    offs, fids = idx.part_table(b)
+    bad = offs.copy()
+    bad[3, 1] += shift
+    idx._tables[b] = (bad, fids)
+    errs = read_and_verify(idx)
+    assert len(errs) == 1 and errs[0].startswith(f"block {b} part up expert 3:")
+    swapped = offs.copy()
+    swapped[[2, 5]] = swapped[[5, 2]]
+    idx._tables[b] = (swapped, fids)
+    assert len(read_and_verify(idx)) == 2 * 3
