@@ -114,17 +114,19 @@ def plan_slots(index, *, budget_bytes: int | None = None, slots: int | None = No
         return sum(c.values())
 
     limit = budget_bytes if budget_bytes is not None else slots
-    # candidate fractions: every point where some class's floor() steps up
-    cands = sorted({Fraction(k, w) for w in set(weights.values()) for k in range(1, w + 1)})
-    lo, hi = 0, len(cands) - 1
+    # The best f is a point where some class's floor() steps up: k / w for a class weight w.
+    # cost is monotone in f, so binary-search k for each distinct weight and keep the largest f.
     best = None
-    while lo <= hi:  # cost is monotone in f
-        mid = (lo + hi) // 2
-        if cost(cands[mid]) <= limit:
-            best = cands[mid]
-            lo = mid + 1
-        else:
-            hi = mid - 1
+    for w in sorted(set(weights.values())):
+        lo, hi, k_ok = 1, w, 0
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if cost(Fraction(mid, w)) <= limit:
+                k_ok, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        if k_ok and (best is None or Fraction(k_ok, w) > best):
+            best = Fraction(k_ok, w)
     got = counts(best) if best is not None else {sc.id: 0 for sc in classes}
     if min(got.values()) < 1:
         fmin = max(Fraction(1, w) for w in weights.values())
@@ -410,7 +412,7 @@ class Arena:
     def __del__(self):
         try:
             if self._mm is not None or self._fd >= 0:
-                self._teardown(unlink=False)
+                self._teardown(unlink=True)  # nobody can reach it any more: give the memory back
         except Exception:
             pass
 

@@ -1,8 +1,9 @@
 """Reader pool: threads loading byte ranges of the model files into memory, O_DIRECT by default.
 
 A *job* is a list of reads ``(file_id, file_offset, nbytes, dest_address)`` (one expert, all its
-parts). Jobs are cut into chunks of about ``chunk_bytes`` (inner boundaries aligned to the file's
-direct-I/O alignment) that all threads share: a priority queue of jobs, demand (0) before
+parts). Jobs are cut into chunks on the file's ``chunk_bytes`` grid (a chunk never crosses a
+multiple of ``chunk_bytes``, so widened to the alignment it is at most one ``chunk_bytes``-aligned
+block: the same requests as ``fio --bs=chunk_bytes``) that all threads share: a priority queue of jobs, demand (0) before
 prefetch (1), FIFO within a priority; the first queued job hands out its next chunk. Each chunk
 is one ``moecached._io.read_chunk`` call, which runs without the GIL: an O_DIRECT ``pread`` of the
 range widened to alignment into the thread's aligned bounce buffer, then ``memcpy`` to dest
@@ -91,7 +92,7 @@ class ReaderPool:
     """Threads reading byte ranges of ``files`` into raw memory; see the module docstring.
 
     ``files``: absolute paths, indexed by ``file_id`` in reads. ``threads``: reader threads.
-    ``chunk_bytes``: target chunk size (bytes). ``direct``: try O_DIRECT (False: buffered
+    ``chunk_bytes``: chunk size and grid (bytes, power of two >= 4096 and >= the alignment). ``direct``: try O_DIRECT (False: buffered
     reads + DONTNEED). ``file_sizes`` / ``file_mtimes_ns``: what the index saw (default: what
     fstat sees at open); a difference at open or later fails loads with :class:`ReadError`.
     ``log``: a ``logging.Logger`` (default ``logging.getLogger("moecached.readers")``).
@@ -100,9 +101,9 @@ class ReaderPool:
 
     def __init__(self, files: list[str], *, threads: int = 16, chunk_bytes: int = 256 * 1024,
                  direct: bool = True, file_sizes=None, file_mtimes_ns=None, log=None):
-        if threads < 1 or chunk_bytes < 4096:
+        if threads < 1 or chunk_bytes < 4096 or chunk_bytes & (chunk_bytes - 1):
             raise ReadError(f"threads={threads}, chunk_bytes={chunk_bytes}: need threads >= 1 and "
-                            f"chunk_bytes >= 4096")
+                            f"chunk_bytes a power of two >= 4096")
         self.log = log or logging.getLogger("moecached.readers")
         self.files = [os.fspath(f) for f in files]
         self.chunk_bytes = int(chunk_bytes)
@@ -127,7 +128,11 @@ class ReaderPool:
             self._fds = []
             raise
         self._max_align = max(self._align, default=4096)
-        self._bounce_bytes = self.chunk_bytes + 2 * max(self._max_align, 4096)
+        if self._max_align > self.chunk_bytes:
+            raise ReadError(f"chunk_bytes={chunk_bytes} is below the direct-I/O alignment "
+                            f"{self._max_align} of {self.files[self._align.index(self._max_align)]}; "
+                            f"use chunk_bytes >= {self._max_align}")
+        self._bounce_bytes = self.chunk_bytes  # widened chunks never leave their chunk-grid block
         self._cond = threading.Condition(threading.Lock())
         self._heap: list = []
         self._jobs: dict[int, _Job] = {}
@@ -223,13 +228,11 @@ class ReaderPool:
                 raise ReadError(f"bad read (file_id={fid}, offset={off}, nbytes={n}, dest={dest:#x}); "
                                 f"file ids are 0..{nfiles - 1}, offsets and sizes >= 0, dest non-null")
             total += n
-            a = self._align[fid]
             end = off + n
             while off < end:
-                stop = (off + cb) // a * a  # inner boundaries aligned: widening only at the ends
-                if stop <= off:
-                    stop = off + cb
-                stop = min(stop, end)
+                # cut on the absolute chunk grid of the file: a chunk widened to the alignment
+                # stays inside one chunk_bytes-aligned block (the same requests fio issues)
+                stop = min((off // cb + 1) * cb, end)
                 chunks.append((fid, off, stop - off, dest))
                 dest += stop - off
                 off = stop

@@ -257,3 +257,27 @@ def test_real_index_two_classes(model_factory, tmp_path):
         d = ar.descriptor()
         assert d["layer_class"] == {str(l): c for l, c in idx.layer_class.items()}
         assert {k: v for k, v in d["classes"][0]["part_types"].items()} == dict(idx.size_classes[0].part_types)
+
+
+def test_plan_matches_exhaustive_search():
+    """The per-weight binary search finds the same fraction as trying every step point."""
+    from fractions import Fraction
+    rng = np.random.default_rng(5)
+    for trial in range(30):
+        n_exp = int(rng.integers(2, 20))
+        classes = [FakeClass(i, list(range(int(rng.integers(1, 6)))), ["a", "b"],
+                             {"a": int(rng.integers(1, 3000)) * 32, "b": int(rng.integers(1, 3000)) * 32})
+                   for i in range(int(rng.integers(1, 4)))]
+        idx = FakeIndex(n_exp, classes)
+        budget = int(rng.integers(10_000, 3_000_000))
+        ws = [len(c.layers) * n_exp for c in classes]
+        best = None
+        for f in sorted({Fraction(k, w) for w in ws for k in range(1, w + 1)}):
+            cnt = {c.id: int(f * len(c.layers) * n_exp) for c in classes}
+            if total_bytes(idx, cnt) <= budget:
+                best = cnt
+        if best is None or min(best.values()) < 1:
+            with pytest.raises(ArenaError):
+                plan_slots(idx, budget_bytes=budget)
+        else:
+            assert plan_slots(idx, budget_bytes=budget) == best

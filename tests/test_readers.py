@@ -1,5 +1,6 @@
 """Reader pool: bit-exact loads (unaligned, split files), O_DIRECT fallback, truncation, priority."""
 import errno
+import re
 import logging
 import mmap
 import os
@@ -251,7 +252,8 @@ def test_short_read_vs_index_size(files):
     with ReaderPool(paths, threads=2) as pool:
         jid = pool.submit([(1, len(datas[1]) - 100, 200, dest.addr)], priority=0, callback=w)
         err = w.wait(jid)[0]
-        assert isinstance(err, ReadError) and "short read" in str(err) and "got 100 of 200" in str(err)
+        assert isinstance(err, ReadError) and "short read" in str(err)
+        assert re.search(r"got 96 of 196 bytes", str(err)), err  # the chunk past the 1 MiB grid line
 
 
 def test_demand_overtakes_queued_prefetch_and_promote(files):
@@ -359,3 +361,29 @@ def test_real_layout_into_arena_slots(model_factory, name, kw, tmp_path):
             for span in idx.parts(layer, e):
                 bad = verify_expert_bytes(ar.view(cid, slot, span.part), layer, span.part, e)
                 assert bad is None, bad
+
+
+def test_eio_fails_that_job_only(files, monkeypatch):
+    """An I/O error on one range fails its job with errno, file and offset; other jobs are fine."""
+    paths, datas = files
+    real = readers_mod.read_chunk
+    bad_off = 2**20 + 65536
+
+    def flaky(fd, off, n, dest, bounce, bb, align, direct):
+        if off <= bad_off < off + n:
+            return -errno.EIO
+        return real(fd, off, n, dest, bounce, bb, align, direct)
+
+    monkeypatch.setattr(readers_mod, "read_chunk", flaky)
+    dest = Dest(4 * 2**20)
+    w = Waiter()
+    with ReaderPool(paths, threads=4, chunk_bytes=65536) as pool:
+        bad = pool.submit([(0, 2**20, 2**20, dest.addr)], priority=0, callback=w)
+        good = pool.submit([(0, 0, 2**20, dest.addr + 2**21)], priority=0, callback=w)
+        err = w.wait(bad)[0]
+        assert isinstance(err, ReadError)
+        assert "Input/output error" in str(err) and paths[0] in str(err) and f"offset {bad_off}" in str(err)
+        assert w.wait(good)[0] is None
+        assert np.array_equal(dest.arr[2**21:2**21 + 2**20], datas[0][:2**20])
+        time.sleep(0.05)
+    assert w.calls[bad] == 1
