@@ -357,9 +357,13 @@ class ExpertCache:
             raise RequestError("empty request: no experts listed")
         for pool, keys in by_pool.items():
             if len(set(keys)) != len(keys):
-                raise RequestError(f"duplicate expert in request for layer(s) {pool.layers[:1]}..."
-                                   if len(pool.layers) > 1 else
-                                   f"duplicate expert in request for layer {pool.layers[0]}")
+                seen = set()
+                for k in keys:
+                    if k in seen:
+                        break
+                    seen.add(k)
+                raise RequestError(f"duplicate in request: layer {pool.layers[k // self.n_experts]} "
+                                   f"expert {k % self.n_experts} listed twice")
             n = len(keys)
             where = (f"size class {pool.cid}" if self.policy == "global"
                      else f"layer {pool.layers[0]} (size class {pool.cid})")
@@ -823,21 +827,21 @@ class ExpertCache:
                 released += self.arena.release_memory(pool.cid, take)
             restored = 0
             failed = None
+            grown = []
             for pool, take in grow:
                 try:
                     self.arena.restore_memory(pool.cid, take)
                     restored += len(take) * self._cls[pool.cid][0].slot_bytes
-                except Exception as e:  # keep them disabled, report
+                    grown.append((pool, take))
+                except Exception as e:  # keep them given back, report
                     failed = e
                     with self._lock:
                         pool.disabled.extend(take)
                         after -= len(take)
-                    continue
             submits, promotes, done = [], [], []
             with self._lock:
-                for pool, take in grow:
-                    if not any(s in pool.disabled for s in take[:1]):
-                        pool.free.extend(take)
+                for pool, take in grown:
+                    pool.free.extend(take)
                 if self._waitq:
                     self._kick(submits, promotes, done)
             self._after(submits, promotes, done)

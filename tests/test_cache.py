@@ -11,6 +11,7 @@ import random
 import shutil
 import threading
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -170,7 +171,8 @@ def test_bit_exact_random_sequences(models, name, policy):
         slots = 2
     cache = new_cache(idx, slots=slots, policy=policy)
     try:
-        s = random_sequence(cache, idx, truth, random.Random(hash(name) & 0xFFFF), steps=120)
+        steps = 30 if name == "mixtral-legacy" else 120   # ~100 MB experts: keep it short
+        s = random_sequence(cache, idx, truth, random.Random(zlib.crc32(name.encode())), steps=steps)
         assert s["evictions"] > 0
         assert s["bytes_read"] > 0
     finally:
