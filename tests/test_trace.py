@@ -1,0 +1,228 @@
+"""Trace format: reader/writer, validation errors, JSONL converter, recorder."""
+import json
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moecached.trace import (Trace, TraceError, TraceRecorder, convert_jsonl, convert_main,
+                             load_trace, save_trace)
+
+SHARED = Path(os.environ.get("MOECACHE_SHARED",
+                             Path(__file__).resolve().parents[1].parent / "shared"))
+TRACES = sorted((SHARED / "traces").glob("*.npz"))
+
+
+def small(**kw):
+    ex = np.array([[[0, 1], [2, -1]], [[1, 3], [2, 0]], [[3, 0], [1, 2]]], np.int16)
+    d = dict(experts=ex, is_prompt=np.array([True, False, False]), meta={"n_experts": 4})
+    d.update(kw)
+    return Trace(**d)
+
+
+@pytest.mark.skipif(not TRACES, reason="no shared traces")
+def test_shared_traces_load_and_roundtrip(tmp_path):
+    for p in TRACES:
+        t = load_trace(p)
+        assert t.experts.dtype == np.int16 and t.is_prompt.dtype == bool
+        assert t.n_layers == t.meta["n_moe_layers"] and t.top_k == t.meta["top_k"]
+        assert t.n_decode == t.meta["n_decode_tokens"]
+        save_trace(tmp_path / p.name, t)
+        u = load_trace(tmp_path / p.name)
+        assert np.array_equal(u.experts, t.experts) and np.array_equal(u.is_prompt, t.is_prompt)
+        assert (u.weights is None) == (t.weights is None)
+        assert u.meta["source_repo"] == t.meta["source_repo"]
+
+
+def test_roundtrip_extension_fields(tmp_path):
+    t = small(predicted=np.full((3, 2, 3), -1, np.int16), step=np.array([0, 1, 1], np.int32),
+              weights=np.ones((3, 2, 2), np.float32))
+    t.predicted[1, 0, :2] = [1, 2]
+    save_trace(tmp_path / "t.npz", t)
+    u = load_trace(tmp_path / "t.npz")
+    assert np.array_equal(u.predicted, t.predicted) and u.predicted.dtype == np.int16
+    assert np.array_equal(u.step, t.step) and u.step.dtype == np.int32
+    assert u.weights.dtype == np.float32
+    assert u.meta["n_tokens"] == 3 and u.meta["n_prompt_tokens"] == 1
+    assert u.meta["n_decode_tokens"] == 2 and u.meta["top_k"] == 2
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda d: d.update(experts=d["experts"].astype(np.float32)), r"experts: found dtype float32"),
+    (lambda d: d["experts"].__setitem__((1, 0, 1), 9), r"experts\[1, 0, 1\]: found 9, expected an expert id < n_experts = 4"),
+    (lambda d: d["experts"].__setitem__((0, 0, 0), -3), r"found -3"),
+    (lambda d: d.update(experts=d["experts"][0]), r"experts: found shape \(2, 2\)"),
+    (lambda d: d.update(is_prompt=np.ones(2, bool)), r"is_prompt: found shape \(2,\), expected \(3,\)"),
+    (lambda d: d.update(is_prompt=np.ones(3, np.int8)), r"is_prompt: found dtype int8"),
+    (lambda d: d.update(step=np.array([0, 1, 0], np.int32)), r"step: found id 0 in two separate runs"),
+    (lambda d: d.update(predicted=np.zeros((3, 1, 2), np.int16)), r"predicted: found shape"),
+    (lambda d: d.update(predicted=np.full((3, 2, 1), 7, np.int16)), r"predicted\[0, 0, 0\]: found 7"),
+    (lambda d: d.update(weights=np.ones((3, 2, 3), np.float32)), r"weights: found shape"),
+    (lambda d: d["meta"].update(n_moe_layers=5), r"meta.n_moe_layers: found 5, expected 2"),
+])
+def test_validation_errors_name_file_array_value(tmp_path, mutate, match):
+    d = dict(experts=small().experts.copy(), is_prompt=small().is_prompt.copy(),
+             meta={"n_experts": 4})
+    mutate(d)
+    arrays = {k: v for k, v in d.items() if k != "meta"}
+    f = tmp_path / "bad.npz"
+    np.savez(f, meta=np.array(json.dumps(d["meta"])), **arrays)
+    with pytest.raises(TraceError, match=match) as ei:
+        load_trace(f)
+    msg = str(ei.value)
+    assert msg.startswith(str(f) + ": ") and "\n" not in msg
+    with pytest.raises(TraceError, match=match):
+        save_trace(tmp_path / "x.npz", Trace(**d))
+
+
+def test_missing_file_array_and_bad_meta(tmp_path):
+    with pytest.raises(TraceError, match="file not found"):
+        load_trace(tmp_path / "nope.npz")
+    np.savez(tmp_path / "a.npz", experts=small().experts)
+    with pytest.raises(TraceError, match="is_prompt: found no such array"):
+        load_trace(tmp_path / "a.npz")
+    np.savez(tmp_path / "b.npz", experts=small().experts, is_prompt=small().is_prompt,
+             meta=np.array("{oops"))
+    with pytest.raises(TraceError, match="meta: found invalid JSON"):
+        load_trace(tmp_path / "b.npz")
+    (tmp_path / "c.npz").write_bytes(b"not a zip")
+    with pytest.raises(TraceError, match="unreadable"):
+        load_trace(tmp_path / "c.npz")
+
+
+def test_n_experts_inferred_when_meta_lacks_it():
+    t = small(meta={})
+    assert t.n_experts == 4
+
+
+def write_jsonl(path, lines):
+    path.write_text("\n".join(json.dumps(x) if not isinstance(x, str) else x for x in lines))
+
+
+def test_convert_token_form(tmp_path):
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, [
+        {"meta": {"n_experts": 4, "model": "toy"}},
+        "# comment",
+        {"experts": [[0, 1], [2]], "prompt": True, "weights": [[0.7, 0.3], [1.0]]},
+        {"experts": [[1, 3], [2, 0]], "prompt": False, "step": 0,
+         "predicted": [[1], [2, 0, 3]]},
+    ])
+    with pytest.raises(TraceError, match="a step id on every token"):
+        convert_jsonl(src)
+    write_jsonl(src, [
+        {"meta": {"n_experts": 4, "model": "toy"}},
+        {"experts": [[0, 1], [2]], "prompt": True, "weights": [[0.7, 0.3], [1.0]]},
+        {"experts": [[1, 3], [2, 0]], "prompt": False, "predicted": [[1], [2, 0, 3]]},
+    ])
+    t = convert_jsonl(src)
+    assert t.experts.tolist() == [[[0, 1], [2, -1]], [[1, 3], [2, 0]]]
+    assert t.is_prompt.tolist() == [True, False] and t.meta["model"] == "toy"
+    assert t.weights[0, 0].tolist() == pytest.approx([0.7, 0.3]) and t.weights[1, 0, 0] == 0
+    assert t.predicted.shape == (2, 2, 3) and t.predicted[1, 1].tolist() == [2, 0, 3]
+    assert t.predicted[0].tolist() == [[-1, -1, -1], [-1, -1, -1]]
+
+
+def test_convert_layer_form_and_cli(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    recs = []
+    for tok in range(3):
+        for l in range(3):
+            recs.append({"layer": l, "experts": [tok % 4, (tok + l) % 4 + 0], "prompt": tok == 0,
+                         "step": tok // 2})
+    recs[4]["experts"] = [3]                          # a short row is padded
+    write_jsonl(src, recs)
+    out = tmp_path / "out.npz"
+    assert convert_main(["convert", str(src), str(out), "--n-experts", "5"]) == 0
+    assert "3 tokens" in capsys.readouterr().out
+    t = load_trace(out)
+    assert t.experts.shape == (3, 3, 2) and t.experts[1, 1].tolist() == [3, -1]
+    assert t.step.tolist() == [0, 0, 1] and t.meta["n_experts"] == 5
+    # explicit token index: records may interleave
+    write_jsonl(src, [{"token": 1, "layer": 0, "experts": [2], "prompt": False},
+                      {"token": 0, "layer": 0, "experts": [1], "prompt": True},
+                      {"token": 1, "layer": 1, "experts": [3], "prompt": False}])
+    t = convert_jsonl(src, n_experts=4)
+    assert t.experts[:, :, 0].tolist() == [[2, 3], [1, -1]]
+
+
+@pytest.mark.parametrize("line,match", [
+    ("{bad json", r"in.jsonl:2: invalid JSON"),
+    ('{"experts": [[0]], "prompt": "yes"}', r"in.jsonl:2: prompt: found 'yes', expected true or false"),
+    ('{"experts": [[0, "a"]], "prompt": true}', r"in.jsonl:2: experts\[0\]: found"),
+    ('{"layer": -1, "experts": [0], "prompt": true}', r"in.jsonl:2: layer: found -1"),
+    ('{"prompt": true}', r"in.jsonl:2: experts: found absent"),
+    ('{"experts": [[9]], "prompt": true}', r"experts\[1, 0, 0\]: found 9, expected an expert id < n_experts = 4"),
+])
+def test_convert_errors_name_line(tmp_path, line, match):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"experts": [[0]], "prompt": true, "meta_x": 1}\n' + line + "\n")
+    with pytest.raises(TraceError, match=match):
+        convert_jsonl(src, n_experts=4)
+
+
+def test_recorder_forms_tokens_on_layer_wrap(tmp_path):
+    path = tmp_path / "rec.npz"
+    rec = TraceRecorder(path, n_layers=3, top_k=2, n_experts=8)
+    for tok in range(4):
+        for l in range(3):
+            rec.record(l, [tok, l + 4], is_prompt=tok < 2, client="a")
+    rec.record(0, [7], False, "a")              # a partial token, kept at close
+    t = rec.close()
+    u = load_trace(path)
+    assert u.experts.shape == (5, 3, 2) and np.array_equal(u.experts, t.experts)
+    assert u.experts[2, 1].tolist() == [2, 5]
+    assert u.experts[4].tolist() == [[7, -1], [-1, -1], [-1, -1]]
+    assert u.is_prompt.tolist() == [True, True, False, False, False]
+    assert u.meta["clients"] == ["a"] and "token_client" not in u.meta
+    with pytest.raises(TraceError, match="recorder closed"):
+        rec.record(0, [1], False, "a")
+
+
+def test_recorder_same_layer_again_starts_a_token_and_rows_widen(tmp_path):
+    rec = TraceRecorder(tmp_path / "r.npz", n_layers=2, top_k=2, n_experts=16)
+    rec.record(0, [1, 2], True)
+    rec.record(0, [3, 4, 5, 6], True)            # batched prefill acquire: widens rows
+    rec.record(1, [1], False)
+    t = rec.close()
+    assert t.experts.shape == (2, 2, 4) and t.experts[0, 0].tolist() == [1, 2, -1, -1]
+    assert t.experts[1, 1].tolist() == [1, -1, -1, -1]
+
+
+def test_recorder_clients_and_filter(tmp_path):
+    rec = TraceRecorder(tmp_path / "r.npz", n_layers=2, top_k=1, n_experts=4)
+    rec.record(0, [0], False, "a")
+    rec.record(0, [1], False, "b")               # interleaved clients keep separate tokens
+    rec.record(1, [2], False, "a")
+    rec.record(1, [3], False, "b")
+    rec.record(0, [1], False, "a")               # a's first token ends here
+    t = rec.close()
+    assert t.experts[:, :, 0].tolist() == [[0, 2], [1, 3], [1, -1]]
+    assert t.meta["clients"] == ["a", "b"] and t.meta["token_client"] == [0, 1, 0]
+    only = TraceRecorder(tmp_path / "o.npz", n_layers=2, top_k=1, n_experts=4, client="b")
+    only.record(0, [0], False, "a")
+    only.record(0, [1], False, "b")
+    assert only.close().experts[:, 0, 0].tolist() == [1]
+
+
+def test_recorder_errors_and_threads(tmp_path):
+    rec = TraceRecorder(tmp_path / "r.npz", n_layers=2, top_k=1, n_experts=4)
+    with pytest.raises(TraceError, match="layer_idx: found 2, expected 0..1"):
+        rec.record(2, [0], False)
+    with pytest.raises(TraceError, match="expert: found 4, expected 0..3"):
+        rec.record(0, [4], False)
+    with pytest.raises(TraceError, match="expected all >= 1"):
+        TraceRecorder(tmp_path / "x.npz", 0, 1, 1)
+
+    def worker(name):
+        for _ in range(200):
+            rec.record(0, [1], False, name)
+            rec.record(1, [2], False, name)
+
+    ts = [threading.Thread(target=worker, args=(f"c{i}",)) for i in range(4)]
+    [x.start() for x in ts]
+    [x.join() for x in ts]
+    t = rec.close()
+    assert t.n_tokens == 800 and (t.experts[:, :, 0] == [1, 2]).all()
