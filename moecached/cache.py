@@ -47,18 +47,30 @@ from . import MoecacheError
 from .policy import LRU
 from .stats import LatencyHistogram
 
-__all__ = ["CacheError", "RequestError", "LeaseError", "LoadError", "AcquireTimeout",
-           "Lease", "ExpertCache"]
+__all__ = ["CacheError", "RequestError", "CapacityError", "LeaseError", "LoadError",
+           "AcquireTimeout", "CacheClosed", "Lease", "ExpertCache"]
 
 
 class CacheError(MoecacheError):
-    """Base of every cache error; ``str(e)`` is one line. Also raised as-is for "cache closed"."""
+    """Base of every cache error; ``str(e)`` is one line."""
 
 
 class RequestError(CacheError):
     """Bad request, raised at once: unknown layer, expert out of range, duplicate expert, empty
     request, or more experts of one pool than it can ever hold (or holds now, with
     ``shrunk_policy="error"``)."""
+
+
+class CapacityError(RequestError):
+    """The request fits its pool's configured size but not its current (``set_budget``-shrunk)
+    size, and ``shrunk_policy="error"``. Retry later."""
+
+
+class CacheClosed(CacheError):
+    """The cache is closed (or closing): ``str(e) == "cache closed"``."""
+
+    def __init__(self, msg: str = "cache closed"):
+        super().__init__(msg)
 
 
 class LeaseError(CacheError):
@@ -338,7 +350,7 @@ class ExpertCache:
     def _validate(self, requests) -> tuple[list, dict]:
         """-> (groups [(_Layer, experts)], by_pool {pool: [keys]}); RequestError when bad."""
         if self._closed:
-            raise CacheError("cache closed")
+            raise CacheClosed()
         groups = []
         by_pool: dict[_Pool, list] = {}
         for layer, experts in requests:
@@ -371,7 +383,7 @@ class ExpertCache:
                 raise RequestError(f"request needs {n} slots of {where}, which holds at most "
                                    f"{pool.max_cap}; raise the budget or split the request")
             if n > pool.cap and self.shrunk_policy == "error":
-                raise RequestError(f"request needs {n} slots of {where}, which holds {pool.cap} "
+                raise CapacityError(f"request needs {n} slots of {where}, which holds {pool.cap} "
                                    f"now (budget shrunk from {pool.max_cap})")
         return groups, by_pool
 
@@ -578,7 +590,7 @@ class ExpertCache:
             experts: expert ids (ints ``0 .. n_experts-1``, no duplicates).
             timeout: seconds, or None to wait for ever.
         Returns: :class:`Lease`, items in the order of ``experts``.
-        Raises: RequestError (at once), LoadError, AcquireTimeout, CacheError("cache closed").
+        Raises: RequestError / CapacityError (at once), LoadError, AcquireTimeout, CacheClosed.
         """
         lock = self._lock
         lock.acquire()
@@ -653,7 +665,7 @@ class ExpertCache:
         """Start an acquire of ``[(layer, [experts]), ...]``; returns its ticket (= the lease id).
 
         Every layer's reads are queued at once. ``callback(result)`` gets a :class:`Lease` or a
-        :class:`CacheError` (LoadError, "cache closed") exactly once, unless :meth:`cancel`
+        :class:`CacheError` (LoadError, CacheClosed) exactly once, unless :meth:`cancel`
         returned True for the ticket (then never): inline before this returns when everything is
         resident, otherwise from a reader thread (or the thread whose release/set_budget freed
         the slots it waited for). Bad requests raise RequestError here, no callback.
@@ -719,7 +731,7 @@ class ExpertCache:
         submits = []
         with self._lock:
             if self._closed:
-                raise CacheError("cache closed")
+                raise CacheClosed()
             waiting = {p for q in self._waitq for p in q.by_pool} if self._waitq else ()
             for layer, experts in requests:
                 L = self._layers.get(layer)
@@ -791,7 +803,7 @@ class ExpertCache:
             before = after = target_total = 0
             with self._lock:
                 if self._closed:
-                    raise CacheError("cache closed")
+                    raise CacheClosed()
                 for cid, (c, pools) in self._cls.items():
                     t = min(counts.get(cid, c.n_slots), c.n_slots)
                     if self.policy == "per-layer":
@@ -923,14 +935,14 @@ class ExpertCache:
         return out
 
     def close(self) -> None:
-        """Fail every waiting acquire with CacheError("cache closed"), stop the readers, unlink
+        """Fail every waiting acquire with CacheClosed("cache closed"), stop the readers, unlink
         the arena. Idempotent. Open leases die with the arena."""
         done = []
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            err = CacheError("cache closed")
+            err = CacheClosed()
             for req in list(self._reqs.values()):
                 if req.state != _Req.DONE:
                     req.state = _Req.DONE

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from fixtures import make_model
-from moecached.cache import (AcquireTimeout, CacheError, ExpertCache, Lease, LeaseError, LoadError,
-                             RequestError)
+from moecached.cache import (AcquireTimeout, CacheClosed, CacheError, CapacityError, ExpertCache,
+                             Lease, LeaseError, LoadError, RequestError)
 from moecached.index import open_index
 
 
@@ -462,8 +462,8 @@ def test_close_fails_waiters(models):
     cache.close()
     th.join(10)
     assert not th.is_alive()
-    assert "cache closed" in str(res[0].value)
-    with pytest.raises(CacheError, match="closed"):
+    assert "cache closed" in str(res[0].value) and isinstance(res[0].value, CacheClosed)
+    with pytest.raises(CacheClosed, match="closed"):
         cache.acquire(L, [0])
 
 
@@ -569,7 +569,7 @@ def test_shrunk_policy_error_and_wait(models):
             r = cache.set_budget(slot_bytes + 8192)
             assert r["slots_after"] == 1
             if policy == "error":
-                with pytest.raises(RequestError, match="holds 1 now"):
+                with pytest.raises(CapacityError, match="holds 1 now"):
                     cache.acquire(L, [0, 1])
             else:
                 got = []
