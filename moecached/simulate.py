@@ -362,12 +362,13 @@ def _plot(out, policies, sizes, path):
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.6), squeeze=False)
     xs = sorted(sizes, key=lambda s: (s if isinstance(s, float) else 2.0 + s))
     for ax, o in zip(axes[0], out):
-        for pol in policies:
+        for pi, pol in enumerate(policies):
             pts = [(s, o["results"][(pol, s)].get("hit_rate")) for s in xs]
             pts = [(s, h) for s, h in pts if h is not None and h == h]
             if pts:
                 xv = [s * 100 if isinstance(s, float) else s for s, _ in pts]
                 ax.plot(xv, [h * 100 for _, h in pts], marker="o", ms=3, lw=1.2,
+                        color=plt.cm.tab20(pi % 20),
                         ls="--" if pol in NEEDS_FUTURE else "-", label=pol)
         ax.set_title(os.path.basename(o["trace"]).replace(".npz", ""), fontsize=8)
         ax.set_xlabel("cache size (% of each layer's experts)" if all(
