@@ -1,0 +1,667 @@
+"""Replay a routing trace against a live daemon as a batch-1 decode engine would.
+
+``moecache-ctl replay TRACE [--endpoint E] [--compute-ms X] [--attn-frac F] [--lookahead 0|1|2]
+[--predictor trace|oracle|noisy:RECALL,EXTRA] [--warm-tokens N] [--tokens N] [--gbps X]
+[--json]``
+
+Per decode step (one token, or one multi-token ``step`` of the trace: experts unioned per
+layer in first-appearance order, like the simulator), per MoE layer ``i`` in order:
+
+1. at the layer's start issue the prefetch: lookahead 1 = this layer's predicted experts,
+   lookahead 2 = the next layer's (the next step's first layer after the last); 0 = none;
+2. wait the attention share (``--attn-frac``) of the layer's compute time
+   (``--compute-ms / n_moe_layers``);
+3. acquire the routed experts (``tag="decode"``), timing the wait (stall);
+4. wait the rest of the layer's compute time; release.
+
+Which tokens count (same rules as ``moecache-ctl policy``, so the numbers are comparable):
+* a trace with decode tokens: decode tokens count; the last ``--warm-tokens`` prompt tokens
+  before the first decode token are replayed first, uncounted (default: all of them);
+* a trace without decode tokens (the Qwen3 prefill traces): the first ``--warm-tokens``
+  tokens (default ``min(256, T // 4)``, the simulator's) warm the cache and every later token is
+  treated as a decode token; the output says so.
+``--tokens N`` stops after N counted tokens.
+
+Counters are the daemon's, taken as differences of ``stats()`` around the counted phase; the
+lease replies give the same hits / prefetch hits / misses for this client. After the counted
+phase an *all-resident* pass replays one step's experts over and over (every acquire a hit) and
+reports the daemon's overhead per token (client + IPC + daemon bookkeeping, no reads).
+
+Consistency with the simulator (prefetch off, a fresh daemon, this client alone): the daemon's
+hit rate equals ``reference_hits`` (:func:`reference_lru`, the daemon's two-pass LRU: a
+request first pins every resident expert, then loads the missing ones in order) exactly, and
+``simulate(.., "g-lru", slots)`` up to the one definitional difference of the simulator:
+it treats a set's experts one at a time, so a miss may evict a resident expert later in the
+same set (the daemon pins those first). That changes a few hundred of ~700k accesses on the
+Qwen3 traces at 25 % (< 0.02 pp); both numbers are printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import threading
+import time
+from typing import Optional
+
+import numpy as np
+
+from . import MoecacheError
+from .trace import Trace, load_trace
+
+__all__ = ["ReplayError", "Plan", "plan", "reference_lru", "replay", "probe_drive",
+           "format_table", "main", "parse_predictor"]
+
+
+class ReplayError(MoecacheError, ValueError):
+    """Bad replay input (one line)."""
+
+
+# ---------------------------------------------------------------------------------- planning
+
+class Plan:
+    """Which tokens of a trace are replayed and which count.
+
+    Attributes: ``start``/``end`` (token window of the trace), ``trace`` (the window as a Trace),
+    ``steps`` (list of (first token, last token + 1) in window coordinates), ``counted``
+    (bool per step), ``warm_tokens``, ``counted_tokens``, ``sim_warmup`` (the ``warmup`` to
+    pass to ``simulate`` on ``trace``), ``note``.
+    """
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def plan(trace: Trace, warm_tokens: Optional[int] = None, tokens: Optional[int] = None) -> Plan:
+    t = trace
+    T = t.n_tokens
+    if warm_tokens is not None and warm_tokens < 0:
+        raise ReplayError(f"--warm-tokens: found {warm_tokens}, expected >= 0")
+    if tokens is not None and tokens < 1:
+        raise ReplayError(f"--tokens: found {tokens}, expected >= 1")
+    has_decode = t.n_decode > 0
+    if has_decode:
+        first = int(np.argmax(~t.is_prompt))
+        start = 0 if warm_tokens is None else max(0, first - warm_tokens)
+        dec = np.flatnonzero(~t.is_prompt)
+        end = T if tokens is None or tokens >= len(dec) else int(dec[tokens - 1]) + 1
+        sim_warmup = 0
+        note = ""
+    else:
+        w = min(256, T // 4) if warm_tokens is None else min(warm_tokens, T)
+        start = 0
+        end = T if tokens is None else min(T, w + tokens)
+        sim_warmup = w
+        note = (f"trace has no decode tokens (prefill only): tokens after a warm-up prefix of "
+                f"{w} are treated as decode tokens")
+    sub = Trace(experts=t.experts[start:end], is_prompt=t.is_prompt[start:end],
+                weights=None if t.weights is None else t.weights[start:end],
+                predicted=None if t.predicted is None else t.predicted[start:end],
+                step=None if t.step is None else t.step[start:end],
+                meta={k: v for k, v in t.meta.items()
+                      if k not in ("n_tokens", "n_prompt_tokens", "n_decode_tokens")})
+    n = end - start
+    if sub.step is not None and n:
+        st = np.flatnonzero(np.r_[True, sub.step[1:] != sub.step[:-1]])
+    else:
+        st = np.arange(n)
+    bounds = np.r_[st, n].astype(int)
+    steps = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+    if has_decode:
+        dec = ~sub.is_prompt
+        counted = [bool(dec[a:b].any()) for a, b in steps]
+    else:
+        counted = [a >= sim_warmup for a, b in steps]
+    ct = sum(b - a for (a, b), c in zip(steps, counted) if c)
+    warm = sum(b - a for (a, b), c in zip(steps, counted) if not c)
+    if ct == 0:
+        raise ReplayError(f"nothing to count: the window has {n} tokens, {warm} of them warm-up "
+                          "(lower --warm-tokens or give a longer trace)")
+    return Plan(start=start, end=end, trace=sub, steps=steps, counted=counted,
+                warm_tokens=warm, counted_tokens=ct, sim_warmup=sim_warmup, note=note,
+                has_decode=has_decode)
+
+
+def _step_sets(arr: np.ndarray, steps) -> list:
+    """[step][layer] -> list of expert ids (union over the step's tokens, first appearance)."""
+    out = []
+    L = arr.shape[1]
+    for a, b in steps:
+        if b - a == 1:
+            row = arr[a]
+            out.append([[int(e) for e in row[l] if e >= 0] for l in range(L)])
+        else:
+            per = []
+            for l in range(L):
+                seen = []
+                for e in arr[a:b, l].ravel():
+                    e = int(e)
+                    if e >= 0 and e not in seen:
+                        seen.append(e)
+                per.append(seen)
+            out.append(per)
+    return out
+
+
+def reference_lru(sets, counted, class_of_layer, class_caps, n_experts):
+    """The daemon's global LRU on the request stream, without the daemon: per (step, layer)
+    request, pin every resident expert (touch, in order), then load each missing one (evict
+    the coldest unpinned key when the class is full), then release. Returns (hits, accesses)
+    over counted steps."""
+    from .policy import LRU
+    L = len(class_of_layer)
+    lrus = [LRU(L * n_experts) for _ in class_caps]
+    H = A = 0
+    for ss, c in zip(sets, counted):
+        for l in range(L):
+            keys = [l * n_experts + e for e in ss[l]]
+            if not keys:
+                continue
+            g = class_of_layer[l]
+            lr, cap = lrus[g], class_caps[g]
+            miss = []
+            h = 0
+            for k in keys:
+                if lr.contains(k):
+                    lr.touch(k)
+                    lr.pin(k)
+                    h += 1
+                else:
+                    miss.append(k)
+            for k in miss:
+                if len(lr) >= cap:
+                    lr.remove(lr.victim())
+                lr.insert(k)
+                lr.pin(k)
+            for k in keys:
+                lr.unpin(k)
+            if c:
+                H += h
+                A += len(keys)
+    return H, A
+
+
+# ---------------------------------------------------------------------------------- predictors
+
+def parse_predictor(s: str):
+    """'trace' | 'oracle' | 'noisy:RECALL,EXTRA' -> (name, recall, extra)."""
+    s = (s or "oracle").strip()
+    if s in ("trace", "oracle"):
+        return (s, 1.0, 0.0)
+    if s.startswith("noisy:"):
+        try:
+            r, x = (float(v) for v in s[6:].split(","))
+        except ValueError:
+            raise ReplayError(f"--predictor: found {s!r}, expected noisy:RECALL,EXTRA "
+                              "(e.g. noisy:0.8,0.5)") from None
+        if not 0 <= r <= 1 or x < 0:
+            raise ReplayError(f"--predictor: found recall {r}, extra {x}, expected "
+                              "0 <= RECALL <= 1 and EXTRA >= 0")
+        return ("noisy", r, x)
+    raise ReplayError(f"--predictor: found {s!r}, expected trace, oracle or noisy:RECALL,EXTRA")
+
+
+def _predictions(pred, sub: Trace, steps, true_sets, n_experts, seed=0):
+    name, recall, extra = pred
+    if name == "oracle":
+        return true_sets
+    if name == "trace":
+        if sub.predicted is None:
+            raise ReplayError("--predictor trace: the trace has no 'predicted' array "
+                              "(use oracle or noisy:RECALL,EXTRA)")
+        return _step_sets(sub.predicted, steps)
+    rng = np.random.default_rng(seed)
+    out = []
+    for ss in true_sets:
+        per = []
+        for true in ss:
+            keep = [e for e in true if rng.random() < recall]
+            want = extra * len(true)
+            nw = int(want) + (1 if rng.random() < want - int(want) else 0)
+            others = np.setdiff1d(np.arange(n_experts), true)
+            wrong = rng.choice(others, size=min(nw, len(others)), replace=False).tolist() \
+                if nw and len(others) else []
+            per.append(keep + [int(e) for e in wrong])
+        out.append(per)
+    return out
+
+
+# ---------------------------------------------------------------------------------- drive probe
+
+def probe_drive(model_path, seconds: float = 1.0, threads: int = 8, max_bytes: int = 1 << 30,
+                seed: int = 0) -> Optional[float]:
+    """Read random whole experts of ``model_path`` with O_DIRECT from ``threads`` threads for
+    about ``seconds`` (or ``max_bytes``); returns GB/s (1e9 B/s), or None when it cannot."""
+    import mmap
+    from .index import open_index
+    try:
+        idx = open_index(model_path)
+    except Exception:
+        return None
+    layers = list(idx.expert_layers)
+    rng = np.random.default_rng(seed)
+    fds = {}
+    try:
+        for i, f in enumerate(idx.files):
+            try:
+                fds[i] = os.open(f, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+            except OSError:
+                fds[i] = os.open(f, os.O_RDONLY)
+        jobs = []
+        for _ in range(4096):
+            l = layers[int(rng.integers(len(layers)))]
+            e = int(rng.integers(idx.n_experts))
+            jobs.append(idx.parts(l, e))
+        lock = threading.Lock()
+        state = {"i": 0, "bytes": 0, "err": None}
+        t_end = time.perf_counter() + seconds
+
+        def work():
+            buf = mmap.mmap(-1, 64 << 20)
+            try:
+                while time.perf_counter() < t_end:
+                    with lock:
+                        if state["i"] >= len(jobs) or state["bytes"] >= max_bytes:
+                            return
+                        spans = jobs[state["i"]]
+                        state["i"] += 1
+                    for sp in spans:
+                        a = int(sp.offset) // 4096 * 4096
+                        b = -(-(int(sp.offset) + int(sp.nbytes)) // 4096) * 4096
+                        n = min(b - a, len(buf))
+                        got = os.preadv(fds[int(sp.file)], [memoryview(buf)[:n]], a)
+                        with lock:
+                            state["bytes"] += got
+            except OSError as ex:
+                state["err"] = ex
+            finally:
+                buf.close()
+
+        t0 = time.perf_counter()
+        ths = [threading.Thread(target=work) for _ in range(threads)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        dt = time.perf_counter() - t0
+        if state["err"] is not None or state["bytes"] == 0:
+            return None
+        return state["bytes"] / dt / 1e9
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+# ---------------------------------------------------------------------------------- replay
+
+def _class_layout(client, n_layers):
+    """(class_of_layer [trace layer -> class index], class slots, slot bytes, classes desc)."""
+    desc = client.info.get("arena", {})
+    scs = desc.get("size_classes") or []
+    pos = {b: i for i, b in enumerate(client.expert_layers[:n_layers])}
+    class_of = [0] * n_layers
+    caps, sbytes, per_class = [], [], []
+    for ci, sc in enumerate(scs):
+        caps.append(int(sc["n_slots"]))
+        sbytes.append(int(sc["slot_bytes"]))
+        ls = sorted(pos[b] for b in sc["layers"] if b in pos)
+        per_class.append(ls)
+        for i in ls:
+            class_of[i] = ci
+    return class_of, caps, sbytes, per_class
+
+
+_DELTA_KEYS = ("hits", "demand_misses", "prefetch_hits", "prefetches", "wasted_prefetches",
+               "bytes_read", "reads", "evictions")
+
+
+def replay(client, trace, *, compute_ms: float = 0.0, attn_frac: float = 0.3,
+           lookahead: int = 0, predictor="oracle", warm_tokens: Optional[int] = None,
+           tokens: Optional[int] = None, gbps: Optional[float] = None,
+           gbps_source: str = "given", overhead_tokens: int = 20, seed: int = 0,
+           simulate_check: bool = True, progress: bool = False, label: str = "") -> dict:
+    """Replay ``trace`` (Trace or path) through ``client`` (a connected ``Client``).
+
+    Returns a JSON-able dict (keys listed in :func:`format_table`'s rows, plus ``sim``).
+    Raises ReplayError on a trace that does not fit the daemon's model.
+    """
+    t = trace if isinstance(trace, Trace) else load_trace(trace)
+    t.validate()
+    ex_layers = list(client.expert_layers)
+    E = int(client.n_experts)
+    if t.n_layers != len(ex_layers):
+        raise ReplayError(f"trace has {t.n_layers} MoE layers, expected {len(ex_layers)} "
+                          f"(the daemon's model)")
+    if t.n_experts > E or (t.experts.size and int(t.experts.max()) >= E):
+        raise ReplayError(f"trace has {t.n_experts} experts per layer, expected <= {E} "
+                          "(the daemon's model)")
+    if lookahead not in (0, 1, 2):
+        raise ReplayError(f"--lookahead: found {lookahead}, expected 0, 1 or 2")
+    if not 0 <= attn_frac <= 1:
+        raise ReplayError(f"--attn-frac: found {attn_frac}, expected 0..1")
+    if compute_ms < 0:
+        raise ReplayError(f"--compute-ms: found {compute_ms}, expected >= 0")
+    pred = parse_predictor(predictor) if isinstance(predictor, str) else predictor
+    p = plan(t, warm_tokens, tokens)
+    sub, steps, counted = p.trace, p.steps, p.counted
+    L = t.n_layers
+    sets = _step_sets(sub.experts, steps)
+    preds = _predictions(pred, sub, steps, sets, E, seed) if lookahead else None
+    class_of, caps, sbytes, per_class = _class_layout(client, L)
+    layer_s = compute_ms / 1e3 / L
+    attn_s, rest_s = layer_s * attn_frac, layer_s * (1 - attn_frac)
+
+    s0 = client.stats()
+    fresh = s0.get("reads", 0) == 0 and s0.get("hits", 0) == 0 and \
+        sum(c.get("used", 0) for c in s0.get("classes", [])) == 0
+    others = [c for c in s0.get("clients", []) if c.get("name") != client.name] \
+        if isinstance(s0.get("clients"), list) else []
+
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=len(steps), unit="tok", desc=label or "replay", leave=False,
+                       file=sys.stderr)
+        except ImportError:
+            bar = None
+
+    acq = client.acquire
+    pf = client.prefetch
+    sleep = time.sleep
+    pc = time.perf_counter
+    n_steps = len(steps)
+    first_counted = counted.index(True)
+    acc = dict(hits=0, prefetch_hits=0, misses=0, stall_us=0, acquire_s=0.0, accesses=0,
+               acquires=0)
+    s_mid = None
+    t_count0 = None
+    for si in range(n_steps):
+        if si == first_counted:
+            s_mid = client.stats()
+            t_count0 = pc()
+        c = counted[si]
+        ss = sets[si]
+        for li in range(L):
+            layer = ex_layers[li]
+            t_layer = pc()
+            if lookahead == 1:
+                q = preds[si][li]
+                if q:
+                    pf(layer, q)
+            elif lookahead == 2:
+                if li + 1 < L:
+                    q = preds[si][li + 1]
+                    nl = ex_layers[li + 1]
+                elif si + 1 < n_steps:
+                    q = preds[si + 1][0]
+                    nl = ex_layers[0]
+                else:
+                    q = None
+                if q:
+                    pf(nl, q)
+                if si == 0 and li == 0 and preds[0][0]:
+                    pf(layer, preds[0][0])
+            if attn_s > 0:
+                d = t_layer + attn_s - pc()
+                if d > 0:
+                    sleep(d)
+            want = ss[li]
+            if not want:
+                continue
+            a0 = pc()
+            lease = acq(layer, want, tag="decode")
+            a1 = pc()
+            if c:
+                acc["hits"] += lease.hits
+                acc["prefetch_hits"] += lease.prefetch_hits
+                acc["misses"] += lease.misses
+                acc["stall_us"] += lease.stall_us
+                acc["acquire_s"] += a1 - a0
+                acc["accesses"] += len(want)
+                acc["acquires"] += 1
+            if rest_s > 0:
+                d = t_layer + layer_s - pc()
+                if d > 0:
+                    sleep(d)
+            lease.release()
+        if bar is not None:
+            bar.update(1)
+    wall = pc() - t_count0
+    client.ping()  # every release has been processed
+    s1 = client.stats()
+    if bar is not None:
+        bar.close()
+
+    # all-resident pass: one step's experts, over and over
+    last = sets[n_steps - 1]
+    for li in range(L):
+        if last[li]:
+            acq(ex_layers[li], last[li]).release()
+    client.ping()
+    h0 = client.stats()["hits"]
+    o0 = pc()
+    n_acq = 0
+    for _ in range(overhead_tokens):
+        for li in range(L):
+            if last[li]:
+                acq(ex_layers[li], last[li], tag="decode").release()
+                n_acq += 1
+    client.ping()
+    o_wall = pc() - o0
+    all_hit = client.stats()["hits"] - h0 == sum(len(x) for x in last) * overhead_tokens
+
+    d = {k: s1.get(k, 0) - s_mid.get(k, 0) for k in _DELTA_KEYS}
+    CT = p.counted_tokens
+    total_slots = sum(caps)
+    arena_bytes = sum(cp * b for cp, b in zip(caps, sbytes))
+    all_experts = L * E
+    bpt = d["bytes_read"] / CT
+    res = {
+        "label": label,
+        "trace": str(t.meta.get("path", "")) or label,
+        "model": client.info.get("model"),
+        "synthetic": bool(t.meta.get("synthetic", False)),
+        "note": p.note,
+        "slots": total_slots, "experts_total": all_experts,
+        "cache_fraction": total_slots / all_experts if all_experts else float("nan"),
+        "class_slots": caps, "arena_gib": arena_bytes / 2**30,
+        "model_expert_gib": sum(len(ls) * E * b for ls, b in zip(per_class, sbytes)) / 2**30,
+        "warm_tokens": p.warm_tokens, "counted_tokens": CT, "window": [p.start, p.end],
+        "compute_ms": compute_ms, "attn_frac": attn_frac, "lookahead": lookahead,
+        "predictor": predictor if isinstance(predictor, str) else pred[0],
+        "wall_s": wall, "tok_s": CT / wall if wall > 0 else float("inf"),
+        "stall_ms_per_token": acc["stall_us"] / 1e3 / CT,
+        "acquire_ms_per_token": acc["acquire_s"] * 1e3 / CT,
+        "accesses": acc["accesses"], "hits": acc["hits"], "prefetch_hits": acc["prefetch_hits"],
+        "demand_misses": acc["misses"],
+        "hit_rate": acc["hits"] / acc["accesses"] if acc["accesses"] else float("nan"),
+        "daemon": d,
+        "prefetches": d["prefetches"], "wasted_prefetches": d["wasted_prefetches"],
+        "bytes_read": d["bytes_read"], "reads": d["reads"], "bytes_per_token": bpt,
+        "read_gbps": d["bytes_read"] / wall / 1e9 if wall > 0 else float("nan"),
+        "read_latency": s1.get("read_latency", {}),
+        "gbps": gbps, "gbps_source": gbps_source if gbps else None,
+        "drive_ceiling_tok_s": (gbps * 1e9 / bpt if bpt > 0 else float("inf")) if gbps else None,
+        "overhead_ms_per_token": o_wall * 1e3 / overhead_tokens,
+        "overhead_us_per_acquire": o_wall * 1e6 / max(n_acq, 1),
+        "overhead_all_hits": bool(all_hit),
+        "fresh_daemon": bool(fresh), "other_clients": len(others),
+    }
+    if compute_ms > 0:
+        res["compute_only_tok_s"] = 1e3 / compute_ms
+    if simulate_check and lookahead == 0:
+        res["sim"] = _sim_check(p, sets, counted, class_of, caps, per_class, E, res)
+    return res
+
+
+def _sim_check(p, sets, counted, class_of, caps, per_class, E, res):
+    from .simulate import simulate, SimulationError
+    out = {}
+    h, a = reference_lru(sets, counted, class_of, caps, E)
+    out["reference_hits"] = h
+    out["reference_accesses"] = a
+    out["reference_hit_rate"] = h / a if a else float("nan")
+    try:
+        r = simulate(p.trace, "g-lru", int(sum(caps)), per_class_layers=per_class,
+                     warmup=p.sim_warmup)
+        out.update(glru_hits=r["hits"], glru_accesses=r["accesses"], glru_hit_rate=r["hit_rate"],
+                   glru_class_caps=r["class_caps"], glru_size_desc=r["size_desc"],
+                   glru_warmup=r["warmup"])
+        out["slots_match"] = list(r["class_caps"]) == list(caps)
+    except SimulationError as ex:
+        out["glru_error"] = str(ex)
+    out["daemon_equals_reference"] = (res["hits"] == h and res["accesses"] == a)
+    return out
+
+
+# ---------------------------------------------------------------------------------- output
+
+def _f(x, fmt):
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return fmt.format(x)
+
+
+def format_table(results, title: str = "") -> str:
+    """Results of one or more replays, one column each."""
+    cols = [r.get("label") or f"run {i}" for i, r in enumerate(results)]
+
+    def pct(n, r):
+        a = r["accesses"]
+        return f"{n} ({n / a * 100:.1f}%)" if a else str(n)
+
+    rows = [
+        ("cache slots (of all experts)", lambda r: f"{r['slots']}/{r['experts_total']} "
+                                                   f"({r['cache_fraction'] * 100:.0f}%)"),
+        ("experts in RAM, GiB", lambda r: f"{r['arena_gib']:.2f} of {r['model_expert_gib']:.2f}"),
+        ("counted tokens (warm-up)", lambda r: f"{r['counted_tokens']} ({r['warm_tokens']})"),
+        ("decode tok/s (drive+cache)", lambda r: _f(r["tok_s"], "{:.2f}")),
+        ("stall ms/token", lambda r: _f(r["stall_ms_per_token"], "{:.2f}")),
+        ("acquire wait ms/token", lambda r: _f(r["acquire_ms_per_token"], "{:.2f}")),
+        ("hits", lambda r: pct(r["hits"], r)),
+        ("prefetch hits", lambda r: pct(r["prefetch_hits"], r)),
+        ("demand misses", lambda r: pct(r["demand_misses"], r)),
+        ("prefetches / wasted", lambda r: f"{r['prefetches']} / {r['wasted_prefetches']}"),
+        ("MB read/token", lambda r: _f(r["bytes_per_token"] / 1e6, "{:.1f}")),
+        ("GB read (GB/s achieved)", lambda r: f"{r['bytes_read'] / 1e9:.2f} "
+                                              f"({_f(r['read_gbps'], '{:.2f}')})"),
+        ("read latency p50/p99 ms", lambda r: f"{r['read_latency'].get('p50_us', 0) / 1e3:.1f}"
+                                              f"/{r['read_latency'].get('p99_us', 0) / 1e3:.1f}"),
+        ("drive ceiling tok/s", lambda r: (_f(r["drive_ceiling_tok_s"], "{:.2f}") +
+                                           f" @{r['gbps']:.2f} GB/s {r['gbps_source']}")
+         if r.get("gbps") else "n/a (no --gbps)"),
+        ("daemon overhead ms/token", lambda r: f"{r['overhead_ms_per_token']:.2f} "
+                                               f"({r['overhead_us_per_acquire']:.0f} us/acquire)"),
+    ]
+    if any("sim" in r for r in results):
+        def hr(r):
+            return _f(r["hit_rate"], "{:.4%}")
+
+        def sim(r, key):
+            s = r.get("sim")
+            if not s:
+                return "n/a (prefetch on)"
+            if key == "glru" and "glru_error" in s:
+                return "n/a"
+            return _f(s.get(f"{key}_hit_rate"), "{:.4%}")
+
+        rows += [
+            ("hit rate: daemon", hr),
+            ("hit rate: LRU reference", lambda r: sim(r, "reference") + (
+                " =" if r.get("sim", {}).get("daemon_equals_reference") else
+                (" DIFFERS" if r.get("sim") else ""))),
+            ("hit rate: simulator g-lru", lambda r: sim(r, "glru")),
+        ]
+    cells = [[fn(r) for r in results] for _, fn in rows]
+    w0 = max(len(n) for n, _ in rows)
+    ws = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines = []
+    if title:
+        lines.append(title)
+    lines.append(f"{'':<{w0}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cols, ws)))
+    for (name, _), row in zip(rows, cells):
+        lines.append(f"{name:<{w0}}  " + "  ".join(f"{v:>{w}}" for v, w in zip(row, ws)))
+    notes = sorted({r["note"] for r in results if r.get("note")})
+    for n in notes:
+        lines.append(f"note: {n}")
+    cfg = results[0]
+    lines.append(f"engine: batch 1, compute {cfg['compute_ms']:g} ms/token "
+                 f"(attention share {cfg['attn_frac']:g}), lookahead {cfg['lookahead']}"
+                 + (f", predictor {cfg['predictor']}" if cfg["lookahead"] else " (prefetch off)"))
+    if any(not r.get("fresh_daemon") for r in results if "sim" in r):
+        lines.append("note: the daemon was not fresh (used before this replay): the reference "
+                     "and simulator assume a cold cache")
+    if any(r.get("other_clients") for r in results):
+        lines.append("note: other clients were connected; their traffic is in the daemon counters")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+def add_engine_args(ap, compute_default=0.0):
+    ap.add_argument("--compute-ms", type=float, default=compute_default,
+                    help=f"simulated compute time per token, ms, spread evenly over the MoE "
+                         f"layers (default {compute_default:g}: the drive and daemon alone)")
+    ap.add_argument("--attn-frac", type=float, default=0.3,
+                    help="share of a layer's compute spent before its experts are needed "
+                         "(attention + router), when prefetches can land (default 0.3)")
+    ap.add_argument("--lookahead", type=int, default=0, choices=(0, 1, 2),
+                    help="0: no prefetch (default; the simulator check applies); 1: prefetch "
+                         "this layer's predicted experts at its start; 2: the next layer's")
+    ap.add_argument("--predictor", default="oracle",
+                    help="trace (the trace's 'predicted'), oracle (the true route, the bound; "
+                         "default), noisy:RECALL,EXTRA (each true expert kept with probability "
+                         "RECALL, EXTRA wrong experts per true one)")
+    ap.add_argument("--tokens", type=int, help="stop after N counted tokens")
+    ap.add_argument("--gbps", type=float,
+                    help="drive bandwidth for the drive ceiling, GB/s (default: measured by "
+                         "reading random experts of the model with O_DIRECT, when readable)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the noisy predictor")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="moecache-ctl replay",
+                                 description="replay a routing trace against a live daemon as "
+                                             "a batch-1 decode engine (see module doc)")
+    ap.add_argument("trace", metavar="TRACE", help="routing trace .npz")
+    ap.add_argument("--endpoint", default=None,
+                    help="daemon endpoint (default ipc:///run/moecached/moecached.sock)")
+    add_engine_args(ap)
+    ap.add_argument("--warm-tokens", type=int,
+                    help="tokens replayed uncounted first: the last N prompt tokens (default: "
+                         "all), or for a prefill-only trace the first N (default min(256, T/4))")
+    ap.add_argument("--json", action="store_true", help="print JSON")
+    ap.add_argument("--no-progress", action="store_true")
+    a = ap.parse_args(argv)
+    from moecache_client import Client, DEFAULT_ENDPOINT, Timeout
+    t = load_trace(a.trace)
+    t.meta["path"] = a.trace
+    try:
+        c = Client(a.endpoint or DEFAULT_ENDPOINT, name="moecache-ctl-replay", timeout=120,
+                   connect_timeout=10)
+    except Timeout as ex:
+        raise ReplayError(str(ex)) from None
+    try:
+        gbps, src = a.gbps, "given"
+        if gbps is None and c.info.get("model"):
+            gbps, src = probe_drive(c.info["model"]), "measured"
+        r = replay(c, t, compute_ms=a.compute_ms, attn_frac=a.attn_frac,
+                   lookahead=a.lookahead, predictor=a.predictor, warm_tokens=a.warm_tokens,
+                   tokens=a.tokens, gbps=gbps, gbps_source=src, seed=a.seed,
+                   progress=not a.no_progress and not a.json,
+                   label=os.path.basename(a.trace))
+    finally:
+        c.close()
+    if a.json:
+        json.dump(r, sys.stdout, indent=1, default=float)
+        print()
+    else:
+        print(format_table([r], title=f"replay of {a.trace} against {c.endpoint}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
