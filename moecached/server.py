@@ -104,6 +104,7 @@ class Server:
         self.recorder = None
         self.recorder_client = None
         self.counters = collections.Counter()
+        self.departed = collections.deque(maxlen=32)  # summaries of the last clients that left
         self.extra_stats = None  # optional callable -> dict merged into stats (the floor)
         self._stopping = False
         self._lock_fd = None
@@ -359,6 +360,9 @@ class Server:
         c.leases.clear()
         self.clients.pop(c.ident, None)
         self.counters["clients_dropped"] += 1
+        gone = c.summary()
+        gone["left"] = why
+        self.departed.append(gone)
         if n:
             log.info("client %s (pid %s) %s: released %d leases", c.name, c.pid, why, n)
 
@@ -500,6 +504,7 @@ class Server:
                   session=self.session, fingerprint=self.index.fingerprint(),
                   leases=len(self.leases), server=dict(self.counters),
                   clients=[c.summary() for c in self.clients.values()],
+                  departed_clients=list(self.departed),
                   tracing=(self.recorder.path if self.recorder is not None else None))
         if self.extra_stats is not None:
             st.update(self.extra_stats())

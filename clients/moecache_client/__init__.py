@@ -349,6 +349,7 @@ class Client:
         poller.register(mon, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         hello_rid = None
+        hello_rids: set = set()  # every hello sent; any of their answers may bring the session
         last_rx = last_tx = time.monotonic()
         ping_rid = None
         ping_sent = 0.0
@@ -359,9 +360,14 @@ class Client:
             sock.send(msgpack.packb(m, use_bin_type=True))
             last_tx = time.monotonic()
 
-        def say_hello():
+        def say_hello(force=False):
+            # one hello in flight at a time; sends pause (session None) until it is answered
             nonlocal hello_rid
+            if not force and hello_rid is not None and self.session is None and self._hello_ready.is_set():
+                return
+            self.session = None
             hello_rid = next(self._ids)
+            hello_rids.add(hello_rid)
             send({"v": PROTOCOL_VERSION, "id": hello_rid, "op": "hello",
                   "client": self.name, "pid": os.getpid()})
 
@@ -383,11 +389,15 @@ class Client:
                             ev = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
                         except zmq.Again:
                             break
+                        if os.environ.get("MOECACHE_CLIENT_DEBUG"):
+                            print("client event", ev["event"], flush=True)
                         if ev["event"] == zmq.EVENT_DISCONNECTED:
                             self._fail_pending(lambda op: DaemonRestarted(f"{op}: connection to the daemon dropped"))
                             ping_rid = None
-                        elif ev["event"] == zmq.EVENT_CONNECTED and self.session is not None:
-                            say_hello()
+                            if self._hello_ready.is_set() and self._hello_error is None:
+                                self.session = None  # hold new requests until hello is answered
+                        elif ev["event"] == zmq.EVENT_CONNECTED and self._hello_ready.is_set():
+                            say_hello(force=True)
                 # outgoing (only after hello, so a restart's calls go to a mapped arena)
                 while self.session is not None or self._hello_error is not None:
                     try:
@@ -415,8 +425,18 @@ class Client:
                         except Exception:
                             continue
                         session = rep.get("session")
-                        if rid == hello_rid:
-                            self._on_hello(rep)
+                        if os.environ.get("MOECACHE_CLIENT_DEBUG"):
+                            print("client rx", rid, rep.get("ok"), session, self.session, hello_rid, flush=True)
+                        if rid in hello_rids:
+                            hello_rids.discard(rid)
+                            if rep.get("ok") or rid == hello_rid:
+                                self._on_hello(rep)
+                            continue
+                        if self.session is None:
+                            # sent before the current hello (to a daemon since replaced): void
+                            ent = self._pending.pop(rid, None)
+                            if ent is not None and not ent[0].done():
+                                ent[0].set_exception(DaemonRestarted(f"{ent[1]}: the daemon restarted"))
                             continue
                         if rid == ping_rid:
                             ping_rid = None
@@ -462,7 +482,7 @@ class Client:
                     sock, mon = self._new_socket()
                     poller.register(sock, zmq.POLLIN)
                     poller.register(mon, zmq.POLLIN)
-                    say_hello()
+                    say_hello(force=True)
                     last_rx = now
         finally:
             self._fail_pending(lambda op: ClientError(f"{op}: client closed"))
