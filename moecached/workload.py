@@ -7,7 +7,7 @@ says so); only its locality statistics are fitted to real data.
 Model (per MoE layer ``l``, independently; ``E`` experts, top-``k``):
 
 * a fixed popularity ``w_l[e] ~ 1 / (rank + 1) ** alpha`` over a random permutation of the
-  experts (skew: the share of the busiest 10 %% of experts);
+  experts (skew: the share of the busiest 10 % of experts);
 * a recency boost ``u_l``, an exponential moving average of the layer's past selections with
   decay ``gamma`` per token (the slow "topic" drift that makes overlap decay with lag);
 * each token: every expert the previous token used in this layer is kept with probability
@@ -21,21 +21,24 @@ statistic computed by :func:`locality_stats`, i.e. the same code for both):
 =========================================  ==========  ========================================
 statistic                                  real trace  synthetic (defaults, 2080 tokens, seed 0)
 =========================================  ==========  ========================================
-previous-token overlap (pooled)            0.456       see ``FITTED``
-top-10 %% share (mean over layers)         0.374       see ``FITTED``
-per-layer LRU hit rate @ 2k = 12.5 %% E    0.603       see ``FITTED``
-per-layer LRU hit rate @ 25 %% E           0.825       see ``FITTED``
-per-layer LRU hit rate @ 50 %% E           0.967       see ``FITTED``
+previous-token overlap (pooled)            0.456       0.465
+top-10 % share (mean over layers)         0.374       0.337
+per-layer LRU hit rate @ 2k = 12.5 % E    0.603       0.586
+per-layer LRU hit rate @ 25 % E           0.825       0.826
+per-layer LRU hit rate @ 50 % E           0.967       0.973
 =========================================  ==========  ========================================
 
 How they were measured: ``prev`` = for each token and layer, the fraction of its experts the
-previous token also used, pooled; ``top-10 %% share`` = per layer, the share of selections
+previous token also used, pooled; ``top-10 % share`` = per layer, the share of selections
 taken by the 12 most used experts, averaged over layers; LRU hit rates =
 ``moecached.simulate.simulate(trace, "lru", f, warmup=0)`` (per-layer LRU, cold start, every
 token counted) -- the same definitions as ``../shared/traces/PROVENANCE.md``, whose table these
 reproduce for the real trace. The parameters were chosen by :func:`fit` (a grid search
-minimising the summed squared error of those five numbers); ``python -m moecached.workload``
-re-measures both and prints the table.
+minimising the summed squared error of those five numbers, on 1024 tokens x 16 layers over
+alpha {0.5, 0.7, 0.9} x p_copy {0.25, 0.35, 0.45} x beta {3, 10, 30} x gamma {0.9, 0.97, 0.99});
+the best, alpha 0.7, p_copy 0.35, beta 10, gamma 0.97, are ``DEFAULT_PARAMS``.
+``python -m moecached.workload`` re-measures both columns and prints the table (``--trace``
+measures another real trace, ``--fit`` re-runs the search).
 
 What it does not model: the attention-sink routing of a request's first token, cross-layer
 correlation, decode-vs-prefill differences (the real Qwen3 traces are prefill only).
@@ -58,9 +61,8 @@ REAL_TARGETS = {"prev": 0.456, "top10": 0.374, "lru_2k": 0.603, "lru_25": 0.825,
 
 DEFAULT_PARAMS = {"alpha": 0.7, "p_copy": 0.35, "beta": 10.0, "gamma": 0.97}
 
-# locality_stats(generate(2080, 48, 128, 8, seed=0)) with DEFAULT_PARAMS (filled in by fit;
-# printed by ``python -m moecached.workload``)
-FITTED: dict = {}
+# locality_stats(generate(2080, 48, 128, 8, seed=0)) with DEFAULT_PARAMS
+FITTED = {"prev": 0.465, "top10": 0.337, "lru_2k": 0.586, "lru_25": 0.826, "lru_50": 0.973}
 
 
 def generate(n_tokens: int, n_layers: int, n_experts: int = 128, top_k: int = 8, *,
