@@ -618,8 +618,25 @@ def test_cli_json_layout_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.skipif(not os.path.exists(os.environ.get("MOECACHE_TEST_GGUF", "/nonexistent")),
-                    reason="set MOECACHE_TEST_GGUF to a GGUF model to test --model")
-def test_model_bytes_from_gguf():
-    per, cls = sim.model_bytes(os.environ["MOECACHE_TEST_GGUF"])
-    assert len(per) == sum(len(c) for c in cls) and min(per) > 0
+def test_model_bytes_from_gguf(tmp_path, capsys):
+    """--model: bytes per expert and size classes from the GGUF index (skips when the index
+    or the fixture generator is not there)."""
+    pytest.importorskip("moecached.index")
+    fixtures = pytest.importorskip("fixtures")
+    layout = "qwen3-30b-a3b-Q4_K_M.json"
+    if not (SHARED / "layouts" / layout).exists():
+        pytest.skip("no shared layouts")
+    model = fixtures.make_model(tmp_path, layout, layers=8, experts=8)
+    per, cls = sim.model_bytes(model)
+    # Qwen3-30B Q4_K_M: Q6_K down experts in blocks 0-5, Q4_K in 6-7 -> two size classes
+    assert sorted(map(sorted, cls)) == [[0, 1, 2, 3, 4, 5], [6, 7]]
+    assert per[0] == 1290240 + 2 * 884736 and per[7] == 3 * 884736
+    t = uniform_trace(T=300, L=8, E=8, k=2)
+    save_path = tmp_path / "t.npz"
+    from moecached.trace import save_trace
+    save_trace(save_path, t)
+    assert sim.main([str(save_path), "--model", model, "--policies", "g-lru", "--sizes", "0.5",
+                     "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)[0]["results"][0]
+    assert r["class_caps"] == [24, 8]
+    assert r["hits"] == sim.simulate(t, "g-lru", 0.5, per_class_layers=cls)["hits"]
