@@ -147,21 +147,21 @@ class _Layer:
 
 class _Load:
     __slots__ = ("pool", "key", "slot", "layer", "expert", "demanded", "prefetched", "waiters",
-                 "job_id", "priority", "fid0")
+                 "job_id", "priority", "fids")
 
-    def __init__(self, pool, key, slot, layer, expert, demanded, fid0):
+    def __init__(self, pool, key, slot, layer, expert, demanded, fids):
         self.pool, self.key, self.slot, self.layer, self.expert = pool, key, slot, layer, expert
         self.demanded = demanded
         self.prefetched = not demanded
         self.waiters: list[_Req] = []
         self.job_id = None
         self.priority = 0 if demanded else 1
-        self.fid0 = fid0
+        self.fids = fids
 
 
 class _Req:
     __slots__ = ("id", "groups", "by_pool", "cb", "t0", "state", "pending", "pins", "items",
-                 "hits", "pf", "misses", "tag")
+                 "hits", "pf", "misses", "tag", "stalled")
     QUEUED, LOADING, DONE = 0, 1, 2
 
     def __init__(self, rid, groups, by_pool, cb, tag):
@@ -176,6 +176,7 @@ class _Req:
         self.items = None
         self.hits = self.pf = self.misses = 0
         self.tag = tag
+        self.stalled = False        # waited in the queue or for a read
 
 
 class ExpertCache:
@@ -337,7 +338,7 @@ class ExpertCache:
     def _start_load(self, L: _Layer, expert: int, slot: int, demanded: bool, submits: list):
         pool = L.pool
         k = L.base + expert
-        load = _Load(pool, k, slot, L.layer, expert, demanded, L.fids[expert][0])
+        load = _Load(pool, k, slot, L.layer, expert, demanded, L.fids[expert])
         pool.alloc[k] = slot
         pool.loading[k] = load
         pool.lru.insert(k, not demanded)
@@ -465,6 +466,8 @@ class ExpertCache:
             items[i] = (L.layer, e, L.cid, s)
         req.items = items
         req.pins = pins
+        if req.pending:
+            req.stalled = True
         req.hits, req.pf, req.misses = hits, pf, miss
         req.state = _Req.LOADING
 
@@ -473,7 +476,7 @@ class ExpertCache:
         self._reqs.pop(req.id, None)
         self._leases[req.id] = req.pins
         self.c_leases += 1
-        stall = time.perf_counter() - req.t0 if (req.misses or req.pf or req.pending) else 0.0
+        stall = time.perf_counter() - req.t0 if req.stalled else 0.0
         done.append((req.cb, Lease(req.id, req.items, req.hits, req.pf, req.misses, stall)))
 
     def _unpin(self, pins) -> None:
@@ -560,7 +563,9 @@ class ExpertCache:
                             self._finish(req, done)
             else:
                 self.c_read_errors += 1
-                fname = self._file_names[load.fid0] if 0 <= load.fid0 < len(self._file_names) else "?"
+                names = self._file_names
+                fname = ", ".join(dict.fromkeys(names[f] if 0 <= f < len(names) else "?"
+                                                for f in load.fids))
                 msg = str(error).splitlines()[0] if str(error) else type(error).__name__
                 err = LoadError(f"load of layer {load.layer} expert {load.expert} from {fname} "
                                 f"failed: {msg}")
@@ -685,6 +690,7 @@ class ExpertCache:
                     self._finish(req, done)
             else:
                 self.c_waits += 1
+                req.stalled = True
                 self._waitq.append(req)
         self._after(submits, promotes, done)
         return rid

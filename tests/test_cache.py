@@ -526,30 +526,30 @@ def test_set_budget_shrink_with_pinned_then_grow(models):
             cache.release(cache.acquire(l, list(range(idx.n_experts // 2))))
             cache.prefetch(l, list(range(idx.n_experts // 2, idx.n_experts)))
         wait_idle(cache)
-        st0 = cache.stats()
-        max_bytes = st0["budget"]["configured_bytes"]
-        r = cache.set_budget(1)                     # as small as possible: plan_slots refuses 0
-    except CacheError as e:
-        assert "no slot" in str(e)
-        r = None
-    try:
-        if r is None:
-            smallest = sum(c.slot_bytes * 4 for c in idx.size_classes) + 64 * 4096
-            r = cache.set_budget(smallest)
+        max_bytes = cache.stats()["budget"]["configured_bytes"]
+        with pytest.raises(CacheError, match="no slot"):
+            cache.set_budget(1)                     # every class needs >= 1 slot
+        assert cache.stats()["shrink_events"] == 0
+        smallest = sum(c.slot_bytes * 2 for c in idx.size_classes) + 64 * 4096
+        r = cache.set_budget(smallest)
         assert r["slots_before"] == n_total
         assert r["slots_after"] < r["slots_before"] and r["bytes_released"] > 0
         # pinned class keeps >= its 4 pinned slots, and their bytes are untouched
         s = cache.stats()
         ccls = [c for c in s["classes"] if c["id"] == cid][0]
         assert ccls["slots"] >= 4 and ccls["pinned"] == 4
+        assert r["slots_after"] > r["slots_target"]          # stopped short at the pins
         truth.check(cache, pinned)
         assert s["shrink_events"] == 1 and s["budget"]["current_bytes"] < max_bytes
-        # cache still works at the small size, bit-exact
-        other = idx.expert_layers[-1]
+        # cache still works at the small size, bit-exact (the pinned class is full of pins:
+        # an acquire there would wait; use the other class)
+        other = [l for l in idx.expert_layers if idx.layer_class[l] != cid][0]
         a = cache.acquire(other, [5], timeout=30)
         truth.check(cache, a)
         cache.release(a)
         cache.release(pinned)
+        r3 = cache.set_budget(smallest)             # unpinned now: shrinks all the way
+        assert r3["slots_after"] == r3["slots_target"] < r["slots_after"]
         r2 = cache.set_budget(max_bytes * 2)        # clamp to configured max
         assert r2["slots_after"] == n_total and r2["bytes_restored"] > 0
         assert cache.stats()["grow_events"] == 1
@@ -603,3 +603,22 @@ def test_descriptor_and_stats_shape(models):
             assert k in s
     finally:
         cache.close()
+
+
+def test_arena_errors_propagate_and_leave_nothing(models):
+    """RLIMIT_MEMLOCK too low (locking on) and a budget too small: ArenaError at construction,
+    no arena file left behind."""
+    import resource
+
+    from moecached.arena import ArenaError
+    idx = open_index(models("qwen3"))
+    name = f"moecache-test-{os.getpid()}-memlock"
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or soft > 64 << 20:
+        pytest.skip("RLIMIT_MEMLOCK is large here")
+    with pytest.raises(ArenaError, match="RLIMIT_MEMLOCK"):
+        ExpertCache(idx, readers=1, lock_memory=True, arena_name=name)
+    assert not os.path.exists(os.path.join("/dev/shm", name))
+    with pytest.raises(ArenaError, match="no slot"):
+        ExpertCache(idx, budget_bytes=4096, readers=1, lock_memory=False, arena_name=name)
+    assert not os.path.exists(os.path.join("/dev/shm", name))
