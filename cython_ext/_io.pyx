@@ -76,3 +76,48 @@ def read_chunk(int fd, long long offset, long long nbytes, size_t dest, size_t b
     with nogil:
         r = _chunk(fd, offset, nbytes, <char *> dest, <char *> bounce, bounce_bytes, align, direct)
     return r
+
+
+cdef enum:
+    MAX_BATCH = 64
+
+
+def read_many(list chunks, list fds, list aligns, list directs, size_t bounce, long long bounce_bytes):
+    """Read several chunks with one GIL release: ``chunks`` is a list of
+    ``(file_id, offset, nbytes, dest)``; ``fds`` / ``aligns`` / ``directs`` are per file id.
+
+    Stops at the first chunk that does not deliver all its bytes. Returns ``(i, r)``: ``i`` the
+    number of chunks fully read (``len(chunks)`` when all were), ``r`` the result of chunk ``i``
+    as :func:`read_chunk` returns it (bytes delivered, or ``-errno``; 0 when all were read).
+    At most 64 chunks per call.
+    """
+    cdef int n = len(chunks)
+    cdef int c_fd[MAX_BATCH]
+    cdef long long c_off[MAX_BATCH]
+    cdef long long c_n[MAX_BATCH]
+    cdef size_t c_dest[MAX_BATCH]
+    cdef long long c_align[MAX_BATCH]
+    cdef bint c_direct[MAX_BATCH]
+    cdef int i
+    cdef long long r = 0
+    if n > MAX_BATCH:
+        raise ValueError(f"read_many: {n} chunks, at most {MAX_BATCH}")
+    for i in range(n):
+        fid, off, nb, dest = chunks[i]
+        c_fd[i] = fds[fid]
+        c_off[i] = off
+        c_n[i] = nb
+        c_dest[i] = dest
+        c_align[i] = aligns[fid]
+        c_direct[i] = directs[fid]
+    with nogil:
+        i = 0
+        while i < n:
+            r = _chunk(c_fd[i], c_off[i], c_n[i], <char *> c_dest[i], <char *> bounce, bounce_bytes,
+                       c_align[i], c_direct[i])
+            if r != c_n[i]:
+                break
+            i += 1
+        if i == n:
+            r = 0
+    return i, r

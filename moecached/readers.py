@@ -2,12 +2,13 @@
 
 A *job* is a list of reads ``(file_id, file_offset, nbytes, dest_address)`` (one expert, all its
 parts). Jobs are cut into chunks on the file's ``chunk_bytes`` grid (a chunk never crosses a
-multiple of ``chunk_bytes``, so widened to the alignment it is at most one ``chunk_bytes``-aligned
-block: the same requests as ``fio --bs=chunk_bytes``) that all threads share: a priority queue of jobs, demand (0) before
-prefetch (1), FIFO within a priority; the first queued job hands out its next chunk. Each chunk
-is one ``moecached._io.read_chunk`` call, which runs without the GIL: an O_DIRECT ``pread`` of the
-range widened to alignment into the thread's aligned bounce buffer, then ``memcpy`` to dest
-(straight into dest when offset, length and dest are all aligned).
+multiple of ``chunk_bytes``, so widened to the alignment it stays inside one aligned block: the
+same requests as ``fio --bs=chunk_bytes``) that all threads share: a priority queue of jobs,
+demand (0) before prefetch (1), FIFO within a priority; the first queued job hands out its next
+chunk (or, when many chunks are queued, its next ``batch`` chunks to one thread, read back to
+back in one ``moecached._io.read_many`` call: fewer GIL hand-offs). Each chunk runs without the
+GIL: an O_DIRECT ``pread`` of the range widened to alignment into the thread's aligned bounce
+buffer, then ``memcpy`` to dest (straight into dest when offset, length and dest are all aligned).
 
 A job's callback runs once, from a reader thread, after every chunk finished or after the first
 failure (once chunks already in flight have finished: no thread writes to dest after the
@@ -34,7 +35,7 @@ import threading
 import time
 
 from . import MoecacheError
-from ._io import read_chunk
+from ._io import read_chunk, read_many
 
 __all__ = ["ReadError", "ReaderPool", "dio_alignment", "LATENCY_EDGES_S"]
 
@@ -96,11 +97,15 @@ class ReaderPool:
     reads + DONTNEED). ``file_sizes`` / ``file_mtimes_ns``: what the index saw (default: what
     fstat sees at open); a difference at open or later fails loads with :class:`ReadError`.
     ``log``: a ``logging.Logger`` (default ``logging.getLogger("moecached.readers")``).
+    ``batch``: most consecutive chunks of one job a thread takes at once (read one after another
+    in a single GIL release) when at least ``threads * batch`` chunks are queued; fewer queued
+    chunks are spread one per thread so a lone demand load still uses every thread.
     Raises :class:`ReadError` at construction if a file cannot be opened or already differs.
     """
 
     def __init__(self, files: list[str], *, threads: int = 16, chunk_bytes: int = 256 * 1024,
-                 direct: bool = True, file_sizes=None, file_mtimes_ns=None, log=None):
+                 direct: bool = True, file_sizes=None, file_mtimes_ns=None, log=None,
+                 batch: int = 4):
         if threads < 1 or chunk_bytes < 4096 or chunk_bytes & (chunk_bytes - 1):
             raise ReadError(f"threads={threads}, chunk_bytes={chunk_bytes}: need threads >= 1 and "
                             f"chunk_bytes a power of two >= 4096")
@@ -139,6 +144,8 @@ class ReaderPool:
         self._seq = itertools.count()
         self._ids = itertools.count(1)
         self._closing = False
+        self._batch = max(1, min(int(batch), 64))
+        self._queued_chunks = 0
         self._stats = {"reads": 0, "bytes": 0, "jobs": 0, "errors": 0}
         self._hist = [0] * (len(LATENCY_EDGES_S) + 1)
         self._recent = collections.deque(maxlen=4096)
@@ -260,6 +267,7 @@ class ReaderPool:
             job = _Job(jid, priority, chunks, callback, total)
             self._jobs[jid] = job
             heapq.heappush(self._heap, (priority, next(self._seq), job))
+            self._queued_chunks += len(chunks)
             self._cond.notify(min(len(chunks), len(self._threads)))
         return jid
 
@@ -279,7 +287,10 @@ class ReaderPool:
             return True
 
     def _take(self):
-        """Next (job, chunk) or None when closing. Caller holds self._cond."""
+        """Next (job, [chunks]) or None when closing. Caller holds self._cond.
+
+        Takes up to ``batch`` consecutive chunks of the first job when the queue is deep enough
+        (queued chunks >= threads * k), else one."""
         heap = self._heap
         while True:
             if self._closing:
@@ -289,27 +300,38 @@ class ReaderPool:
                 if prio != job.priority or job.next >= len(job.chunks) or job.error is not None:
                     heapq.heappop(heap)  # stale (promoted, exhausted, failed)
                     continue
-                chunk = job.chunks[job.next]
-                job.next += 1
-                job.inflight += 1
+                k = min(self._batch, self._queued_chunks // len(self._threads), len(job.chunks) - job.next)
+                k = max(k, 1)
+                take = job.chunks[job.next:job.next + k]
+                job.next += k
+                job.inflight += k
+                self._queued_chunks -= k
                 if job.next >= len(job.chunks):
                     heapq.heappop(heap)
-                return job, chunk
+                return job, take
             self._cond.wait()
 
-    def _read(self, chunk, bounce: int):
-        """Do one chunk; returns None or a ReadError."""
-        fid, off, n, dest = chunk
-        fd = self._fds[fid]
-        for _attempt in range(2):
-            direct = self._direct[fid]
-            got = read_chunk(fd, off, n, dest, bounce, self._bounce_bytes, self._align[fid], direct)
-            if got == -errno.EINVAL and direct:
+    def _read(self, chunks, bounce: int):
+        """Read a run of chunks; returns (chunks done, None) or (chunks done, ReadError)."""
+        if chunks[0] is None:
+            return 1, None
+        done = 0
+        retried = False
+        while done < len(chunks):
+            i, got = read_many(chunks[done:], self._fds, self._align, self._direct, bounce,
+                               self._bounce_bytes)
+            done += i
+            if done == len(chunks):
+                return done, None
+            fid, off, n, dest = chunks[done]
+            if got == -errno.EINVAL and self._direct[fid] and not retried:
                 self._to_buffered(fid)  # filesystem refused O_DIRECT at read time
+                retried = True
                 continue
-            break
-        if got == n:
-            return None
+            return done, self._error(fid, off, n, got)
+        return done, None
+
+    def _error(self, fid: int, off: int, n: int, got: int) -> ReadError:
         path = self.files[fid]
         why = self._changed(fid)
         if why:
@@ -328,22 +350,22 @@ class ReaderPool:
                 got = self._take()
             if got is None:
                 return
-            job, chunk = got
-            err = None
-            if chunk is not None:
-                try:
-                    err = self._read(chunk, bounce)
-                except Exception as e:  # never let a reader thread die
-                    err = ReadError(f"reader crashed on {self.files[chunk[0]]} offset {chunk[1]}: {e!r}")
+            job, chunks = got
+            try:
+                ok, err = self._read(chunks, bounce)
+            except Exception as e:  # never let a reader thread die
+                ok, err = 0, ReadError(f"reader crashed on {self.files[chunks[0][0]]} offset "
+                                       f"{chunks[0][1]}: {e!r}")
             with cond:
-                job.inflight -= 1
-                job.done += 1
-                if chunk is not None:
-                    self._stats["reads"] += 1
-                    if err is None:
-                        self._stats["bytes"] += chunk[2]
+                k = len(chunks)
+                job.inflight -= k
+                job.done += k
+                if chunks[0] is not None:
+                    self._stats["reads"] += ok + (err is not None)
+                    self._stats["bytes"] += sum(c[2] for c in chunks[:ok])
                 if err is not None and job.error is None:
                     job.error = err
+                    self._queued_chunks -= len(job.chunks) - job.next
                     job.next = len(job.chunks)  # cancel the rest
                 fin = job.inflight == 0 and (job.error is not None or job.done == len(job.chunks))
                 if fin:

@@ -16,6 +16,17 @@ from moecached import readers as readers_mod
 from moecached.readers import ReadError, ReaderPool
 
 
+def per_chunk(fn):
+    """A stand-in for ``readers.read_many`` built from a per-chunk ``read_chunk``-like function."""
+    def many(chunks, fds, aligns, directs, bounce, bb):
+        for i, (fid, off, n, dest) in enumerate(chunks):
+            r = fn(fds[fid], off, n, dest, bounce, bb, aligns[fid], directs[fid])
+            if r != n:
+                return i, r
+        return len(chunks), 0
+    return many
+
+
 class Waiter:
     """Collects callbacks; wait(jid) returns (error, nbytes, seconds)."""
 
@@ -207,7 +218,7 @@ def test_odirect_refused_at_first_read(files, monkeypatch, caplog):
             return -errno.EINVAL
         return real(fd, off, n, dest, bounce, bb, align, direct)
 
-    monkeypatch.setattr(readers_mod, "read_chunk", fake)
+    monkeypatch.setattr(readers_mod, "read_many", per_chunk(fake))
     dest = Dest(2**20)
     w = Waiter()
     with caplog.at_level(logging.WARNING, logger="moecached.readers"):
@@ -374,7 +385,7 @@ def test_eio_fails_that_job_only(files, monkeypatch):
             return -errno.EIO
         return real(fd, off, n, dest, bounce, bb, align, direct)
 
-    monkeypatch.setattr(readers_mod, "read_chunk", flaky)
+    monkeypatch.setattr(readers_mod, "read_many", per_chunk(flaky))
     dest = Dest(4 * 2**20)
     w = Waiter()
     with ReaderPool(paths, threads=4, chunk_bytes=65536) as pool:
