@@ -1,9 +1,9 @@
 """Reader pool: threads loading byte ranges of the model files into memory, O_DIRECT by default.
 
 A *job* is a list of reads ``(file_id, file_offset, nbytes, dest_address)`` (one expert, all its
-parts). Jobs are cut into chunks on the file's ``chunk_bytes`` grid (a chunk never crosses a
-multiple of ``chunk_bytes``, so widened to the alignment it stays inside one aligned block: the
-same requests as ``fio --bs=chunk_bytes``) that all threads share: a priority queue of jobs,
+parts). Each read is cut into the fewest chunks of at most ``chunk_bytes`` (equal sizes, inner
+cuts on the file's direct-I/O alignment, so widening adds < one alignment unit at the ends of a
+read, not per chunk). Chunks of all jobs are shared by all threads: a priority queue of jobs,
 demand (0) before prefetch (1), FIFO within a priority; the first queued job hands out its next
 chunk (or, when many chunks are queued, its next ``batch`` chunks to one thread, read back to
 back in one ``moecached._io.read_many`` call: fewer GIL hand-offs). Each chunk runs without the
@@ -93,7 +93,7 @@ class ReaderPool:
     """Threads reading byte ranges of ``files`` into raw memory; see the module docstring.
 
     ``files``: absolute paths, indexed by ``file_id`` in reads. ``threads``: reader threads.
-    ``chunk_bytes``: chunk size and grid (bytes, power of two >= 4096 and >= the alignment). ``direct``: try O_DIRECT (False: buffered
+    ``chunk_bytes``: largest chunk (bytes, >= 4096). ``direct``: try O_DIRECT (False: buffered
     reads + DONTNEED). ``file_sizes`` / ``file_mtimes_ns``: what the index saw (default: what
     fstat sees at open); a difference at open or later fails loads with :class:`ReadError`.
     ``log``: a ``logging.Logger`` (default ``logging.getLogger("moecached.readers")``).
@@ -106,9 +106,9 @@ class ReaderPool:
     def __init__(self, files: list[str], *, threads: int = 16, chunk_bytes: int = 256 * 1024,
                  direct: bool = True, file_sizes=None, file_mtimes_ns=None, log=None,
                  batch: int = 4):
-        if threads < 1 or chunk_bytes < 4096 or chunk_bytes & (chunk_bytes - 1):
+        if threads < 1 or chunk_bytes < 4096:
             raise ReadError(f"threads={threads}, chunk_bytes={chunk_bytes}: need threads >= 1 and "
-                            f"chunk_bytes a power of two >= 4096")
+                            f"chunk_bytes >= 4096")
         self.log = log or logging.getLogger("moecached.readers")
         self.files = [os.fspath(f) for f in files]
         self.chunk_bytes = int(chunk_bytes)
@@ -133,11 +133,9 @@ class ReaderPool:
             self._fds = []
             raise
         self._max_align = max(self._align, default=4096)
-        if self._max_align > self.chunk_bytes:
-            raise ReadError(f"chunk_bytes={chunk_bytes} is below the direct-I/O alignment "
-                            f"{self._max_align} of {self.files[self._align.index(self._max_align)]}; "
-                            f"use chunk_bytes >= {self._max_align}")
-        self._bounce_bytes = self.chunk_bytes  # widened chunks never leave their chunk-grid block
+        # a chunk is <= chunk_bytes (+ up to one alignment unit from rounding a cut down), widened
+        # by < one alignment unit at each end
+        self._bounce_bytes = self.chunk_bytes + 3 * max(self._max_align, 4096)
         self._cond = threading.Condition(threading.Lock())
         self._heap: list = []
         self._jobs: dict[int, _Job] = {}
@@ -235,14 +233,16 @@ class ReaderPool:
                 raise ReadError(f"bad read (file_id={fid}, offset={off}, nbytes={n}, dest={dest:#x}); "
                                 f"file ids are 0..{nfiles - 1}, offsets and sizes >= 0, dest non-null")
             total += n
-            end = off + n
-            while off < end:
-                # cut on the absolute chunk grid of the file: a chunk widened to the alignment
-                # stays inside one chunk_bytes-aligned block (the same requests fio issues)
-                stop = min((off // cb + 1) * cb, end)
-                chunks.append((fid, off, stop - off, dest))
-                dest += stop - off
-                off = stop
+            if n == 0:
+                continue
+            # fewest chunks (ceil(n / chunk_bytes)), equal sizes, inner boundaries on the direct-I/O
+            # alignment: widening then adds at most one alignment unit at each end of a read
+            a = self._align[fid]
+            k = -(-n // cb)
+            cuts = sorted({off, off + n} | {(off + i * n // k) // a * a for i in range(1, k)})
+            cuts = [c for c in cuts if off <= c <= off + n]
+            for lo, hi in zip(cuts, cuts[1:]):
+                chunks.append((fid, lo, hi - lo, dest + (lo - off)))
         return chunks, total
 
     def submit(self, reads, *, priority: int, callback) -> int:

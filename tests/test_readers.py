@@ -264,7 +264,7 @@ def test_short_read_vs_index_size(files):
         jid = pool.submit([(1, len(datas[1]) - 100, 200, dest.addr)], priority=0, callback=w)
         err = w.wait(jid)[0]
         assert isinstance(err, ReadError) and "short read" in str(err)
-        assert re.search(r"got 96 of 196 bytes", str(err)), err  # the chunk past the 1 MiB grid line
+        assert re.search(r"got 100 of 200 bytes", str(err)), err
 
 
 def test_demand_overtakes_queued_prefetch_and_promote(files):
@@ -398,3 +398,17 @@ def test_eio_fails_that_job_only(files, monkeypatch):
         assert np.array_equal(dest.arr[2**21:2**21 + 2**20], datas[0][:2**20])
         time.sleep(0.05)
     assert w.calls[bad] == 1
+
+
+def test_chunking_fewest_equal_aligned(files):
+    """Reads split into ceil(n / chunk) pieces, inner cuts aligned, covering the range exactly."""
+    paths, _ = files
+    with ReaderPool(paths, threads=1, chunk_bytes=256 * 1024) as pool:
+        a = pool.stats()["align"][0]
+        for off, n in [(32, 884736), (4096, 262144), (100, 1), (96, 3 * 262144 + 5), (0, 262143)]:
+            chunks, total = pool._split([(0, off, n, 1 << 20)])
+            assert total == n and len(chunks) == -(-n // (256 * 1024))
+            assert chunks[0][1] == off and chunks[-1][1] + chunks[-1][2] == off + n
+            for c, d in zip(chunks, chunks[1:]):
+                assert c[1] + c[2] == d[1] and d[1] % a == 0 and d[3] - c[3] == c[2]
+            assert max(c[2] for c in chunks) <= 256 * 1024 + a
