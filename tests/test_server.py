@@ -176,3 +176,60 @@ def test_stale_socket_file_replaced(model_factory, tmp_path):
     finally:
         d.stop()
     assert not sock.exists() and not (tmp_path / "d.sock.lock").exists()
+
+
+def test_client_shared_between_threads(daemon):
+    from moecached.synth import verify_expert_bytes
+    idx = daemon.idx
+    L = idx.expert_layers
+    errors = []
+    with Client(daemon.endpoint) as c:
+        def work(k):
+            try:
+                import random
+                rng = random.Random(k)
+                for _ in range(40):
+                    l = rng.choice(L)
+                    ex = rng.sample(range(8), 2)
+                    with c.acquire(l, ex) as lease:
+                        for e in ex:
+                            for part, v in lease.parts(e).items():
+                                r = verify_expert_bytes(v, l, part, e, 0)
+                                if r:
+                                    errors.append(r)
+            except Exception as e:  # noqa
+                errors.append(repr(e))
+        ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert not errors, errors[:3]
+    assert daemon.cache.pinned_count() == 0
+
+
+def test_timed_out_acquire_never_leaks_into_later_calls(model_factory, tmp_path):
+    from moecache_client import Timeout
+    idx = open_index(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8))
+    cache = ExpertCache(idx, slots=32, lock_memory=False, readers=1, chunk_bytes=4096)
+    srv = Server(cache, endpoint=f"ipc://{tmp_path}/t.sock")
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        with Client(srv.endpoint) as c:
+            L = c.expert_layers
+            with pytest.raises(Timeout):
+                c.acquire_many([(l, list(range(8))) for l in L[:3]], timeout=0.001)
+            # the next call gets its own reply, not the late lease
+            lease = c.acquire(L[3], [0])
+            assert [(l, e) for l, e, _, _ in lease.items] == [(L[3], 0)]
+            lease.release()
+            deadline = time.time() + 20
+            while cache.pinned_count() and time.time() < deadline:
+                c.ping()  # the late reply arrives, and its lease is given back
+                time.sleep(0.05)
+            assert cache.pinned_count() == 0
+    finally:
+        srv.stop()
+        t.join(10)
+        cache.close()

@@ -6,25 +6,24 @@
             gate = lease.part(17, "gate")      # zero-copy read-only numpy uint8 view
         c.prefetch(4, [1, 2, 3])
 
-The client speaks docs/protocol.md over a ZeroMQ DEALER socket owned by one I/O thread;
-calls from any thread hand requests to it and wait on a future, so one Client is safe to
-share between threads. Every request carries an id; a reply that arrives after its caller
-timed out is never mistaken for a later call's (and a late lease is released at once).
-The I/O thread pings while idle so the daemon keeps this client's leases, notices a daemon
-restart (the connection drops or the reply's ``session`` changes), fails the calls in
-flight with ``DaemonRestarted`` and says hello again, re-mapping the new arena.
+The client speaks docs/protocol.md over one ZeroMQ DEALER socket. Calls from any thread
+are safe: the thread that finds the socket free reads replies for everyone (leader /
+followers), so a single-threaded engine pays no thread hand-off. Every request carries an
+id; a reply that arrives after its caller timed out is never mistaken for a later call's
+(and a late lease is released at once). A background thread pings while idle so the daemon
+keeps this client's leases. When the daemon restarts (the connection drops or a reply's
+``session`` changes) the calls in flight fail with ``DaemonRestarted`` and the next call
+says hello again, re-mapping the new arena.
 """
 from __future__ import annotations
 
-import collections
 import itertools
 import mmap
 import os
-import queue
 import threading
 import time
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as _FutTimeout
+from concurrent.futures import wait as _futwait
 
 import msgpack
 import numpy as np
@@ -158,6 +157,13 @@ class Client:
     Raises:
         Timeout: the daemon did not answer hello within ``connect_timeout``.
         ServerError: the daemon refused hello (protocol version).
+
+    Threads: whichever calling thread finds the socket free becomes the *leader*: it sends,
+    then reads replies and hands each to the future of the call it answers (its own or
+    another thread's) until its own reply is in. So a single-threaded engine pays no thread
+    hand-off per call, and many threads can share one Client. A small background thread
+    pings while the client is idle, notices a vanished daemon, and releases leases that
+    arrive after their caller timed out.
     """
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, name: str | None = None,
@@ -166,28 +172,29 @@ class Client:
         self.endpoint = endpoint
         self.name = name or f"pid{os.getpid()}"
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self._hb = heartbeat_s
         self._ids = itertools.count(1)
+        self._lock = threading.Lock()          # owns the socket, _pending and the session
         self._pending: dict[int, tuple[Future, str]] = {}
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
         self._closed = False
         self.session = None
         self.info: dict = {}
         self._arena: _Arena | None = None
-        self._hello_ready = threading.Event()
-        self._hello_error: Exception | None = None
+        self._old_arenas: list = []
+        self._last_tx = self._last_rx = time.monotonic()
+        self._ping_sent = None
         self._ctx = zmq.Context.instance()
-        self._thread = threading.Thread(target=self._io_loop, name="moecache-client-io", daemon=True)
+        with self._lock:
+            self._sock, self._mon = self._new_socket()
+            try:
+                self._hello_locked(connect_timeout)
+            except BaseException:
+                self._close_socket()
+                raise
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._heartbeat_loop, name="moecache-client-hb", daemon=True)
         self._thread.start()
-        if not self._hello_ready.wait(connect_timeout):
-            self.close()
-            raise Timeout(f"no hello from {endpoint} within {connect_timeout}s (is moecached running?)")
-        if self._hello_error is not None:
-            err = self._hello_error
-            self.close()
-            raise err
 
     # ---- public API ---------------------------------------------------------------------
     @property
@@ -268,22 +275,21 @@ class Client:
         return self._call({"op": "trace_stop"})
 
     def close(self) -> None:
-        """Say bye (the daemon releases this client's leases), stop the I/O thread."""
+        """Say bye (the daemon releases this client's leases) and close the socket."""
         if self._closed:
             return
         try:
-            if self.session is not None and self._thread.is_alive():
-                self._submit({"op": "bye"}).result(1.0)
+            if self.session is not None:
+                self._call({"op": "bye"}, timeout=1.0)
         except Exception:
             pass
         self._closed = True
-        self._poke()
-        self._thread.join(5)
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5)
+        with self._lock:
+            self._fail_pending(lambda op: ClientError(f"{op}: client closed"))
+            self._close_socket()
 
     def __enter__(self):
         return self
@@ -291,22 +297,13 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-    # ---- internals ----------------------------------------------------------------------
+    # ---- internals: calls -----------------------------------------------------------------
     def _t(self, timeout):
         return self.timeout if timeout is ... else timeout
 
     def _call(self, msg: dict, timeout=...) -> dict:
         fut = self._submit(msg)
-        try:
-            return fut.result(self._t(timeout))
-        except _FutTimeout:
-            raise Timeout(f"{msg['op']}: no reply within {self._t(timeout)}s") from None
-
-    def _poke(self):
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+        return self._wait(fut, self._t(timeout), msg["op"])
 
     def _submit(self, msg: dict, expect_reply: bool = True) -> Future:
         if self._closed:
@@ -315,25 +312,62 @@ class Client:
         rid = next(self._ids)
         msg["v"] = PROTOCOL_VERSION
         msg["id"] = rid
-        self._outbox.put((rid, msg, fut if expect_reply else None))
-        self._poke()
+        with self._lock:
+            if self.session is None:
+                self._hello_locked(self.connect_timeout)  # after a restart: hello first
+            if expect_reply:
+                self._pending[rid] = (fut, msg["op"])
+            try:
+                self._send(msg)
+            except zmq.ZMQError as e:
+                self._pending.pop(rid, None)
+                raise ClientError(f"{msg['op']}: send failed: {e}") from None
         if not expect_reply:
             fut.set_result(None)
         return fut
 
-    def _release_lease(self, lease: Lease) -> None:
-        if lease.session != self.session or self._closed:
-            return  # the daemon that issued it is gone, and with it the pin
-        self._submit({"op": "release", "lease": lease.id, "noreply": True}, expect_reply=False)
+    def _wait(self, fut: Future, timeout, op: str):
+        """Wait for ``fut``, reading the socket while no other thread does. Returns the reply."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not fut.done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                if fut.cancel():  # a late reply is dropped (and its lease released)
+                    raise Timeout(f"{op}: no reply within {timeout}s")
+                break
+            if self._lock.acquire(blocking=False):
+                try:
+                    self._pump_locked(fut, 0.05 if left is None else min(left, 0.05))
+                finally:
+                    self._lock.release()
+            else:
+                _futwait([fut], timeout=0.002 if left is None else min(left, 0.002))
+        return fut.result()
+
+    # ---- internals: the socket (call with self._lock held) ---------------------------------
+    def _send(self, msg: dict) -> None:
+        self._sock.send(msgpack.packb(msg, use_bin_type=True))
+        self._last_tx = time.monotonic()
 
     def _new_socket(self):
         s = self._ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.RECONNECT_IVL, 100)
         s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         s.connect(self.endpoint)
+        self._poller = zmq.Poller()
+        self._poller.register(s, zmq.POLLIN)
+        self._poller.register(mon, zmq.POLLIN)
         return s, mon
+
+    def _close_socket(self):
+        try:
+            self._sock.disable_monitor()
+        except Exception:
+            pass
+        self._mon.close(0)
+        self._sock.close(0)
 
     def _fail_pending(self, exc_factory):
         pend, self._pending = self._pending, {}
@@ -341,173 +375,131 @@ class Client:
             if not fut.done():
                 fut.set_exception(exc_factory(op))
 
-    def _io_loop(self):
-        from zmq.utils.monitor import parse_monitor_message
-        sock, mon = self._new_socket()
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(mon, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        hello_rid = None
-        hello_rids: set = set()  # every hello sent; any of their answers may bring the session
-        last_rx = last_tx = time.monotonic()
-        ping_rid = None
-        ping_sent = 0.0
-        abandoned: collections.OrderedDict = collections.OrderedDict()
+    def _void_session(self, why: str):
+        """The daemon went away: every call in flight fails; the next call says hello again."""
+        self._fail_pending(lambda op: DaemonRestarted(f"{op}: {why}"))
+        self.session = None
+        self._ping_sent = None
 
-        def send(m):
-            nonlocal last_tx
-            sock.send(msgpack.packb(m, use_bin_type=True))
-            last_tx = time.monotonic()
-
-        def say_hello(force=False):
-            # one hello in flight at a time; sends pause (session None) until it is answered
-            nonlocal hello_rid
-            if not force and hello_rid is not None and self.session is None and self._hello_ready.is_set():
-                return
-            self.session = None
-            hello_rid = next(self._ids)
-            hello_rids.add(hello_rid)
-            send({"v": PROTOCOL_VERSION, "id": hello_rid, "op": "hello",
-                  "client": self.name, "pid": os.getpid()})
-
-        say_hello()
-        try:
-            while not self._closed:
-                hb = self._hb or (self.info.get("heartbeat_s", 5.0) / 3)
-                events = dict(poller.poll(int(max(10, hb * 1000 / 2))))
-                now = time.monotonic()
-                if self._wake_r in events:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                if mon in events:
-                    while True:
-                        try:
-                            ev = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
-                        except zmq.Again:
-                            break
-                        if os.environ.get("MOECACHE_CLIENT_DEBUG"):
-                            print("client event", ev["event"], flush=True)
-                        if ev["event"] == zmq.EVENT_DISCONNECTED:
-                            self._fail_pending(lambda op: DaemonRestarted(f"{op}: connection to the daemon dropped"))
-                            ping_rid = None
-                            if self._hello_ready.is_set() and self._hello_error is None:
-                                self.session = None  # hold new requests until hello is answered
-                        elif ev["event"] == zmq.EVENT_CONNECTED and self._hello_ready.is_set():
-                            say_hello(force=True)
-                # outgoing (only after hello, so a restart's calls go to a mapped arena)
-                while self.session is not None or self._hello_error is not None:
-                    try:
-                        rid, msg, fut = self._outbox.get_nowait()
-                    except queue.Empty:
-                        break
-                    if fut is not None:
-                        self._pending[rid] = (fut, msg["op"])
-                    try:
-                        send(msg)
-                    except zmq.ZMQError as e:
-                        self._pending.pop(rid, None)
-                        if fut is not None:
-                            fut.set_exception(ClientError(f"{msg['op']}: send failed: {e}"))
-                if sock in events:
-                    while True:
-                        try:
-                            data = sock.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        last_rx = now
-                        try:
-                            rep = msgpack.unpackb(data, raw=False, strict_map_key=False)
-                            rid = rep["id"]
-                        except Exception:
-                            continue
-                        session = rep.get("session")
-                        if os.environ.get("MOECACHE_CLIENT_DEBUG"):
-                            print("client rx", rid, rep.get("ok"), session, self.session, hello_rid, flush=True)
-                        if rid in hello_rids:
-                            hello_rids.discard(rid)
-                            if rep.get("ok") or rid == hello_rid:
-                                self._on_hello(rep)
-                            continue
-                        if self.session is None:
-                            # sent before the current hello (to a daemon since replaced): void
-                            ent = self._pending.pop(rid, None)
-                            if ent is not None and not ent[0].done():
-                                ent[0].set_exception(DaemonRestarted(f"{ent[1]}: the daemon restarted"))
-                            continue
-                        if rid == ping_rid:
-                            ping_rid = None
-                        if session is not None and self.session is not None and session != self.session:
-                            # a new daemon answered: everything in flight is void; re-hello
-                            self._fail_pending(lambda op: DaemonRestarted(f"{op}: the daemon restarted"))
-                            say_hello()
-                            continue
-                        ent = self._pending.pop(rid, None)
-                        if ent is None:
-                            # late reply to a call that timed out: never hand it to anyone;
-                            # give back a lease it may carry
-                            if rep.get("ok") and "lease" in rep:
-                                send({"v": PROTOCOL_VERSION, "id": next(self._ids), "op": "release",
-                                      "lease": rep["lease"], "noreply": True})
-                            continue
-                        fut, op = ent
-                        if fut.done():  # caller gave up (future cancelled)
-                            if rep.get("ok") and "lease" in rep:
-                                send({"v": PROTOCOL_VERSION, "id": next(self._ids), "op": "release",
-                                      "lease": rep["lease"], "noreply": True})
-                            continue
-                        if rep.get("ok"):
-                            rep["_arena"] = self._arena  # bind views to this session's arena
-                            fut.set_result(rep)
-                        else:
-                            err = rep.get("error") or {}
-                            fut.set_exception(ServerError(err.get("code", "?"), err.get("message", "")))
-                # heartbeat: ping when idle; if pings go unanswered, the daemon is gone
-                if ping_rid is None and now - last_tx > hb and self.session is not None:
-                    ping_rid = next(self._ids)
-                    ping_sent = now
-                    send({"v": PROTOCOL_VERSION, "id": ping_rid, "op": "ping"})
-                elif ping_rid is not None and now - ping_sent > 3 * hb and now - last_rx > 3 * hb:
-                    self._fail_pending(lambda op: DaemonRestarted(f"{op}: daemon not answering"))
-                    ping_rid = None
-                    # reconnect with a fresh socket (drops anything queued in ZeroMQ)
-                    poller.unregister(sock)
-                    poller.unregister(mon)
-                    sock.disable_monitor()
-                    mon.close(0)
-                    sock.close(0)
-                    sock, mon = self._new_socket()
-                    poller.register(sock, zmq.POLLIN)
-                    poller.register(mon, zmq.POLLIN)
-                    say_hello(force=True)
-                    last_rx = now
-        finally:
-            self._fail_pending(lambda op: ClientError(f"{op}: client closed"))
-            try:
-                sock.disable_monitor()
-            except Exception:
-                pass
-            mon.close(0)
-            sock.close(0)
-            if self._arena is not None:
-                self._arena.close()
-
-    def _on_hello(self, rep: dict) -> None:
-        if not rep.get("ok"):
-            err = rep.get("error") or {}
-            self._hello_error = ServerError(err.get("code", "?"), err.get("message", ""))
-            self._hello_ready.set()
-            return
+    def _hello_locked(self, timeout: float) -> None:
+        rid = next(self._ids)
+        fut: Future = Future()
+        self._pending[rid] = (fut, "hello")
+        self._send({"v": PROTOCOL_VERSION, "id": rid, "op": "hello", "client": self.name, "pid": os.getpid()})
+        deadline = time.monotonic() + timeout
+        while not fut.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._pending.pop(rid, None)
+                raise Timeout(f"no hello from {self.endpoint} within {timeout}s (is moecached running?)")
+            self._pump_locked(fut, min(left, 0.1), hello=True)
+        rep = fut.result()  # raises ServerError if refused
         old = self._arena
         self._arena = _Arena(rep["arena"])
         self.info = rep
         self.session = rep["session"]
-        self._hello_ready.set()
+        self._last_rx = time.monotonic()
         if old is not None:
-            old.close()
+            self._old_arenas.append(old)  # leases of the old session may still hold views
+
+    def _pump_locked(self, until: Future | None, wait: float, hello: bool = False) -> None:
+        """Read replies and monitor events for up to ``wait`` seconds, until ``until`` is done."""
+        sock, mon, poller = self._sock, self._mon, self._poller
+        end = time.monotonic() + wait
+        while True:
+            left = end - time.monotonic()
+            events = dict(poller.poll(int(left * 1000) + 1 if left > 0 else 0))
+            if mon in events:
+                try:
+                    from zmq.utils.monitor import parse_monitor_message
+                    ev = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
+                    if ev["event"] == zmq.EVENT_DISCONNECTED and not hello:
+                        self._void_session("connection to the daemon dropped")
+                except zmq.Again:
+                    pass
+            if sock in events:
+                while True:
+                    try:
+                        data = sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._dispatch(data, hello)
+            if (until is not None and until.done()) or time.monotonic() >= end:
+                return
+
+    def _dispatch(self, data: bytes, hello: bool) -> None:
+        self._last_rx = time.monotonic()
+        try:
+            rep = msgpack.unpackb(data, raw=False, strict_map_key=False)
+            rid = rep["id"]
+        except Exception:
+            return
+        ent = self._pending.pop(rid, None)
+        session = rep.get("session")
+        if ent is not None and ent[1] == "hello":
+            if rep.get("ok"):
+                ent[0].set_result(rep)
+            else:
+                err = rep.get("error") or {}
+                ent[0].set_exception(ServerError(err.get("code", "?"), err.get("message", "")))
+            return
+        if rid == self._ping_sent:
+            self._ping_sent = None
+        if self.session is None or (session is not None and session != self.session):
+            # an answer from a daemon other than the one we said hello to: void
+            if ent is not None and not ent[0].done():
+                ent[0].set_exception(DaemonRestarted(f"{ent[1]}: the daemon restarted"))
+            if self.session is not None:
+                self._void_session("the daemon restarted")
+            return
+        if ent is None or ent[0].done():
+            # late reply to a call that gave up: never hand it to anyone; give back its lease
+            if rep.get("ok") and "lease" in rep:
+                self._send({"v": PROTOCOL_VERSION, "id": next(self._ids), "op": "release",
+                            "lease": rep["lease"], "noreply": True})
+            return
+        fut, op = ent
+        if rep.get("ok"):
+            rep["_arena"] = self._arena  # bind views to this session's arena
+            fut.set_result(rep)
+        else:
+            err = rep.get("error") or {}
+            fut.set_exception(ServerError(err.get("code", "?"), err.get("message", "")))
+
+    def _release_lease(self, lease: Lease) -> None:
+        if lease.session != self.session or self._closed:
+            return  # the daemon that issued it is gone, and with it the pin
+        try:
+            self._submit({"op": "release", "lease": lease.id, "noreply": True}, expect_reply=False)
+        except ClientError:
+            pass
+
+    # ---- internals: heartbeat ----------------------------------------------------------------
+    def _heartbeat_loop(self):
+        while not self._stop.wait(self._hb or (self.info.get("heartbeat_s", 5.0) / 3)):
+            hb = self._hb or (self.info.get("heartbeat_s", 5.0) / 3)
+            if not self._lock.acquire(timeout=hb):
+                continue
+            try:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                self._pump_locked(None, 0)
+                if self.session is None:
+                    continue
+                if self._ping_sent is None and now - self._last_tx >= hb * 0.9:
+                    self._ping_sent = next(self._ids)
+                    self._send({"v": PROTOCOL_VERSION, "id": self._ping_sent, "op": "ping"})
+                    self._ping_started = now
+                elif self._ping_sent is not None and now - self._ping_started > 3 * hb and now - self._last_rx > 3 * hb:
+                    # no answer for a while: the daemon is gone or wedged; start afresh
+                    self._void_session("daemon not answering")
+                    self._close_socket()
+                    self._sock, self._mon = self._new_socket()
+            except Exception:
+                pass
+            finally:
+                self._lock.release()
 
 
 class LeaseFuture:
@@ -521,11 +513,5 @@ class LeaseFuture:
         return self._fut.done()
 
     def result(self, timeout: float | None = None) -> Lease:
-        try:
-            rep = self._fut.result(timeout)
-        except _FutTimeout:
-            # give up; if the reply comes later, the I/O thread releases its lease
-            if self._fut.cancel():
-                raise Timeout(f"acquire: no reply within {timeout}s") from None
-            rep = self._fut.result()  # it arrived just now
+        rep = self._client._wait(self._fut, timeout, "acquire")
         return Lease(self._client, rep["session"], rep["_arena"], rep)
