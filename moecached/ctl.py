@@ -4,6 +4,7 @@ Each subcommand lives in the module named for its concept and exposes ``main(arg
 this dispatcher only routes, so modules stay independent.
 """
 import importlib
+import os
 import sys
 
 from . import MoecacheError
@@ -49,6 +50,12 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # output piped into head & co.
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
     return int(rc or 0)
 
 
