@@ -113,7 +113,7 @@ def main(argv=None):
     idx = open_index(model)
     layer, experts = idx.expert_layers[0], list(range(8))
     sock = os.path.join(tmp, "d.sock")
-    dproc = subprocess.Popen([sys.executable, "-m", "moecached.daemon", "--model", model, "--slots", "32",
+    dproc = subprocess.Popen([sys.executable, "-P", "-m", "moecached.daemon", "--model", model, "--slots", "32",
                               "--endpoint", f"ipc://{sock}", "--no-lock-memory", "--log-level", "warning"])
     from moecache_client import Client
     for _ in range(300):

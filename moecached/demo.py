@@ -75,7 +75,7 @@ class Daemon:
                  name="d"):
         self.endpoint = f"ipc://{workdir}/{name}.sock"
         self.log_path = os.path.join(workdir, f"{name}.log")
-        cmd = [sys.executable, "-m", "moecached.daemon", "--model", str(model),
+        cmd = [sys.executable, "-P", "-m", "moecached.daemon", "--model", str(model),
                "--endpoint", self.endpoint, "--group", "", "--log-level", "warning",
                "--readers", str(readers), "--lock-memory" if lock else "--no-lock-memory"]
         cmd += ["--slots", str(slots)] if slots is not None else ["--budget", str(budget)]

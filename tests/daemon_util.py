@@ -11,7 +11,7 @@ import time
 def start_daemon(model: str, sock: str, *args: str, env=None, wait: float = 30.0) -> subprocess.Popen:
     """Run ``python -m moecached.daemon --model MODEL --endpoint ipc://SOCK ARGS`` and wait
     until the socket answers a ping. Memory locking is off unless ARGS turn it on."""
-    cmd = [sys.executable, "-m", "moecached.daemon", "--model", model, "--endpoint", f"ipc://{sock}"]
+    cmd = [sys.executable, "-P", "-m", "moecached.daemon", "--model", model, "--endpoint", f"ipc://{sock}"]
     if not any(a.startswith("--lock-memory") for a in args):
         cmd.append("--no-lock-memory")
     cmd += list(args)

@@ -135,7 +135,7 @@ def test_second_daemon_refused(model, tmp_path):
     sock = str(tmp_path / "d.sock")
     d = start_daemon(model, sock, "--slots", "16")
     try:
-        p = subprocess.run([sys.executable, "-m", "moecached.daemon", "--model", model, "--slots", "16",
+        p = subprocess.run([sys.executable, "-P", "-m", "moecached.daemon", "--model", model, "--slots", "16",
                             "--endpoint", f"ipc://{sock}", "--no-lock-memory"],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 1
