@@ -156,12 +156,19 @@ cdef class LRU:
 # Simulator policies and replay kernels.
 #
 # Every policy below orders the keys of one or more *groups* (a group = one budget of slots:
-# a layer for the per-layer policies, a size class for the shared-budget ones). The replay
-# loop calls ``access(k, i)`` for each key of one (step, layer) set -- the key becomes pinned
-# -- and then ``release(k, i)`` for each; pinned keys are never victims. ``i`` is the index
-# of the access in the whole stream (a unique, increasing timestamp). The replay guarantees
-# that every set fits its group (capacity >= set size), so a full group always has an
-# unpinned victim. Exact semantics: docs/policies.md.
+# a layer for the per-layer policies, a size class for the shared-budget ones). For one
+# (step, layer) set the replay loop does what the daemon's cache does with a request
+# (``ExpertCache._grant``): first it calls ``access(k, t)`` for every key of the set that is
+# resident (``res[k]``) when the set starts -- the hits, in set order -- then for every other
+# key -- the misses, in set order; each accessed key becomes pinned; then ``release(k, i)``
+# for each key in set order. Pinned keys are never victims, so a miss can evict neither a hit
+# of its own set nor an earlier miss of it. ``t`` is the access's timestamp in that processing
+# order (``set_start[s]`` + rank in the set's hits-then-misses order: unique, increasing over
+# the stream); ``i`` in ``release`` is the key's position in the stream (what ``next_use`` is
+# indexed by). No access of a hit evicts anything, so "hit" (resident when the set starts) is
+# decided before any key of the set is accessed. The replay guarantees that every set fits its
+# group (capacity >= set size), so a full group always has an unpinned victim. Exact
+# semantics: docs/policies.md.
 # =============================================================================================
 import numpy as np
 from libc.stdint cimport int64_t, uint8_t, uint64_t
@@ -236,8 +243,10 @@ cdef class _Pol:
 # ----------------------------------------------------------------------------- LRU (daemon's)
 
 cdef class _LRUPol(_Pol):
-    """``lru`` / ``g-lru``: one daemon ``LRU`` per group, driven exactly as the cache does:
-    hit -> touch + pin; miss -> (victim + remove when full) + insert + pin; release -> unpin."""
+    """``lru`` / ``g-lru``: one daemon ``LRU`` per group, driven exactly as the cache drives it
+    (``ExpertCache._grant``; the replay accesses a set's hits first, then its misses): hit ->
+    touch + pin; miss -> (victim + remove when full) + insert at the hot end + pin; release ->
+    unpin."""
     cdef list lrus
 
     def __init__(self, group_of_key, capacity):
@@ -824,8 +833,10 @@ def replay(_Pol pol, const i64[::1] keys, const i64[::1] set_start, const i64[::
     """Replay an access stream (from ``build_stream``) through ``pol``.
 
     For set s: first ``pol.halve()`` once per multiple of ``halve_every`` tokens passed
-    (``set_tokens_before[s]`` = tokens of all earlier steps; 0 = never); then each key is
-    accessed (and pinned) in order, then all are released. Only sets with
+    (``set_tokens_before[s]`` = tokens of all earlier steps; 0 = never); then, as the daemon's
+    cache grants a request, the keys resident when the set starts are accessed (and pinned) in
+    set order -- the hits -- then the other keys in set order -- the misses, each of which may
+    evict an unpinned key of its group; then all are released. Only sets with
     ``set_counted[s]`` add to the counts.
     Returns:
         (hits int64 [n_layers], accesses int64 [n_layers]).
@@ -834,8 +845,8 @@ def replay(_Pol pol, const i64[::1] keys, const i64[::1] set_start, const i64[::
     acc_a = np.zeros(n_layers, dtype=np.int64)
     cdef i64[::1] hits = hits_a, acc = acc_a
     cdef Py_ssize_t S = set_layer.shape[0], s, i, a, b
-    cdef i64 nxt = halve_every, l
-    cdef int h
+    cdef i64 nxt = halve_every, l, t, k, h
+    cdef uint8_t *res = pol.res
     for s in range(S):
         if halve_every > 0:
             while set_tokens_before[s] >= nxt:
@@ -844,14 +855,21 @@ def replay(_Pol pol, const i64[::1] keys, const i64[::1] set_start, const i64[::
         a = set_start[s]
         b = set_start[s + 1]
         l = set_layer[s]
+        t = a
+        h = 0
+        for i in range(a, b):               # hits first (no access of a hit evicts anything)
+            k = keys[i]
+            if res[k]:
+                h += pol.access(k, t)
+                t += 1
+        for i in range(a, b):               # then the misses, in set order
+            k = keys[i]
+            if not res[k]:
+                pol.access(k, t)
+                t += 1
         if set_counted[s]:
-            for i in range(a, b):
-                h = pol.access(keys[i], i)
-                hits[l] += h
+            hits[l] += h
             acc[l] += b - a
-        else:
-            for i in range(a, b):
-                pol.access(keys[i], i)
         for i in range(a, b):
             pol.release(keys[i], i)
     return hits_a, acc_a

@@ -20,7 +20,8 @@ Which tokens count (same rules as ``moecache-ctl policy``, so the numbers are co
 * a trace without decode tokens (the Qwen3 prefill traces): the first ``--warm-tokens``
   tokens (default ``min(256, T // 4)``, the simulator's) warm the cache and every later token is
   treated as a decode token; the output says so.
-``--tokens N`` stops after N counted tokens.
+``--tokens N`` stops after N counted tokens (the window ends right after the N-th counted
+token: ``moecached.simulate.window_end``, the same window as ``moecache-ctl policy --tokens N``).
 
 Counters are the daemon's, taken as differences of ``stats()`` around the counted phase; the
 lease replies give the same hits / prefetch hits / misses for this client. After the counted
@@ -28,12 +29,12 @@ phase an *all-resident* pass replays one step's experts over and over (every acq
 reports the daemon's overhead per token (client + IPC + daemon bookkeeping, no reads).
 
 Consistency with the simulator (prefetch off, a fresh daemon, this client alone): the daemon's
-hit rate equals ``reference_hits`` (:func:`reference_lru`, the daemon's two-pass LRU: a
-request first pins every resident expert, then loads the missing ones in order) exactly, and
-``simulate(.., "g-lru", slots)`` up to the one definitional difference of the simulator:
-it treats a set's experts one at a time, so a miss may evict a resident expert later in the
-same set (the daemon pins those first). That changes a few hundred of ~700k accesses on the
-Qwen3 traces at 25 % (< 0.02 pp); both numbers are printed.
+hits equal ``simulate(window, "g-lru", slots, per_class_layers=..., warmup=...)``'s exactly
+(same tokens, same warm-up, same slots per size class: the simulator takes a set's resident
+experts first, then its misses in order, as the daemon grants a request). A second,
+independent check: :func:`reference_lru`, the daemon's LRU class driven offline the way the
+cache drives it (written apart from the simulator's replay kernel), gives the same hits too. Both are in ``sim``
+(``daemon_equals_simulator``, ``daemon_equals_reference``) and in the table.
 """
 from __future__ import annotations
 
@@ -82,17 +83,17 @@ def plan(trace: Trace, warm_tokens: Optional[int] = None, tokens: Optional[int] 
     if tokens is not None and tokens < 1:
         raise ReplayError(f"--tokens: found {tokens}, expected >= 1")
     has_decode = t.n_decode > 0
+    from .simulate import window_end
     if has_decode:
         first = int(np.argmax(~t.is_prompt))
         start = 0 if warm_tokens is None else max(0, first - warm_tokens)
-        dec = np.flatnonzero(~t.is_prompt)
-        end = T if tokens is None or tokens >= len(dec) else int(dec[tokens - 1]) + 1
+        end = T if tokens is None else window_end(t, 0, tokens)
         sim_warmup = 0
         note = ""
     else:
         w = min(256, T // 4) if warm_tokens is None else min(warm_tokens, T)
         start = 0
-        end = T if tokens is None else min(T, w + tokens)
+        end = T if tokens is None else window_end(t, w, tokens)
         sim_warmup = w
         note = (f"trace has no decode tokens (prefill only): tokens after a warm-up prefix of "
                 f"{w} are treated as decode tokens")
@@ -146,7 +147,8 @@ def _step_sets(arr: np.ndarray, steps) -> list:
 
 
 def reference_lru(sets, counted, class_of_layer, class_caps, n_experts):
-    """The daemon's global LRU on the request stream, without the daemon: per (step, layer)
+    """The daemon's global LRU on the request stream, without the daemon and apart from the
+    simulator's replay kernel (a second check of ``simulate(.., "g-lru", ..)``): per (step, layer)
     request, pin every resident expert (touch, in order), then load each missing one (evict
     the coldest unpinned key when the class is full), then release. Returns (hits, accesses)
     over counted steps."""
@@ -498,21 +500,26 @@ def replay(client, trace, *, compute_ms: float = 0.0, attn_frac: float = 0.3,
 
 
 def _sim_check(p, sets, counted, class_of, caps, per_class, E, res):
+    """The daemon's hits against ``simulate``'s g-lru on the replayed window (the check) and
+    against :func:`reference_lru` (a second, independent model of the daemon)."""
     from .simulate import simulate, SimulationError
     out = {}
-    h, a = reference_lru(sets, counted, class_of, caps, E)
-    out["reference_hits"] = h
-    out["reference_accesses"] = a
-    out["reference_hit_rate"] = h / a if a else float("nan")
     try:
         r = simulate(p.trace, "g-lru", int(sum(caps)), per_class_layers=per_class,
                      warmup=p.sim_warmup)
         out.update(glru_hits=r["hits"], glru_accesses=r["accesses"], glru_hit_rate=r["hit_rate"],
                    glru_class_caps=r["class_caps"], glru_size_desc=r["size_desc"],
-                   glru_warmup=r["warmup"])
+                   glru_warmup=r["warmup"], glru_counted_tokens=r["counted_tokens"])
         out["slots_match"] = list(r["class_caps"]) == list(caps)
+        out["daemon_equals_simulator"] = (res["hits"] == r["hits"]
+                                          and res["accesses"] == r["accesses"])
     except SimulationError as ex:
         out["glru_error"] = str(ex)
+        out["daemon_equals_simulator"] = False
+    h, a = reference_lru(sets, counted, class_of, caps, E)
+    out["reference_hits"] = h
+    out["reference_accesses"] = a
+    out["reference_hit_rate"] = h / a if a else float("nan")
     out["daemon_equals_reference"] = (res["hits"] == h and res["accesses"] == a)
     return out
 
@@ -568,12 +575,14 @@ def format_table(results, title: str = "") -> str:
                 return "n/a"
             return _f(s.get(f"{key}_hit_rate"), "{:.4%}")
 
+        def same(r, key):
+            s = r.get("sim")
+            return (" =" if s.get(f"daemon_equals_{key}") else " DIFFERS") if s else ""
+
         rows += [
             ("hit rate: daemon", hr),
-            ("hit rate: LRU reference", lambda r: sim(r, "reference") + (
-                " =" if r.get("sim", {}).get("daemon_equals_reference") else
-                (" DIFFERS" if r.get("sim") else ""))),
-            ("hit rate: simulator g-lru", lambda r: sim(r, "glru")),
+            ("hit rate: simulator g-lru", lambda r: sim(r, "glru") + same(r, "simulator")),
+            ("hit rate: LRU reference", lambda r: sim(r, "reference") + same(r, "reference")),
         ]
     cells = [[fn(r) for r in results] for _, fn in rows]
     w0 = max(len(n) for n, _ in rows)
@@ -615,7 +624,8 @@ def add_engine_args(ap, compute_default=0.0):
                     help="trace (the trace's 'predicted'), oracle (the true route, the bound; "
                          "default), noisy:RECALL,EXTRA (each true expert kept with probability "
                          "RECALL, EXTRA wrong experts per true one)")
-    ap.add_argument("--tokens", type=int, help="stop after N counted tokens")
+    ap.add_argument("--tokens", type=int, help="stop after N counted tokens (the window of "
+                    "moecache-ctl policy --tokens N)")
     ap.add_argument("--gbps", type=float,
                     help="drive bandwidth for the drive ceiling, GB/s (default: measured by "
                          "reading random experts of the model with O_DIRECT, when readable)")

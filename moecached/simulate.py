@@ -1,15 +1,20 @@
 """Cache-policy simulator: replay routing traces through eviction policies.
 
 ``moecache-ctl policy TRACE... [--policies LIST] [--sizes LIST] [--layout JSON | --model GGUF]
-[--gbps X] [--compute-ms X] [--warmup N] [--json] [--plot PNG]``
+[--gbps X] [--compute-ms X] [--warmup N] [--tokens N] [--json] [--plot PNG]``
 
 Access model (exact rules in ``docs/policies.md``): tokens are grouped into steps (one token
 each unless the trace has ``step``); for each step and each MoE layer in order, the union of
-the step's experts in that layer (first-appearance order, ``-1`` skipped) is accessed together:
-each is looked up, loaded on a miss (evicting the policy's victim when the budget is full) and
-pinned, then all are released. Prompt tokens warm the cache; only decode tokens count. A trace
-without decode tokens counts every token after a warm-up prefix (default ``min(256, T // 4)``),
-and the result says so in ``note``.
+the step's experts in that layer (first-appearance order, ``-1`` skipped) is accessed together,
+as the daemon's cache grants one request: first the experts of the set that are resident (hits,
+in set order), then the others (misses, in set order), each loaded, evicting the policy's victim
+when the budget is full; every accessed expert stays pinned until the whole set is done, so a
+miss never evicts an expert of its own set. ``g-lru`` (and ``lru`` for the daemon's per-layer
+mode) is the daemon's hit count exactly. Prompt tokens warm the cache; only decode tokens
+count. A trace without decode tokens counts every token after a warm-up prefix (default
+``min(256, T // 4)``), and the result says so in ``note``. ``tokens=N`` (``--tokens N``) cuts
+the trace right after its N-th counted token (:func:`window_end`; ``moecache-ctl replay``'s
+window), so the simulator can reproduce a replay or demo run.
 
 Sizes -> slots (capacity is in expert slots):
   * a float fraction ``f`` (CLI: has a ``.`` or ends in ``%``): ``s = round_half_up(f * E)``
@@ -39,8 +44,8 @@ from . import _policy as _c
 from .policy import NEEDS_FUTURE, POLICIES, expand_policies, make_policy
 from .trace import Trace, load_trace
 
-__all__ = ["SimulationError", "Stream", "prepare", "capacities", "simulate", "main",
-           "layout_bytes", "model_bytes", "DEFAULT_GBPS", "HALVE_EVERY"]
+__all__ = ["SimulationError", "Stream", "prepare", "window_end", "capacities", "simulate",
+           "main", "layout_bytes", "model_bytes", "DEFAULT_GBPS", "HALVE_EVERY"]
 
 DEFAULT_GBPS = 3.7
 HALVE_EVERY = 64
@@ -79,22 +84,57 @@ class Stream:
         return self._next_use
 
 
-def prepare(trace, warmup: Optional[int] = None) -> Stream:
+def window_end(trace: Trace, warmup: int, tokens: int) -> int:
+    """End (exclusive token index) of the window that holds the first ``tokens`` counted
+    tokens: the index after the ``tokens``-th decode token at index >= ``warmup`` when the
+    trace has decode tokens, else ``warmup + tokens``; capped at the trace's length. This is
+    ``moecache-ctl replay``'s ``--tokens`` window (a step cut by it keeps its first tokens).
+    Raises SimulationError when ``tokens < 1``."""
+    if tokens < 1:
+        raise SimulationError(f"tokens: found {tokens}, expected >= 1")
+    T = trace.n_tokens
+    if trace.n_decode > 0:
+        dec = np.flatnonzero(~np.asarray(trace.is_prompt, bool))
+        dec = dec[dec >= warmup]
+        return T if tokens >= len(dec) else int(dec[tokens - 1]) + 1
+    return min(T, warmup + tokens)
+
+
+def _head(t: Trace, end: int) -> Trace:
+    """The first ``end`` tokens of ``t`` (meta kept, per-trace counts dropped)."""
+    if end >= t.n_tokens:
+        return t
+    cut = lambda a: None if a is None else a[:end]  # noqa: E731
+    return Trace(experts=t.experts[:end], is_prompt=t.is_prompt[:end], weights=cut(t.weights),
+                 predicted=cut(t.predicted), step=cut(t.step),
+                 meta={k: v for k, v in t.meta.items()
+                       if k not in ("n_tokens", "n_prompt_tokens", "n_decode_tokens")}
+                 | {"n_experts": t.n_experts})
+
+
+def prepare(trace, warmup: Optional[int] = None, tokens: Optional[int] = None) -> Stream:
     """Build the access stream of ``trace`` (a Trace or a path).
 
     Args:
         warmup: tokens at the start that never count. Default: 0 when the trace has decode
-            tokens (prompt tokens never count anyway), else ``min(256, T // 4)``.
+            tokens (prompt tokens never count anyway), else ``min(256, T // 4)`` (T of the
+            whole trace, also with ``tokens``).
+        tokens: when given, only the first :func:`window_end` ``(trace, warmup, tokens)``
+            tokens are replayed: counting stops after ``tokens`` counted tokens (fewer when
+            the trace ends first).
     Counted steps: first token index >= warmup and, when the trace has decode tokens, at least
     one decode token in the step.
     """
     t = load_trace(trace) if not isinstance(trace, Trace) else trace.validate()
-    T, L, E = t.n_tokens, t.n_layers, t.n_experts
+    T = t.n_tokens
     has_decode = t.n_decode > 0
     if warmup is None:
         warmup = 0 if has_decode else min(256, T // 4)
     if warmup < 0:
         raise SimulationError(f"warmup: found {warmup}, expected >= 0 tokens")
+    if tokens is not None:
+        t = _head(t, window_end(t, warmup, tokens))
+    T, L, E = t.n_tokens, t.n_layers, t.n_experts
     if t.step is not None and T:
         starts = np.flatnonzero(np.r_[True, t.step[1:] != t.step[:-1]])
     else:
@@ -180,7 +220,8 @@ def capacities(size, n_layers: int, n_experts: int, per_class_layers=None):
 
 
 def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[int] = None,
-             bytes_per_expert=None, stream: Optional[Stream] = None) -> dict:
+             bytes_per_expert=None, stream: Optional[Stream] = None,
+             tokens: Optional[int] = None) -> dict:
     """Replay ``trace`` through ``policy`` at cache ``size``.
 
     Args:
@@ -190,7 +231,7 @@ def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[i
         per_class_layers: list of lists of trace-layer indices, one list per size class;
             ``class`` policies get one budget per class, exactly like the daemon. Default: one
             class holding every layer.
-        warmup: see :func:`prepare`.
+        warmup, tokens: see :func:`prepare`.
         bytes_per_expert: optional sequence [n_layers] of bytes read per expert miss.
     Returns:
         dict: policy, scope, size, slots (total), class_caps, hits, accesses, misses, hit_rate
@@ -201,7 +242,7 @@ def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[i
         SimulationError: a budget smaller than the experts one step routes to one layer (they
         must all be resident together), bad size or classes. ValueError: unknown policy.
     """
-    st = stream if stream is not None else prepare(trace, warmup)
+    st = stream if stream is not None else prepare(trace, warmup, tokens)
     L, E = st.n_layers, st.n_experts
     scope = POLICIES[expand_policies([policy])[0]][0]
     cls = _classes(per_class_layers, L)
@@ -320,12 +361,12 @@ def _table(title, rows, cols, cell):
 
 
 def run(paths, policies, sizes, warmup=None, bytes_per_expert=None, per_class_layers=None,
-        gbps=DEFAULT_GBPS, compute_ms=None):
+        gbps=DEFAULT_GBPS, compute_ms=None, tokens=None):
     """Simulate every trace x policy x size; returns a list of per-trace dicts."""
     out = []
     for p in paths:
         t = load_trace(p)
-        st = prepare(t, warmup)
+        st = prepare(t, warmup, tokens)
         bpe, cls = bytes_per_expert, per_class_layers
         if bpe is not None and len(bpe) != t.n_layers:
             raise SimulationError(f"{p}: layout/model has {len(bpe)} MoE layers, expected "
@@ -400,6 +441,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compute-ms", type=float, help="compute time per token, ms")
     ap.add_argument("--warmup", type=int, help="tokens at the start that never count "
                     "(default: 0 with decode tokens, else min(256, T/4))")
+    ap.add_argument("--tokens", type=int, help="count only the first N counted tokens after "
+                    "the warm-up (the trace is cut after them, as moecache-ctl replay --tokens)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--plot", help="write hit rate vs cache size per policy (PNG)")
     a = ap.parse_args(argv)
@@ -415,7 +458,9 @@ def main(argv=None) -> int:
         bpe, cls = layout_bytes(a.layout)
     elif a.model:
         bpe, cls = model_bytes(a.model)
-    out = run(a.traces, policies, sizes, a.warmup, bpe, cls, a.gbps, a.compute_ms)
+    if a.tokens is not None and a.tokens < 1:
+        raise SimulationError(f"--tokens: found {a.tokens}, expected >= 1")
+    out = run(a.traces, policies, sizes, a.warmup, bpe, cls, a.gbps, a.compute_ms, a.tokens)
     if a.plot:
         _plot(out, policies, sizes, a.plot)
     if a.json:

@@ -19,6 +19,7 @@ import pytest
 
 from moecached import simulate as sim
 from moecached.policy import LRU, POLICIES, expand_policies
+from moecached.replay import reference_lru
 from moecached.trace import Trace, load_trace
 
 SHARED = Path(os.environ.get("MOECACHE_SHARED",
@@ -47,6 +48,9 @@ class RefLRU:
     def __init__(self, c, **_):
         self.c, self.order = c, []
 
+    def resident(self, k):
+        return k in self.order
+
     def access(self, k, now, pinned):
         if k in self.order:
             self.order.remove(k)
@@ -63,6 +67,9 @@ class RefLFU:
         self.c, self.res = c, set()
         self.count, self.last = shared.setdefault("count", defaultdict(int)), shared.setdefault(
             "last", {})
+
+    def resident(self, k):
+        return k in self.res
 
     def access(self, k, now, pinned):
         self.count[k] += 1
@@ -82,6 +89,9 @@ class RefLRU2:
         self.c, self.res = c, set()
         self.hist = shared.setdefault("hist", defaultdict(lambda: (-1, -1)))
 
+    def resident(self, k):
+        return k in self.res
+
     def access(self, k, now, pinned):
         t2, t1 = self.hist[k]
         self.hist[k] = (t1, now)
@@ -97,6 +107,9 @@ class RefLRU2:
 class RefOPT:
     def __init__(self, c, shared, **_):
         self.c, self.res, self.pos = c, set(), shared["positions"]
+
+    def resident(self, k):
+        return k in self.res
 
     def next_use(self, k, now):
         p = self.pos[k]
@@ -118,6 +131,9 @@ class RefSLRU:
     def __init__(self, c, **_):
         self.c, self.prob, self.prot = c, [], []
         self.pmax = max(0, c - max(1, _rhu(20 * c, 100)))
+
+    def resident(self, k):
+        return k in self.prob or k in self.prot
 
     def access(self, k, now, pinned):
         if k in self.prot:
@@ -147,6 +163,9 @@ class RefARC:
     def __init__(self, c, **_):
         self.c, self.p = c, 0.0
         self.T1, self.T2, self.B1, self.B2 = [], [], [], []
+
+    def resident(self, k):
+        return k in self.T1 or k in self.T2
 
     def replace(self, in_b2, pinned):
         t1 = len(self.T1)
@@ -239,6 +258,9 @@ class RefWTinyLFU:
 
     def size(self):
         return len(self.W) + len(self.prob) + len(self.prot)
+
+    def resident(self, k):
+        return k in self.W or k in self.prob or k in self.prot
 
     def main_victim(self, pinned):
         v = cold_unpinned(self.prob, pinned)
@@ -342,10 +364,16 @@ def ref_simulate(trace, policy, size, per_class_layers=None, warmup=None):
         if g not in pols:
             cap = int(layer_caps[l]) if per_layer else class_caps[g]
             pols[g] = REF[policy](cap, shared=shared)
+        # as the daemon grants a request: the set's resident keys (hits) first, in set order,
+        # then the others (misses) in set order; each stays pinned until the set is done
+        pol = pols[g]
+        hit_keys = [k for k in keys if pol.resident(k)]
+        order = hit_keys + [k for k in keys if k not in hit_keys]
         pinned = set()
-        for k in keys:
+        for k in order:
             pinned.add(k)
-            h = pols[g].access(k, now, pinned)
+            h = pol.access(k, now, pinned)
+            assert bool(h) == (k in hit_keys)
             now += 1
             if counted:
                 acc += 1
@@ -640,3 +668,62 @@ def test_model_bytes_from_gguf(tmp_path, capsys):
     r = json.loads(capsys.readouterr().out)[0]["results"][0]
     assert r["class_caps"] == [24, 8]
     assert r["hits"] == sim.simulate(t, "g-lru", 0.5, per_class_layers=cls)["hits"]
+
+
+# ============================================================================ the daemon's order
+
+def test_set_hits_first_then_misses():
+    """A set's resident experts are taken (touched, pinned) before its misses load, as the
+    daemon's cache grants a request: a miss never evicts a hit of its own set."""
+    # 3 slots, cold -> hot 0, 1, 2; then the set [3, 0]: 0 is a hit and pinned first, so the
+    # miss 3 evicts 1 (taken one at a time, 3 would evict 0 and 0 would then miss too)
+    ex = np.array([[[0, -1]], [[1, -1]], [[2, -1]], [[3, 0]], [[1, -1]]], np.int16)
+    t = Trace(experts=ex, is_prompt=np.zeros(5, bool), meta={"n_experts": 4})
+    for policy in ALL:                                  # every policy: 0 hits, 3 misses
+        r = sim.simulate(truncate(t, 4), policy, 3, warmup=3)
+        assert (r["hits"], r["accesses"]) == (1, 2), policy
+        assert (r["hits"], r["accesses"]) == ref_simulate(truncate(t, 4), policy, 3, warmup=3)
+    for policy in ("lru", "g-lru"):                     # and 3 evicted 1 (the coldest unpinned)
+        assert fast(t, policy, 3, warmup=3) == (1, 3) == ref_simulate(t, policy, 3, warmup=3)
+
+
+@need_traces
+@pytest.mark.parametrize("size", [0.25, 0.5])
+def test_glru_equals_daemon_lru_model(size):
+    """g-lru is the daemon bit for bit: replay.reference_lru (the daemon's LRU driven as
+    ExpertCache._grant does, written independently of the kernels) gives the same hits."""
+    from moecached.replay import _step_sets, plan
+    for p in TRACES:
+        t = load_trace(p)
+        L, E = t.n_layers, t.n_experts
+        classes = [list(range(0, L, 2)), list(range(1, L, 2))]
+        for cls in (None, classes):
+            pl = plan(t)
+            sets = _step_sets(pl.trace.experts, pl.steps)
+            r = sim.simulate(pl.trace, "g-lru", size, per_class_layers=cls,
+                             warmup=pl.sim_warmup)
+            cl = cls or [list(range(L))]
+            class_of = [next(ci for ci, c in enumerate(cl) if l in c) for l in range(L)]
+            got = reference_lru(sets, pl.counted, class_of, r["class_caps"], E)
+            assert got == (r["hits"], r["accesses"]), (p.name, size, cls)
+
+
+def test_tokens_window(tmp_path, capsys):
+    """tokens=N / --tokens N: the trace is cut right after its N-th counted token."""
+    t = uniform_trace(T=400)                      # 200 prompt tokens, then decode
+    r = sim.simulate(t, "g-lru", 0.5, tokens=30)
+    assert r["counted_tokens"] == 30 and r["accesses"] == 30 * 2 * 2
+    assert (r["hits"], r["accesses"]) == fast(truncate(t, 230), "g-lru", 0.5)
+    assert sim.window_end(t, 250, 30) == 280 and sim.window_end(t, 0, 10 ** 6) == 400
+    t.is_prompt[:] = True                         # prefill only: warmup + N
+    assert sim.simulate(t, "lru", 0.5, warmup=10, tokens=7)["counted_tokens"] == 7
+    assert sim.window_end(t, 10, 7) == 17
+    from moecached.trace import save_trace
+    save_trace(tmp_path / "t.npz", t)
+    assert sim.main([str(tmp_path / "t.npz"), "--policies", "g-lru", "--sizes", "0.5",
+                     "--warmup", "10", "--tokens", "7", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)[0]
+    assert out["counted_tokens"] == 7
+    assert out["results"][0]["hits"] == fast(truncate(t, 17), "g-lru", 0.5, warmup=10)[0]
+    with pytest.raises(sim.SimulationError, match="tokens"):
+        sim.main([str(tmp_path / "t.npz"), "--tokens", "0"])
