@@ -541,50 +541,69 @@ class ExpertCache:
                 self.log.exception("moecached cache: acquire callback raised")
 
     def _on_read(self, load: _Load, error, nbytes: int, seconds: float) -> None:
+        """Reader-thread callback of one load: publish or free its slot, complete/fail waiters."""
         submits, promotes, done = [], [], []
+        err = None
         with self._lock:
             if self._closed:
                 return
-            pool, k = load.pool, load.key
-            self.c_inflight -= 1
-            self.c_reads += 1
-            self._lat.add(seconds)
-            del pool.loading[k]
-            if error is None:
-                self.c_bytes += nbytes
-                pool.res[k] = load.slot
-                pool.lru.unpin(k)
-                if not load.demanded:
-                    pool.unused[k] = 1
+            try:
+                err = self._complete_load(load, error, nbytes, seconds, submits, promotes, done)
+            except Exception as e:  # a bookkeeping bug must not leave requesters hanging
+                self.log.exception("moecached cache: internal error completing a load")
+                bad = CacheError(f"internal error completing load of layer {load.layer} expert "
+                                 f"{load.expert}: {e!r}")
                 for req in load.waiters:
-                    if req.state == _Req.LOADING:
-                        req.pending -= 1
-                        if req.pending == 0:
-                            self._finish(req, done)
-            else:
-                self.c_read_errors += 1
-                names = self._file_names
-                fname = ", ".join(dict.fromkeys(names[f] if 0 <= f < len(names) else "?"
-                                                for f in load.fids))
-                msg = str(error).splitlines()[0] if str(error) else type(error).__name__
-                err = LoadError(f"load of layer {load.layer} expert {load.expert} from {fname} "
-                                f"failed: {msg}")
-                for req in load.waiters:
-                    if req.state == _Req.LOADING:
-                        self._fail(req, err, done)
-                pool.lru.unpin(k)
-                pool.lru.remove(k)
-                pool.alloc[k] = -1
-                pool.res[k] = -1
-                pool.unused[k] = 0
-                pool.free.append(load.slot)
-            load.waiters = []
-            if self._waitq:
-                self._kick(submits, promotes, done)
-        if error is not None:
+                    if req.state != _Req.DONE:
+                        req.state = _Req.DONE
+                        self._reqs.pop(req.id, None)
+                        done.append((req.cb, bad))
+                load.waiters = []
+        if err is not None:
             self.log.warning("moecached cache: %s", err)
         if submits or promotes or done:
             self._after(submits, promotes, done)
+
+    def _complete_load(self, load, error, nbytes, seconds, submits, promotes, done):
+        """Under the lock. Returns the LoadError when the read failed, else None."""
+        pool, k = load.pool, load.key
+        err = None
+        self.c_inflight -= 1
+        self.c_reads += 1
+        self._lat.add(seconds)
+        del pool.loading[k]
+        if error is None:
+            self.c_bytes += nbytes
+            pool.res[k] = load.slot
+            pool.lru.unpin(k)
+            if not load.demanded:
+                pool.unused[k] = 1
+            for req in load.waiters:
+                if req.state == _Req.LOADING:
+                    req.pending -= 1
+                    if req.pending == 0:
+                        self._finish(req, done)
+        else:
+            self.c_read_errors += 1
+            names = self._file_names
+            fname = ", ".join(dict.fromkeys(names[f] if 0 <= f < len(names) else "?"
+                                            for f in load.fids))
+            msg = str(error).splitlines()[0] if str(error) else type(error).__name__
+            err = LoadError(f"load of layer {load.layer} expert {load.expert} from {fname} "
+                            f"failed: {msg}")
+            for req in load.waiters:
+                if req.state == _Req.LOADING:
+                    self._fail(req, err, done)
+            pool.alloc[k] = -1
+            pool.res[k] = -1
+            pool.unused[k] = 0
+            pool.lru.unpin(k)
+            pool.lru.remove(k)
+            pool.free.append(load.slot)
+        load.waiters = []
+        if self._waitq:
+            self._kick(submits, promotes, done)
+        return err
 
     # ------------------------------------------------------------------ public API
     def acquire(self, layer: int, experts, timeout: float | None = None) -> Lease:

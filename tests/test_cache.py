@@ -60,10 +60,20 @@ class FileTruth:
             f.close()
 
 
+class TCache(ExpertCache):
+    """ExpertCache whose blocking acquires time out by default: a bug fails a test, never hangs it."""
+
+    def acquire(self, layer, experts, timeout=60.0):
+        return super().acquire(layer, experts, timeout)
+
+    def acquire_many(self, requests, timeout=60.0):
+        return super().acquire_many(requests, timeout)
+
+
 def new_cache(idx, **kw):
     kw.setdefault("lock_memory", False)   # RLIMIT_MEMLOCK is small in CI
     kw.setdefault("readers", 4)
-    return ExpertCache(idx, **kw)
+    return TCache(idx, **kw)
 
 
 def wait_idle(cache, timeout=10.0):
