@@ -19,6 +19,7 @@ import heapq
 import logging
 import os
 import signal
+import threading
 import time
 
 import zmq
@@ -107,6 +108,7 @@ class Server:
         self.departed = collections.deque(maxlen=32)  # summaries of the last clients that left
         self.extra_stats = None  # optional callable -> dict merged into stats (the floor)
         self._stopping = False
+        self._loop_tid = None
         self._lock_fd = None
         self._ipc = _ipc_path(endpoint)
         self._wake_r, self._wake_w = os.pipe()
@@ -227,6 +229,7 @@ class Server:
             ready: optional callable run once the socket is bound and the loop starts
                 (the daemon sends READY=1 to systemd here).
         """
+        self._loop_tid = threading.get_ident()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -375,7 +378,8 @@ class Server:
     def _complete(self, ident: bytes, rid: int, ticket_box: list, tag, result) -> None:
         """Cache callback (any thread): queue the result for the loop."""
         self.done.append((ident, rid, ticket_box, tag, result))
-        self._wake()
+        if threading.get_ident() != self._loop_tid:
+            self._wake()  # from a reader thread; inline completions are drained right away
 
     def _drain_done(self, final: bool = False) -> None:
         while self.done:
