@@ -13,7 +13,7 @@
    SLOTS --warmup W --tokens N`` on a prefill-only trace with the model's layers), clean up (daemon stopped, files removed unless ``--keep``).
 
 Memory locking: the daemon mlocks its arena only when ``RLIMIT_MEMLOCK`` allows the whole arena
-(e.g. root with a raised limit); otherwise it runs with ``--no-lock-memory`` and the demo says
+or the process holds CAP_IPC_LOCK (root); otherwise it runs with ``--no-lock-memory`` and the demo says
 so. A size whose arena does not fit in MemAvailable (minus 2 GiB) is skipped, with a message.
 """
 from __future__ import annotations
@@ -59,8 +59,11 @@ def _mem_available() -> int | None:
 
 
 def _memlock_ok(nbytes: int) -> bool:
+    """True when the daemon may lock ``nbytes``: RLIMIT_MEMLOCK allows it, or the process
+    holds CAP_IPC_LOCK (root usually does), which makes the kernel ignore the limit."""
+    from .arena import _has_cap_ipc_lock
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return soft == resource.RLIM_INFINITY or soft >= nbytes + (64 << 20)
+    return soft == resource.RLIM_INFINITY or soft >= nbytes + (64 << 20) or _has_cap_ipc_lock()
 
 
 def _slice_layers(t: Trace, n: int) -> Trace:
