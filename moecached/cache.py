@@ -783,27 +783,23 @@ class ExpertCache:
     def release(self, lease_or_id) -> None:
         """Unpin a lease (a :class:`Lease` or its id). LeaseError when unknown or released twice."""
         lid = lease_or_id.id if isinstance(lease_or_id, Lease) else lease_or_id
-        lock = self._lock
-        lock.acquire()
-        pins = self._leases.pop(lid, None)
+        submits = None
+        with self._lock:
+            pins = self._leases.pop(lid, None)
+            if pins is not None:
+                for pool, keys in pins:
+                    unpin = pool.lru.unpin
+                    for k in keys:
+                        unpin(k)
+                if self._waitq:
+                    submits, promotes, done = [], [], []
+                    self._kick(submits, promotes, done)
         if pins is None:
-            lock.release()
             if isinstance(lid, int) and not self._id_base <= lid < self._id_base + (1 << 40):
                 raise LeaseError(f"lease {lid}: not from this cache instance (stale: daemon restarted?)")
             raise LeaseError(f"lease {lid}: unknown or already released")
-        for pool, keys in pins:
-            unpin = pool.lru.unpin
-            for k in keys:
-                unpin(k)
-        if not self._waitq:
-            lock.release()
-            return
-        submits, promotes, done = [], [], []
-        try:
-            self._kick(submits, promotes, done)
-        finally:
-            lock.release()
-        self._after(submits, promotes, done)
+        if submits is not None:
+            self._after(submits, promotes, done)
 
     def set_budget(self, budget_bytes: int) -> dict:
         """Resize the cache to ``budget_bytes`` (clamped to the configured size).
