@@ -661,8 +661,9 @@ class ExpertCache:
         """Like :meth:`acquire` for several layers at once: one all-or-nothing lease.
 
         Args:
-            requests: ``[(layer, [expert, ...]), ...]``; a layer may appear once only per pool
-                key (a repeated (layer, expert) is a RequestError).
+            requests: ``[(layer, [expert, ...]), ...]``; each (layer, expert) at most once
+                (a repeat is a RequestError). Several layers of one size class share its slots:
+                their experts together must fit the class.
             timeout: seconds or None.
         Returns: one :class:`Lease`, items layer by layer in request order.
         Raises: as :meth:`acquire`.
