@@ -99,17 +99,23 @@ class Lease:
         self.session = session
         self._arena = arena
         self.id = reply["lease"]
-        self.items = [tuple(t) for t in reply["items"]]
+        self.items = reply["items"]  # [[layer, expert, class_id, slot], ...]
         self.hits = reply.get("hits", 0)
         self.prefetch_hits = reply.get("prefetch_hits", 0)
         self.misses = reply.get("misses", 0)
         self.stall_us = reply.get("stall_us", 0)
         self.released = False
-        self._where = {(l, e): (c, s) for l, e, c, s in self.items}
+        self._where_map = None
 
     @property
     def slots(self) -> list[int]:
         return [s for _, _, _, s in self.items]
+
+    @property
+    def _where(self) -> dict:
+        if self._where_map is None:
+            self._where_map = {(l, e): (c, s) for l, e, c, s in self.items}
+        return self._where_map
 
     def part(self, expert: int, part: str, layer: int | None = None) -> np.ndarray:
         """Zero-copy read-only uint8 view of one part ('gate', 'up', 'down', ...) of an expert.
@@ -354,11 +360,9 @@ class Client:
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.RECONNECT_IVL, 100)
         s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        s.setsockopt(zmq.RCVTIMEO, 20)   # blocking reads wake every 20 ms to check the monitor
         mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         s.connect(self.endpoint)
-        self._poller = zmq.Poller()
-        self._poller.register(s, zmq.POLLIN)
-        self._poller.register(mon, zmq.POLLIN)
         return s, mon
 
     def _close_socket(self):
@@ -403,13 +407,15 @@ class Client:
             self._old_arenas.append(old)  # leases of the old session may still hold views
 
     def _pump_locked(self, until: Future | None, wait: float, hello: bool = False) -> None:
-        """Read replies and monitor events for up to ``wait`` seconds, until ``until`` is done."""
-        sock, mon, poller = self._sock, self._mon, self._poller
+        """Read replies and monitor events for up to ``wait`` seconds, until ``until`` is done.
+
+        Blocks in ``recv`` (RCVTIMEO slices of 20 ms) rather than a poller: the cheapest wait
+        pyzmq offers, which is what a single-threaded engine pays per call.
+        """
+        sock, mon = self._sock, self._mon
         end = time.monotonic() + wait
         while True:
-            left = end - time.monotonic()
-            events = dict(poller.poll(int(left * 1000) + 1 if left > 0 else 0))
-            if mon in events:
+            if mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 try:
                     from zmq.utils.monitor import parse_monitor_message
                     ev = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
@@ -417,13 +423,15 @@ class Client:
                         self._void_session("connection to the daemon dropped")
                 except zmq.Again:
                     pass
-            if sock in events:
-                while True:
-                    try:
-                        data = sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._dispatch(data, hello)
+            try:
+                data = sock.recv(0 if wait > 0 else zmq.NOBLOCK)
+            except zmq.Again:
+                if (until is not None and until.done()) or time.monotonic() >= end:
+                    return
+                continue
+            self._dispatch(data, hello)
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._dispatch(sock.recv(zmq.NOBLOCK), hello)
             if (until is not None and until.done()) or time.monotonic() >= end:
                 return
 
