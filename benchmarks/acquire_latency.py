@@ -7,7 +7,7 @@ sets drawn at random (precomputed). Also times ``acquire_many`` (one layer) and
 ``acquire_async`` (inline completion) for comparison. Prints a table (microseconds) and writes
 JSON.
 
-    python benchmarks/acquire_latency.py                       # -> benchmarks/acquire_latency.json
+    python benchmarks/acquire_latency.py                       # -> benchmarks/results/acquire_latency.json
     python benchmarks/acquire_latency.py --iters 200000 --json /tmp/lat.json
 
 Target (issue 3): p50 <= 20 us for 8 experts.
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="global", choices=["global", "per-layer"])
     ap.add_argument("--lock", action="store_true", help="mlock the arena (needs RLIMIT_MEMLOCK)")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                   "acquire_latency.json"))
+                                                   "results", "acquire_latency.json"))
     args = ap.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="moecache-bench-") as d:
@@ -113,6 +113,7 @@ def main(argv=None) -> int:
            "python": platform.python_version(), "machine": platform.machine(),
            "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "target_p50_us": 20.0, "results": res}
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {args.json}")

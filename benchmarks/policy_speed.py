@@ -53,7 +53,7 @@ def main(argv=None):
         "MOECACHE_SHARED", str(here.parent / "shared")) + "/traces")
     ap.add_argument("--sizes", default="0.25,0.5")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--json", default="benchmarks/policy_speed.json")
+    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "policy_speed.json"))
     a = ap.parse_args(argv)
     paths = sorted(Path(a.traces).glob("*.npz"))
     if not paths:
@@ -85,6 +85,7 @@ def main(argv=None):
               f"{target[r['policy']]:>7.1f}  {'yes' if ok else 'NO'}")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as fh:
             json.dump(dict(traces=[str(p) for p in paths], sizes=sizes, repeat=a.repeat,
                            machine=platform.machine(), python=platform.python_version(),

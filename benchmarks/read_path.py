@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--window", type=int, default=32, help="expert loads kept in flight")
     ap.add_argument("--no-lock", action="store_true", help="do not mlock the arena")
-    ap.add_argument("--json", default="out/read_path.json")
+    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "read_path.json"))
     ap.add_argument("--keep", action="store_true", help="keep the written fixture")
     a = ap.parse_args(argv)
     chunk, budget = parse_size(a.chunk), parse_size(a.budget)

@@ -257,12 +257,11 @@ class Server:
                         except Exception as e:
                             log.error("reload failed: %s", e)
                 if self.sock in events:
-                    for _ in range(256):
-                        try:
-                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
-                        except zmq.Again:
+                    sock = self.sock
+                    for _ in range(256):  # then look at timers and completions again
+                        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                             break
-                        self._handle(frames)
+                        self._handle(sock.recv_multipart(zmq.NOBLOCK, copy=True))
                 self._drain_done()
                 now = time.monotonic()
                 while self.deadlines and self.deadlines[0][0] <= now:
@@ -403,8 +402,7 @@ class Server:
             c.misses += lease.misses
             c.prefetch_hits += lease.prefetch_hits
             c.stall_s += lease.stall_s
-            items = [list(t) for t in lease.items]
-            if not self._reply(ident, rid, lease=lease.id, items=items, hits=lease.hits,
+            if not self._reply(ident, rid, lease=lease.id, items=lease.items, hits=lease.hits,
                                prefetch_hits=lease.prefetch_hits, misses=lease.misses,
                                stall_us=int(lease.stall_s * 1e6)):
                 self.cache.release(lease)  # undelivered: roll back
