@@ -192,6 +192,10 @@ class ExpertCache:
         shrunk_policy: what an acquire that fits the class's configured size but not its current
             (``set_budget``-shrunk) size does: ``"wait"`` (queue until the budget grows) or
             ``"error"`` (RequestError at once).
+        max_prefetch_loads: prefetch loads allowed in flight (queued or reading, not yet
+            demanded); further prefetches are dropped and counted in ``prefetches_dropped``,
+            since prefetch pays only when the drive has slack. Default: 2 x top-k x size
+            classes, at least 16.
         log: a ``logging.Logger`` (default ``logging.getLogger("moecached.cache")``).
 
     Attributes: ``arena`` (``Arena``), ``index``, ``readers`` (``ReaderPool``).
@@ -203,7 +207,8 @@ class ExpertCache:
 
     def __init__(self, index, *, budget_bytes=None, slots=None, policy="global", readers=16,
                  chunk_bytes=256 * 1024, arena_dir="/dev/shm", arena_name=None, hugetlb=False,
-                 lock_memory=True, direct_io=True, shrunk_policy="wait", log=None):
+                 lock_memory=True, direct_io=True, shrunk_policy="wait", max_prefetch_loads=None,
+                 log=None):
         from .arena import Arena, plan_slots
         from .readers import ReaderPool
 
@@ -253,6 +258,13 @@ class ExpertCache:
         self._l_miss = [0] * nl
         self._l_reads = [0] * nl
         self.c_prefetches = 0
+        self.c_pf_dropped = 0
+        self._pf_loading = 0   # prefetch loads queued or reading that no request waits for
+        # Prefetch pays only when the drive has slack: beyond this many prefetch loads in flight
+        # new prefetches are dropped (counted), so a noisy predictor cannot bury demand reads.
+        # Default: two layers' worth of top-k per size class, at least 16.
+        self.max_prefetch_loads = int(max_prefetch_loads) if max_prefetch_loads is not None else \
+            max(16, 2 * max(1, int(getattr(index, "top_k", 0) or 8)) * max(1, len(index.size_classes)))
         self.c_wasted = 0
         self.c_bytes = 0
         self.c_reads = 0
@@ -444,6 +456,7 @@ class ExpertCache:
                     req.pending += 1
                     if not load.demanded:
                         load.demanded = True
+                        self._pf_loading -= 1
                         lp += 1
                         if load.priority:
                             promotes.append(load)
@@ -568,6 +581,8 @@ class ExpertCache:
         """Under the lock. Returns the LoadError when the read failed, else None."""
         pool, k = load.pool, load.key
         err = None
+        if not load.demanded:
+            self._pf_loading -= 1
         self.c_inflight -= 1
         self.c_reads += 1
         self._lat.add(seconds)
@@ -734,6 +749,7 @@ class ExpertCache:
                             load.waiters.remove(req)
                             if not any(w.state == _Req.LOADING for w in load.waiters):
                                 load.demanded = False
+                                self._pf_loading += 1
             req.state = _Req.DONE
             req.pins = []
             submits, promotes, done = [], [], []
@@ -772,10 +788,14 @@ class ExpertCache:
                         raise RequestError(f"layer {layer} expert {e}: out of range 0..{L.ne - 1}")
                     if pool.alloc[L.base + e] >= 0:
                         continue
+                    if self._pf_loading >= self.max_prefetch_loads:
+                        self.c_pf_dropped += 1
+                        continue
                     s = self._take_slot(pool)
                     if s < 0:
                         break
                     self._start_load(L, e, s, False, submits)
+                    self._pf_loading += 1
                     self.c_prefetches += 1
         if submits:
             self._after(submits, (), ())
@@ -938,6 +958,7 @@ class ExpertCache:
             out = {
                 "hits": sum(self._l_hits), "demand_misses": sum(self._l_miss),
                 "prefetch_hits": sum(self._l_pf), "prefetches": self.c_prefetches,
+                "prefetches_dropped": self.c_pf_dropped, "prefetch_loads_in_flight": self._pf_loading,
                 "wasted_prefetches": self.c_wasted, "evictions": self.c_evictions,
                 "bytes_read": self.c_bytes, "reads": self.c_reads,
                 "read_errors": self.c_read_errors, "reads_in_flight": self.c_inflight,

@@ -67,6 +67,7 @@ class Config:
     readers: int = 16                        # reader threads
     chunk: int = 256 * KiB                   # read size, bytes (multiple of 4 KiB)
     policy: str = "global"                   # eviction scope: global | per-layer
+    max_prefetch_loads: Optional[int] = None # prefetch loads in flight before dropping (None: auto)
     floor: Optional[int] = None              # memory floor, bytes; None = off
     floor_hysteresis: int = 1 * GiB          # grow back above floor + this
     floor_interval_s: float = 1.0            # floor sampling period
@@ -262,6 +263,10 @@ KEYS: dict[str, Key] = {
     "chunk": Key(_size(lo=4 * KiB, hi=64 * MiB, multiple=4 * KiB), "--chunk", "read size (default 256KiB)",
                  "SIZE", "size"),
     "policy": Key(_choice("global", "per-layer"), "--policy", "eviction scope: global or per-layer", "NAME"),
+    "max_prefetch_loads": Key(_int_range(0, 1 << 20), "--max-prefetch-loads",
+                              "prefetch loads in flight before new prefetches are dropped "
+                              "(default: 2 x top-k x size classes, at least 16; 0 turns prefetch off)",
+                              "N", "int"),
     "floor": Key(_size(optional_zero=True), "--floor",
                  "shrink the cache when available memory falls under SIZE (default off)", "SIZE", "size"),
     "floor_hysteresis": Key(_size(), "--floor-hysteresis", "grow back above floor + SIZE (default 1GiB)",

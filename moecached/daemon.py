@@ -60,7 +60,7 @@ def build(cfg: C.Config):
     cache = ExpertCache(idx, budget_bytes=cfg.budget, slots=cfg.slots, policy=cfg.policy,
                         readers=cfg.readers, chunk_bytes=cfg.chunk, arena_dir=cfg.arena_dir,
                         hugetlb=cfg.hugetlb, lock_memory=cfg.lock_memory, direct_io=cfg.direct_io,
-                        shrunk_policy=cfg.on_pressure)
+                        shrunk_policy=cfg.on_pressure, max_prefetch_loads=cfg.max_prefetch_loads)
     try:
         os.chmod(cache.arena.path, cfg.arena_mode)
         if gid is not None:

@@ -627,3 +627,29 @@ def test_arena_errors_propagate_and_leave_nothing(models):
     with pytest.raises(CacheError, match="policy"):
         ExpertCache(idx, slots=8, policy="lfu", readers=1, lock_memory=False, arena_name=name)
     assert not os.path.exists(os.path.join("/dev/shm", name))
+
+
+def test_prefetch_admission_drops_beyond_limit(model_factory):
+    """Prefetches beyond max_prefetch_loads in flight are dropped and counted; demand is not."""
+    import threading as _t
+    from moecached.cache import ExpertCache
+    from moecached.index import open_index
+    idx = open_index(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=16))
+    cache = ExpertCache(idx, slots=64, lock_memory=False, readers=1, chunk_bytes=4096,
+                        max_prefetch_loads=3)
+    try:
+        L = idx.expert_layers
+        queued = cache.prefetch_many([(L[0], list(range(8))), (L[1], list(range(8)))])
+        st = cache.stats()
+        assert queued == 3 and st["prefetches"] == 3
+        assert st["prefetches_dropped"] == 13
+        assert st["prefetch_loads_in_flight"] <= 3
+        lease = cache.acquire(L[2], list(range(8)), timeout=60)  # demand is never refused
+        cache.release(lease)
+        deadline = time.time() + 60
+        while cache.stats()["prefetch_loads_in_flight"] and time.time() < deadline:
+            time.sleep(0.05)
+        assert cache.stats()["prefetch_loads_in_flight"] == 0
+        assert cache.prefetch(L[3], [0, 1]) == 2  # room again
+    finally:
+        cache.close()

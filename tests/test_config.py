@@ -123,6 +123,7 @@ def test_tcp_allowed_when_configured():
 SIZE = SIZE_EXPECTED
 FILE_ERRORS = [
     ('readers = 0', 'readers = 0: expected an integer from 1 to 1024'),
+    ('max_prefetch_loads = -1', 'max_prefetch_loads = -1: expected an integer from 0 to 1048576'),
     ('readers = "16"', 'readers = "16": expected an integer from 1 to 1024'),
     ('readers = true', 'readers = true: expected an integer from 1 to 1024'),
     ('slots = 0', f'slots = 0: expected an integer from 1 to {1 << 24}'),
