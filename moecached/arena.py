@@ -22,12 +22,14 @@ Errors are :class:`ArenaError`, one line naming the path/value, what was expecte
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import ctypes.util
 import errno
 import mmap
 import os
 import resource
 import secrets
+import stat
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -225,6 +227,9 @@ class Arena:
         except OSError as e:
             raise ArenaError(f"cannot create arena file {self.path}: {e.strerror}; "
                              f"check that {dir} exists and is writable") from None
+        # The owner holds an exclusive flock for the arena's life: a file under this name
+        # pattern that nobody has locked was left by a daemon that died (remove_stale_arenas).
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
             os.fchmod(self._fd, mode)  # umask must not narrow what clients were promised
             if gid is not None:
@@ -415,6 +420,47 @@ class Arena:
                 self._teardown(unlink=True)  # nobody can reach it any more: give the memory back
         except Exception:
             pass
+
+
+ARENA_PREFIX = "moecached-"
+
+
+def remove_stale_arenas(dir: str = "/dev/shm", log=None) -> list[str]:
+    """Unlink arena files in ``dir`` left by daemons that died without cleaning up.
+
+    A live arena's owner holds an exclusive ``flock`` on it; a ``moecached-*`` file nobody
+    locks is stale (its owner was SIGKILLed or crashed). Shared memory is not reclaimable,
+    so each one pins its whole size until removed. Returns the paths removed; files that
+    cannot be opened or locked are left alone.
+    """
+    removed = []
+    try:
+        names = sorted(os.listdir(dir))
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(ARENA_PREFIX):
+            continue
+        path = os.path.join(dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # owned by a live daemon
+            size = os.fstat(fd).st_size
+            os.unlink(path)
+            removed.append(path)
+            if log is not None:
+                log.warning("removed stale arena %s (%.1f MiB) left by a daemon that died", path, size / 2**20)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def map_readonly(descriptor: dict) -> tuple[mmap.mmap, dict]:

@@ -56,6 +56,8 @@ def build(cfg: C.Config):
     _notify("STATUS=indexing " + cfg.model)
     idx = open_index(cfg.model)
     gid = grp.getgrnam(cfg.group).gr_gid if cfg.group else None
+    from .arena import remove_stale_arenas
+    remove_stale_arenas(cfg.arena_dir, log)  # arenas of daemons that were killed pin shm
     _notify("STATUS=reserving and locking the arena")
     cache = ExpertCache(idx, budget_bytes=cfg.budget, slots=cfg.slots, policy=cfg.policy,
                         readers=cfg.readers, chunk_bytes=cfg.chunk, arena_dir=cfg.arena_dir,

@@ -281,3 +281,23 @@ def test_plan_matches_exhaustive_search():
                 plan_slots(idx, budget_bytes=budget)
         else:
             assert plan_slots(idx, budget_bytes=budget) == best
+
+
+def test_remove_stale_arenas_spares_live_ones(tmp_path):
+    """A moecached-* file nobody flocks is stale and removed; a live arena is kept."""
+    import fcntl
+    from moecached.arena import remove_stale_arenas
+    stale = tmp_path / "moecached-999999-deadbeef"
+    stale.write_bytes(b"\0" * 4096)
+    live = tmp_path / "moecached-1-cafe"
+    live.write_bytes(b"\0" * 4096)
+    other = tmp_path / "not-ours"
+    other.write_bytes(b"x")
+    fd = os.open(live, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert remove_stale_arenas(str(tmp_path)) == [str(stale)]
+        assert live.exists() and other.exists() and not stale.exists()
+    finally:
+        os.close(fd)
+    assert remove_stale_arenas(str(tmp_path)) == [str(live)]

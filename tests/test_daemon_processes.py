@@ -94,13 +94,16 @@ def test_daemon_restart_while_waiting(model, tmp_path):
     try:
         L = c.expert_layers
         old_session = c.session
+        old_arena = c.info["arena"]["path"]
         fut = c.acquire_async(None, None, layers=[(L[0], list(range(8))), (L[1], list(range(8)))])
         time.sleep(0.05)
         d.send_signal(signal.SIGKILL)
         d.wait()
         with pytest.raises(ClientError):
             fut.result(20)  # an error, never a stale lease
+        assert os.path.exists(old_arena)  # a SIGKILLed daemon cannot clean up...
         d = start_daemon(model, sock, "--slots", "32")
+        assert not os.path.exists(old_arena)  # ...the next one removes its stale arena
         t0 = time.time()
         while c.session == old_session and time.time() - t0 < 10:
             try:
