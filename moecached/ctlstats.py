@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import MoecacheError
@@ -16,17 +17,30 @@ def _client(endpoint: str, timeout: float):
         from moecache_client import Client, ClientError, Timeout  # noqa: F401
     except ImportError as e:  # pragma: no cover
         raise MoecacheError(f"moecache_client is not installed: {e}")
+    if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
+        raise MoecacheError(f"no daemon at {endpoint}: socket file {endpoint[len('ipc://'):]} does not exist")
     try:
-        return Client(endpoint, name="moecache-ctl", timeout=timeout, connect_timeout=timeout)
+        return Client(endpoint, name="moecache-ctl", timeout=timeout, connect_timeout=timeout,
+                      map_arena=False)
     except Exception as e:
         raise MoecacheError(f"cannot reach moecached at {endpoint}: {e}")
+
+
+def _positive(v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r}: expected seconds > 0") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"{v!r}: expected seconds > 0")
+    return x
 
 
 def _parser(prog: str, desc: str) -> argparse.ArgumentParser:
     from moecache_client import DEFAULT_ENDPOINT
     p = argparse.ArgumentParser(prog=f"moecache-ctl {prog}", description=desc)
     p.add_argument("--endpoint", "-e", default=DEFAULT_ENDPOINT, help="daemon endpoint (default %(default)s)")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    p.add_argument("--timeout", type=_positive, default=5.0, help="seconds to wait for the daemon")
     p.add_argument("--json", action="store_true", help="print JSON")
     return p
 
@@ -45,8 +59,11 @@ def _stat_lines(d: dict, prefix: str = "") -> list[str]:
         if isinstance(v, dict):
             out += _stat_lines(v, f"{prefix}{k}.")
         elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            names = [x.get("name") for x in v]
             for i, x in enumerate(v):
                 tag = x.get("name", x.get("id", i))
+                if "name" in x and names.count(x["name"]) > 1:
+                    tag = f"{x['name']}#{str(x.get('id', i))[:8]}"  # same name twice: tell apart
                 out += _stat_lines(x, f"{prefix}{k}.{tag}.")
         elif isinstance(v, list):
             out.append(f"STAT {prefix}{k} {','.join(_fmt(x) for x in v)}")
@@ -93,7 +110,8 @@ def trace_main(argv) -> int:
         return convert_main(argv[1:])
     p = _parser("trace", "record the acquires a running daemon serves into a trace file "
                          "(docs/trace-format.md); 'trace convert IN.jsonl OUT.npz' converts logs")
-    p.add_argument("action", choices=["start", "stop"])
+    p.add_argument("action", choices=["start", "stop", "convert"],
+                   help="start FILE | stop | convert IN.jsonl OUT.npz (see 'trace convert --help')")
     p.add_argument("file", nargs="?", help="output .npz (start)")
     p.add_argument("--client", help="record only this client's acquires")
     a = p.parse_args(argv)

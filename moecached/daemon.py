@@ -38,6 +38,56 @@ def _notify(*lines: str) -> None:
     notify.notify("\n".join(lines))
 
 
+def _budget_bytes(cfg: C.Config, cache) -> int | None:
+    """The arena bytes a config's budget or slots asks for (None when neither is set)."""
+    if cfg.budget is not None:
+        return int(cfg.budget)
+    if cfg.slots is not None:
+        from .arena import plan_slots
+        n = plan_slots(cache.index, slots=cfg.slots)
+        return sum(n[c.id] * c.slot_bytes for c in cache.arena.classes)
+    return None
+
+
+def _apply_live(key: str, new: C.Config, server, cache, floor):
+    """Apply one changed key to the running daemon. True when applied, else why not."""
+    if key == "log_level":
+        logging.getLogger().setLevel(new.log_level.upper())
+    elif key == "heartbeat_s":
+        server.heartbeat_s = new.heartbeat_s
+    elif key == "max_request_experts":
+        server.checker.max_experts = new.max_request_experts
+    elif key == "max_message_bytes":
+        server.max_message_bytes = new.max_message_bytes
+    elif key == "on_pressure":
+        cache.shrunk_policy = new.on_pressure
+        server.acquire_timeout_s = new.pressure_timeout_s if new.on_pressure == "wait" else None
+    elif key == "pressure_timeout_s":
+        if new.on_pressure == "wait":
+            server.acquire_timeout_s = new.pressure_timeout_s
+    elif key in ("budget", "slots"):
+        want = _budget_bytes(new, cache)
+        if want is None:
+            return "neither budget nor slots set"
+        if want > cache.arena.size:
+            return f"larger than the {cache.arena.size} bytes the arena was created with"
+        if floor is not None:
+            floor.reconfigure(configured_budget=want)
+        cache.set_budget(want)
+    elif key in ("floor", "floor_hysteresis", "min_budget", "floor_interval_s", "floor_min_change_s"):
+        if floor is None:
+            return "the floor was off at start"
+        if new.floor is None:
+            return "turning the floor off"
+        floor.reconfigure(floor_bytes=new.floor, hysteresis_bytes=new.floor_hysteresis,
+                          min_budget=new.min_budget)
+        floor.interval = new.floor_interval_s
+        floor.min_change_interval = new.floor_min_change_s
+    else:
+        return "not changeable live"
+    return True
+
+
 def min_budget_for(index, cache) -> int:
     """Smallest budget the memory floor may shrink to: two layers' top-k of every size class
     (one layer computing, the next loading), in bytes."""
@@ -92,7 +142,9 @@ def build(cfg: C.Config):
         server = Server(cache, endpoint=cfg.endpoint, model_path=cfg.model,
                         heartbeat_s=cfg.heartbeat_s, socket_mode=cfg.socket_mode, gid=gid,
                         on_tick=on_tick, tick_s=min(1.0, cfg.floor_interval_s),
-                        max_request_experts=cfg.max_request_experts)
+                        max_request_experts=cfg.max_request_experts,
+                        max_message_bytes=cfg.max_message_bytes,
+                        acquire_timeout_s=cfg.pressure_timeout_s if cfg.on_pressure == "wait" else None)
         if floor is not None:
             server.extra_stats = lambda: {"floor": floor.stats()}
     except BaseException:
@@ -112,6 +164,9 @@ def run(cfg: C.Config) -> int:
     state = {"cfg": cfg}
 
     def reload():
+        """SIGHUP: re-read the config file (command-line flags still win) and apply what can
+        change live; say exactly what was applied and what needs a restart."""
+        old = state["cfg"]
         try:
             new = C.load_config(cfg.path, {k: v for k, v in cfg.as_dict().items()
                                            if cfg.sources.get(k) == "command line"},
@@ -119,16 +174,18 @@ def run(cfg: C.Config) -> int:
         except MoecacheError as e:
             log.error("SIGHUP: config not reloaded: %s", e)
             return
-        apply, restart = C.reload_changes(state["cfg"], new)
-        if "log_level" in apply:
-            logging.getLogger().setLevel(new.log_level.upper())
-        if "heartbeat_s" in apply:
-            server.heartbeat_s = new.heartbeat_s
-        if floor is not None and any(k.startswith("floor") for k in apply):
-            floor.reconfigure(floor_bytes=new.floor, hysteresis_bytes=new.floor_hysteresis)
+        changes, restart = C.reload_changes(old, new)
+        applied = []
+        for key in list(changes):
+            ok = _apply_live(key, new, server, cache, floor)
+            if ok is True:
+                applied.append(key)
+            else:
+                restart.append(f"{key} ({ok})" if isinstance(ok, str) else key)
+                setattr(new, key, getattr(old, key))  # not applied: keep reporting the old value
         if restart:
-            log.warning("SIGHUP: %s changed; these need a restart", ", ".join(restart))
-        log.info("SIGHUP: reloaded %s", ", ".join(apply) or "nothing changed")
+            log.warning("SIGHUP: not applied, need a restart: %s", ", ".join(restart))
+        log.info("SIGHUP: applied %s", ", ".join(applied) or "nothing (no live-changeable key changed)")
         state["cfg"] = new
 
     server.install_signal_handlers(on_hup=reload)

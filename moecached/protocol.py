@@ -43,6 +43,8 @@ E_LOAD_FAILED = "load_failed"      # reading an expert from the model file faile
 E_TIMEOUT = "timeout"
 E_UNAVAILABLE = "unavailable"      # cannot be satisfied at the current (shrunk) budget
 E_SHUTDOWN = "shutdown"            # the daemon is stopping
+E_INVALID_STATE = "invalid_state"  # the op does not apply now (trace_stop with no trace running)
+E_REFUSED = "refused"              # a valid request the daemon will not carry out (unsafe trace path)
 E_INTERNAL = "internal"
 
 
@@ -59,15 +61,15 @@ def pack(msg: dict) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
 
 
-def unpack(data: bytes) -> dict:
-    """Decode one request frame with the protocol's limits.
+def unpack(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> dict:
+    """Decode one request frame with the protocol's limits (``max_bytes``: frame size cap).
 
     Raises:
         ProtocolError(E_MALFORMED): over MAX_MESSAGE_BYTES, not msgpack, trailing bytes,
             a declared length over the limits, or not a map.
     """
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(E_MALFORMED, f"message of {len(data)} bytes: expected at most {MAX_MESSAGE_BYTES}")
+    if len(data) > max_bytes:
+        raise ProtocolError(E_MALFORMED, f"message of {len(data)} bytes: expected at most {max_bytes}")
     try:
         msg = msgpack.unpackb(data, raw=False, strict_map_key=True, max_str_len=MAX_STR_LEN,
                               max_bin_len=MAX_BIN_LEN, max_array_len=MAX_ARRAY_LEN,
@@ -97,7 +99,9 @@ def header(msg: dict) -> tuple[int, str]:
 
     A request whose id cannot be read is answered with id 0.
     """
-    rid = msg.get("id", 0)
+    if "id" not in msg:
+        raise ProtocolError(E_BAD_TYPE, "field 'id' missing: expected an unsigned 64-bit request id")
+    rid = msg["id"]
     if isinstance(rid, bool) or not isinstance(rid, int) or not (0 <= rid < 2**64):
         raise ProtocolError(E_BAD_TYPE, f"field 'id' = {rid!r:.40}: expected an unsigned 64-bit integer")
     v = msg.get("v")
@@ -133,6 +137,8 @@ class RequestChecker:
         too_large) naming the field and value.
         """
         if "layers" in msg:
+            if "layer" in msg or "experts" in msg:
+                raise ProtocolError(E_BAD_TYPE, "give either 'layers' or 'layer' + 'experts', not both")
             raw = msg["layers"]
             if not isinstance(raw, list) or not raw:
                 raise ProtocolError(E_BAD_TYPE, "field 'layers' must be a non-empty array of [layer, [experts]]")

@@ -374,6 +374,18 @@ class ReaderPool:
                     dt = time.perf_counter() - job.t0
                     self._finish_stats(job, dt)
             if fin:
+                if job.error is None:
+                    # Bytes are published only if the file is still the one indexed: a model
+                    # overwritten in place (same size, new mtime) must not mix old and new bytes.
+                    for fid in {c[0] for c in job.chunks if c is not None}:
+                        why = self._changed(fid)
+                        if why:
+                            job.error = ReadError(f"model file {self.files[fid]} {why} since it was "
+                                                  f"indexed; load failed; restart the daemon so the "
+                                                  f"index is rebuilt")
+                            with cond:
+                                self._stats["errors"] += 1
+                            break
                 self._callback(job, dt)
 
     def _finish_stats(self, job: _Job, dt: float) -> None:

@@ -52,7 +52,7 @@ class _Client:
 
     def summary(self) -> dict:
         looked = self.hits + self.prefetch_hits + self.misses
-        return {"name": self.name, "pid": self.pid, "leases": len(self.leases),
+        return {"name": self.name, "id": self.ident.hex(), "pid": self.pid, "leases": len(self.leases),
                 "pending": len(self.pending), "requests": self.requests,
                 "acquires": self.acquires, "hits": self.hits,
                 "prefetch_hits": self.prefetch_hits, "demand_misses": self.misses,
@@ -83,7 +83,8 @@ class Server:
 
     def __init__(self, cache, *, endpoint: str, model_path: str = "", heartbeat_s: float = 5.0,
                  socket_mode: int = 0o660, gid: int | None = None, on_tick=None, tick_s: float = 1.0,
-                 max_request_experts: int = P.MAX_ARRAY_LEN):
+                 max_request_experts: int = P.MAX_ARRAY_LEN, max_message_bytes: int = P.MAX_MESSAGE_BYTES,
+                 acquire_timeout_s: float | None = None):
         self.cache = cache
         self.index = cache.index
         self.endpoint = endpoint
@@ -95,6 +96,9 @@ class Server:
         self.started = time.time()
         self.checker = P.RequestChecker(self.index.expert_layers, self.index.n_experts,
                                         max_experts=max_request_experts)
+        self.max_message_bytes = int(max_message_bytes)
+        # default deadline of an acquire that gives no timeout_ms (on_pressure = wait gives up)
+        self.acquire_timeout_s = acquire_timeout_s
         self.moe_index = {l: i for i, l in enumerate(self.index.expert_layers)}
         self.clients: dict[bytes, _Client] = {}
         self.leases: dict[int, tuple[bytes, object]] = {}
@@ -118,7 +122,9 @@ class Server:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES + 1024)
+        # Frames up to 16x the limit are received and answered `malformed`; beyond that ZeroMQ
+        # drops the connection without allocating (the only defence against a 2 GB frame).
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 16 * max(int(max_message_bytes), P.MAX_MESSAGE_BYTES))
         self._bind(socket_mode, gid)
 
     # ---- start / stop -------------------------------------------------------------------
@@ -312,7 +318,7 @@ class Server:
         self.counters["requests"] += 1
         rid = 0
         try:
-            msg = P.unpack(payload)
+            msg = P.unpack(payload, self.max_message_bytes)
             r = msg.get("id")
             if isinstance(r, int) and not isinstance(r, bool) and 0 <= r < 2**64:
                 rid = r  # answer with the caller's id even when the rest is wrong
@@ -434,7 +440,7 @@ class Server:
                     arena=self.cache.descriptor(), index=idx.to_json(),
                     expert_layers=list(idx.expert_layers), n_experts=idx.n_experts,
                     top_k=idx.top_k, heartbeat_s=self.heartbeat_s,
-                    limits={"max_message_bytes": P.MAX_MESSAGE_BYTES,
+                    limits={"max_message_bytes": self.max_message_bytes,
                             "max_array_len": P.MAX_ARRAY_LEN,
                             "max_request_experts": self.checker.max_experts})
 
@@ -449,6 +455,8 @@ class Server:
         timeout_ms = msg.get("timeout_ms")
         if timeout_ms is not None:
             timeout_ms = P._int(msg, "timeout_ms", lo=0, hi=86_400_000)
+        elif self.acquire_timeout_s is not None:
+            timeout_ms = int(self.acquire_timeout_s * 1000)
         box: list = []
         ident = c.ident
         ticket = self.cache.acquire_async(reqs, lambda res: self._complete(ident, rid, box, tag, res), tag=tag)
@@ -456,7 +464,7 @@ class Server:
         # The callback may already have run inline (all resident): then it is in self.done
         # with box filled now, and _drain_done sees the ticket as pending below.
         c.pending[ticket] = rid
-        if timeout_ms is not None:
+        if timeout_ms is not None and ticket in c.pending:
             heapq.heappush(self.deadlines, (time.monotonic() + timeout_ms / 1000, ticket, ident, rid))
         self._drain_done()
 
@@ -540,25 +548,41 @@ class Server:
         who = msg.get("client")
         if who is not None and not isinstance(who, str):
             raise P.ProtocolError(P.E_BAD_TYPE, "field 'client' must be a string")
+        # The daemon may run as root: it only ever creates a new file in an existing directory.
+        if not os.path.isabs(path):
+            raise P.ProtocolError(P.E_REFUSED, f"trace path {path!r}: expected an absolute path")
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent):
+            raise P.ProtocolError(P.E_REFUSED, f"trace path {path}: directory {parent} does not exist")
         if self.recorder is not None:
-            self._trace_stop()
+            raise P.ProtocolError(P.E_INVALID_STATE, f"a trace is already being recorded to {self.recorder.path}; stop it first")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
+            os.close(fd)
+        except FileExistsError:
+            raise P.ProtocolError(P.E_REFUSED, f"trace path {path}: file exists; the daemon never overwrites a file")
+        except OSError as e:
+            raise P.ProtocolError(P.E_REFUSED, f"trace path {path}: {e.strerror}")
         from .trace import TraceRecorder
         idx = self.index
-        try:
-            self.recorder = TraceRecorder(path, len(idx.expert_layers), idx.top_k, idx.n_experts, client=who)
-        except OSError as e:
-            raise P.ProtocolError(P.E_BAD_TYPE, f"trace file {path}: {e.strerror}")
+        self.recorder = TraceRecorder(path, len(idx.expert_layers), idx.top_k, idx.n_experts, client=who)
         self.recorder_client = who
         self._reply(c.ident, rid, path=path)
 
     def _trace_stop(self) -> dict:
         rec, self.recorder = self.recorder, None
-        info = rec.close() if rec is not None else None
-        return {"path": getattr(rec, "path", None), "info": info if isinstance(info, dict) else None}
+        tr = rec.close() if rec is not None else None
+        info = None
+        if tr is not None and hasattr(tr, "experts"):
+            info = {"tokens": int(tr.experts.shape[0]), "moe_layers": int(tr.experts.shape[1]),
+                    "top_k": int(tr.experts.shape[2]),
+                    "prompt_tokens": int(tr.is_prompt.sum()),
+                    "decode_tokens": int((~tr.is_prompt).sum())}
+        return {"path": getattr(rec, "path", None), "info": info}
 
     def _op_trace_stop(self, c: _Client, rid: int, msg: dict) -> None:
         if self.recorder is None:
-            raise P.ProtocolError(P.E_BAD_TYPE, "no trace is being recorded")
+            raise P.ProtocolError(P.E_INVALID_STATE, "no trace is being recorded")
         self._reply(c.ident, rid, **self._trace_stop())
 
 

@@ -145,3 +145,32 @@ def test_second_daemon_refused(model, tmp_path):
         assert "another moecached (pid %d) is serving it" % d.pid in p.stderr
     finally:
         stop_daemon(d)
+
+
+def test_sighup_applies_what_it_says(model, tmp_path):
+    conf = tmp_path / "m.toml"
+    conf.write_text('max_request_experts = 16384\nslots = 32\n')
+    sock = str(tmp_path / "d.sock")
+    d = start_daemon(model, sock, "--config", str(conf), "--log-level", "info")
+    try:
+        with Client(f"ipc://{sock}") as c:
+            L = c.expert_layers
+            c.acquire(L[0], list(range(8))).release()
+            conf.write_text('max_request_experts = 4\nslots = 16\nreaders = 3\n')
+            d.send_signal(signal.SIGHUP)
+            t0 = time.time()
+            while time.time() - t0 < 10:
+                try:
+                    c._call({"op": "acquire", "layer": L[0], "experts": list(range(8))})
+                except Exception as e:
+                    err = e
+                    break
+                time.sleep(0.1)
+            assert getattr(err, "code", None) == "too_large", err
+            st = c.stats()
+            assert st["budget"]["current_bytes"] < st["budget"]["configured_bytes"]  # slots 32 -> 16
+            assert sum(x["slots"] for x in st["classes"]) == 16
+    finally:
+        out = stop_daemon(d)
+    assert "SIGHUP: applied" in out and "max_request_experts" in out and "slots" in out, out
+    assert "need a restart: readers" in out, out

@@ -412,3 +412,36 @@ def test_chunking_fewest_equal_aligned(files):
             for c, d in zip(chunks, chunks[1:]):
                 assert c[1] + c[2] == d[1] and d[1] % a == 0 and d[3] - c[3] == c[2]
             assert max(c[2] for c in chunks) <= 256 * 1024 + a
+
+
+def test_file_overwritten_in_place_same_size_fails_loads(tmp_path):
+    """A model rewritten in place with other bytes of the same size (new mtime) must fail
+    loads, never serve a mix of old and new bytes."""
+    import ctypes
+    import time as _time
+    from moecached.readers import ReaderPool, ReadError
+    path = tmp_path / "m.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    st = os.stat(path)
+    pool = ReaderPool([str(path)], threads=2, direct=False, file_sizes=[st.st_size],
+                      file_mtimes_ns=[st.st_mtime_ns])
+    buf = ctypes.create_string_buffer(65536)
+    results = []
+    try:
+        import threading as _th
+        ev = _th.Event()
+        pool.submit([(0, 4096, 65536, ctypes.addressof(buf))], priority=0,
+                    callback=lambda j, e, n, s: (results.append(e), ev.set()))
+        assert ev.wait(10) and results[-1] is None
+        _time.sleep(0.01)
+        with open(path, "r+b") as f:   # same size, other bytes, new mtime
+            f.write(os.urandom(1 << 20))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        ev.clear()
+        pool.submit([(0, 4096, 65536, ctypes.addressof(buf))], priority=0,
+                    callback=lambda j, e, n, s: (results.append(e), ev.set()))
+        assert ev.wait(10)
+        assert isinstance(results[-1], ReadError)
+        assert "mtime changed" in str(results[-1]) and "restart the daemon" in str(results[-1])
+    finally:
+        pool.close()

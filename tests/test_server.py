@@ -233,3 +233,78 @@ def test_timed_out_acquire_never_leaks_into_later_calls(model_factory, tmp_path)
         srv.stop()
         t.join(10)
         cache.close()
+
+
+def test_trace_paths_are_safe(daemon, tmp_path):
+    """The daemon (often root) only creates a new file in an existing directory."""
+    victim = tmp_path / "precious.txt"
+    victim.write_text("precious")
+    with Client(daemon.endpoint) as c:
+        for path, code, text in [("rel.npz", "refused", "expected an absolute path"),
+                                 (str(tmp_path / "no" / "t.npz"), "refused", "does not exist"),
+                                 (str(victim), "refused", "file exists")]:
+            with pytest.raises(CError) as ei:
+                c.trace_start(path)
+            assert ei.value.code == code and text in str(ei.value), ei.value
+        assert victim.read_text() == "precious" and not (tmp_path / "no").exists()
+        with pytest.raises(CError) as ei:
+            c.trace_stop()
+        assert ei.value.code == "invalid_state"
+        out = str(tmp_path / "t.npz")
+        assert c.trace_start(out)["path"] == out
+        with pytest.raises(CError) as ei:
+            c.trace_start(str(tmp_path / "t2.npz"))
+        assert ei.value.code == "invalid_state"
+        L = c.expert_layers
+        for l in L:
+            c.acquire(l, [1, 2], tag="decode").release()
+        info = c.trace_stop()["info"]
+        assert info["tokens"] == 1 and info["moe_layers"] == len(L) and info["decode_tokens"] == 1
+    from moecached.trace import load_trace
+    tr = load_trace(out)
+    assert [sorted(x for x in tr.experts[0, i] if x >= 0) for i in range(len(L))] == [[1, 2]] * len(L)
+
+
+def test_request_shape_errors(daemon):
+    rep = raw(daemon.endpoint, msgpack.packb({"v": 1, "op": "ping"}))
+    assert rep["error"]["code"] == "bad_type" and "'id' missing" in rep["error"]["message"]
+    L = daemon.idx.expert_layers
+    rep = raw(daemon.endpoint, msgpack.packb({"v": 1, "id": 3, "op": "acquire", "layer": L[0], "experts": [1],
+                                              "layers": [[L[1], [2]]]}))
+    assert rep["error"]["code"] == "bad_type" and "not both" in rep["error"]["message"]
+
+
+def test_client_refuses_bad_values_locally(daemon):
+    from moecache_client import ClientError
+    with Client(daemon.endpoint) as c:
+        L = c.expert_layers
+        for bad in ([1.5], ["a"], [None]):
+            with pytest.raises(ClientError) as ei:
+                c.acquire(L[0], bad)
+            assert "expected integers" in str(ei.value)
+        c.info["limits"]["max_request_experts"] = 4
+        t0 = time.time()
+        with pytest.raises(ClientError) as ei:
+            c.acquire(L[0], list(range(5)))
+        assert "at most 4" in str(ei.value) and time.time() - t0 < 1
+        import numpy as _np
+        c.acquire(L[0], _np.array([1, 2], dtype=_np.int16)).release()  # numpy ints are fine
+
+
+def test_max_message_bytes_is_enforced(model_factory, tmp_path):
+    idx = open_index(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8))
+    cache = ExpertCache(idx, slots=16, lock_memory=False, readers=2)
+    srv = Server(cache, endpoint=f"ipc://{tmp_path}/m.sock", max_message_bytes=4096)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        rep = raw(srv.endpoint, msgpack.packb({"v": 1, "id": 5, "op": "ping", "pad": "x" * 3000}))
+        assert rep["ok"]
+        rep = raw(srv.endpoint, msgpack.packb({"v": 1, "id": 5, "op": "ping", "pad": "x" * 5000}))
+        assert rep["error"]["code"] == "malformed" and "at most 4096" in rep["error"]["message"]
+        with Client(srv.endpoint) as c:
+            assert c.info["limits"]["max_message_bytes"] == 4096
+    finally:
+        srv.stop()
+        t.join(10)
+        cache.close()

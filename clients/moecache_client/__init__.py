@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import itertools
 import mmap
+import numbers
+import operator
 import os
 import threading
 import time
@@ -160,6 +162,8 @@ class Client:
         timeout: default seconds a call waits for its reply (``None`` = forever).
         heartbeat_s: seconds between pings while idle (default: a third of the daemon's).
         connect_timeout: seconds to wait for the first hello.
+        map_arena: map the arena read-only at hello (default); tools that only read
+            counters pass False.
     Raises:
         Timeout: the daemon did not answer hello within ``connect_timeout``.
         ServerError: the daemon refused hello (protocol version).
@@ -174,8 +178,9 @@ class Client:
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, name: str | None = None,
                  timeout: float | None = 30.0, heartbeat_s: float | None = None,
-                 connect_timeout: float = 10.0):
+                 connect_timeout: float = 10.0, map_arena: bool = True):
         self.endpoint = endpoint
+        self.map_arena = map_arena
         self.name = name or f"pid{os.getpid()}"
         self.timeout = timeout
         self.connect_timeout = connect_timeout
@@ -231,11 +236,7 @@ class Client:
     def acquire_async(self, layer, experts, *, tag=None, layers=None, timeout_ms: int | None = None) -> "LeaseFuture":
         """Non-blocking acquire for pipelining: returns a future; ``.result(timeout)`` -> Lease."""
         msg = {"op": "acquire"}
-        if layers is not None:
-            msg["layers"] = [[int(l), [int(e) for e in ex]] for l, ex in layers]
-        else:
-            msg["layer"] = int(layer)
-            msg["experts"] = [int(e) for e in experts]
+        self._requests(msg, layer, experts, layers)
         if tag is not None:
             msg["tag"] = tag
         if timeout_ms is not None:
@@ -245,10 +246,7 @@ class Client:
     def prefetch(self, layer: int, experts=None, *, layers=None, wait: bool = False) -> int | None:
         """Queue reads only (no pins). ``wait=False`` sends without waiting for the reply."""
         msg = {"op": "prefetch"}
-        if layers is not None:
-            msg["layers"] = [[int(l), [int(e) for e in ex]] for l, ex in layers]
-        else:
-            msg["layer"], msg["experts"] = int(layer), [int(e) for e in experts]
+        self._requests(msg, layer, experts, layers)
         if not wait:
             msg["noreply"] = True
             self._submit(msg, expect_reply=False)
@@ -304,6 +302,32 @@ class Client:
         self.close()
 
     # ---- internals: calls -----------------------------------------------------------------
+    def _requests(self, msg: dict, layer, experts, layers) -> None:
+        """Fill ``layer``/``experts`` or ``layers`` into ``msg``; ClientError on values the
+        daemon would refuse anyway (non-integers, more experts than its limit)."""
+        def ints(xs, what):
+            try:
+                return [operator.index(x) for x in xs]
+            except TypeError:
+                bad = next(x for x in xs if not isinstance(x, numbers.Integral))
+                raise ClientError(f"{what}: {bad!r} is {type(bad).__name__}, expected integers") from None
+        if layers is not None:
+            out = []
+            for item in layers:
+                l, ex = item
+                out.append([ints([l], "layer")[0], ints(list(ex), f"experts of layer {l}")])
+            msg["layers"] = out
+            total = sum(len(ex) for _, ex in out)
+        else:
+            msg["layer"] = ints([layer], "layer")[0]
+            msg["experts"] = ints(list(experts), f"experts of layer {layer}")
+            total = len(msg["experts"])
+        limit = (self.info.get("limits") or {}).get("max_request_experts")
+        if limit is not None and total > limit:
+            raise ClientError(f"request names {total} experts: the daemon accepts at most {limit} "
+                              "per request (split it)")
+
+
     def _t(self, timeout):
         return self.timeout if timeout is ... else timeout
 
@@ -399,7 +423,7 @@ class Client:
             self._pump_locked(fut, min(left, 0.1), hello=True)
         rep = fut.result()  # raises ServerError if refused
         old = self._arena
-        self._arena = _Arena(rep["arena"])
+        self._arena = _Arena(rep["arena"]) if self.map_arena else None
         self.info = rep
         self.session = rep["session"]
         self._last_rx = time.monotonic()
@@ -468,7 +492,8 @@ class Client:
             return
         fut, op = ent
         if rep.get("ok"):
-            rep["_arena"] = self._arena  # bind views to this session's arena
+            if "lease" in rep:
+                rep["_arena"] = self._arena  # bind views to this session's arena
             fut.set_result(rep)
         else:
             err = rep.get("error") or {}
