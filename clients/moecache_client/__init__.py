@@ -306,6 +306,8 @@ class Client:
         """Fill ``layer``/``experts`` or ``layers`` into ``msg``; ClientError on values the
         daemon would refuse anyway (non-integers, more experts than its limit)."""
         def ints(xs, what):
+            if all(type(x) is int for x in xs):
+                return xs
             try:
                 return [operator.index(x) for x in xs]
             except TypeError:
@@ -338,7 +340,7 @@ class Client:
     def _submit(self, msg: dict, expect_reply: bool = True) -> Future:
         if self._closed:
             raise ClientError("client is closed")
-        fut: Future = Future()
+        fut: Future | None = Future() if expect_reply else None
         rid = next(self._ids)
         msg["v"] = PROTOCOL_VERSION
         msg["id"] = rid
@@ -352,8 +354,6 @@ class Client:
             except zmq.ZMQError as e:
                 self._pending.pop(rid, None)
                 raise ClientError(f"{msg['op']}: send failed: {e}") from None
-        if not expect_reply:
-            fut.set_result(None)
         return fut
 
     def _wait(self, fut: Future, timeout, op: str):
@@ -431,33 +431,39 @@ class Client:
             self._old_arenas.append(old)  # leases of the old session may still hold views
 
     def _pump_locked(self, until: Future | None, wait: float, hello: bool = False) -> None:
-        """Read replies and monitor events for up to ``wait`` seconds, until ``until`` is done.
+        """Read replies for up to ``wait`` seconds, until ``until`` is done.
 
         Blocks in ``recv`` (RCVTIMEO slices of 20 ms) rather than a poller: the cheapest wait
-        pyzmq offers, which is what a single-threaded engine pays per call.
+        pyzmq offers, which is what a single-threaded engine pays per call. The monitor (a
+        dropped connection) is looked at whenever a slice passes without a reply.
         """
-        sock, mon = self._sock, self._mon
+        sock = self._sock
         end = time.monotonic() + wait
+        flags = 0 if wait > 0 else zmq.NOBLOCK
         while True:
-            if mon.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                try:
-                    from zmq.utils.monitor import parse_monitor_message
-                    ev = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
-                    if ev["event"] == zmq.EVENT_DISCONNECTED and not hello:
-                        self._void_session("connection to the daemon dropped")
-                except zmq.Again:
-                    pass
             try:
-                data = sock.recv(0 if wait > 0 else zmq.NOBLOCK)
+                data = sock.recv(flags)
             except zmq.Again:
+                self._check_monitor(hello)
                 if (until is not None and until.done()) or time.monotonic() >= end:
                     return
                 continue
             self._dispatch(data, hello)
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                self._dispatch(sock.recv(zmq.NOBLOCK), hello)
-            if (until is not None and until.done()) or time.monotonic() >= end:
+            if until is not None and until.done():
                 return
+            if time.monotonic() >= end:
+                flags = zmq.NOBLOCK  # past the wait: take what is queued, then stop
+
+    def _check_monitor(self, hello: bool) -> None:
+        mon = self._mon
+        while True:
+            try:
+                from zmq.utils.monitor import parse_monitor_message
+                ev = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if ev["event"] == zmq.EVENT_DISCONNECTED and not hello:
+                self._void_session("connection to the daemon dropped")
 
     def _dispatch(self, data: bytes, hello: bool) -> None:
         self._last_rx = time.monotonic()
