@@ -379,6 +379,14 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict] = None, *,
     def apply(src: dict, where: str, is_cli: bool) -> None:
         nonlocal group_given
         for key, value in src.items():
+            if not is_cli and isinstance(value, dict):
+                raise ConfigError(f"{where}: [{key}] is a table: expected top-level keys only "
+                                  f"(key = value lines, no [section] headers, dotted keys or "
+                                  f"inline tables)")
+            if not is_cli and isinstance(value, list) and value and all(
+                    isinstance(x, dict) for x in value):
+                raise ConfigError(f"{where}: [[{key}]] is an array of tables: expected "
+                                  f"top-level keys only (key = value lines)")
             if key not in KEYS:
                 names = list(KEYS)
                 if is_cli:

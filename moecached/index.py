@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import sys
 from dataclasses import dataclass, field
 from importlib.metadata import version as _pkg_version
@@ -118,7 +119,43 @@ class _HeaderReader(GGUFReader):
         self.tensors = []
 
 
+_GGUF_MIN_HEADER = 24  # magic u32, version u32, tensor count u64, KV count u64
+
+_FILE_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+
+
+def _check_file(path: str) -> None:
+    """Refuse (GGUFError, one line) what cannot be a GGUF file before gguf tries to map it:
+    a missing path, a directory, a device / FIFO / socket, an empty or too short file, a
+    file that cannot be opened."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise GGUFError(f"{path}: file: found no such file, expected a GGUF model") from None
+    except OSError as e:
+        raise GGUFError(f"{path}: cannot read ({e.strerror or e}), expected a GGUF file") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise GGUFError(f"{path}: is a directory, expected a GGUF file")
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((k for f, k in _FILE_KINDS if f(st.st_mode)), "a special file")
+        raise GGUFError(f"{path}: not a regular file ({kind}), expected a GGUF file")
+    if st.st_size == 0:
+        raise GGUFError(f"{path}: empty file (0 bytes), expected a GGUF file")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise GGUFError(f"{path}: cannot read ({e.strerror or e}), expected a GGUF file") from None
+    if head != b"GGUF"[:len(head)]:
+        raise GGUFError(f"{path}: magic: found {head!r}, expected b'GGUF'")
+    if st.st_size < _GGUF_MIN_HEADER:
+        raise GGUFError(f"{path}: file too short ({st.st_size} bytes), expected a GGUF file "
+                        f"(a GGUF header takes at least {_GGUF_MIN_HEADER} bytes)")
+
+
 def _read_header(path: str) -> _HeaderReader:
+    _check_file(path)
     try:
         r = _HeaderReader(path)
     except _Refuse as e:

@@ -31,6 +31,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -255,7 +256,8 @@ def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[i
             if caps[l] < max(need[l], 1):
                 raise SimulationError(
                     f"size {size} ({desc}): layer {l} gets {caps[l]} slots, expected >= "
-                    f"{max(need[l], 1)} (experts one step routes to that layer)")
+                    f"{max(need[l], 1)} (too small: one step routes that many experts to the "
+                    f"layer, and they must be resident together)")
     else:
         class_of_layer = np.zeros(L, np.int64)
         for ci, c in enumerate(cls):
@@ -266,7 +268,9 @@ def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[i
             need = max(int(st.max_set[c].max()), 1)
             if caps[ci] < need:
                 raise SimulationError(f"size {size} ({desc}): size class {ci} gets {caps[ci]} "
-                                      f"slots, expected >= {need}")
+                                      f"slots, expected >= {need} (too small: one step routes "
+                                      f"that many experts to one of its layers, and they must "
+                                      f"be resident together)")
     pol = make_policy(policy, group, caps, st.next_use if policy in NEEDS_FUTURE else None)
     halve = HALVE_EVERY if POLICIES[policy][2] else 0
     t0 = time.perf_counter()
@@ -333,17 +337,56 @@ def model_bytes(path) -> tuple:
     return per, cls
 
 
+SIZES_EXPECTED = "expected a fraction in (0, 1] (0.25 or 25%) or an integer slot count >= 1"
+
+
 def _parse_size(s: str):
+    """One ``--sizes`` item: a fraction (has a ``.``, an exponent or ends in ``%``) in (0, 1],
+    or a plain integer slot count >= 1. SimulationError (one line) otherwise."""
     s = s.strip()
+    shown = shlex.quote(s)
     try:
         if s.endswith("%"):
-            return float(s[:-1]) / 100.0
-        if "." in s or "e" in s.lower():
-            return float(s)
-        return int(s)
+            v = float(s[:-1]) / 100.0
+        elif "." in s or "e" in s.lower():
+            v = float(s)
+        else:
+            v = int(s)
     except ValueError:
-        raise SimulationError(f"--sizes: found {s!r}, expected a fraction (0.25, 25%) or "
-                              "an integer slot count") from None
+        raise SimulationError(f"--sizes {shown}: {SIZES_EXPECTED}") from None
+    if isinstance(v, float) and not (math.isfinite(v) and 0 < v <= 1):
+        raise SimulationError(f"--sizes {shown}: {SIZES_EXPECTED}")
+    if isinstance(v, int) and v < 1:
+        raise SimulationError(f"--sizes {shown}: {SIZES_EXPECTED}")
+    return v
+
+
+def _parse_sizes(text: str) -> list:
+    """The ``--sizes`` list: validated items (see :func:`_parse_size`), duplicates dropped;
+    an empty list is refused."""
+    out = []
+    for item in text.split(","):
+        if item.strip():
+            v = _parse_size(item)
+            if not any(type(v) is type(x) and v == x for x in out):
+                out.append(v)
+    if not out:
+        raise SimulationError(f"--sizes {shlex.quote(text)}: found no sizes, expected a comma "
+                              f"list of fractions in (0, 1] (0.25 or 25%) or integer slot "
+                              f"counts >= 1")
+    return out
+
+
+def _parse_policies(text: str) -> list:
+    """The ``--policies`` list (names and aliases expanded); an empty list is refused."""
+    try:
+        policies = expand_policies(text)
+    except ValueError as ex:
+        raise SimulationError(f"--policies: {ex}") from None
+    if not policies:
+        raise SimulationError(f"--policies {shlex.quote(text)}: found no policies, expected a "
+                              f"comma list of {', '.join(POLICIES)} (aliases: w-tinylfu, all)")
+    return policies
 
 
 def _fmt_size(x):
@@ -366,7 +409,14 @@ def run(paths, policies, sizes, warmup=None, bytes_per_expert=None, per_class_la
     out = []
     for p in paths:
         t = load_trace(p)
+        E = t.n_experts
+        for sz in sizes:
+            if isinstance(sz, float) and math.floor(sz * E + 0.5) < 1:
+                raise SimulationError(
+                    f"--sizes {sz:g}: {sz:g} x {E} experts = 0 slots per layer for {p}, expected "
+                    f"a fraction >= {0.5 / E:g} (at least 1 slot per layer)")
         st = prepare(t, warmup, tokens)
+        counted_accesses = int(np.diff(st.set_start)[st.set_counted.astype(bool)].sum())
         bpe, cls = bytes_per_expert, per_class_layers
         if bpe is not None and len(bpe) != t.n_layers:
             raise SimulationError(f"{p}: layout/model has {len(bpe)} MoE layers, expected "
@@ -387,9 +437,23 @@ def run(paths, policies, sizes, warmup=None, bytes_per_expert=None, per_class_la
                 res[(pol, sz)] = r
         out.append(dict(trace=os.fspath(p), model=t.meta.get("model"), n_tokens=t.n_tokens,
                         n_layers=t.n_layers, n_experts=t.n_experts, top_k=t.top_k,
-                        counted_tokens=st.counted_tokens, warmup=st.warmup, note=st.note,
-                        n_classes=len(cls) if cls else 1, results=res))
+                        counted_tokens=st.counted_tokens, counted_accesses=counted_accesses,
+                        warmup=st.warmup, note=st.note, n_classes=len(cls) if cls else 1, results=res))
     return out
+
+
+def _json_num(v):
+    """NaN (no counted accesses) as JSON null: NaN is not JSON."""
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
+def _why_nothing_counted(o) -> str:
+    if o["n_tokens"] == 0:
+        return "the trace has no tokens (recorded with no traffic?)"
+    if o["counted_tokens"] == 0:
+        return (f"none of its {o['n_tokens']} tokens is counted (prompt tokens and a warm-up "
+                f"of {o['warmup']} tokens never count)")
+    return f"its {o['counted_tokens']} counted tokens route no experts (all -1)"
 
 
 def _plot(out, policies, sizes, path):
@@ -431,8 +495,10 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="all",
                     help=f"comma list of {', '.join(POLICIES)} (aliases: w-tinylfu, all)")
     ap.add_argument("--sizes", default="0.25,0.5,0.75",
-                    help="comma list: fractions of each layer's experts (0.25, 25%%) or "
-                         "integer total slots")
+                    help="comma list: fractions in (0, 1] of each layer's experts (0.25, "
+                         "25%%) or integer total slot counts >= 1; a size smaller than the "
+                         "experts one step routes to a layer shows n/a (explained below the "
+                         "table)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--layout", help="layout JSON (expert_bytes) for bytes per expert")
     src.add_argument("--model", help="GGUF model for bytes per expert and size classes")
@@ -446,11 +512,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--plot", help="write hit rate vs cache size per policy (PNG)")
     a = ap.parse_args(argv)
-    try:
-        policies = expand_policies(a.policies)
-    except ValueError as ex:
-        raise SimulationError(f"--policies: {ex}") from None
-    sizes = [_parse_size(s) for s in a.sizes.split(",") if s.strip()]
+    policies = _parse_policies(a.policies)
+    sizes = _parse_sizes(a.sizes)
     if a.gbps <= 0:
         raise SimulationError(f"--gbps: found {a.gbps}, expected > 0")
     bpe = cls = None
@@ -467,7 +530,8 @@ def main(argv=None) -> int:
         js = []
         for o in out:
             o = dict(o)
-            o["results"] = [r for r in o["results"].values()]
+            o["results"] = [{k: _json_num(v) for k, v in r.items()}
+                            for r in o["results"].values()]
             js.append(o)
         json.dump(js, sys.stdout, indent=1, default=float)
         print()
@@ -478,6 +542,10 @@ def main(argv=None) -> int:
               + (f"; {o['n_classes']} size classes" if o["n_classes"] > 1 else ""))
         if o["note"]:
             print(f"note: {o['note']}")
+        if o["counted_accesses"] == 0:
+            print(f"no counted accesses: {_why_nothing_counted(o)}; no hit rates to show")
+            print()
+            continue
         res = o["results"]
         errs = sorted({r["error"] for r in res.values() if "error" in r})
 

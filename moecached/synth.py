@@ -276,8 +276,38 @@ def _shard_bounds(tensors, k: int) -> list[int]:
 
 # ---------------------------------------------------------------------------------------- write
 
+def _check_out(out: Path, make_dirs: bool) -> None:
+    """Refuse (SynthError, one line) an output path that cannot be a file to write: a
+    directory, a missing parent directory (created instead when ``make_dirs``), a parent that
+    is not a directory."""
+    if out.is_dir():
+        raise SynthError(f"{out}: is a directory, expected a .gguf file path to write")
+    parent = out.parent
+    if parent.exists():
+        if not parent.is_dir():
+            raise SynthError(f"{out}: {parent} is not a directory, expected an existing directory")
+        return
+    if not make_dirs:
+        raise SynthError(f"{out}: directory {parent} does not exist, expected an existing "
+                         f"directory (create it first)")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SynthError(f"{out}: cannot create directory {e.filename or parent} "
+                         f"({e.strerror or e})") from None
+
+
+def _check_file(path: Path) -> None:
+    """An existing output file must be a regular file (not /dev/null, a FIFO, ...)."""
+    if path.is_dir():
+        raise SynthError(f"{path}: is a directory, expected a .gguf file path to write")
+    if path.exists() and not path.is_file():
+        raise SynthError(f"{path}: not a regular file, expected a .gguf file path to write")
+
+
 def write_model(layout, out, layers=None, experts=None, split=None, seed: int = 0, progress: bool = True,
-                legacy: bool = False, sparse: bool = True, stats: dict | None = None) -> list[str]:
+                legacy: bool = False, sparse: bool = True, stats: dict | None = None,
+                make_dirs: bool = True) -> list[str]:
     """Write a GGUF model (or split set) from ``layout`` (Layout, path or embedded name).
 
     ``out``: file path; with ``split=K > 1`` the shards are ``<stem>-0000i-of-0000K.gguf``
@@ -286,18 +316,32 @@ def write_model(layout, out, layers=None, experts=None, split=None, seed: int = 
     :func:`expected_expert_bytes`). ``sparse``: leave non-expert tensor data as holes.
     ``stats``: if a dict, receives ``bytes_written`` (bytes really written, holes excluded),
     ``expert_bytes``, ``apparent_bytes``, ``seconds``.
+    ``make_dirs``: create a missing parent directory of ``out`` (the CLI passes False and
+    refuses it instead, like ``cp``).
     Returns the paths written, in shard order. Raises :class:`SynthError` /
-    :class:`~moecached.layout.LayoutError` (one line).
+    :class:`~moecached.layout.LayoutError` (one line; also for an output path that is a
+    directory or cannot be written: OSError is turned into SynthError naming the path).
     """
     if not isinstance(layout, Layout):
         layout = load_layout(layout)
     if int(seed) < 0:
         raise SynthError(f"seed: found {seed}, expected >= 0")
     tensors, meta, info = plan_model(layout, layers, experts, legacy)
-    k = 1 if split in (None, 0) else int(split)
+    k = 1 if split is None else int(split)
+    if k < 1:
+        raise SynthError(f"split: found {split}, expected an integer >= 1 (1 = no split)")
     starts = _shard_bounds(tensors, k)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _check_out(out, make_dirs)
+    try:
+        return _write(layout, out, tensors, meta, info, starts, seed, progress, sparse, stats)
+    except OSError as e:
+        where = e.filename if e.filename else out
+        raise SynthError(f"{where}: cannot write ({e.strerror or e}), expected a writable "
+                         f".gguf file path") from None
+
+
+def _write(layout, out, tensors, meta, info, starts, seed, progress, sparse, stats) -> list[str]:
 
     w = GGUFWriter(None, layout.arch)
     w.data_alignment = layout.alignment
@@ -316,7 +360,13 @@ def write_model(layout, out, layers=None, experts=None, split=None, seed: int = 
         shards[-1].append(t)
         w.add_tensor_info(t.name, tuple(reversed(t.shape)), np.float32, t.nbytes, raw_dtype=t.qtype)
     paths = [str(p) for p in w.format_shard_names(out)]
-    w.write_header_to_file(path=out)
+    for p in paths:
+        _check_file(Path(p))
+    try:
+        w.write_header_to_file(path=out)
+    except BaseException:
+        w.close()
+        raise
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
 
@@ -397,19 +447,24 @@ def main(argv=None) -> int:
     [--seed S] [--legacy-experts] [--dense] [--quiet]``"""
     ap = argparse.ArgumentParser(prog="moecache-ctl synth", description=__doc__.split("\n\n")[0])
     ap.add_argument("--layout", required=True, help="layout JSON path or embedded layout name")
-    ap.add_argument("--out", required=True, help="output .gguf path (shards are named after it)")
+    ap.add_argument("--out", required=True,
+                    help="output .gguf path (shards are named after it; an existing file is "
+                         "overwritten); its directory must exist (it is not created)")
     ap.add_argument("--layers", help="keep the first N blocks, or the listed source blocks (renumbered)")
     ap.add_argument("--experts", type=int, help="keep the first E experts of every MoE block")
-    ap.add_argument("--split", type=int, help="write a split set of K shards")
+    ap.add_argument("--split", type=int, help="write a split set of K >= 1 shards (1 = one "
+                                              "file, no split)")
     ap.add_argument("--seed", type=int, default=0, help="selects the expert bytes (default 0)")
     ap.add_argument("--legacy-experts", action="store_true", help="per-expert 2-D tensors (old Mixtral files)")
     ap.add_argument("--dense", action="store_true", help="write zeros for non-expert tensors instead of holes")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
+    if a.split is not None and a.split < 1:
+        raise SynthError(f"--split {a.split}: expected an integer >= 1 (1 = no split)")
     st = {}
     paths = write_model(a.layout, a.out, layers=_parse_layers(a.layers) if a.layers else None,
                         experts=a.experts, split=a.split, seed=a.seed, progress=not a.quiet,
-                        legacy=a.legacy_experts, sparse=not a.dense, stats=st)
+                        legacy=a.legacy_experts, sparse=not a.dense, stats=st, make_dirs=False)
     for p in paths:
         print(p)
     dt = max(st["seconds"], 1e-9)

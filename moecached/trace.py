@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
@@ -108,6 +109,9 @@ def _check_ids(name, array, a, n_experts):
     if lo < -1:
         idx = tuple(int(i) for i in np.argwhere(a < -1)[0])
         raise _err(name, f"{array}{list(idx)}", lo, "-1 (missing) or an expert id >= 0")
+    if hi > 32767:
+        idx = tuple(int(i) for i in np.argwhere(a > 32767)[0])
+        raise _err(name, f"{array}{list(idx)}", hi, "an expert id < 32768 (ids are int16)")
     if n_experts is not None and hi >= n_experts:
         idx = tuple(int(i) for i in np.argwhere(a >= n_experts)[0])
         raise _err(name, f"{array}{list(idx)}", hi, f"an expert id < n_experts = {n_experts}")
@@ -166,36 +170,89 @@ def _validate(t: Trace, name: str) -> None:
                            "each step id on one contiguous run of tokens")
 
 
+_NOT_A_TRACE = "expected a .npz archive (docs/trace-format.md)"
+
+
+def _one_line(ex: BaseException) -> str:
+    msg = " ".join(str(ex).split()) or "no detail"
+    return f"{type(ex).__name__}: {msg[:160]}"
+
+
+def _open_npz(name: str):
+    """``np.load`` of ``name`` after checking that it is a regular, non-empty zip file;
+    TraceError (one line) for anything else."""
+    try:
+        st = os.stat(name)
+    except FileNotFoundError:
+        raise TraceError(f"{name}: file not found, expected a trace .npz") from None
+    except OSError as ex:
+        raise TraceError(f"{name}: cannot read ({ex.strerror or ex}), {_NOT_A_TRACE}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise TraceError(f"{name}: is a directory, {_NOT_A_TRACE}")
+    if not stat.S_ISREG(st.st_mode):
+        raise TraceError(f"{name}: not a regular file, {_NOT_A_TRACE}")
+    if st.st_size == 0:
+        raise TraceError(f"{name}: empty file (0 bytes), {_NOT_A_TRACE}")
+    try:
+        with open(name, "rb") as fh:
+            head = fh.read(6)
+    except OSError as ex:
+        raise TraceError(f"{name}: cannot read ({ex.strerror or ex}), {_NOT_A_TRACE}") from None
+    if head.startswith(b"\x93NUMPY"):
+        raise TraceError(f"{name}: not a trace: a single .npy array, {_NOT_A_TRACE}")
+    if not head.startswith(b"PK"):
+        raise TraceError(f"{name}: not a trace: {_NOT_A_TRACE}")
+    try:
+        return np.load(name, allow_pickle=False)
+    except Exception as ex:  # zipfile.BadZipFile, OSError, ...
+        raise TraceError(f"{name}: not a trace: unreadable archive ({_one_line(ex)}), "
+                         f"{_NOT_A_TRACE}") from None
+
+
+def _read_array(z, name: str, key: str) -> np.ndarray:
+    try:
+        return z[key]
+    except ValueError as ex:
+        if "pickle" in str(ex).lower() or "object" in str(ex).lower():
+            raise _err(name, key, "an object (pickled) array",
+                       "a numeric array (pickles are never loaded)") from None
+        raise _err(name, key, f"an unreadable array ({_one_line(ex)})",
+                   "an array written by numpy.savez") from None
+    except Exception as ex:  # BadZipFile (CRC), zlib.error, EOFError, OSError
+        raise _err(name, key, f"an unreadable array ({_one_line(ex)})",
+                   "an array written by numpy.savez") from None
+
+
 def load_trace(path) -> Trace:
     """Read and validate a trace ``.npz`` (no pickles).
 
     Returns:
         Trace with ``experts`` as int16, ``is_prompt`` bool, optional arrays as stored.
     Raises:
-        TraceError: missing file/array, bad JSON meta, bad shape/dtype/value (one line).
+        TraceError: missing file, a directory / empty / non-zip / corrupt file, a pickled or
+        unreadable array, missing arrays, bad JSON meta, bad shape/dtype/value (one line).
     """
     name = os.fspath(path)
-    try:
-        z = np.load(name, allow_pickle=False)
-    except FileNotFoundError:
-        raise TraceError(f"{name}: file not found, expected a trace .npz") from None
-    except Exception as ex:  # zipfile / pickle errors
-        raise TraceError(f"{name}: unreadable ({type(ex).__name__}: {ex}), expected a .npz "
-                         "written by numpy.savez") from None
+    z = _open_npz(name)
     with z:
         files = set(z.files)
+        if "experts" not in files and "is_prompt" not in files:
+            shown = ", ".join(sorted(files)[:5]) + (", ..." if len(files) > 5 else "")
+            raise TraceError(f"{name}: not a trace: found arrays [{shown}], expected arrays "
+                             "experts and is_prompt (docs/trace-format.md)")
         for req in ("experts", "is_prompt"):
             if req not in files:
                 raise _err(name, req, "no such array", "arrays experts and is_prompt")
         meta = {}
         if "meta" in files:
-            raw = z["meta"]
+            raw = _read_array(z, name, "meta")
             try:
                 meta = json.loads(str(raw[()] if raw.ndim == 0 else raw))
-            except (json.JSONDecodeError, TypeError) as ex:
-                raise _err(name, "meta", f"invalid JSON ({ex})", "a 0-d str holding a JSON object")
-        get = (lambda k: z[k] if k in files else None)
-        t = Trace(experts=z["experts"], is_prompt=z["is_prompt"], weights=get("weights"),
+            except (ValueError, TypeError, RecursionError) as ex:
+                raise _err(name, "meta", f"invalid JSON ({_one_line(ex)})",
+                           "a 0-d str holding a JSON object") from None
+        get = (lambda k: _read_array(z, name, k) if k in files else None)
+        t = Trace(experts=get("experts"), is_prompt=get("is_prompt"), weights=get("weights"),
                   predicted=get("predicted"), step=get("step"), meta=meta)
     _validate(t, name)
     t.experts = t.experts.astype(np.int16, copy=False)

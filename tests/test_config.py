@@ -167,7 +167,12 @@ FILE_ERRORS = [
     ('group = "no-such-group-moecached-test"', 'group = "no-such-group-moecached-test": expected an existing '
                                                'group (name or gid), or "" for none'),
     ('group = 3.5', 'group = 3.5: expected an existing group (name or gid), or "" for none'),
-    ('[server]\nx = 1', 'unknown key "server"'),
+    ('[server]\nx = 1', '[server] is a table: expected top-level keys only (key = value lines, no '
+                        '[section] headers, dotted keys or inline tables)'),
+    ('readers = 4\n[section]\nbudget = "8G"', '[section] is a table: expected top-level keys only '
+                                              '(key = value lines, no [section] headers, dotted keys or '
+                                              'inline tables)'),
+    ('[[server]]\nx = 1', '[[server]] is an array of tables: expected top-level keys only (key = value lines)'),
 ]
 
 

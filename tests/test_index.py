@@ -224,3 +224,59 @@ def test_misplaced_reads_are_caught(model_factory, shift):
     swapped[[2, 5]] = swapped[[5, 2]]
     idx._tables[b] = (swapped, fids)
     assert len(read_and_verify(idx)) == 2 * 3
+
+
+# -- inspect of what is not a GGUF file: accurate one-liners -------------------------------------
+
+def _inspect_ctl(path, capsys):
+    from moecached import ctl
+    rc = ctl.main(["inspect", str(path)])
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.count("\n") == 1 and "Traceback" not in cap.err
+    assert "truncated file?" not in cap.err
+    return rc, cap.err.removeprefix("moecache-ctl inspect: error: ").rstrip("\n")
+
+
+def test_inspect_directory(tmp_path, capsys):
+    assert _inspect_ctl(tmp_path, capsys) == (1, f"{tmp_path}: is a directory, expected a GGUF file")
+
+
+def test_inspect_empty_file(tmp_path, capsys):
+    p = tmp_path / "m.gguf"
+    p.write_bytes(b"")
+    assert _inspect_ctl(p, capsys) == (1, f"{p}: empty file (0 bytes), expected a GGUF file")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/null"), reason="no /dev/null")
+def test_inspect_dev_null(capsys):
+    assert _inspect_ctl("/dev/null", capsys) == (
+        1, "/dev/null: not a regular file (a character device), expected a GGUF file")
+
+
+def test_inspect_fifo(tmp_path, capsys):
+    import threading
+    p = tmp_path / "fifo"
+    os.mkfifo(p)
+
+    def unblock():  # a reader stuck opening the FIFO (the bug) gets a writer and fails
+        try:
+            os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+    timer = threading.Timer(3.0, unblock)
+    timer.daemon = True
+    timer.start()
+    try:
+        assert _inspect_ctl(p, capsys) == (1, f"{p}: not a regular file (a FIFO), expected a "
+                                              f"GGUF file")
+    finally:
+        timer.cancel()
+
+
+def test_inspect_short_and_text_files(tmp_path, capsys):
+    p = tmp_path / "m.gguf"
+    p.write_bytes(b"GGUF\x03\x00\x00\x00")
+    assert _inspect_ctl(p, capsys) == (1, f"{p}: file too short (8 bytes), expected a GGUF file "
+                                          f"(a GGUF header takes at least 24 bytes)")
+    p.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    assert _inspect_ctl(p, capsys) == (1, f"{p}: magic: found b'root', expected b'GGUF'")

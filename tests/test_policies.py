@@ -727,3 +727,99 @@ def test_tokens_window(tmp_path, capsys):
     assert out["results"][0]["hits"] == fast(truncate(t, 17), "g-lru", 0.5, warmup=10)[0]
     with pytest.raises(sim.SimulationError, match="tokens"):
         sim.main([str(tmp_path / "t.npz"), "--tokens", "0"])
+
+
+# -- CLI input validation (one-line errors, non-zero exit) -------------------------------------
+
+def _ctl(argv, capsys):
+    from moecached import ctl
+    rc = ctl.main(["policy"] + argv)
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+@pytest.fixture
+def small_trace_file(tmp_path):
+    from moecached.trace import save_trace
+    p = tmp_path / "u.npz"
+    save_trace(p, uniform_trace(T=300, E=32))
+    return str(p)
+
+
+@pytest.mark.parametrize("sizes", ["1.5", "-1", "0", "0.0", "150%", "2.0", "nan", "inf", "1e3",
+                                   "abc", "-0.25", "0.25,1.5"])
+def test_cli_refuses_invalid_sizes(small_trace_file, capsys, sizes):
+    rc, out, err = _ctl([small_trace_file, "--policies", "g-lru", f"--sizes={sizes}"], capsys)
+    bad = [s for s in sizes.split(",") if s != "0.25"][0]
+    assert rc == 1 and out == ""
+    assert err == (f"moecache-ctl policy: error: --sizes {bad}: expected a fraction in (0, 1] "
+                   f"(0.25 or 25%) or an integer slot count >= 1\n")
+
+
+@pytest.mark.parametrize("sizes", ["", " , ", ","])
+def test_cli_refuses_empty_size_list(small_trace_file, capsys, sizes):
+    rc, out, err = _ctl([small_trace_file, "--policies", "g-lru", f"--sizes={sizes}"], capsys)
+    assert rc == 1 and out == "" and err.count("\n") == 1
+    assert "--sizes" in err and "found no sizes" in err and "Traceback" not in err
+
+
+def test_cli_refuses_fraction_of_zero_slots(small_trace_file, capsys):
+    rc, out, err = _ctl([small_trace_file, "--policies", "g-lru", "--sizes", "0.0001"], capsys)
+    assert rc == 1 and out == "" and err.count("\n") == 1
+    assert "--sizes 0.0001: 0.0001 x 32 experts = 0 slots per layer" in err
+    assert "expected a fraction >= 0.015625" in err
+    # 0.015625 x 32 = 0.5 -> rounds half up to 1 slot per layer: valid (lru: n/a for top-2)
+    rc, out, err = _ctl([small_trace_file, "--policies", "lru", "--sizes", "0.015625"], capsys)
+    assert rc == 0 and err == "" and "n/a: size 0.015625 " in out
+
+
+@pytest.mark.parametrize("policies", ["", ",", " , "])
+def test_cli_refuses_empty_policy_list(small_trace_file, capsys, policies):
+    rc, out, err = _ctl([small_trace_file, f"--policies={policies}"], capsys)
+    assert rc == 1 and out == "" and err.count("\n") == 1
+    assert "--policies" in err and "found no policies" in err
+
+
+def test_cli_valid_but_too_small_size_is_na_and_explained(small_trace_file, capsys):
+    rc, out, err = _ctl([small_trace_file, "--policies", "g-lru", "--sizes", "1,0.5"], capsys)
+    assert rc == 0 and err == ""
+    row = next(l for l in out.splitlines() if l.startswith("g-lru"))
+    assert row.split()[1] == "n/a" and row.split()[2].endswith("%")
+    foot = [l for l in out.splitlines() if l.startswith("n/a: ")]
+    assert len(foot) == 1 and "size 1 " in foot[0] and "expected >= 2" in foot[0]
+    assert "too small" in foot[0]
+
+
+def test_cli_sizes_deduplicated(small_trace_file, capsys):
+    rc, out, _ = _ctl([small_trace_file, "--policies", "g-lru", "--sizes", "0.5,50%,0.5"], capsys)
+    assert rc == 0
+    assert out.splitlines()[1].split() == ["hit", "rate", "50%"]
+
+
+def test_cli_empty_trace_says_no_counted_accesses(tmp_path, capsys):
+    from moecached.trace import save_trace
+    p = tmp_path / "empty.npz"
+    save_trace(p, Trace(experts=np.zeros((0, 4, 2), np.int16), is_prompt=np.zeros(0, bool),
+                        meta={"n_experts": 8}))
+    rc, out, err = _ctl([str(p), "--policies", "g-lru,lru", "--sizes", "0.5"], capsys)
+    assert rc == 0 and err == ""
+    assert "nan" not in out.lower()
+    assert "no counted accesses: the trace has no tokens" in out
+    rc, out, _ = _ctl([str(p), "--policies", "g-lru", "--sizes", "0.5", "--json"], capsys)
+    assert rc == 0 and "NaN" not in out
+    assert json.loads(out)[0]["results"][0]["hit_rate"] is None
+    # a prefill-only trace whose tokens are all warm-up: nothing counted either
+    ex = np.tile(np.array([0, 1], np.int16), (3, 2, 1))
+    save_trace(p, Trace(experts=ex, is_prompt=np.ones(3, bool), meta={"n_experts": 8}))
+    rc, out, _ = _ctl([str(p), "--policies", "g-lru", "--sizes", "0.5", "--warmup", "3"],
+                      capsys)
+    assert rc == 0 and "nan" not in out.lower() and "no counted accesses: none of its 3" in out
+
+
+def test_cli_not_a_trace(tmp_path, capsys):
+    p = tmp_path / "passwd"
+    p.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    rc, out, err = _ctl([str(p)], capsys)
+    assert rc == 1 and out == ""
+    assert err == (f"moecache-ctl policy: error: {p}: not a trace: expected a .npz archive "
+                   f"(docs/trace-format.md)\n")

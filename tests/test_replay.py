@@ -141,3 +141,59 @@ def test_layer_mismatch_refused(daemon):
             replay(c, t, warm_tokens=5)
     finally:
         c.close()
+
+
+# -- drive ceiling never below the achieved tok/s; -e short flag ---------------------------------
+
+def _fake_result(gbps, src, bytes_read, wall, ct):
+    from moecached.replay import drive_ceiling
+    tok, use, used_src = drive_ceiling(gbps, src, bytes_read, wall, ct)
+    return {"label": "25%", "slots": 1, "experts_total": 4, "cache_fraction": 0.25,
+            "arena_gib": 1.0, "model_expert_gib": 4.0, "counted_tokens": ct, "warm_tokens": 0,
+            "tok_s": ct / wall, "stall_ms_per_token": 1.0, "acquire_ms_per_token": 1.0,
+            "hits": 1, "accesses": 2, "prefetch_hits": 0, "demand_misses": 1,
+            "prefetches": 0, "wasted_prefetches": 0, "bytes_per_token": bytes_read / ct,
+            "bytes_read": bytes_read, "read_gbps": bytes_read / wall / 1e9, "read_latency": {},
+            "gbps": gbps, "gbps_source": src, "drive_ceiling_tok_s": tok, "ceiling_gbps": use,
+            "ceiling_gbps_source": used_src, "overhead_ms_per_token": 0.1,
+            "overhead_us_per_acquire": 1.0, "note": "", "compute_ms": 0.0, "attn_frac": 0.3,
+            "lookahead": 0}
+
+
+def test_drive_ceiling_uses_achieved_bandwidth_when_the_probe_is_lower():
+    from moecached.replay import drive_ceiling, format_table
+    # the tester's run: 200 MB/token, 21.24 tok/s achieved, a probe of 2.994 GB/s (14.97 tok/s)
+    ct, bpt = 100, 200e6
+    wall = ct / 21.24
+    tok, use, src = drive_ceiling(2.994, "measured", ct * bpt, wall, ct)
+    assert src == "achieved" and use == pytest.approx(4.248)
+    assert tok >= ct / wall and tok == pytest.approx(21.24)
+    r = _fake_result(2.994, "measured", ct * bpt, wall, ct)
+    row = next(l for l in format_table([r]).splitlines() if l.startswith("drive ceiling"))
+    assert row.split()[3:] == ["21.24", "@4.25", "GB/s", "achieved", "(>", "2.99", "measured)"]
+    # a probe above the achieved bandwidth is used as such
+    tok, use, src = drive_ceiling(6.0, "measured", ct * bpt, wall, ct)
+    assert (use, src) == (6.0, "measured") and tok == pytest.approx(30.0)
+    row = next(l for l in format_table([_fake_result(6.0, "measured", ct * bpt, wall, ct)])
+               .splitlines() if l.startswith("drive ceiling"))
+    assert row.split()[3:] == ["30.00", "@6.00", "GB/s", "measured"]
+    # given bandwidth, nothing read, no bandwidth
+    assert drive_ceiling(2.0, "given", 0, wall, ct) == (float("inf"), 2.0, "given")
+    assert drive_ceiling(None, "given", ct * bpt, wall, ct) == (None, None, None)
+
+
+@pytest.mark.parametrize("gbps", [0.1, 1.0, 3.7, 50.0])
+@pytest.mark.parametrize("wall", [0.37, 1.0, 7.3])
+def test_drive_ceiling_never_below_achieved(gbps, wall):
+    from moecached.replay import drive_ceiling
+    ct, read = 97, 3.3e9
+    tok, _, _ = drive_ceiling(gbps, "measured", read, wall, ct)
+    assert tok >= ct / wall
+
+
+def test_replay_has_short_endpoint_flag():
+    from moecached.replay import build_parser
+    a = build_parser().parse_args(["t.npz", "-e", "tcp://127.0.0.1:5555"])
+    assert a.endpoint == "tcp://127.0.0.1:5555"
+    assert build_parser().parse_args(["t.npz", "--endpoint", "ipc:///x"]).endpoint == "ipc:///x"
+    assert "--endpoint ENDPOINT, -e ENDPOINT" in build_parser().format_help()

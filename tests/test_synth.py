@@ -222,3 +222,84 @@ def test_make_model_caches(tmp_path):
     m = os.stat(a).st_mtime_ns
     assert make_model(tmp_path / "other", "qwen3-30b-a3b-Q4_K_M", layers=[6], experts=2) == a
     assert os.stat(a).st_mtime_ns == m
+
+
+# -- output path and --split refusals: one line, no traceback -----------------------------------
+
+SYNTH_ARGS = ["--layout", "qwen3-30b-a3b-Q4_K_M", "--layers", "1", "--experts", "2", "--quiet"]
+
+
+def _synth_ctl(argv, capsys):
+    from moecached import ctl
+    rc = ctl.main(["synth"] + SYNTH_ARGS + argv)
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def test_cli_out_is_a_directory(tmp_path, capsys):
+    rc, out, err = _synth_ctl(["--out", str(tmp_path)], capsys)
+    assert rc == 1 and out == ""
+    assert err == (f"moecache-ctl synth: error: {tmp_path}: is a directory, expected a .gguf "
+                   f"file path to write\n")
+
+
+def test_cli_out_missing_parent_is_refused_not_created(tmp_path, capsys):
+    d = tmp_path / "no" / "such"
+    rc, out, err = _synth_ctl(["--out", str(d / "x.gguf")], capsys)
+    assert rc == 1 and out == ""
+    assert err == (f"moecache-ctl synth: error: {d / 'x.gguf'}: directory {d} does not exist, "
+                   f"expected an existing directory (create it first)\n")
+    assert not (tmp_path / "no").exists()
+
+
+def test_cli_out_parent_is_a_file(tmp_path, capsys):
+    f = tmp_path / "f"
+    f.write_text("x")
+    rc, out, err = _synth_ctl(["--out", str(f / "x.gguf")], capsys)
+    assert rc == 1 and err == (f"moecache-ctl synth: error: {f / 'x.gguf'}: {f} is not a "
+                               f"directory, expected an existing directory\n")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/null"), reason="no /dev/null")
+def test_cli_out_not_a_regular_file(capsys):
+    rc, out, err = _synth_ctl(["--out", "/dev/null"], capsys)
+    assert rc == 1 and err == ("moecache-ctl synth: error: /dev/null: not a regular file, "
+                               "expected a .gguf file path to write\n")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="no procfs")
+def test_cli_out_unwritable_oserror_is_one_line(capsys):
+    rc, out, err = _synth_ctl(["--out", "/proc/moecached-test.gguf"], capsys)
+    assert rc == 1 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("moecache-ctl synth: error: /proc/moecached-test.gguf: cannot write (")
+    assert err.endswith("), expected a writable .gguf file path\n")
+
+
+def test_write_model_oserror_becomes_synth_error(tmp_path, monkeypatch):
+    import moecached.synth as synth
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device", str(tmp_path / "m.gguf"))
+    monkeypatch.setattr(synth, "_write", boom)
+    with pytest.raises(SynthError) as ei:
+        write_model("qwen3-30b-a3b-Q4_K_M", tmp_path / "m.gguf", layers=[0], experts=2,
+                    progress=False)
+    assert str(ei.value) == (f"{tmp_path / 'm.gguf'}: cannot write (No space left on device), "
+                             f"expected a writable .gguf file path")
+
+
+@pytest.mark.parametrize("k", ["0", "-2"])
+def test_cli_split_below_one_refused(tmp_path, capsys, k):
+    rc, out, err = _synth_ctl(["--out", str(tmp_path / "m.gguf"), "--split", k], capsys)
+    assert rc == 1 and out == ""
+    assert err == f"moecache-ctl synth: error: --split {k}: expected an integer >= 1 (1 = no split)\n"
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(SynthError, match="split: found 0"):
+        write_model("qwen3-30b-a3b-Q4_K_M", tmp_path / "m.gguf", layers=[0], experts=2,
+                    split=0, progress=False)
+
+
+def test_cli_split_one_is_one_file(tmp_path, capsys):
+    rc, out, _ = _synth_ctl(["--out", str(tmp_path / "m.gguf"), "--split", "1"], capsys)
+    assert rc == 0 and out.strip() == str(tmp_path / "m.gguf")
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]

@@ -88,7 +88,7 @@ def test_missing_file_array_and_bad_meta(tmp_path):
     with pytest.raises(TraceError, match="meta: found invalid JSON"):
         load_trace(tmp_path / "b.npz")
     (tmp_path / "c.npz").write_bytes(b"not a zip")
-    with pytest.raises(TraceError, match="unreadable"):
+    with pytest.raises(TraceError, match=r"not a trace: expected a \.npz archive"):
         load_trace(tmp_path / "c.npz")
 
 
@@ -226,3 +226,80 @@ def test_recorder_errors_and_threads(tmp_path):
     [x.join() for x in ts]
     t = rec.close()
     assert t.n_tokens == 800 and (t.experts[:, :, 0] == [1, 2]).all()
+
+
+# -- garbage in: one-line TraceError naming the file ---------------------------------------------
+
+def _garbage(tmp_path, kind):
+    import zipfile
+    p = tmp_path / f"{kind}.npz"
+    if kind == "text":
+        p.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    elif kind == "empty":
+        p.write_bytes(b"")
+    elif kind == "dir":
+        p.mkdir()
+    elif kind == "npy":
+        with open(p, "wb") as fh:
+            np.save(fh, np.zeros(3))
+    elif kind == "pickle":
+        import pickle
+        p.write_bytes(pickle.dumps({"experts": [1, 2]}))
+    elif kind == "object":
+        np.savez(p, experts=np.array([{"a": 1}], dtype=object), is_prompt=np.zeros(1, bool))
+    elif kind == "other":
+        np.savez(p, foo=np.zeros(3))
+    elif kind == "zip":
+        with zipfile.ZipFile(p, "w") as z:
+            z.writestr("word/document.xml", "<x/>")
+    elif kind == "truncated":
+        save_trace(p, small())
+        p.write_bytes(p.read_bytes()[:60])
+    elif kind == "crc":
+        np.savez(p, experts=np.zeros((50, 2, 2), np.int16), is_prompt=np.zeros(50, bool))
+        b = bytearray(p.read_bytes())
+        b[b.find(b"\x93NUMPY") + 200] ^= 0xFF
+        p.write_bytes(bytes(b))
+    elif kind == "big_ids":
+        np.savez(p, experts=np.full((2, 1, 1), 40000, np.int32), is_prompt=np.zeros(2, bool))
+    elif kind == "meta_not_json":
+        np.savez(p, experts=np.zeros((2, 1, 1), np.int16), is_prompt=np.zeros(2, bool),
+                 meta=np.array("{not json"))
+    return p
+
+
+GARBAGE = {
+    "text": "not a trace: expected a .npz archive (docs/trace-format.md)",
+    "empty": "empty file (0 bytes), expected a .npz archive (docs/trace-format.md)",
+    "dir": "is a directory, expected a .npz archive (docs/trace-format.md)",
+    "npy": "not a trace: a single .npy array, expected a .npz archive (docs/trace-format.md)",
+    "pickle": "not a trace: expected a .npz archive (docs/trace-format.md)",
+    "object": "experts: found an object (pickled) array, expected a numeric array (pickles are "
+              "never loaded)",
+    "other": "not a trace: found arrays [foo], expected arrays experts and is_prompt "
+             "(docs/trace-format.md)",
+    "zip": "not a trace: found arrays [word/document.xml], expected arrays experts and "
+           "is_prompt (docs/trace-format.md)",
+    "truncated": "not a trace: unreadable archive (BadZipFile: ",
+    "crc": "experts: found an unreadable array (BadZipFile: Bad CRC-32",
+    "big_ids": "experts[0, 0, 0]: found 40000, expected an expert id < 32768 (ids are int16)",
+    "meta_not_json": "meta: found invalid JSON (JSONDecodeError: ",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(GARBAGE))
+def test_load_trace_garbage_one_line(tmp_path, kind):
+    p = _garbage(tmp_path, kind)
+    with pytest.raises(TraceError) as ei:
+        load_trace(p)
+    msg = str(ei.value)
+    assert "\n" not in msg and msg.startswith(f"{p}: {GARBAGE[kind]}"), msg
+    assert "allow_pickle" not in msg
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/null"), reason="no /dev/null")
+def test_load_trace_not_a_regular_file():
+    with pytest.raises(TraceError) as ei:
+        load_trace("/dev/null")
+    assert str(ei.value) == ("/dev/null: not a regular file, expected a .npz archive "
+                             "(docs/trace-format.md)")
