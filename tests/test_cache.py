@@ -480,7 +480,9 @@ def test_close_fails_waiters(models):
 # ---------------------------------------------------------------- load failures
 def test_truncated_file_mid_run(models, tmp_path):
     """Truncate the model under a running cache: acquires of lost experts fail with LoadError
-    naming file and expert; the slot is freed; resident experts and intact ones keep serving."""
+    naming file and expert; the slot is freed; resident experts keep serving. Loads from the
+    changed file's intact region fail too: a file whose size/mtime differ from what was indexed
+    may have been rewritten, and bytes served must equal the indexed model's bytes."""
     src = models("qwen3")
     path = str(tmp_path / "model.gguf")
     shutil.copy(src, path)
@@ -505,15 +507,19 @@ def test_truncated_file_mid_run(models, tmp_path):
         assert cache.pinned_count() == 2
         s = cache.stats()
         assert s["read_errors"] == 1 and s["reads_in_flight"] == 0
-        # others keep serving: resident lease intact, a new load from the intact region works
+        # resident lease intact; a new load from the (intact-looking) region of the changed
+        # file is refused rather than trusted
         truth.check(cache, a)
-        b = cache.acquire(first, [2], timeout=30)
-        truth.check(cache, b)
+        with pytest.raises(LoadError, match=r"since it was indexed"):
+            cache.acquire(first, [2], timeout=30)
         # a mixed request fails as a whole and leaves no pin behind
         with pytest.raises(LoadError):
             cache.acquire_many([(first, [3]), (last, [lost[0]])], timeout=30)
         wait_idle(cache)
-        assert cache.pinned_count() == 3
+        assert cache.pinned_count() == 2
+        truth.check(cache, a)   # still the right bytes
+        b = cache.acquire(first, [0], timeout=30)  # a hit on a resident expert still works
+        truth.check(cache, b)
         cache.release(a)
         cache.release(b)
         assert cache.pinned_count() == 0
