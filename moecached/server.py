@@ -113,6 +113,8 @@ class Server:
         self.extra_stats = None  # optional callable -> dict merged into stats (the floor)
         self._stopping = False
         self._loop_tid = None
+        self._hup = False        # SIGHUP seen; the loop runs self._on_hup
+        self._on_hup = None
         self._lock_fd = None
         self._ipc = _ipc_path(endpoint)
         self._wake_r, self._wake_w = os.pipe()
@@ -176,23 +178,17 @@ class Server:
             pass
 
     def install_signal_handlers(self, on_hup=None) -> None:
-        """SIGTERM/SIGINT stop the loop gracefully; SIGHUP calls ``on_hup`` (reload)."""
+        """SIGTERM/SIGINT stop the loop gracefully; SIGHUP runs ``on_hup`` (reload) in the loop
+        thread (a signal handler only sets a flag and wakes the loop)."""
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
         signal.signal(signal.SIGINT, lambda *_: self.stop())
         if on_hup is not None:
-            self._hup = False
+            self._on_hup = on_hup
 
             def _hup(*_):
                 self._hup = True
-                self.stop_wake()
-            self._on_hup = on_hup
+                self._wake()
             signal.signal(signal.SIGHUP, _hup)
-
-    def stop_wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"h")
-        except OSError:
-            pass
 
     def close(self) -> None:
         """Fail pending requests, close the socket, remove the socket and lock files."""
@@ -256,7 +252,7 @@ class Server:
                             pass
                     except BlockingIOError:
                         pass
-                    if getattr(self, "_hup", False):
+                    if self._hup and self._on_hup is not None:
                         self._hup = False
                         try:
                             self._on_hup()
