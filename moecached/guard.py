@@ -35,7 +35,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from . import MoecacheError
 from .units import SizeError, format_bytes, parse_size
 
 __all__ = ["EXIT_FLOOR", "MemoryProbe", "MemorySample", "GuardResult", "run_guarded", "main"]

@@ -31,7 +31,6 @@ import hashlib
 import json
 import os
 import re
-import stat
 import sys
 from dataclasses import dataclass, field
 from importlib.metadata import version as _pkg_version
@@ -40,6 +39,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from . import MoecacheError
+from .files import NOT_FOUND, file_problem
 
 try:
     GGUF_VERSION_STR = _pkg_version("gguf")
@@ -121,27 +121,17 @@ class _HeaderReader(GGUFReader):
 
 _GGUF_MIN_HEADER = 24  # magic u32, version u32, tensor count u64, KV count u64
 
-_FILE_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-               (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
 
 
 def _check_file(path: str) -> None:
     """Refuse (GGUFError, one line) what cannot be a GGUF file before gguf tries to map it:
     a missing path, a directory, a device / FIFO / socket, an empty or too short file, a
     file that cannot be opened."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise GGUFError(f"{path}: file: found no such file, expected a GGUF model") from None
-    except OSError as e:
-        raise GGUFError(f"{path}: cannot read ({e.strerror or e}), expected a GGUF file") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise GGUFError(f"{path}: is a directory, expected a GGUF file")
-    if not stat.S_ISREG(st.st_mode):
-        kind = next((k for f, k in _FILE_KINDS if f(st.st_mode)), "a special file")
-        raise GGUFError(f"{path}: not a regular file ({kind}), expected a GGUF file")
-    if st.st_size == 0:
-        raise GGUFError(f"{path}: empty file (0 bytes), expected a GGUF file")
+    problem, st = file_problem(path)
+    if problem == NOT_FOUND:
+        raise GGUFError(f"{path}: file: found no such file, expected a GGUF model")
+    if problem:
+        raise GGUFError(f"{path}: {problem}, expected a GGUF file")
     try:
         with open(path, "rb") as f:
             head = f.read(4)
@@ -471,7 +461,6 @@ def open_index(path: str) -> ExpertIndex:
             if ml:
                 legacy.setdefault(ml.group(1), {})[int(ml.group(2))] = t
                 continue
-            fpath = files[t.file]
             if _SHEXP.match(rest):
                 idx.shared.append({"name": t.name, "layer": b, "kind": "shared_expert", "ggml_type": t.qtype.name,
                                    "shape": t.ne, "nbytes": t.nbytes, "file": t.file, "offset": t.offset})

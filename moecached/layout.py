@@ -18,9 +18,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import gguf
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from . import MoecacheError

@@ -35,12 +35,13 @@ class ServerError(MoecacheError):
 
 
 class _Client:
-    __slots__ = ("ident", "name", "pid", "first_seen", "last_seen", "leases", "pending",
+    __slots__ = ("ident", "delim", "name", "pid", "first_seen", "last_seen", "leases", "pending",
                  "requests", "acquires", "hits", "misses", "prefetch_hits", "prefetches",
                  "errors", "stall_s")
 
     def __init__(self, ident: bytes, now: float):
         self.ident = ident
+        self.delim = False  # the client frames requests REQ-style (empty delimiter first)
         self.name = ident.hex()
         self.pid = None
         self.first_seen = self.last_seen = now
@@ -310,6 +311,7 @@ class Server:
         if c is None:
             c = self.clients[ident] = _Client(ident, now)
         c.last_seen = now
+        c.delim = envelope is not None
         c.requests += 1
         self.counters["requests"] += 1
         rid = 0
@@ -333,8 +335,10 @@ class Server:
             self._send_error(ident, rid, P.E_INTERNAL, f"{type(e).__name__}: {e}")
 
     def _send(self, ident: bytes, msg: dict) -> bool:
+        c = self.clients.get(ident)
+        frames = [ident, b"", P.pack(msg)] if c is not None and c.delim else [ident, P.pack(msg)]
         try:
-            self.sock.send_multipart([ident, P.pack(msg)], zmq.NOBLOCK)
+            self.sock.send_multipart(frames, zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
             if e.errno in (errno.EHOSTUNREACH, zmq.EAGAIN):

@@ -44,7 +44,7 @@ import numpy as np
 from gguf import GGUFValueType, GGUFWriter
 
 from . import MoecacheError
-from .layout import Layout, LayoutError, load_layout, tensor_nbytes, ggml_type_by_name
+from .layout import Layout, load_layout, tensor_nbytes, ggml_type_by_name
 
 PAGE = 4096
 STAMP_BYTES = 32

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import stat
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
@@ -36,6 +35,7 @@ from typing import Optional
 import numpy as np
 
 from . import MoecacheError
+from .files import NOT_FOUND, file_problem
 
 __all__ = ["Trace", "TraceError", "load_trace", "save_trace", "convert_jsonl", "convert_main",
            "TraceRecorder"]
@@ -181,18 +181,11 @@ def _one_line(ex: BaseException) -> str:
 def _open_npz(name: str):
     """``np.load`` of ``name`` after checking that it is a regular, non-empty zip file;
     TraceError (one line) for anything else."""
-    try:
-        st = os.stat(name)
-    except FileNotFoundError:
-        raise TraceError(f"{name}: file not found, expected a trace .npz") from None
-    except OSError as ex:
-        raise TraceError(f"{name}: cannot read ({ex.strerror or ex}), {_NOT_A_TRACE}") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise TraceError(f"{name}: is a directory, {_NOT_A_TRACE}")
-    if not stat.S_ISREG(st.st_mode):
-        raise TraceError(f"{name}: not a regular file, {_NOT_A_TRACE}")
-    if st.st_size == 0:
-        raise TraceError(f"{name}: empty file (0 bytes), {_NOT_A_TRACE}")
+    problem, _ = file_problem(name)
+    if problem == NOT_FOUND:
+        raise TraceError(f"{name}: file not found, expected a trace .npz")
+    if problem:
+        raise TraceError(f"{name}: {problem}, {_NOT_A_TRACE}")
     try:
         with open(name, "rb") as fh:
             head = fh.read(6)

@@ -7,7 +7,6 @@ import json
 import sys
 import time
 
-import numpy as np
 
 from moecache_client import Client
 from moecached.synth import verify_expert_bytes

@@ -637,7 +637,6 @@ def test_arena_errors_propagate_and_leave_nothing(models):
 
 def test_prefetch_admission_drops_beyond_limit(model_factory):
     """Prefetches beyond max_prefetch_loads in flight are dropped and counted; demand is not."""
-    import threading as _t
     from moecached.cache import ExpertCache
     from moecached.index import open_index
     idx = open_index(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=16))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from daemon_util import start_daemon, stop_daemon
-from moecache_client import Client, ClientError, DaemonRestarted
+from moecache_client import Client, ClientError
 
 HERE = Path(__file__).resolve().parent
 SHARED = Path(os.environ.get("MOECACHE_SHARED", HERE.parents[1] / "shared"))

@@ -5,7 +5,6 @@ floor sits ~1 GiB under what is available now, the hog touches up to 2.5 GiB, so
 the floor; the well-behaved command touches 64 MiB with the floor 3 GiB under MemAvailable.
 """
 import io
-import os
 import shlex
 import signal
 import subprocess

@@ -3,12 +3,11 @@ with the layout JSON's own facts (``expert_bytes`` per layer, tensor table), the
 expert slice through the index and check its stamp."""
 import json
 import os
-import shutil
 
 import pytest
 from gguf import GGUFReader
 
-from fixtures import complete_layouts, layout_path, make_model, read_and_verify
+from fixtures import complete_layouts, layout_path, read_and_verify
 from moecached.index import ExpertIndex, PartSpan, main as inspect_main, open_index
 from moecached.synth import write_model
 

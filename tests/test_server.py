@@ -1,10 +1,8 @@
 """Server + client against a real ExpertCache on real-layout fixtures (in-process daemon thread)."""
-import os
 import threading
 import time
 
 import msgpack
-import numpy as np
 import pytest
 import zmq
 
@@ -308,3 +306,15 @@ def test_max_message_bytes_is_enforced(model_factory, tmp_path):
         srv.stop()
         t.join(10)
         cache.close()
+
+
+def test_req_style_envelope_is_echoed(daemon):
+    """docs/protocol.md: a client may put an empty delimiter frame first; the reply carries it."""
+    s = zmq.Context.instance().socket(zmq.REQ)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(daemon.endpoint)
+    s.send(msgpack.packb({"v": 1, "id": 11, "op": "ping"}))  # REQ adds the delimiter itself
+    assert s.poll(5000)
+    rep = msgpack.unpackb(s.recv(), raw=False)
+    assert rep["ok"] and rep["id"] == 11
+    s.close()

@@ -6,7 +6,6 @@ import os
 import pwd
 import shutil
 import subprocess
-import sys
 import time
 
 import pytest

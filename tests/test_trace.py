@@ -301,5 +301,5 @@ def test_load_trace_garbage_one_line(tmp_path, kind):
 def test_load_trace_not_a_regular_file():
     with pytest.raises(TraceError) as ei:
         load_trace("/dev/null")
-    assert str(ei.value) == ("/dev/null: not a regular file, expected a .npz archive "
+    assert str(ei.value) == ("/dev/null: not a regular file (a character device), expected a .npz archive "
                              "(docs/trace-format.md)")
