@@ -951,7 +951,7 @@ class ExpertCache:
                 d["prefetch_hits"] = sum(self._l_pf[l] for l in c.layers)
                 d["reads"] = sum(self._l_reads[l] for l in c.layers)
                 classes.append(d)
-            layers = {l: {"hits": self._l_hits[l], "demand_misses": self._l_miss[l],
+            layers = {str(l): {"hits": self._l_hits[l], "demand_misses": self._l_miss[l],
                           "prefetch_hits": self._l_pf[l], "reads": self._l_reads[l]}
                       for l in sorted(self._layers)}
             cur = sum(p.cap * self._cls[p.cid][0].slot_bytes for p in self._pools)

@@ -47,7 +47,7 @@ def _parser(prog: str, desc: str) -> argparse.ArgumentParser:
 
 def _fmt(v) -> str:
     if isinstance(v, float):
-        return f"{v:.6g}"
+        return f"{v:.3f}" if abs(v) >= 1e5 else f"{v:.6g}"  # timestamps keep their precision
     if v is None:
         return "-"
     return str(v)

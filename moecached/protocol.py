@@ -75,7 +75,8 @@ def unpack(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> dict:
                               max_bin_len=MAX_BIN_LEN, max_array_len=MAX_ARRAY_LEN,
                               max_map_len=MAX_MAP_LEN, max_ext_len=0)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        raise ProtocolError(E_MALFORMED, f"message is not valid msgpack within limits: {type(e).__name__}: {e}"[:300])
+        detail = f": {e}" if str(e) else ""
+        raise ProtocolError(E_MALFORMED, f"message is not valid msgpack within limits ({type(e).__name__}{detail})"[:300])
     except Exception as e:  # any other decoder failure is still the client's malformed input
         raise ProtocolError(E_MALFORMED, f"message is not valid msgpack: {type(e).__name__}: {e}"[:300])
     if not isinstance(msg, dict):
@@ -104,6 +105,8 @@ def header(msg: dict) -> tuple[int, str]:
     rid = msg["id"]
     if isinstance(rid, bool) or not isinstance(rid, int) or not (0 <= rid < 2**64):
         raise ProtocolError(E_BAD_TYPE, f"field 'id' = {rid!r:.40}: expected an unsigned 64-bit integer")
+    if "v" not in msg:
+        raise ProtocolError(E_VERSION, f"field 'v' missing: expected the protocol version {PROTOCOL_VERSION}")
     v = msg.get("v")
     if v != PROTOCOL_VERSION:
         raise ProtocolError(E_VERSION, f"protocol version {v!r:.20}: expected {PROTOCOL_VERSION}")

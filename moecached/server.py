@@ -293,6 +293,13 @@ class Server:
         except BlockingIOError:
             pass  # pipe full: the loop is already awake
 
+    @staticmethod
+    def _noreply(msg: dict) -> bool:
+        v = msg.get("noreply", False)
+        if not isinstance(v, bool):
+            raise P.ProtocolError(P.E_BAD_TYPE, f"field 'noreply' = {v!r:.20}: expected true or false")
+        return v
+
     def _handle(self, frames: list) -> None:
         if len(frames) == 2:
             ident, envelope, payload = frames[0], None, frames[1]
@@ -441,7 +448,8 @@ class Server:
                     expert_layers=list(idx.expert_layers), n_experts=idx.n_experts,
                     top_k=idx.top_k, heartbeat_s=self.heartbeat_s,
                     limits={"max_message_bytes": self.max_message_bytes,
-                            "max_array_len": P.MAX_ARRAY_LEN,
+                            "max_array_len": P.MAX_ARRAY_LEN, "max_map_len": P.MAX_MAP_LEN,
+                            "max_str_len": P.MAX_STR_LEN,
                             "max_request_experts": self.checker.max_experts})
 
     def _op_ping(self, c: _Client, rid: int, msg: dict) -> None:
@@ -469,13 +477,17 @@ class Server:
         self._drain_done()
 
     def _op_prefetch(self, c: _Client, rid: int, msg: dict) -> None:
+        quiet = self._noreply(msg)
         reqs = self.checker.requests(msg)
         n = self.cache.prefetch_many(reqs)
         c.prefetches += n
-        if not msg.get("noreply"):
+        if not quiet:
             self._reply(c.ident, rid, queued=n)
 
     def _op_release(self, c: _Client, rid: int, msg: dict) -> None:
+        quiet = self._noreply(msg)
+        if "leases" in msg and "lease" in msg:
+            raise P.ProtocolError(P.E_BAD_TYPE, "give either 'lease' or 'leases', not both")
         if "leases" in msg:
             ids = msg["leases"]
             if not isinstance(ids, list):
@@ -483,8 +495,8 @@ class Server:
         else:
             ids = [msg.get("lease")]
         for lid in ids:
-            if isinstance(lid, bool) or not isinstance(lid, int):
-                raise P.ProtocolError(P.E_BAD_TYPE, f"lease id {lid!r:.30}: expected an integer")
+            if isinstance(lid, bool) or not isinstance(lid, int) or not 0 <= lid < 2**64:
+                raise P.ProtocolError(P.E_BAD_TYPE, f"lease id {lid!r:.30}: expected an unsigned 64-bit integer")
         # validate all before releasing any (all-or-nothing)
         for lid in ids:
             owner = self.leases.get(lid)
@@ -498,7 +510,7 @@ class Server:
             _, lease = self.leases.pop(lid)
             c.leases.discard(lid)
             self.cache.release(lease)
-        if not msg.get("noreply"):
+        if not quiet:
             self._reply(c.ident, rid, released=len(ids))
 
     def _op_bye(self, c: _Client, rid: int, msg: dict) -> None:

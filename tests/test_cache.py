@@ -311,7 +311,7 @@ def test_counters_exact_on_scripted_sequence(models):
         assert (s["prefetches"], s["wasted_prefetches"]) == (2, 1)
         assert s["reads"] == 4 and s["evictions"] == 2
         assert s["bytes_read"] == 4 * idx.size_classes[0].slot_bytes
-        assert s["layers"][L] == {"hits": 3, "demand_misses": 2, "prefetch_hits": 1, "reads": 4}
+        assert s["layers"][str(L)] == {"hits": 3, "demand_misses": 2, "prefetch_hits": 1, "reads": 4}
         assert s["classes"][0]["hits"] == 3 and s["classes"][0]["slots"] == 2
         assert s["read_latency"]["count"] == 4 and s["read_latency"]["p50_us"] > 0
         assert s["pinned"] == 0 and s["reads_in_flight"] == 0
@@ -612,7 +612,7 @@ def test_descriptor_and_stats_shape(models):
         assert d["path"] == cache.arena.path and d["n_experts"] == idx.n_experts
         assert len(d["size_classes"]) == len(idx.size_classes) >= 2
         s = cache.stats()
-        assert set(s["layers"]) == set(idx.expert_layers)
+        assert set(s["layers"]) == {str(x) for x in idx.expert_layers}  # string keys: protocol maps
         for k in ("hits", "demand_misses", "prefetch_hits", "prefetches", "wasted_prefetches",
                   "bytes_read", "reads", "reads_in_flight", "read_latency", "classes", "budget",
                   "shrink_events", "grow_events", "readers"):

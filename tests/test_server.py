@@ -318,3 +318,26 @@ def test_req_style_envelope_is_echoed(daemon):
     rep = msgpack.unpackb(s.recv(), raw=False)
     assert rep["ok"] and rep["id"] == 11
     s.close()
+
+
+def test_release_and_noreply_field_checks(daemon):
+    L = daemon.idx.expert_layers
+    for msg, text in [({"op": "release", "lease": 1, "leases": [1]}, "not both"),
+                      ({"op": "release", "lease": -1}, "unsigned 64-bit"),
+                      ({"op": "prefetch", "layer": L[0], "experts": [1], "noreply": 1}, "true or false"),
+                      ({"op": "ping"}, None)]:
+        msg.update(v=1, id=21)
+        rep = raw(daemon.endpoint, msgpack.packb(msg))
+        if text is None:
+            assert rep["ok"]
+        else:
+            assert rep["error"]["code"] == "bad_type" and text in rep["error"]["message"], rep
+    rep = raw(daemon.endpoint, msgpack.packb({"id": 3, "op": "ping"}))
+    assert rep["error"]["code"] == "version" and "'v' missing" in rep["error"]["message"]
+    rep = raw(daemon.endpoint, b"\xc1\xc1")
+    assert not rep["error"]["message"].endswith(": ")
+    with Client(daemon.endpoint) as c:
+        lim = c.info["limits"]
+        assert {"max_message_bytes", "max_array_len", "max_map_len", "max_str_len", "max_request_experts"} <= set(lim)
+        st = msgpack.unpackb(msgpack.packb(c.stats()), strict_map_key=True)  # string keys only
+        assert all(isinstance(k, str) for k in st["layers"])
