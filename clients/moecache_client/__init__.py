@@ -111,6 +111,7 @@ class Lease:
 
     @property
     def slots(self) -> list[int]:
+        """Slot index of each requested expert, in request order (MUL_MAT_ID expert ids)."""
         return [s for _, _, _, s in self.items]
 
     @property
@@ -210,14 +211,17 @@ class Client:
     # ---- public API ---------------------------------------------------------------------
     @property
     def expert_layers(self) -> list[int]:
+        """GGUF block numbers that have routed experts (the ``layer`` values to send)."""
         return self.info["expert_layers"]
 
     @property
     def n_experts(self) -> int:
+        """Routed experts per layer (ids are ``0 .. n_experts-1``)."""
         return self.info["n_experts"]
 
     @property
     def top_k(self) -> int:
+        """Experts the router picks per token and layer (0 when the model file does not say)."""
         return self.info["top_k"]
 
     def acquire(self, layer: int, experts, *, tag: str | None = None,
@@ -258,9 +262,11 @@ class Client:
         lease.release()
 
     def stats(self) -> dict:
+        """Every counter of the daemon (docs/operations.md, "What each stat means")."""
         return self._call({"op": "stats"})["stats"]
 
     def status(self) -> dict:
+        """A short status map: state, pid, uptime, budget, slots, hit rate, reads in flight."""
         return self._call({"op": "status"})["status"]
 
     def ping(self) -> float:
@@ -270,12 +276,16 @@ class Client:
         return time.perf_counter() - t
 
     def trace_start(self, path: str, client: str | None = None) -> dict:
+        """Ask the daemon to record the acquires it serves (only ``client``'s when given) into
+        ``path``: an absolute path of a new file on the daemon's machine. ServerError
+        ``refused`` for a relative path, a missing directory or an existing file."""
         msg = {"op": "trace_start", "path": path}
         if client:
             msg["client"] = client
         return self._call(msg)
 
     def trace_stop(self) -> dict:
+        """Stop recording; returns ``{"path", "info": {tokens, moe_layers, ...}}``."""
         return self._call({"op": "trace_stop"})
 
     def close(self) -> None:
@@ -549,8 +559,11 @@ class LeaseFuture:
         self._fut = fut
 
     def done(self) -> bool:
+        """True once the reply (lease or error) is in."""
         return self._fut.done()
 
     def result(self, timeout: float | None = None) -> Lease:
+        """Wait up to ``timeout`` seconds (None: forever) for the Lease. Raises ServerError,
+        Timeout (a lease arriving later is released by the client), DaemonRestarted."""
         rep = self._client._wait(self._fut, timeout, "acquire")
         return Lease(self._client, rep["session"], rep["_arena"], rep)
