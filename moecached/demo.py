@@ -47,14 +47,12 @@ class DemoError(MoecacheError):
 
 
 def _mem_available() -> int | None:
+    """MemAvailable in bytes (psutil), None when it cannot be read."""
     try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+        import psutil
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        return None
 
 
 def _memlock_ok(nbytes: int) -> bool:
