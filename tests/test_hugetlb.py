@@ -1,0 +1,88 @@
+"""The arena on hugetlbfs (2 MiB pages): bytes exact, shrink gives huge pages back, grow
+takes them again. Needs root to reserve huge pages and mount hugetlbfs; skipped otherwise.
+The machine's huge-page reservation is restored afterwards."""
+import os
+import subprocess
+
+import pytest
+
+from moecached.cache import ExpertCache
+from moecached.index import open_index
+from moecached.synth import verify_expert_bytes
+
+NR = "/proc/sys/vm/nr_hugepages"
+
+
+def _meminfo(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+@pytest.fixture
+def hugetlbfs(tmp_path):
+    if os.geteuid() != 0 or not os.path.exists(NR):
+        pytest.skip("needs root and /proc/sys/vm/nr_hugepages")
+    old = open(NR).read().strip()
+    try:
+        with open(NR, "w") as f:
+            f.write(str(int(old) + 128))  # 256 MiB of 2 MiB pages
+    except OSError as e:
+        pytest.skip(f"cannot reserve huge pages: {e}")
+    mnt = tmp_path / "huge"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "hugetlbfs", "none", str(mnt)], capture_output=True).returncode:
+        with open(NR, "w") as f:
+            f.write(old)
+        pytest.skip("cannot mount hugetlbfs here")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+        with open(NR, "w") as f:
+            f.write(old)
+
+
+def test_arena_on_hugetlbfs(model_factory, hugetlbfs):
+    idx = open_index(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8))
+    free0 = _meminfo("HugePages_Free")
+    c = ExpertCache(idx, slots=32, arena_dir=hugetlbfs, hugetlb=True, lock_memory=True, readers=4)
+    try:
+        assert c.arena.page_size == 2 << 20
+        assert all(off % (2 << 20) == 0 for cl in c.arena.classes for off in cl.part_off.values())
+        used = free0 - _meminfo("HugePages_Free")
+        assert used * 2048 * 1024 >= c.arena.size  # reserved up front
+        L = idx.expert_layers
+        for layer in L:
+            lease = c.acquire(layer, [0, 3, 7], timeout=30)
+            for lyr, e, cid, slot in lease.items:
+                for part in c.arena.classes[cid].parts:
+                    assert verify_expert_bytes(c.arena.view(cid, slot, part), lyr, part, e, 0) is None
+            c.release(lease)
+        r = c.set_budget(c.arena.size // 2)
+        assert r["bytes_released"] > 0
+        assert free0 - _meminfo("HugePages_Free") < used  # huge pages given back
+        r = c.set_budget(c.arena.size)
+        assert r["slots_after"] == r["slots_before"] * 2
+        with _Lease(c, L[0], [5]) as lease:
+            for lyr, e, cid, slot in lease.items:
+                for part in c.arena.classes[cid].parts:
+                    assert verify_expert_bytes(c.arena.view(cid, slot, part), lyr, part, e, 0) is None
+    finally:
+        c.close()
+    assert os.listdir(hugetlbfs) == []
+
+
+class _Lease:
+    def __init__(self, cache, layer, experts):
+        self.cache = cache
+        self.lease = cache.acquire(layer, experts, timeout=30)
+        self.items = self.lease.items
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.cache.release(self.lease)
