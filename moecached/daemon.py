@@ -189,7 +189,6 @@ def run(cfg: C.Config) -> int:
         state["cfg"] = new
 
     server.install_signal_handlers(on_hup=reload)
-    st = cache.stats()
 
     def ready():
         slots = sum(c.n_slots for c in cache.arena.classes)
@@ -204,7 +203,6 @@ def run(cfg: C.Config) -> int:
         _notify("STOPPING=1")
         cache.close()
     log.info("stopped")
-    del st
     return 0
 
 
