@@ -157,6 +157,15 @@ def _has_cap_ipc_lock() -> bool:
     return False
 
 
+def memlock_room() -> int | None:
+    """Bytes this process may still mlock: RLIMIT_MEMLOCK minus what it has locked, or None
+    when there is no limit (RLIM_INFINITY, or CAP_IPC_LOCK, which makes the kernel ignore it)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or _has_cap_ipc_lock():
+        return None
+    return soft - _memlock_locked_now()
+
+
 def _memlock_locked_now() -> int:
     try:
         with open("/proc/self/status") as f:
@@ -261,11 +270,9 @@ class Arena:
 
     # ---- locking -------------------------------------------------------------------------
     def _check_memlock(self) -> None:
-        soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        if soft == resource.RLIM_INFINITY or _has_cap_ipc_lock():
-            return  # with CAP_IPC_LOCK the kernel does not apply the limit
-        have = soft - _memlock_locked_now()
-        if have < self.size:
+        have = memlock_room()
+        if have is not None and have < self.size:
+            soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
             raise ArenaError(
                 f"RLIMIT_MEMLOCK is {soft} bytes ({soft // 1024} KiB), {max(have, 0)} left, but arena "
                 f"{self.path} needs {self.size} bytes locked; set LimitMEMLOCK=infinity in the systemd "

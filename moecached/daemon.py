@@ -18,23 +18,13 @@ import sys
 
 from . import MoecacheError, __version__
 from . import config as C
+from . import notify
+from .logs import setup_logging
 
 log = logging.getLogger("moecached")
 
 
-def _setup_logging(level: str) -> None:
-    try:
-        from .logs import setup_logging
-        setup_logging(level)
-    except ImportError:  # pragma: no cover
-        logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
-
-
 def _notify(*lines: str) -> None:
-    try:
-        from . import notify
-    except ImportError:  # pragma: no cover
-        return
     notify.notify("\n".join(lines))
 
 
@@ -126,12 +116,7 @@ def build(cfg: C.Config):
                                 min_change_interval=cfg.floor_min_change_s,
                                 log=logging.getLogger("moecached.floor"))
 
-        watchdog = None
-        try:
-            from . import notify as N
-            watchdog = getattr(N, "watchdog_ping", None) if N.watchdog_interval() else None
-        except Exception:
-            watchdog = None
+        watchdog = notify.watchdog_ping if notify.watchdog_interval() else None
 
         def on_tick(now):
             if floor is not None:
@@ -221,7 +206,7 @@ def main(argv=None) -> int:
     if args.print_config:
         print(C.dump_toml(cfg), end="")
         return 0
-    _setup_logging(cfg.log_level)
+    setup_logging(cfg.log_level)
     return run(cfg)
 
 

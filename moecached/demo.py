@@ -58,9 +58,9 @@ def _mem_available() -> int | None:
 def _memlock_ok(nbytes: int) -> bool:
     """True when the daemon may lock ``nbytes``: RLIMIT_MEMLOCK allows it, or the process
     holds CAP_IPC_LOCK (root usually does), which makes the kernel ignore the limit."""
-    from .arena import _has_cap_ipc_lock
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return soft == resource.RLIM_INFINITY or soft >= nbytes + (64 << 20) or _has_cap_ipc_lock()
+    from .arena import memlock_room  # the same rule the arena applies when it locks
+    room = memlock_room()
+    return room is None or room >= nbytes + (64 << 20)
 
 
 def _slice_layers(t: Trace, n: int) -> Trace:

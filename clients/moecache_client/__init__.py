@@ -193,7 +193,6 @@ class Client:
         self.session = None
         self.info: dict = {}
         self._arena: _Arena | None = None
-        self._old_arenas: list = []
         self._last_tx = self._last_rx = time.monotonic()
         self._ping_sent = None
         self._ctx = zmq.Context.instance()
@@ -432,13 +431,11 @@ class Client:
                 raise Timeout(f"no hello from {self.endpoint} within {timeout}s (is moecached running?)")
             self._pump_locked(fut, min(left, 0.1), hello=True)
         rep = fut.result()  # raises ServerError if refused
-        old = self._arena
+        # leases of an earlier session keep their own arena object (unmapped when they go)
         self._arena = _Arena(rep["arena"]) if self.map_arena else None
         self.info = rep
         self.session = rep["session"]
         self._last_rx = time.monotonic()
-        if old is not None:
-            self._old_arenas.append(old)  # leases of the old session may still hold views
 
     def _pump_locked(self, until: Future | None, wait: float, hello: bool = False) -> None:
         """Read replies for up to ``wait`` seconds, until ``until`` is done.
