@@ -134,6 +134,84 @@ cdef class LRU:
             k = self.prev[k]
         return -1
 
+    def grant_resident(self, list experts, long base, long ne, list res, bytearray unused):
+        """The cache's hit path: pin and touch a request whose experts are all resident.
+
+        Args:
+            experts: expert ids of one layer (Python ints), at most 256, no repeats.
+            base: key of expert 0 of that layer in this LRU (``key = base + expert``).
+            ne: experts in the layer (valid ids are ``0 .. ne-1``).
+            res: key -> published slot, or -1 when absent/loading (the pool's ``res`` list).
+            unused: key -> 1 when a prefetch brought it in and no demand used it yet; cleared
+                here for the experts granted.
+        Returns:
+            ``(keys, slots, prefetch_hits)`` (lists in request order) when every expert is a
+            valid, distinct, resident id: each key is then pinned once and moved to the hot
+            end. ``None`` when anything is off (absent or loading expert, bad type or range,
+            repeat, empty or over 256 ids): nothing is changed and the caller takes the
+            general path, which also produces the error message.
+        """
+        cdef Py_ssize_t n = len(experts), i, j
+        cdef long e, k, s, pf = 0
+        cdef long ks[256]
+        if n == 0 or n > 256 or len(res) < self.n_keys or len(unused) < self.n_keys:
+            return None
+        for i in range(n):
+            x = experts[i]
+            if type(x) is not int:
+                return None
+            e = x
+            if e < 0 or e >= ne:
+                return None
+            k = base + e
+            if k < 0 or k >= self.n_keys or not self.present[k]:
+                return None
+            for j in range(i):
+                if ks[j] == k:
+                    return None
+            ks[i] = k
+        slots = [None] * n
+        for i in range(n):
+            s = res[ks[i]]
+            if s < 0:
+                return None
+            slots[i] = s
+        keys = [None] * n
+        for i in range(n):
+            k = ks[i]
+            if self.pins[k] == 0:
+                self.n_pinned += 1
+            self.pins[k] += 1
+            self._unlink(k)
+            self._link_after(self.head, k)
+            if unused[k]:
+                unused[k] = 0
+                pf += 1
+            keys[i] = k
+        return keys, slots, pf
+
+    def unpin_keys(self, list keys):
+        """Drop one pin of every key in ``keys`` (a lease's release), all or nothing.
+
+        Raises ValueError (and changes nothing) when a key is out of range or holds no pin.
+        """
+        cdef Py_ssize_t i, j, n = len(keys)
+        cdef long k, same
+        for i in range(n):
+            k = keys[i]
+            self._check(k)
+            same = 0
+            for j in range(i):
+                if <long>keys[j] == k:
+                    same += 1
+            if self.pins[k] <= same:
+                raise ValueError(f"LRU unpin: key {k} holds no pin")
+        for i in range(n):
+            k = keys[i]
+            self.pins[k] -= 1
+            if self.pins[k] == 0:
+                self.n_pinned -= 1
+
     def keys(self):
         """Present keys from hot (MRU) to cold (LRU), as a list."""
         out = []

@@ -631,46 +631,46 @@ class ExpertCache:
         Returns: :class:`Lease`, items in the order of ``experts``.
         Raises: RequestError / CapacityError (at once), LoadError, AcquireTimeout, CacheClosed.
         """
-        lock = self._lock
-        lock.acquire()
-        try:
-            L = self._layers.get(layer)
-            if L is not None and not self._closed:        # fast path: everything resident
-                pool = L.pool
-                res, base, ne = pool.res, L.base, L.ne
-                slots = []
-                for e in experts:
-                    if not 0 <= e < ne:
-                        break
-                    s = res[base + e]
-                    if s < 0:
-                        break
-                    slots.append(s)
-                else:
-                    n = len(slots)
-                    if n and len(set(experts)) == n:
-                        lru, unused = pool.lru, pool.unused
-                        touch, pin = lru.touch, lru.pin
-                        keys = [base + e for e in experts]
-                        pf = 0
-                        for k in keys:
-                            touch(k)
-                            pin(k)
-                            if unused[k]:
-                                unused[k] = 0
-                                pf += 1
-                        lid = next(self._ids)
-                        self._leases[lid] = [(pool, keys)]
-                        self.c_leases += 1
-                        cid = L.cid
-                        self._l_hits[layer] += n - pf
-                        if pf:
-                            self._l_pf[layer] += pf
-                        return Lease(lid, [(layer, e, cid, s) for e, s in zip(experts, slots)],
-                                     n - pf, pf, 0, 0.0)
-        finally:
-            lock.release()
+        if type(experts) is not list:
+            experts = list(experts)
+        lease = self.acquire_resident(layer, experts)
+        if lease is not None:
+            return lease
         return self.acquire_many([(layer, experts)], timeout=timeout)
+
+    def acquire_resident(self, layer: int, experts: list) -> Lease | None:
+        """The hit path: pin ``experts`` of ``layer`` when every one of them is resident.
+
+        Args:
+            layer: GGUF block number; experts: a list of Python ints (at most 256).
+        Returns: a :class:`Lease` (stall 0.0, misses 0), counted exactly as
+            :meth:`acquire_async` would count it; or ``None`` when the request needs the
+            general path: any expert absent or still loading, an unknown layer, a bad,
+            repeated or out-of-range id, an empty list, or the cache closed. ``None`` changes
+            nothing; the general path then waits for reads or raises the precise error.
+        The per-expert bookkeeping (validate, pin, touch, prefetch-hit check) runs in Cython
+        (``LRU.grant_resident``) under the cache lock.
+        """
+        L = self._layers.get(layer)
+        if L is None:
+            return None
+        pool = L.pool
+        with self._lock:
+            if self._closed:
+                return None
+            got = pool.lru.grant_resident(experts, L.base, L.ne, pool.res, pool.unused)
+            if got is None:
+                return None
+            keys, slots, pf = got
+            lid = next(self._ids)
+            self._leases[lid] = [(pool, keys)]
+            self.c_leases += 1
+            n = len(keys)
+            self._l_hits[layer] += n - pf
+            if pf:
+                self._l_pf[layer] += pf
+        cid = L.cid
+        return Lease(lid, [(layer, e, cid, s) for e, s in zip(experts, slots)], n - pf, pf, 0, 0.0)
 
     def acquire_many(self, requests, timeout: float | None = None) -> Lease:
         """Like :meth:`acquire` for several layers at once: one all-or-nothing lease.
@@ -809,9 +809,7 @@ class ExpertCache:
             pins = self._leases.pop(lid, None)
             if pins is not None:
                 for pool, keys in pins:
-                    unpin = pool.lru.unpin
-                    for k in keys:
-                        unpin(k)
+                    pool.lru.unpin_keys(keys)
                 if self._waitq:
                     submits, promotes, done = [], [], []
                     self._kick(submits, promotes, done)

@@ -118,9 +118,6 @@ class Server:
         self._on_hup = None
         self._lock_fd = None
         self._ipc = _ipc_path(endpoint)
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -129,6 +126,20 @@ class Server:
         # drops the connection without allocating (the only defence against a 2 GB frame).
         self.sock.setsockopt(zmq.MAXMSGSIZE, 16 * max(int(max_message_bytes), P.MAX_MESSAGE_BYTES))
         self._bind(socket_mode, gid)
+        # Wake-ups (read completions from reader threads, stop, SIGHUP) arrive on the ROUTER
+        # itself, from an inproc DEALER with a routing id no remote peer can hold (it connects
+        # first, and the ROUTER refuses a second peer with the same id), so the loop blocks in
+        # one recv on one socket: no poller, no ZMQ_EVENTS probing per message.
+        self._wake_id = b"\xffmoecached-wake-" + os.urandom(8)
+        wake_ep = f"inproc://moecached-wake-{os.getpid()}-{id(self):x}"
+        self.sock.bind(wake_ep)
+        self._wake_sock = self.ctx.socket(zmq.DEALER)
+        self._wake_sock.setsockopt(zmq.ROUTING_ID, self._wake_id)
+        self._wake_sock.setsockopt(zmq.LINGER, 0)
+        self._wake_sock.setsockopt(zmq.SNDHWM, 0)
+        self._wake_sock.connect(wake_ep)
+        self._wake_lock = threading.Lock()
+        self._wake_pending = False
 
     # ---- start / stop -------------------------------------------------------------------
     def _bind(self, mode: int, gid: int | None) -> None:
@@ -173,10 +184,7 @@ class Server:
     def stop(self) -> None:
         """Ask the loop to stop (thread- and signal-safe)."""
         self._stopping = True
-        try:
-            os.write(self._wake_w, b"s")
-        except OSError:
-            pass
+        self._wake()
 
     def install_signal_handlers(self, on_hup=None) -> None:
         """SIGTERM/SIGINT stop the loop gracefully; SIGHUP runs ``on_hup`` (reload) in the loop
@@ -221,77 +229,109 @@ class Server:
                     pass
                 os.close(self._lock_fd)
                 self._lock_fd = None
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._wake_lock:
+            self._wake_sock.close(linger=0)
 
     # ---- the loop ---------------------------------------------------------------------
+    #: longest the loop sleeps in recv when no deadline is nearer (timers are checked then)
+    IDLE_WAKE_MS = 100
+
     def serve_forever(self, ready=None) -> None:
         """Run the event loop until ``stop()``; then ``close()``.
+
+        The loop blocks in one ``recv`` on the ROUTER socket (``RCVTIMEO`` = the idle wake, or
+        less when an acquire deadline is nearer); wake-up messages from reader threads, ``stop``
+        and SIGHUP arrive on the same socket. Heartbeat expiry and the periodic task run when
+        their time has come, checked after every message or timeout (so at most
+        ``IDLE_WAKE_MS`` late).
 
         Args:
             ready: optional callable run once the socket is bound and the loop starts
                 (the daemon sends READY=1 to systemd here).
         """
         self._loop_tid = threading.get_ident()
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        next_tick = time.monotonic()
-        next_hb = time.monotonic() + self.heartbeat_s / 4
+        sock, wake_id = self.sock, self._wake_id
+        idle_ms = self.IDLE_WAKE_MS
+        cur_ms = idle_ms
+        sock.setsockopt(zmq.RCVTIMEO, cur_ms)
+        now = time.monotonic()
+        next_tick = now
+        next_hb = now + self.heartbeat_s / 4
+        next_timer = min(next_tick, next_hb)
+        recv = sock.recv_multipart
+        handle = self._handle
         if ready:
             ready()
         try:
             while not self._stopping:
-                now = time.monotonic()
-                timeout = min(next_tick, next_hb) - now
-                if self.deadlines:
-                    timeout = min(timeout, self.deadlines[0][0] - now)
-                events = dict(poller.poll(max(0, int(timeout * 1000) + 1)))
-                if self._wake_r in events:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                    if self._hup and self._on_hup is not None:
-                        self._hup = False
-                        try:
-                            self._on_hup()
-                        except Exception as e:
-                            log.error("reload failed: %s", e)
-                if self.sock in events:
-                    sock = self.sock
-                    for _ in range(256):  # then look at timers and completions again
-                        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                            break
-                        self._handle(sock.recv_multipart(zmq.NOBLOCK, copy=True))
-                self._drain_done()
-                now = time.monotonic()
-                while self.deadlines and self.deadlines[0][0] <= now:
-                    _, ticket, ident, rid = heapq.heappop(self.deadlines)
-                    c = self.clients.get(ident)
-                    if c is not None and ticket in c.pending and self.cache.cancel(ticket):
-                        del c.pending[ticket]
-                        c.errors += 1
-                        self._send_error(ident, rid, P.E_TIMEOUT, "acquire timed out waiting for reads")
-                if now >= next_hb:
-                    self._expire_clients(now)
-                    next_hb = now + max(0.05, self.heartbeat_s / 4)
-                if now >= next_tick:
-                    next_tick = now + self.tick_s
-                    if self.on_tick is not None:
-                        try:
-                            self.on_tick(now)
-                        except Exception as e:  # never let the floor kill the server
-                            log.error("periodic task failed: %s", e)
+                try:
+                    frames = recv()
+                except zmq.Again:
+                    frames = None
+                except zmq.ZMQError as e:
+                    if e.errno != errno.EINTR:
+                        raise
+                    frames = None
+                if frames is not None:
+                    if frames[0] == wake_id:
+                        with self._wake_lock:
+                            self._wake_pending = False  # before draining: no wake-up is lost
+                        if self._hup and self._on_hup is not None:
+                            self._hup = False
+                            try:
+                                self._on_hup()
+                            except Exception as e:
+                                log.error("reload failed: %s", e)
+                    else:
+                        handle(frames)
+                if self.done:
+                    self._drain_done()
+                dl = self.deadlines
+                if dl or cur_ms != idle_ms or frames is None or time.monotonic() >= next_timer:
+                    now = time.monotonic()
+                    while dl and dl[0][0] <= now:
+                        _, ticket, ident, rid = heapq.heappop(dl)
+                        c = self.clients.get(ident)
+                        if c is not None and ticket in c.pending and self.cache.cancel(ticket):
+                            del c.pending[ticket]
+                            c.errors += 1
+                            self._send_error(ident, rid, P.E_TIMEOUT, "acquire timed out waiting for reads")
+                    if now >= next_hb:
+                        self._expire_clients(now)
+                        next_hb = now + max(0.05, self.heartbeat_s / 4)
+                    if now >= next_tick:
+                        next_tick = now + self.tick_s
+                        if self.on_tick is not None:
+                            try:
+                                self.on_tick(now)
+                            except Exception as e:  # never let the floor kill the server
+                                log.error("periodic task failed: %s", e)
+                    next_timer = min(next_tick, next_hb)
+                    want = idle_ms
+                    if dl:
+                        want = max(0, min(idle_ms, int((dl[0][0] - now) * 1000) + 1))
+                    if want != cur_ms:
+                        sock.setsockopt(zmq.RCVTIMEO, want)
+                        cur_ms = want
         finally:
             self.close()
 
     def _wake(self) -> None:
+        """Wake the loop (any thread, or a signal handler in the loop's thread)."""
+        if not self._wake_lock.acquire(blocking=False):
+            # Another thread is sending a wake-up right now (the loop will run), or this is a
+            # signal handler that interrupted the loop inside the lock: the loop is awake.
+            if threading.get_ident() == self._loop_tid:
+                return
+            self._wake_lock.acquire()
         try:
-            os.write(self._wake_w, b"d")
-        except BlockingIOError:
-            pass  # pipe full: the loop is already awake
+            if not self._wake_pending and not self._wake_sock.closed:
+                self._wake_pending = True
+                self._wake_sock.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        finally:
+            self._wake_lock.release()
 
     @staticmethod
     def _noreply(msg: dict) -> bool:
@@ -410,26 +450,32 @@ class Server:
             if not alive or final:
                 self.cache.release(lease)  # nobody to hand it to: roll back
                 continue
-            c.acquires += 1
-            c.hits += lease.hits
-            c.misses += lease.misses
-            c.prefetch_hits += lease.prefetch_hits
-            c.stall_s += lease.stall_s
-            if not self._reply(ident, rid, lease=lease.id, items=lease.items, hits=lease.hits,
-                               prefetch_hits=lease.prefetch_hits, misses=lease.misses,
-                               stall_us=int(lease.stall_s * 1e6)):
-                self.cache.release(lease)  # undelivered: roll back
-                self._drop_client(c, "unreachable")
-                continue
-            self.leases[lease.id] = (ident, lease)
-            c.leases.add(lease.id)
-            if self.lease_lo is None or lease.id < self.lease_lo:
-                self.lease_lo = lease.id
-            if self.lease_hi is None or lease.id > self.lease_hi:
-                self.lease_hi = lease.id
-            if self.recorder is not None and (self.recorder_client in (None, c.name)):
-                for layer, experts in _group(lease.items):
-                    self.recorder.record(self.moe_index[layer], experts, tag == "prompt", c.name)
+            self._deliver(c, rid, lease, tag)
+
+    def _deliver(self, c: _Client, rid: int, lease, tag) -> None:
+        """Send a granted lease to its client and register it; roll it back when undeliverable."""
+        c.acquires += 1
+        c.hits += lease.hits
+        c.misses += lease.misses
+        c.prefetch_hits += lease.prefetch_hits
+        c.stall_s += lease.stall_s
+        ident = c.ident
+        if not self._reply(ident, rid, lease=lease.id, items=lease.items, hits=lease.hits,
+                           prefetch_hits=lease.prefetch_hits, misses=lease.misses,
+                           stall_us=int(lease.stall_s * 1e6)):
+            self.cache.release(lease)  # undelivered: roll back
+            self._drop_client(c, "unreachable")
+            return
+        lid = lease.id
+        self.leases[lid] = (ident, lease)
+        c.leases.add(lid)
+        if self.lease_lo is None or lid < self.lease_lo:
+            self.lease_lo = lid
+        if self.lease_hi is None or lid > self.lease_hi:
+            self.lease_hi = lid
+        if self.recorder is not None and (self.recorder_client in (None, c.name)):
+            for layer, experts in _group(lease.items):
+                self.recorder.record(self.moe_index[layer], experts, tag == "prompt", c.name)
 
     # ---- operations -------------------------------------------------------------------
     def _op_hello(self, c: _Client, rid: int, msg: dict) -> None:
@@ -456,6 +502,14 @@ class Server:
         self._reply(c.ident, rid, t=time.time())
 
     def _op_acquire(self, c: _Client, rid: int, msg: dict) -> None:
+        if len(msg) == 5:  # {v, id, op, layer, experts}: try the hit path first
+            layer, experts = msg.get("layer"), msg.get("experts")
+            if (type(layer) is int and type(experts) is list
+                    and len(experts) <= self.checker.max_experts):
+                lease = self.cache.acquire_resident(layer, experts)
+                if lease is not None:
+                    self._deliver(c, rid, lease, None)
+                    return
         reqs = self.checker.requests(msg)
         tag = msg.get("tag")
         if tag is not None and tag not in ("prompt", "decode"):

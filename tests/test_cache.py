@@ -658,3 +658,45 @@ def test_prefetch_admission_drops_beyond_limit(model_factory):
         assert cache.prefetch(L[3], [0, 1]) == 2  # room again
     finally:
         cache.close()
+
+
+def test_acquire_resident_hit_path_counts_like_the_general_path(models):
+    """The Cython hit path (acquire_resident) grants exactly what acquire_async would, with the
+    same counters, and declines (changing nothing) whatever the general path must handle."""
+    idx = open_index(models("qwen3"))
+    L0, L1 = idx.expert_layers[:2]
+    truth = FileTruth(idx)
+    with new_cache(idx, slots=12) as a, new_cache(idx, slots=12) as b:
+        for c in (a, b):
+            c.release(c.acquire(L0, [0, 1, 2]))
+            c.prefetch(L1, [5])
+            wait_idle(c)
+        s_before = a.stats()
+        assert a.acquire_resident(L0, [0, 7]) is None          # 7 absent
+        assert a.acquire_resident(L0, [0, 0]) is None          # repeat
+        assert a.acquire_resident(L0, [0, 99]) is None         # out of range
+        assert a.acquire_resident(999, [0]) is None            # not a MoE layer
+        assert a.acquire_resident(L0, []) is None
+        assert a.stats() == s_before and a.pinned_count() == 0
+        la = a.acquire_resident(L1, [5])
+        lb = []
+        b.acquire_async([(L1, [5])], lb.append)
+        lb = lb[0]
+        assert (la.hits, la.prefetch_hits, la.misses) == (lb.hits, lb.prefetch_hits, lb.misses) == (0, 1, 0)
+        la2 = a.acquire_resident(L0, [2, 0])
+        lb2 = []
+        b.acquire_async([(L0, [2, 0])], lb2.append)
+        lb2 = lb2[0]
+        assert [it[:3] for it in la2.items] == [it[:3] for it in lb2.items]
+        assert (la2.hits, la2.stall_s) == (lb2.hits, 0.0) == (2, 0.0)
+        truth.check(a, la2)
+        sa, sb = a.stats(), b.stats()
+        for key in ("hits", "prefetch_hits", "demand_misses", "leases_open"):
+            assert sa[key] == sb[key], key
+        assert a.pinned_count() == 3
+        for lease in (la, la2):
+            a.release(lease)
+        with pytest.raises(LeaseError):
+            a.release(la2)
+        assert a.pinned_count() == 0
+    truth.close()

@@ -615,6 +615,46 @@ def test_lru_class_api_unchanged():
     assert lru.contains(2) and lru.remove(2) and not lru.contains(2)
 
 
+def _lru_state(lru, n):
+    return lru.keys(), [lru.pin_count(k) for k in range(n)], lru.pinned
+
+
+def test_lru_grant_resident_hit_path():
+    n = 16
+    lru = LRU(n)
+    res = [-1] * n
+    unused = bytearray(n)
+    for k, slot in ((8 + 1, 5), (8 + 2, 6), (8 + 3, 7), (0 + 1, 9)):
+        lru.insert(k)
+        res[k] = slot
+    res[8 + 4] = -1  # layer at base 8, expert 4: absent
+    unused[8 + 3] = 1  # brought in by a prefetch, never demanded
+    before = _lru_state(lru, n)
+    # everything the general path must handle (or refuse) changes nothing here
+    for bad in ([], [1, 4], [1, 1], [1, 8], [-1], [1, True], [1.0], [1, "2"],
+                list(range(257))):
+        assert lru.grant_resident(bad, 8, 8, res, unused) is None, bad
+        assert _lru_state(lru, n) == before and unused[8 + 3] == 1
+    assert lru.grant_resident([1], 8, 8, res[:4], unused) is None  # short res list
+    keys, slots, pf = lru.grant_resident([3, 1], 8, 8, res, unused)
+    assert keys == [11, 9] and slots == [7, 5] and pf == 1 and unused[11] == 0
+    assert lru.keys()[:2] == [9, 11]               # touched in request order: last is hottest
+    assert lru.pin_count(11) == 1 and lru.pin_count(9) == 1 and lru.pinned == 2
+    keys2, _, pf2 = lru.grant_resident([1], 8, 8, res, unused)
+    assert pf2 == 0 and lru.pin_count(9) == 2 and lru.pinned == 2
+    # unpin_keys is all-or-nothing
+    with pytest.raises(ValueError, match="holds no pin"):
+        lru.unpin_keys([9, 10])
+    with pytest.raises(ValueError, match="holds no pin"):
+        lru.unpin_keys([11, 11])
+    with pytest.raises(IndexError):
+        lru.unpin_keys([99])
+    assert lru.pin_count(9) == 2 and lru.pin_count(11) == 1
+    lru.unpin_keys(keys)
+    lru.unpin_keys(keys2)
+    assert lru.pinned == 0 and [lru.pin_count(k) for k in range(n)] == [0] * n
+
+
 def test_unknown_policy():
     with pytest.raises(ValueError, match="expected one of"):
         expand_policies("lru,nope")

@@ -341,3 +341,62 @@ def test_release_and_noreply_field_checks(daemon):
         assert {"max_message_bytes", "max_array_len", "max_map_len", "max_str_len", "max_request_experts"} <= set(lim)
         st = msgpack.unpackb(msgpack.packb(c.stats()), strict_map_key=True)  # string keys only
         assert all(isinstance(k, str) for k in st["layers"])
+
+
+def test_hit_path_refuses_what_the_general_path_refuses(model_factory, tmp_path):
+    """With every expert resident the server takes the Cython hit path; each malformed request
+    must still get the general path's error (never a lease), and leave no pin behind."""
+    d = Daemon(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8), tmp_path,
+               max_request_experts=3)
+    try:
+        L = d.idx.expert_layers
+        with Client(d.endpoint) as c:
+            c.acquire(L[1], [0, 1, 2]).release()   # resident now
+            c.acquire(L[1], [3]).release()
+        cases = [
+            ({"layer": True, "experts": [0]}, "bad_type"),        # True == 1 as a dict key
+            ({"layer": L[1], "experts": [0, True]}, "bad_type"),
+            ({"layer": L[1], "experts": [0, 1.0]}, "bad_type"),
+            ({"layer": L[1], "experts": [0, 0]}, "bad_type"),
+            ({"layer": L[1], "experts": [0, 1, 2, 3]}, "too_large"),  # over max_request_experts
+            ({"layer": L[1], "experts": [0, 99]}, "out_of_range"),
+            ({"layer": L[1], "experts": [0], "tag": "bogus"}, "bad_type"),
+        ]
+        for i, (fields, code) in enumerate(cases):
+            msg = {"v": 1, "id": 100 + i, "op": "acquire", **fields}
+            rep = raw(d.endpoint, msgpack.packb(msg))
+            assert rep["ok"] is False and rep["error"]["code"] == code, (fields, rep)
+            assert rep["id"] == 100 + i
+        assert d.cache.pinned_count() == 0
+        rep = raw(d.endpoint, msgpack.packb({"v": 1, "id": 7, "op": "acquire", "layer": L[1], "experts": [2, 0]}))
+        assert rep["ok"] and rep["hits"] == 2 and [it[1] for it in rep["items"]] == [2, 0]
+    finally:
+        d.stop()
+
+
+def test_loop_wakes_for_completions_and_stops_promptly(model_factory, tmp_path):
+    """Reader-thread completions and stop() reach the loop through its wake-up messages; a
+    client that picks a routing id like the wake-up one is served as a plain client."""
+    d = Daemon(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8), tmp_path)
+    try:
+        L = d.idx.expert_layers
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.ROUTING_ID, b"\xffmoecached-wake-" + bytes(8))
+        s.connect(d.endpoint)
+        for i, layer in enumerate(L):          # misses: every reply comes after a read completes
+            t = time.monotonic()
+            s.send(msgpack.packb({"v": 1, "id": i + 1, "op": "acquire", "layer": layer, "experts": [4, 5]}))
+            assert s.poll(5000), "no reply to an acquire that needed reads"
+            rep = msgpack.unpackb(s.recv(), raw=False)
+            assert rep["ok"] and rep["misses"] == 2, rep
+            assert time.monotonic() - t < 1.0
+            s.send(msgpack.packb({"v": 1, "id": 0, "op": "release", "lease": rep["lease"], "noreply": True}))
+        s.close()
+    finally:
+        t = time.monotonic()
+        d.server.stop()
+        d.t.join(5)
+        stopped_in = time.monotonic() - t
+        d.cache.close()
+    assert not d.t.is_alive() and stopped_in < 1.0, stopped_in
