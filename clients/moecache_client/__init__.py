@@ -24,8 +24,6 @@ import operator
 import os
 import threading
 import time
-from concurrent.futures import Future
-from concurrent.futures import wait as _futwait
 
 import msgpack
 import numpy as np
@@ -56,6 +54,55 @@ class DaemonRestarted(ClientError):
 
 class Timeout(ClientError):
     """No reply within the call's timeout."""
+
+
+class _Call:
+    """One request waiting for its reply: a lighter ``concurrent.futures.Future``.
+
+    The reader sets the outcome (value, then state, then wakes an Event if a follower thread
+    made one); a waiting thread that does not hold the socket creates the Event lazily, so a
+    single-threaded caller never pays for one. Cancelling is not done here: whoever pops the
+    call's entry from ``Client._pending`` first (the reader handing over a reply, or a caller
+    giving up) decides its fate, atomically under the GIL.
+    """
+    __slots__ = ("rid", "op", "state", "value", "event")
+
+    def __init__(self, rid: int, op: str):
+        self.rid = rid
+        self.op = op
+        self.state = 0          # 0 waiting, 1 value is the reply, 2 value is the exception
+        self.value = None
+        self.event = None
+
+    def done(self) -> bool:
+        return self.state != 0
+
+    def set_result(self, value) -> None:
+        self.value = value
+        self.state = 1
+        ev = self.event
+        if ev is not None:
+            ev.set()
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.value = exc
+        self.state = 2
+        ev = self.event
+        if ev is not None:
+            ev.set()
+
+    def result(self):
+        if self.state == 2:
+            raise self.value
+        return self.value
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until done or ``timeout`` seconds (a follower thread's wait)."""
+        ev = self.event
+        if ev is None:
+            ev = self.event = threading.Event()
+        if self.state == 0:   # checked after the Event exists: a set_result now will set it
+            ev.wait(timeout)
 
 
 class _Arena:
@@ -188,7 +235,7 @@ class Client:
         self._hb = heartbeat_s
         self._ids = itertools.count(1)
         self._lock = threading.Lock()          # owns the socket, _pending and the session
-        self._pending: dict[int, tuple[Future, str]] = {}
+        self._pending: dict[int, _Call] = {}
         self._closed = False
         self.session = None
         self.info: dict = {}
@@ -346,18 +393,18 @@ class Client:
         fut = self._submit(msg)
         return self._wait(fut, self._t(timeout), msg["op"])
 
-    def _submit(self, msg: dict, expect_reply: bool = True) -> Future:
+    def _submit(self, msg: dict, expect_reply: bool = True) -> _Call | None:
         if self._closed:
             raise ClientError("client is closed")
-        fut: Future | None = Future() if expect_reply else None
         rid = next(self._ids)
+        fut = _Call(rid, msg["op"]) if expect_reply else None
         msg["v"] = PROTOCOL_VERSION
         msg["id"] = rid
         with self._lock:
             if self.session is None:
                 self._hello_locked(self.connect_timeout)  # after a restart: hello first
             if expect_reply:
-                self._pending[rid] = (fut, msg["op"])
+                self._pending[rid] = fut
             try:
                 self._send(msg)
             except zmq.ZMQError as e:
@@ -365,22 +412,26 @@ class Client:
                 raise ClientError(f"{msg['op']}: send failed: {e}") from None
         return fut
 
-    def _wait(self, fut: Future, timeout, op: str):
+    def _wait(self, fut: _Call, timeout, op: str):
         """Wait for ``fut``, reading the socket while no other thread does. Returns the reply."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not fut.done():
+        lock = self._lock
+        while not fut.state:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                if fut.cancel():  # a late reply is dropped (and its lease released)
+                if self._pending.pop(fut.rid, None) is not None:
+                    # given up: a late reply finds no entry, is dropped, its lease released
                     raise Timeout(f"{op}: no reply within {timeout}s")
+                while not fut.state:   # the reader took it a moment ago: it is being set
+                    fut.wait(0.002)
                 break
-            if self._lock.acquire(blocking=False):
+            if lock.acquire(blocking=False):
                 try:
                     self._pump_locked(fut, 0.05 if left is None else min(left, 0.05))
                 finally:
-                    self._lock.release()
+                    lock.release()
             else:
-                _futwait([fut], timeout=0.002 if left is None else min(left, 0.002))
+                fut.wait(0.002 if left is None else min(left, 0.002))
         return fut.result()
 
     # ---- internals: the socket (call with self._lock held) ---------------------------------
@@ -408,9 +459,9 @@ class Client:
 
     def _fail_pending(self, exc_factory):
         pend, self._pending = self._pending, {}
-        for rid, (fut, op) in pend.items():
+        for fut in pend.values():
             if not fut.done():
-                fut.set_exception(exc_factory(op))
+                fut.set_exception(exc_factory(fut.op))
 
     def _void_session(self, why: str):
         """The daemon went away: every call in flight fails; the next call says hello again."""
@@ -420,8 +471,8 @@ class Client:
 
     def _hello_locked(self, timeout: float) -> None:
         rid = next(self._ids)
-        fut: Future = Future()
-        self._pending[rid] = (fut, "hello")
+        fut = _Call(rid, "hello")
+        self._pending[rid] = fut
         self._send({"v": PROTOCOL_VERSION, "id": rid, "op": "hello", "client": self.name, "pid": os.getpid()})
         deadline = time.monotonic() + timeout
         while not fut.done():
@@ -437,7 +488,7 @@ class Client:
         self.session = rep["session"]
         self._last_rx = time.monotonic()
 
-    def _pump_locked(self, until: Future | None, wait: float, hello: bool = False) -> None:
+    def _pump_locked(self, until: _Call | None, wait: float, hello: bool = False) -> None:
         """Read replies for up to ``wait`` seconds, until ``until`` is done.
 
         Blocks in ``recv`` (RCVTIMEO slices of 20 ms) rather than a poller: the cheapest wait
@@ -481,36 +532,35 @@ class Client:
             return
         ent = self._pending.pop(rid, None)
         session = rep.get("session")
-        if ent is not None and ent[1] == "hello":
+        if ent is not None and ent.op == "hello":
             if rep.get("ok"):
-                ent[0].set_result(rep)
+                ent.set_result(rep)
             else:
                 err = rep.get("error") or {}
-                ent[0].set_exception(ServerError(err.get("code", "?"), err.get("message", "")))
+                ent.set_exception(ServerError(err.get("code", "?"), err.get("message", "")))
             return
         if rid == self._ping_sent:
             self._ping_sent = None
         if self.session is None or (session is not None and session != self.session):
             # an answer from a daemon other than the one we said hello to: void
-            if ent is not None and not ent[0].done():
-                ent[0].set_exception(DaemonRestarted(f"{ent[1]}: the daemon restarted"))
+            if ent is not None and not ent.done():
+                ent.set_exception(DaemonRestarted(f"{ent.op}: the daemon restarted"))
             if self.session is not None:
                 self._void_session("the daemon restarted")
             return
-        if ent is None or ent[0].done():
+        if ent is None:
             # late reply to a call that gave up: never hand it to anyone; give back its lease
             if rep.get("ok") and "lease" in rep:
                 self._send({"v": PROTOCOL_VERSION, "id": next(self._ids), "op": "release",
                             "lease": rep["lease"], "noreply": True})
             return
-        fut, op = ent
         if rep.get("ok"):
             if "lease" in rep:
                 rep["_arena"] = self._arena  # bind views to this session's arena
-            fut.set_result(rep)
+            ent.set_result(rep)
         else:
             err = rep.get("error") or {}
-            fut.set_exception(ServerError(err.get("code", "?"), err.get("message", "")))
+            ent.set_exception(ServerError(err.get("code", "?"), err.get("message", "")))
 
     def _release_lease(self, lease: Lease) -> None:
         if lease.session != self.session or self._closed:
@@ -551,7 +601,7 @@ class Client:
 class LeaseFuture:
     """Pending acquire; ``result(timeout)`` returns the Lease (or raises the call's error)."""
 
-    def __init__(self, client: Client, fut: Future):
+    def __init__(self, client: Client, fut: _Call):
         self._client = client
         self._fut = fut
 
