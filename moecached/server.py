@@ -22,12 +22,16 @@ import signal
 import threading
 import time
 
+import msgpack
 import zmq
 
 from . import MoecacheError, __version__
 from . import protocol as P
 
 log = logging.getLogger("moecached.server")
+
+_MORE_NB = int(zmq.SNDMORE | zmq.NOBLOCK)  # plain ints: enum flag arithmetic per send is slow
+_NB = int(zmq.NOBLOCK)
 
 
 class ServerError(MoecacheError):
@@ -115,6 +119,8 @@ class Server:
         self._stopping = False
         self._loop_tid = None
         self._hup = False        # SIGHUP seen; the loop runs self._on_hup
+        self._ops = {op: getattr(self, "_op_" + op) for op in P.OPS}
+        self._packb = msgpack.Packer(use_bin_type=True).pack  # reused; the loop thread only
         self._on_hup = None
         self._lock_fd = None
         self._ipc = _ipc_path(endpoint)
@@ -365,10 +371,15 @@ class Server:
         try:
             msg = P.unpack(payload, self.max_message_bytes)
             r = msg.get("id")
-            if isinstance(r, int) and not isinstance(r, bool) and 0 <= r < 2**64:
+            op = msg.get("op")
+            fn = self._ops.get(op) if type(op) is str else None
+            if type(r) is int and 0 <= r < 2**64:
                 rid = r  # answer with the caller's id even when the rest is wrong
-            rid, op = P.header(msg)
-            getattr(self, "_op_" + op)(c, rid, msg)
+                if fn is None or msg.get("v") != P.PROTOCOL_VERSION:
+                    P.header(msg)  # raises the precise error
+            else:
+                P.header(msg)
+            fn(c, rid, msg)
         except P.ProtocolError as e:
             c.errors += 1
             self.counters["errors"] += 1
@@ -383,9 +394,18 @@ class Server:
 
     def _send(self, ident: bytes, msg: dict) -> bool:
         c = self.clients.get(ident)
-        frames = [ident, b"", P.pack(msg)] if c is not None and c.delim else [ident, P.pack(msg)]
+        return self._send_frame(ident, c is not None and c.delim, P.pack(msg))
+
+    def _send_frame(self, ident: bytes, delim: bool, payload: bytes) -> bool:
+        """Send one reply frame to ``ident`` (after an empty delimiter for REQ-style peers).
+        False when the peer is gone (ROUTER_MANDATORY: EHOSTUNREACH on the routing frame,
+        before anything of the message went out) or its queue is full."""
+        send = self.sock.send
         try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK)
+            send(ident, _MORE_NB)
+            if delim:
+                send(b"", _MORE_NB)
+            send(payload, _NB)
             return True
         except zmq.ZMQError as e:
             if e.errno in (errno.EHOSTUNREACH, zmq.EAGAIN):
@@ -460,13 +480,15 @@ class Server:
         c.prefetch_hits += lease.prefetch_hits
         c.stall_s += lease.stall_s
         ident = c.ident
-        if not self._reply(ident, rid, lease=lease.id, items=lease.items, hits=lease.hits,
-                           prefetch_hits=lease.prefetch_hits, misses=lease.misses,
-                           stall_us=int(lease.stall_s * 1e6)):
+        lid = lease.id
+        payload = self._packb({"v": P.PROTOCOL_VERSION, "id": rid, "ok": True, "session": self.session,
+                          "lease": lid, "items": lease.items, "hits": lease.hits,
+                          "prefetch_hits": lease.prefetch_hits, "misses": lease.misses,
+                          "stall_us": int(lease.stall_s * 1e6)})
+        if not self._send_frame(ident, c.delim, payload):
             self.cache.release(lease)  # undelivered: roll back
             self._drop_client(c, "unreachable")
             return
-        lid = lease.id
         self.leases[lid] = (ident, lease)
         c.leases.add(lid)
         if self.lease_lo is None or lid < self.lease_lo:
@@ -539,6 +561,14 @@ class Server:
             self._reply(c.ident, rid, queued=n)
 
     def _op_release(self, c: _Client, rid: int, msg: dict) -> None:
+        if len(msg) == 5 and msg.get("noreply") is True:  # {v, id, op, lease, noreply: true}
+            lid = msg.get("lease")
+            owner = self.leases.get(lid) if type(lid) is int else None
+            if owner is not None and owner[0] == c.ident:
+                del self.leases[lid]
+                c.leases.discard(lid)
+                self.cache.release(owner[1])
+                return
         quiet = self._noreply(msg)
         if "leases" in msg and "lease" in msg:
             raise P.ProtocolError(P.E_BAD_TYPE, "give either 'lease' or 'leases', not both")

@@ -400,3 +400,33 @@ def test_loop_wakes_for_completions_and_stops_promptly(model_factory, tmp_path):
         stopped_in = time.monotonic() - t
         d.cache.close()
     assert not d.t.is_alive() and stopped_in < 1.0, stopped_in
+
+
+def test_noreply_release_fast_path_keeps_ownership_rules(daemon):
+    """A `noreply` release takes the server's short path only for the caller's own live lease;
+    another client's lease, a released one and a stale one still get their error replies."""
+    L = daemon.idx.expert_layers
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for s in (a, b):
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(daemon.endpoint)
+
+    def call(s, msg):
+        s.send(msgpack.packb({"v": 1, **msg}))
+        assert s.poll(5000), "no reply"
+        return msgpack.unpackb(s.recv(), raw=False)
+
+    rep = call(a, {"id": 1, "op": "acquire", "layer": L[0], "experts": [1, 2]})
+    lid = rep["lease"]
+    rel = {"id": 2, "op": "release", "lease": lid, "noreply": True}
+    assert call(b, rel)["error"]["code"] == "not_owner"
+    assert daemon.cache.pinned_count() == 2            # still a's
+    a.send(msgpack.packb({"v": 1, **rel}))            # a's own: released, no reply
+    assert call(a, {"id": 3, "op": "ping"})["id"] == 3
+    assert daemon.cache.pinned_count() == 0
+    assert call(a, rel)["error"]["code"] == "unknown_lease"
+    assert call(a, {**rel, "lease": 5})["error"]["code"] == "stale_lease"
+    assert call(a, {**rel, "lease": True})["error"]["code"] == "bad_type"
+    for s in (a, b):
+        s.close()
