@@ -4,11 +4,13 @@ Measures, from a separate client process, the round trip of ``acquire`` of 8 res
 experts + ``release`` (noreply, pipelined into the next acquire), p50/p99 in microseconds,
 against a raw ping-pong between a DEALER and a ROUTER echo process exchanging msgpack
 messages of the same sizes (a request the size of the acquire, a reply the size of the
-lease). Rounds interleave (raw, daemon, raw, daemon, ...) because the machine is shared and
-noisy; the table reports each round and the median ratio. Then the same with 4 client
-processes at once.
+lease). The machine is shared and noisy, so the comparison is paired: persistent client
+processes of both kinds are started once, then batches of ``--iters`` pairs alternate
+raw/daemon in ABBA order for ``--rounds`` rounds; the table reports each round's p50/p99 and
+ratio, the summary the median of the per-round ratios and the ratio of all pairs pooled.
+Then the same with 4 client processes of each kind at once.
 
-    python benchmarks/ipc_latency.py [--iters 3000] [--rounds 3] [--json benchmarks/results/ipc_latency.json]
+    python benchmarks/ipc_latency.py [--iters 1000] [--rounds 12] [--clients 4] [--json benchmarks/results/ipc_latency.json]
 """
 from __future__ import annotations
 
@@ -48,50 +50,89 @@ def raw_echo_server(endpoint: str, reply_size: int, ready):
     ctx.term()
 
 
-def raw_client(endpoint: str, iters: int, req: dict, out):
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.connect(endpoint)
-    lat = []
-    rel = msgpack.packb({"v": 1, "id": 0, "op": "release", "lease": 1, "noreply": True})
-    for i in range(iters + 200):
-        t = time.perf_counter()
-        req["id"] = i
-        s.send(msgpack.packb(req))
-        msgpack.unpackb(s.recv(), raw=False)
-        s.send(rel)
-        if i >= 200:
-            lat.append(time.perf_counter() - t)
-    s.close(0)
-    ctx.term()
-    out.put(lat)
+def _raw_pair(s, req, rel, i):
+    req["id"] = i
+    s.send(msgpack.packb(req))
+    msgpack.unpackb(s.recv(), raw=False)
+    s.send(rel)
 
 
-def daemon_client(endpoint: str, iters: int, layer: int, experts, out):
-    from moecache_client import Client
-    c = Client(endpoint, name=f"bench{os.getpid()}")
-    lat = []
-    for i in range(iters + 200):
-        t = time.perf_counter()
-        lease = c.acquire(layer, experts)
-        lease.release()
-        if i >= 200:
-            lat.append(time.perf_counter() - t)
-    c.close()
-    out.put(lat)
+def worker(kind: str, endpoint: str, req: dict, layer: int, experts, conn):
+    """A persistent client process: ``kind`` "raw" (bare DEALER against the echo server) or
+    "daemon" (``moecache_client.Client``). Runs a batch of pairs per ("run", n) command and
+    sends back the latencies (seconds), so raw and daemon batches can be interleaved finely
+    without paying process start-up between them."""
+    if kind == "raw":
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.connect(endpoint)
+        rel = msgpack.packb({"v": 1, "id": 0, "op": "release", "lease": 1, "noreply": True})
+        req = dict(req)
+        counter = iter(range(1, 1 << 62))
+
+        def pair():
+            _raw_pair(s, req, rel, next(counter))
+    else:
+        from moecache_client import Client
+        c = Client(endpoint, name=f"bench{os.getpid()}")
+
+        def pair():
+            lease = c.acquire(layer, experts)
+            lease.release()
+    for _ in range(200):  # warm-up
+        pair()
+    conn.send("ready")
+    pc = time.perf_counter
+    while True:
+        cmd = conn.recv()
+        if cmd[0] != "run":
+            break
+        lat = []
+        for _ in range(cmd[1]):
+            t = pc()
+            pair()
+            lat.append(pc() - t)
+        conn.send(lat)
+    if kind == "raw":
+        s.close(0)
+        ctx.term()
+    else:
+        c.close()
+    conn.send("bye")
 
 
-def run_clients(target, args, n: int) -> list[float]:
-    q = mp.Queue()
-    ps = [mp.Process(target=target, args=(*args, q)) for _ in range(n)]
-    for p in ps:
-        p.start()
-    lats = []
-    for _ in ps:
-        lats += q.get(timeout=600)
-    for p in ps:
-        p.join()
-    return lats
+class Workers:
+    """``n`` persistent worker processes of one kind; ``run(iters)`` -> pooled latencies."""
+
+    def __init__(self, kind, n, *args):
+        self.conns, self.procs = [], []
+        for _ in range(n):
+            a, b = mp.Pipe()
+            p = mp.Process(target=worker, args=(kind, *args, b), daemon=True)
+            p.start()
+            self.conns.append(a)
+            self.procs.append(p)
+        for a in self.conns:
+            if not a.poll(120) or a.recv() != "ready":
+                raise RuntimeError(f"{kind} worker did not start")
+
+    def run(self, iters: int) -> list[float]:
+        for a in self.conns:
+            a.send(("run", iters))
+        out = []
+        for a in self.conns:
+            out += a.recv()
+        return out
+
+    def close(self):
+        for a in self.conns:
+            try:
+                a.send(("stop",))
+                a.poll(10) and a.recv()
+            except (OSError, EOFError):
+                pass
+        for p in self.procs:
+            p.join(10)
 
 
 def pct(lat, p):
@@ -100,8 +141,8 @@ def pct(lat, p):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--iters", type=int, default=3000)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=1000, help="pairs per client per batch")
+    ap.add_argument("--rounds", type=int, default=12, help="paired batches (raw, daemon) per client count")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--json", default=os.path.join(HERE, "results", "ipc_latency.json"))
     a = ap.parse_args(argv)
@@ -137,15 +178,34 @@ def main(argv=None):
     ready.wait(10)
 
     rows = []
+    pooled = {}
     try:
         for nclients in (1, a.clients):
-            for rnd in range(a.rounds):
-                raw = run_clients(raw_client, (raw_ep, a.iters, dict(req)), nclients)
-                dae = run_clients(daemon_client, (f"ipc://{sock}", a.iters, layer, experts), nclients)
-                rows.append({"clients": nclients, "round": rnd + 1,
-                             "raw_p50_us": pct(raw, 50), "raw_p99_us": pct(raw, 99),
-                             "daemon_p50_us": pct(dae, 50), "daemon_p99_us": pct(dae, 99),
-                             "ratio_p50": pct(dae, 50) / pct(raw, 50)})
+            raw_w = Workers("raw", nclients, raw_ep, req, layer, experts)
+            dae_w = Workers("daemon", nclients, f"ipc://{sock}", req, layer, experts)
+            allraw, alldae = [], []
+            try:
+                for rnd in range(a.rounds):
+                    # ABBA order: drift of the shared machine within a round cancels out
+                    if rnd % 2 == 0:
+                        raw = raw_w.run(a.iters)
+                        dae = dae_w.run(a.iters)
+                    else:
+                        dae = dae_w.run(a.iters)
+                        raw = raw_w.run(a.iters)
+                    allraw += raw
+                    alldae += dae
+                    rows.append({"clients": nclients, "round": rnd + 1,
+                                 "raw_p50_us": pct(raw, 50), "raw_p99_us": pct(raw, 99),
+                                 "daemon_p50_us": pct(dae, 50), "daemon_p99_us": pct(dae, 99),
+                                 "ratio_p50": pct(dae, 50) / pct(raw, 50)})
+            finally:
+                raw_w.close()
+                dae_w.close()
+            pooled[nclients] = {"raw_p50_us": pct(allraw, 50), "raw_p99_us": pct(allraw, 99),
+                                "daemon_p50_us": pct(alldae, 50), "daemon_p99_us": pct(alldae, 99),
+                                "ratio_p50": pct(alldae, 50) / pct(allraw, 50),
+                                "pairs_per_kind": len(allraw)}
     finally:
         s = zmq.Context.instance().socket(zmq.DEALER)
         s.connect(raw_ep)
@@ -165,9 +225,12 @@ def main(argv=None):
     for n in sorted({r["clients"] for r in rows}):
         rs = [r for r in rows if r["clients"] == n]
         summary[n] = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k not in ("clients", "round")}
-        print(f"median over rounds, {n} client(s): daemon p50 {summary[n]['daemon_p50_us']:.1f} us, "
-              f"p99 {summary[n]['daemon_p99_us']:.1f} us; raw floor p50 {summary[n]['raw_p50_us']:.1f} us; "
-              f"ratio {summary[n]['ratio_p50']:.2f} (target <= 1.3)")
+        summary[n]["pooled"] = pooled[n]
+        pl = pooled[n]
+        print(f"{n} client(s), median of {len(rs)} paired rounds: daemon p50 {summary[n]['daemon_p50_us']:.1f} us, "
+              f"raw floor p50 {summary[n]['raw_p50_us']:.1f} us, ratio {summary[n]['ratio_p50']:.2f} (target <= 1.3); "
+              f"all pairs pooled: daemon p50 {pl['daemon_p50_us']:.1f} / p99 {pl['daemon_p99_us']:.1f} us, "
+              f"raw p50 {pl['raw_p50_us']:.1f} / p99 {pl['raw_p99_us']:.1f} us, ratio {pl['ratio_p50']:.2f}")
     os.makedirs(os.path.dirname(a.json), exist_ok=True)
     with open(a.json, "w") as f:
         json.dump({"command": " ".join(["python", "benchmarks/ipc_latency.py"] + (argv or sys.argv[1:])),

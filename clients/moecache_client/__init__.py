@@ -33,6 +33,7 @@ __all__ = ["Client", "Lease", "ClientError", "ServerError", "DaemonRestarted", "
            "DEFAULT_ENDPOINT"]
 
 DEFAULT_ENDPOINT = "ipc:///run/moecached/moecached.sock"
+_INT_ONLY = frozenset((int,))
 PROTOCOL_VERSION = 1
 
 
@@ -277,7 +278,12 @@ class Client:
         ``layers=[(layer, [experts]), ...]`` acquires several layers in one lease.
         Raises ServerError (bad layer/expert, too large, load failed), Timeout, DaemonRestarted.
         """
-        return self.acquire_async(layer, experts, tag=tag, layers=layers).result(self._t(timeout))
+        msg = {"op": "acquire"}
+        self._requests(msg, layer, experts, layers)
+        if tag is not None:
+            msg["tag"] = tag
+        rep = self._wait(self._submit(msg), self._t(timeout), "acquire")
+        return Lease(self, rep["session"], rep["_arena"], rep)
 
     def acquire_many(self, requests, *, tag=None, timeout=...) -> Lease:
         """Several layers in one lease: ``requests = [(layer, [experts]), ...]``."""
@@ -362,7 +368,7 @@ class Client:
         """Fill ``layer``/``experts`` or ``layers`` into ``msg``; ClientError on values the
         daemon would refuse anyway (non-integers, more experts than its limit)."""
         def ints(xs, what):
-            if all(type(x) is int for x in xs):
+            if set(map(type, xs)) <= _INT_ONLY:
                 return xs
             try:
                 return [operator.index(x) for x in xs]
@@ -377,9 +383,11 @@ class Client:
             msg["layers"] = out
             total = sum(len(ex) for _, ex in out)
         else:
-            msg["layer"] = ints([layer], "layer")[0]
-            msg["experts"] = ints(list(experts), f"experts of layer {layer}")
-            total = len(msg["experts"])
+            msg["layer"] = layer if type(layer) is int else ints([layer], "layer")[0]
+            if type(experts) is not list:
+                experts = list(experts)
+            msg["experts"] = ints(experts, f"experts of layer {layer}")
+            total = len(experts)
         limit = (self.info.get("limits") or {}).get("max_request_experts")
         if limit is not None and total > limit:
             raise ClientError(f"request names {total} experts: the daemon accepts at most {limit} "
