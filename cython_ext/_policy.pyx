@@ -134,7 +134,8 @@ cdef class LRU:
             k = self.prev[k]
         return -1
 
-    def grant_resident(self, list experts, long base, long ne, list res, bytearray unused):
+    def grant_resident(self, list experts, long base, long ne, list res, bytearray unused,
+                       layer, cid):
         """The cache's hit path: pin and touch a request whose experts are all resident.
 
         Args:
@@ -144,8 +145,10 @@ cdef class LRU:
             res: key -> published slot, or -1 when absent/loading (the pool's ``res`` list).
             unused: key -> 1 when a prefetch brought it in and no demand used it yet; cleared
                 here for the experts granted.
+            layer, cid: put into each item as given (the layer's GGUF block, its size class).
         Returns:
-            ``(keys, slots, prefetch_hits)`` (lists in request order) when every expert is a
+            ``(keys, items, prefetch_hits)`` -- keys and ``(layer, expert, cid, slot)`` items
+            in request order, ``prefetch_hits`` an int -- when every expert is a
             valid, distinct, resident id: each key is then pinned once and moved to the hot
             end. ``None`` when anything is off (absent or loading expert, bad type or range,
             repeat, empty or over 256 ids): nothing is changed and the caller takes the
@@ -170,12 +173,13 @@ cdef class LRU:
                 if ks[j] == k:
                     return None
             ks[i] = k
-        slots = [None] * n
+        items = [None] * n
         for i in range(n):
-            s = res[ks[i]]
+            slot = res[ks[i]]
+            s = slot
             if s < 0:
                 return None
-            slots[i] = s
+            items[i] = (layer, experts[i], cid, slot)
         keys = [None] * n
         for i in range(n):
             k = ks[i]
@@ -188,7 +192,7 @@ cdef class LRU:
                 unused[k] = 0
                 pf += 1
             keys[i] = k
-        return keys, slots, pf
+        return keys, items, pf
 
     def unpin_keys(self, list keys):
         """Drop one pin of every key in ``keys`` (a lease's release), all or nothing.

@@ -658,10 +658,10 @@ class ExpertCache:
         with self._lock:
             if self._closed:
                 return None
-            got = pool.lru.grant_resident(experts, L.base, L.ne, pool.res, pool.unused)
+            got = pool.lru.grant_resident(experts, L.base, L.ne, pool.res, pool.unused, layer, L.cid)
             if got is None:
                 return None
-            keys, slots, pf = got
+            keys, items, pf = got
             lid = next(self._ids)
             self._leases[lid] = [(pool, keys)]
             self.c_leases += 1
@@ -669,8 +669,7 @@ class ExpertCache:
             self._l_hits[layer] += n - pf
             if pf:
                 self._l_pf[layer] += pf
-        cid = L.cid
-        return Lease(lid, [(layer, e, cid, s) for e, s in zip(experts, slots)], n - pf, pf, 0, 0.0)
+        return Lease(lid, items, n - pf, pf, 0, 0.0)
 
     def acquire_many(self, requests, timeout: float | None = None) -> Lease:
         """Like :meth:`acquire` for several layers at once: one all-or-nothing lease.

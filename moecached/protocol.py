@@ -26,6 +26,10 @@ MAX_MAP_LEN = 64
 MAX_STR_LEN = 4096
 MAX_BIN_LEN = 0                    # the protocol never carries binary payloads
 
+#: msgpack.unpackb arguments of every request frame (the limits above, str keys, no raw bytes)
+UNPACK_LIMITS = dict(raw=False, strict_map_key=True, max_str_len=MAX_STR_LEN, max_bin_len=MAX_BIN_LEN,
+                     max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0)
+
 OPS = ("hello", "acquire", "prefetch", "release", "stats", "status", "ping", "bye",
        "trace_start", "trace_stop")
 
@@ -71,9 +75,7 @@ def unpack(data: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> dict:
     if len(data) > max_bytes:
         raise ProtocolError(E_MALFORMED, f"message of {len(data)} bytes: expected at most {max_bytes}")
     try:
-        msg = msgpack.unpackb(data, raw=False, strict_map_key=True, max_str_len=MAX_STR_LEN,
-                              max_bin_len=MAX_BIN_LEN, max_array_len=MAX_ARRAY_LEN,
-                              max_map_len=MAX_MAP_LEN, max_ext_len=0)
+        msg = msgpack.unpackb(data, **UNPACK_LIMITS)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         detail = f": {e}" if str(e) else ""
         raise ProtocolError(E_MALFORMED, f"message is not valid msgpack within limits ({type(e).__name__}{detail})"[:300])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import errno
 import fcntl
+import functools
 import heapq
 import logging
 import os
@@ -27,6 +28,7 @@ import zmq
 
 from . import MoecacheError, __version__
 from . import protocol as P
+from ._serve import FastPath
 
 log = logging.getLogger("moecached.server")
 
@@ -121,6 +123,7 @@ class Server:
         self._hup = False        # SIGHUP seen; the loop runs self._on_hup
         self._ops = {op: getattr(self, "_op_" + op) for op in P.OPS}
         self._packb = msgpack.Packer(use_bin_type=True).pack  # reused; the loop thread only
+        self.fast_path = True  # serve resident acquires / own noreply releases in Cython first
         self._on_hup = None
         self._lock_fd = None
         self._ipc = _ipc_path(endpoint)
@@ -266,6 +269,7 @@ class Server:
         next_timer = min(next_tick, next_hb)
         recv = sock.recv_multipart
         handle = self._handle
+        fast = self._fast_handler()
         if ready:
             ready()
         try:
@@ -288,7 +292,7 @@ class Server:
                                 self._on_hup()
                             except Exception as e:
                                 log.error("reload failed: %s", e)
-                    else:
+                    elif not fast(frames):
                         handle(frames)
                 if self.done:
                     self._drain_done()
@@ -321,6 +325,14 @@ class Server:
                         cur_ms = want
         finally:
             self.close()
+
+    def _fast_handler(self):
+        """``frames -> bool``: the Cython hot path (``moecached._serve.FastPath``), or a stub
+        that always declines when ``fast_path`` is False (everything then takes ``_handle``)."""
+        if not self.fast_path:
+            return lambda frames: False
+        unpack = functools.partial(msgpack.unpackb, **P.UNPACK_LIMITS)
+        return FastPath(self, unpack, _MORE_NB, _NB).handle
 
     def _wake(self) -> None:
         """Wake the loop (any thread, or a signal handler in the loop's thread)."""
@@ -489,7 +501,12 @@ class Server:
             self.cache.release(lease)  # undelivered: roll back
             self._drop_client(c, "unreachable")
             return
-        self.leases[lid] = (ident, lease)
+        self._register(c, lease, tag)
+
+    def _register(self, c: _Client, lease, tag=None) -> None:
+        """Record a delivered lease as ``c``'s (and in the trace being recorded, if any)."""
+        lid = lease.id
+        self.leases[lid] = (c.ident, lease)
         c.leases.add(lid)
         if self.lease_lo is None or lid < self.lease_lo:
             self.lease_lo = lid
@@ -498,6 +515,14 @@ class Server:
         if self.recorder is not None and (self.recorder_client in (None, c.name)):
             for layer, experts in _group(lease.items):
                 self.recorder.record(self.moe_index[layer], experts, tag == "prompt", c.name)
+
+    def _undelivered(self, c: _Client, lease, e: zmq.ZMQError) -> None:
+        """The fast path could not send ``lease`` (peer gone or its queue full): roll back."""
+        if e.errno not in (errno.EHOSTUNREACH, zmq.EAGAIN):
+            raise e
+        self.counters["undeliverable"] += 1
+        self.cache.release(lease)
+        self._drop_client(c, "unreachable")
 
     # ---- operations -------------------------------------------------------------------
     def _op_hello(self, c: _Client, rid: int, msg: dict) -> None:

@@ -633,14 +633,14 @@ def test_lru_grant_resident_hit_path():
     # everything the general path must handle (or refuse) changes nothing here
     for bad in ([], [1, 4], [1, 1], [1, 8], [-1], [1, True], [1.0], [1, "2"],
                 list(range(257))):
-        assert lru.grant_resident(bad, 8, 8, res, unused) is None, bad
+        assert lru.grant_resident(bad, 8, 8, res, unused, 3, 0) is None, bad
         assert _lru_state(lru, n) == before and unused[8 + 3] == 1
-    assert lru.grant_resident([1], 8, 8, res[:4], unused) is None  # short res list
-    keys, slots, pf = lru.grant_resident([3, 1], 8, 8, res, unused)
-    assert keys == [11, 9] and slots == [7, 5] and pf == 1 and unused[11] == 0
+    assert lru.grant_resident([1], 8, 8, res[:4], unused, 3, 0) is None  # short res list
+    keys, items, pf = lru.grant_resident([3, 1], 8, 8, res, unused, 3, 0)
+    assert keys == [11, 9] and items == [(3, 3, 0, 7), (3, 1, 0, 5)] and pf == 1 and unused[11] == 0
     assert lru.keys()[:2] == [9, 11]               # touched in request order: last is hottest
     assert lru.pin_count(11) == 1 and lru.pin_count(9) == 1 and lru.pinned == 2
-    keys2, _, pf2 = lru.grant_resident([1], 8, 8, res, unused)
+    keys2, _, pf2 = lru.grant_resident([1], 8, 8, res, unused, 3, 0)
     assert pf2 == 0 and lru.pin_count(9) == 2 and lru.pinned == 2
     # unpin_keys is all-or-nothing
     with pytest.raises(ValueError, match="holds no pin"):

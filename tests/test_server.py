@@ -430,3 +430,44 @@ def test_noreply_release_fast_path_keeps_ownership_rules(daemon):
     assert call(a, {**rel, "lease": True})["error"]["code"] == "bad_type"
     for s in (a, b):
         s.close()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_fast_path_and_general_path_count_alike(model_factory, tmp_path, fast):
+    """The same request sequence served with and without the Cython hot path leaves the same
+    per-client and cache counters (hits, prefetch hits, misses, requests, leases)."""
+    path = model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8)
+    idx = open_index(path)
+    cache = ExpertCache(idx, slots=16, lock_memory=False, readers=2)
+    srv = Server(cache, endpoint=f"ipc://{tmp_path}/f.sock")
+    srv.fast_path = fast
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        L = idx.expert_layers
+        with Client(srv.endpoint, name="seq") as c:
+            c.prefetch(L[2], [6], wait=True)
+            deadline = time.time() + 5
+            while cache.stats()["reads_in_flight"] and time.time() < deadline:
+                time.sleep(0.01)
+            for step in range(3):
+                for layer in L[:3]:
+                    with c.acquire(layer, [1, 2] if step else [1]) as lease:
+                        assert lease.hits + lease.prefetch_hits + lease.misses == len(lease.items)
+            with c.acquire(L[2], [6, 1]) as lease:
+                assert lease.prefetch_hits == 1 and lease.hits == 1
+                assert bytes(lease.part(6, "up")) == file_bytes(idx, L[2], 6)["up"]
+            st = c.stats()
+        me = next(x for x in st["clients"] if x["name"] == "seq")
+        got = {k: me[k] for k in ("requests", "acquires", "hits", "prefetch_hits", "demand_misses", "leases", "errors")}
+        # requests: hello + prefetch + 10 acquires + 10 releases + stats = 23. Per layer L0..L2:
+        # step 0 [1] misses; step 1 [1, 2] one hit one miss; step 2 [1, 2] two hits; then
+        # [6, 1] on L2: a prefetch hit and a hit. Hits 3 + 6 + 1, misses 3 + 3.
+        assert got == {"requests": 23, "acquires": 10, "hits": 10, "prefetch_hits": 1,
+                       "demand_misses": 6, "leases": 0, "errors": 0}, got
+        assert st["hits"] == 10 and st["prefetch_hits"] == 1 and st["demand_misses"] == 6
+        assert cache.pinned_count() == 0 and not srv.leases
+    finally:
+        srv.stop()
+        t.join(10)
+        cache.close()
