@@ -1,10 +1,14 @@
 """The moecached server: one ZeroMQ ROUTER socket in front of an ExpertCache.
 
-One event-loop thread owns the socket (ZeroMQ sockets are not thread-safe). Acquires are
-handed to the cache asynchronously; reader threads finish loads and hand completions back to
-the loop through a deque plus a wake-up pipe, so the loop never blocks on a read. Replies use
-``ROUTER_MANDATORY``: a reply to a client that vanished raises EHOSTUNREACH and the lease it
-carried is rolled back (released) at once.
+One event-loop thread owns the socket (ZeroMQ sockets are not thread-safe) and blocks in one
+``recv`` on it. Acquires are handed to the cache asynchronously; reader threads finish loads
+and hand completions back to the loop through a deque plus a wake-up message sent to the same
+ROUTER over inproc, so the loop never blocks on a read. Every request frame goes first to the
+Cython hot path (``moecached._serve.FastPath``: resident acquires, own-lease noreply
+releases); whatever it declines is handled by :meth:`Server._handle`, the reference
+behaviour that also produces every error reply. Replies use ``ROUTER_MANDATORY``: a reply to
+a client that vanished raises EHOSTUNREACH and the lease it carried is rolled back (released)
+at once.
 
 Leases belong to the ZeroMQ routing id (one DEALER connection) that took them. A client that
 sends nothing for ``heartbeat_s`` seconds loses its leases; the Python client pings on its
