@@ -306,16 +306,31 @@ def _build(tokens, n_layers, top_k, n_experts, meta, name="<jsonl>") -> Trace:
     experts = np.full((T, L, k), -1, np.int16)
     weights = np.zeros((T, L, k), np.float32) if has_w else None
     predicted = np.full((T, L, kp), -1, np.int16) if kp else None
+    ok_ne = isinstance(n_experts, (int, np.integer)) and not isinstance(n_experts, bool) and n_experts >= 1
+    hi = min(32767, int(n_experts) - 1) if ok_ne else 32767  # a bad n_experts: _validate says so
     for i, t in enumerate(tokens):
-        for l, (ex, w, pr) in t["layers"].items():
+        for l, entry in t["layers"].items():
+            ex, w, pr = entry[:3]
+            # where the entry came from: "file:line" for JSONL, else the token index
+            src = entry[3] if len(entry) > 3 else f"{name}: token {i}"
             if not 0 <= l < L:
-                raise _err(name, f"token {i} layer", l, f"0..{L - 1}")
+                raise _err(src, "layer", l, f"0..{L - 1} (the trace has {L} MoE layers)")
+            for field_, row in (("experts", ex), ("predicted", pr or ())):
+                for x in row:
+                    if not -1 <= x <= hi:
+                        raise _err(src, f"{field_} of layer {l}", x,
+                                   f"an expert id 0..{hi}" + (f" (n_experts = {n_experts})" if ok_ne
+                                                              else " (ids are int16)"))
             experts[i, l, :len(ex)] = ex
             if w is not None:
-                if len(w) != len(ex):
-                    raise _err(name, f"token {i} layer {l} weights", f"{len(w)} values",
-                               f"{len(ex)} (one per expert)")
-                weights[i, l, :len(w)] = w
+                if not isinstance(w, list) or len(w) != len(ex):
+                    raise _err(src, f"weights of layer {l}",
+                               f"{len(w)} values" if isinstance(w, list) else type(w).__name__,
+                               f"{len(ex)} numbers (one per expert)")
+                try:
+                    weights[i, l, :len(w)] = w
+                except (TypeError, ValueError):
+                    raise _err(src, f"weights of layer {l}", repr(w)[:60], "a list of numbers") from None
             if pr is not None and len(pr):
                 predicted[i, l, :len(pr)] = pr
     step = None
@@ -393,7 +408,7 @@ def convert_jsonl(in_path, n_experts=None, n_layers=None, top_k=None, meta=None)
                 if not isinstance(l, int) or l < 0:
                     raise _err(where, "layer", repr(l), "an int >= 0")
                 entry = (ids(ex, "experts"), rec.get("weights"),
-                         ids(rec["predicted"], "predicted") if "predicted" in rec else None)
+                         ids(rec["predicted"], "predicted") if "predicted" in rec else None, where)
                 if "token" in rec:
                     ti = rec["token"]
                     if ti not in by_index:
@@ -413,10 +428,14 @@ def convert_jsonl(in_path, n_experts=None, n_layers=None, top_k=None, meta=None)
                     raise _err(where, "experts", type(ex).__name__, "a list (one list per layer)")
                 w = rec.get("weights")
                 pr = rec.get("predicted")
+                for field_, v in (("weights", w), ("predicted", pr)):
+                    if v is not None and (not isinstance(v, list) or len(v) != len(ex)):
+                        raise _err(where, field_, f"{len(v)} rows" if isinstance(v, list) else type(v).__name__,
+                                   f"{len(ex)} rows (one per layer, as 'experts')")
                 layers = {}
                 for l, row in enumerate(ex):
                     layers[l] = (ids(row, f"experts[{l}]"), None if w is None else w[l],
-                                 None if pr is None else ids(pr[l], f"predicted[{l}]"))
+                                 None if pr is None else ids(pr[l], f"predicted[{l}]"), where)
                 tokens.append({"prompt": prompt, "step": step, "layers": layers})
     n_experts = n_experts if n_experts is not None else meta.get("n_experts")
     n_layers = n_layers if n_layers is not None else meta.get("n_moe_layers")

@@ -154,13 +154,27 @@ def test_convert_layer_form_and_cli(tmp_path, capsys):
     ('{"experts": [[0, "a"]], "prompt": true}', r"in.jsonl:2: experts\[0\]: found"),
     ('{"layer": -1, "experts": [0], "prompt": true}', r"in.jsonl:2: layer: found -1"),
     ('{"prompt": true}', r"in.jsonl:2: experts: found absent"),
-    ('{"experts": [[9]], "prompt": true}', r"experts\[1, 0, 0\]: found 9, expected an expert id < n_experts = 4"),
+    ('{"experts": [[9]], "prompt": true}', r"in.jsonl:2: experts of layer 0: found 9, expected an expert id 0..3 \(n_experts = 4\)"),
+    ('{"experts": [[0], [1, -2]], "prompt": true}', r"in.jsonl:2: experts of layer 1: found -2"),
+    ('{"layer": 0, "experts": [1], "predicted": [7], "prompt": true}', r"in.jsonl:2: predicted of layer 0: found 7"),
+    ('{"layer": 5, "experts": [1], "prompt": true}', r"in.jsonl:2: layer: found 5, expected 0..1 \(the trace has 2 MoE layers\)"),
+    ('{"layer": 0, "experts": [1, 2], "weights": [0.5], "prompt": true}', r"in.jsonl:2: weights of layer 0: found 1 values, expected 2 numbers"),
+    ('{"layer": 0, "experts": [1], "weights": ["x"], "prompt": true}', r"in.jsonl:2: weights of layer 0: found \['x'\], expected a list of numbers"),
+    ('{"experts": [[0], [1]], "weights": [[1.0]], "prompt": true}', r"in.jsonl:2: weights: found 1 rows, expected 2 rows"),
 ])
 def test_convert_errors_name_line(tmp_path, line, match):
+    """Every bad record is named by file:line, also the range errors found after parsing."""
     src = tmp_path / "in.jsonl"
     src.write_text('{"experts": [[0]], "prompt": true, "meta_x": 1}\n' + line + "\n")
     with pytest.raises(TraceError, match=match):
-        convert_jsonl(src, n_experts=4)
+        convert_jsonl(src, n_experts=4, n_layers=2)
+
+
+def test_convert_id_beyond_int16_names_line(tmp_path):
+    src = tmp_path / "big.jsonl"
+    src.write_text('{"experts": [[0, 1]], "prompt": true}\n\n{"experts": [[40000]], "prompt": false}\n')
+    with pytest.raises(TraceError, match=r"big.jsonl:3: experts of layer 0: found 40000, expected an expert id 0..32767 \(ids are int16\)"):
+        convert_jsonl(src)
 
 
 def test_recorder_forms_tokens_on_layer_wrap(tmp_path):
