@@ -161,11 +161,9 @@ cdef class LRU:
             return None
         for i in range(n):
             x = experts[i]
-            if type(x) is not int:
+            if type(x) is not int or x < 0 or x >= ne:   # compared as Python ints: no overflow
                 return None
             e = x
-            if e < 0 or e >= ne:
-                return None
             k = base + e
             if k < 0 or k >= self.n_keys or not self.present[k]:
                 return None

@@ -110,7 +110,7 @@ def header(msg: dict) -> tuple[int, str]:
     if "v" not in msg:
         raise ProtocolError(E_VERSION, f"field 'v' missing: expected the protocol version {PROTOCOL_VERSION}")
     v = msg.get("v")
-    if v != PROTOCOL_VERSION:
+    if type(v) is not int or v != PROTOCOL_VERSION:  # true and 1.0 are not the version 1
         raise ProtocolError(E_VERSION, f"protocol version {v!r:.20}: expected {PROTOCOL_VERSION}")
     op = msg.get("op")
     if not isinstance(op, str):

@@ -296,8 +296,15 @@ class Server:
                                 self._on_hup()
                             except Exception as e:
                                 log.error("reload failed: %s", e)
-                    elif not fast(frames):
-                        handle(frames)
+                    else:
+                        try:
+                            served = fast(frames)
+                        except Exception:  # a bug in the hot path must not stop the loop
+                            log.exception("internal error in the fast path; "
+                                          "the request goes to the general path")
+                            served = False
+                        if not served:
+                            handle(frames)
                 if self.done:
                     self._drain_done()
                 dl = self.deadlines
@@ -369,11 +376,11 @@ class Server:
             ident, envelope, payload = frames[0], b"", frames[2]
         else:
             self.counters["malformed"] += 1
-            if len(frames) >= 1:
-                self._send(frames[0], {"v": P.PROTOCOL_VERSION, "id": 0, "ok": False,
-                                       "session": self.session,
-                                       "error": {"code": P.E_MALFORMED,
-                                                 "message": f"request has {len(frames) - 1} frames: expected 1 (or an empty delimiter + 1)"}})
+            if len(frames) >= 1:  # envelope unknown: answered without a delimiter
+                self._send_frame(frames[0], False, P.pack(
+                    {"v": P.PROTOCOL_VERSION, "id": 0, "ok": False, "session": self.session,
+                     "error": {"code": P.E_MALFORMED,
+                               "message": f"request has {len(frames) - 1} frames: expected 1 (or an empty delimiter + 1)"}}))
             return
         now = time.monotonic()
         c = self.clients.get(ident)
@@ -391,7 +398,8 @@ class Server:
             fn = self._ops.get(op) if type(op) is str else None
             if type(r) is int and 0 <= r < 2**64:
                 rid = r  # answer with the caller's id even when the rest is wrong
-                if fn is None or msg.get("v") != P.PROTOCOL_VERSION:
+                v = msg.get("v")
+                if fn is None or type(v) is not int or v != P.PROTOCOL_VERSION:
                     P.header(msg)  # raises the precise error
             else:
                 P.header(msg)

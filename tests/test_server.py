@@ -91,6 +91,8 @@ def test_multi_layer_acquire_and_prefetch(daemon):
 @pytest.mark.parametrize("msg,code", [
     ({"v": 1, "id": 7, "op": "nope"}, "unknown_op"),
     ({"v": 2, "id": 7, "op": "ping"}, "version"),
+    ({"v": True, "id": 7, "op": "ping"}, "version"),
+    ({"v": 1.0, "id": 7, "op": "ping"}, "version"),
     ({"v": 1, "id": 7, "op": "acquire", "layer": "x", "experts": [1]}, "bad_type"),
     ({"v": 1, "id": 7, "op": "acquire", "layer": 999, "experts": [1]}, "out_of_range"),
     ({"v": 1, "id": 7, "op": "acquire", "layer": 0, "experts": [99]}, "out_of_range"),
@@ -222,6 +224,14 @@ def test_timed_out_acquire_never_leaks_into_later_calls(model_factory, tmp_path)
             lease = c.acquire(L[3], [0])
             assert [(l, e) for l, e, _, _ in lease.items] == [(L[3], 0)]
             lease.release()
+            # a future that timed out stays timed out: waiting on it again raises at once
+            fut = c.acquire_async(L[3], [7, 6, 5, 4])
+            with pytest.raises(Timeout):
+                fut.result(0.001)
+            t0 = time.monotonic()
+            with pytest.raises(Timeout):
+                fut.result(5.0)
+            assert fut.done() and time.monotonic() - t0 < 0.5
             deadline = time.time() + 20
             while cache.pinned_count() and time.time() < deadline:
                 c.ping()  # the late reply arrives, and its lease is given back
@@ -471,3 +481,47 @@ def test_fast_path_and_general_path_count_alike(model_factory, tmp_path, fast):
         srv.stop()
         t.join(10)
         cache.close()
+
+
+def test_huge_expert_id_is_out_of_range_on_both_paths(model_factory, tmp_path):
+    """An expert id beyond a C long (2**63 and up, valid msgpack uint64) once crashed the
+    loop from the Cython hit path; it must be an out_of_range error on the hot path (a known
+    client) and on the general path (a REQ-style envelope), and the daemon keeps serving."""
+    d = Daemon(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8), tmp_path)
+    try:
+        L = d.idx.expert_layers
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(d.endpoint)
+
+        def call(msg, delim=False):
+            s.send_multipart(([b""] if delim else []) + [msgpack.packb({"v": 1, **msg})])
+            assert s.poll(5000), "no reply: the daemon died?"
+            return msgpack.unpackb(s.recv_multipart()[-1], raw=False)
+
+        assert call({"id": 1, "op": "acquire", "layer": L[0], "experts": [0]})["ok"]  # 0 resident
+        for i, ex in enumerate(([2**63], [0, 2**63], [2**64 - 1], [0, -2**63])):
+            for delim in (False, True):
+                rep = call({"id": 10 + i, "op": "acquire", "layer": L[0], "experts": ex}, delim)
+                assert rep["ok"] is False and rep["error"]["code"] == "out_of_range", (ex, delim, rep)
+        assert d.cache.pinned_count() == 1
+        assert d.cache.acquire_resident(L[0], [2**70]) is None
+        assert call({"id": 99, "op": "ping"})["ok"]
+        s.close()
+    finally:
+        d.stop()
+
+
+def test_malformed_frames_answered_without_a_stale_delimiter(daemon):
+    """A request with 3+ frames is answered without an envelope, whatever the client's
+    previous request looked like."""
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(daemon.endpoint)
+    s.send_multipart([b"", msgpack.packb({"v": 1, "id": 1, "op": "ping"})])   # REQ-style
+    assert s.poll(5000) and s.recv_multipart()[0] == b""
+    s.send_multipart([b"x", b"y", b"z"])
+    assert s.poll(5000)
+    frames = s.recv_multipart()
+    assert len(frames) == 1 and msgpack.unpackb(frames[0])["error"]["code"] == "malformed"
+    s.close()

@@ -428,8 +428,10 @@ class Client:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 if self._pending.pop(fut.rid, None) is not None:
-                    # given up: a late reply finds no entry, is dropped, its lease released
-                    raise Timeout(f"{op}: no reply within {timeout}s")
+                    # given up: a late reply finds no entry, is dropped, its lease released;
+                    # the call ends with this Timeout (waiting on it again raises it at once)
+                    fut.set_exception(Timeout(f"{op}: no reply within {timeout}s"))
+                    break
                 while not fut.state:   # the reader took it a moment ago: it is being set
                     fut.wait(0.002)
                 break
