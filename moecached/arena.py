@@ -88,6 +88,19 @@ def _class_bytes(sc, n: int, page: int) -> int:
     return sum(_round_up(n * int(sc.part_bytes[p]), page) for p in sc.parts)
 
 
+def smallest_budget(index, page_size: int = mmap.PAGESIZE) -> int:
+    """Bytes of the smallest arena :func:`plan_slots` accepts (every size class >= 1 slot).
+
+    Raises :class:`ArenaError` when the index has no size classes.
+    """
+    classes = list(index.size_classes)
+    if not classes:
+        raise ArenaError("index has no size classes (no routed experts found); check the model file")
+    weights = {sc.id: len(sc.layers) * int(index.n_experts) for sc in classes}
+    fmin = max(Fraction(1, w) for w in weights.values())
+    return sum(_class_bytes(sc, int(fmin * weights[sc.id]), page_size) for sc in classes)
+
+
 def plan_slots(index, *, budget_bytes: int | None = None, slots: int | None = None,
                page_size: int = mmap.PAGESIZE) -> dict[int, int]:
     """Slots per size class id for a budget in bytes or a total slot count (exactly one given).
@@ -131,8 +144,8 @@ def plan_slots(index, *, budget_bytes: int | None = None, slots: int | None = No
             best = Fraction(k_ok, w)
     got = counts(best) if best is not None else {sc.id: 0 for sc in classes}
     if min(got.values()) < 1:
-        fmin = max(Fraction(1, w) for w in weights.values())
-        need = cost(fmin)
+        need = (smallest_budget(index, page_size) if budget_bytes is not None
+                 else cost(max(Fraction(1, w) for w in weights.values())))
         unit = "bytes" if budget_bytes is not None else "slots"
         raise ArenaError(
             f"budget {limit} {unit} gives size class(es) "

@@ -39,8 +39,36 @@ def _budget_bytes(cfg: C.Config, cache) -> int | None:
     return None
 
 
-def _apply_live(key: str, new: C.Config, server, cache, floor):
-    """Apply one changed key to the running daemon. True when applied, else why not."""
+def _floor_min_budget(cfg: C.Config, cache) -> int:
+    """``min_budget`` for the floor: the configured one, raised (with a warning) to the
+    smallest arena the model can run with, so the floor never asks for an impossible size."""
+    if cfg.min_budget is None:
+        return min_budget_for(cache.index, cache)
+    from .arena import smallest_budget
+    least = smallest_budget(cache.index)
+    if cfg.min_budget < least:
+        log.warning("min_budget = %d bytes is below the smallest budget this model runs with "
+                    "(%d bytes: one slot per size class); the floor uses %d", cfg.min_budget, least, least)
+        return least
+    return cfg.min_budget
+
+
+def _make_floor(cfg: C.Config, cache, configured_budget: int):
+    from .floor import MemoryFloor
+    return MemoryFloor(cfg.floor, cfg.floor_hysteresis, configured_budget,
+                       _floor_min_budget(cfg, cache),
+                       cache.set_budget, interval=cfg.floor_interval_s,
+                       min_change_interval=cfg.floor_min_change_s,
+                       log=logging.getLogger("moecached.floor"))
+
+
+def _apply_live(key: str, new: C.Config, server, cache, floor_box: dict):
+    """Apply one changed key to the running daemon. True when applied, else why not.
+
+    ``floor_box["floor"]`` is the running MemoryFloor or None; turning the floor on creates
+    one (the server's periodic task drives it), turning it off drops it and gives the cache
+    back its configured budget."""
+    floor = floor_box["floor"]
     if key == "log_level":
         logging.getLogger().setLevel(new.log_level.upper())
     elif key == "heartbeat_s":
@@ -65,12 +93,22 @@ def _apply_live(key: str, new: C.Config, server, cache, floor):
             floor.reconfigure(configured_budget=want)
         cache.set_budget(want)
     elif key in ("floor", "floor_hysteresis", "min_budget", "floor_interval_s", "floor_min_change_s"):
-        if floor is None:
-            return "the floor was off at start"
+        configured = _budget_bytes(new, cache) or cache.arena.size
         if new.floor is None:
-            return "turning the floor off"
+            if floor is not None:  # off: the budget the floor took goes back to the cache
+                floor_box["floor"] = None
+                server.extra_stats = None
+                cache.set_budget(configured)
+                log.info("memory floor off; budget back to %d bytes", configured)
+            return True
+        server.tick_s = min(1.0, new.floor_interval_s)
+        if floor is None:      # on: starts with the next periodic tick
+            floor = floor_box["floor"] = _make_floor(new, cache, configured)
+            server.extra_stats = lambda: {"floor": floor.stats()}
+            log.info("memory floor on at %d bytes available", new.floor)
+            return True
         floor.reconfigure(floor_bytes=new.floor, hysteresis_bytes=new.floor_hysteresis,
-                          min_budget=new.min_budget)
+                          min_budget=_floor_min_budget(new, cache))
         floor.interval = new.floor_interval_s
         floor.min_change_interval = new.floor_min_change_s
     else:
@@ -88,7 +126,8 @@ def min_budget_for(index, cache) -> int:
 
 
 def build(cfg: C.Config):
-    """Index + cache + (floor) + server for a validated Config. Returns (server, cache, floor)."""
+    """Index + cache + (floor) + server for a validated Config. Returns (server, cache,
+    floor_box): ``floor_box["floor"]`` is the MemoryFloor or None (SIGHUP may switch it)."""
     from .cache import ExpertCache
     from .index import open_index
     from .server import Server
@@ -107,18 +146,12 @@ def build(cfg: C.Config):
         os.chmod(cache.arena.path, cfg.arena_mode)
         if gid is not None:
             os.chown(cache.arena.path, -1, gid)
-        floor = None
-        if cfg.floor is not None:
-            from .floor import MemoryFloor
-            floor = MemoryFloor(cfg.floor, cfg.floor_hysteresis, cache.arena.size,
-                                cfg.min_budget if cfg.min_budget is not None else min_budget_for(idx, cache),
-                                cache.set_budget, interval=cfg.floor_interval_s,
-                                min_change_interval=cfg.floor_min_change_s,
-                                log=logging.getLogger("moecached.floor"))
+        floor_box = {"floor": _make_floor(cfg, cache, cache.arena.size) if cfg.floor is not None else None}
 
         watchdog = notify.watchdog_ping if notify.watchdog_interval() else None
 
         def on_tick(now):
+            floor = floor_box["floor"]
             if floor is not None:
                 floor.tick(now)
             if watchdog is not None:
@@ -130,18 +163,19 @@ def build(cfg: C.Config):
                         max_request_experts=cfg.max_request_experts,
                         max_message_bytes=cfg.max_message_bytes,
                         acquire_timeout_s=cfg.pressure_timeout_s if cfg.on_pressure == "wait" else None)
+        floor = floor_box["floor"]
         if floor is not None:
             server.extra_stats = lambda: {"floor": floor.stats()}
     except BaseException:
         cache.close()
         raise
-    return server, cache, floor
+    return server, cache, floor_box
 
 
 def run(cfg: C.Config) -> int:
     """Run the daemon until SIGTERM/SIGINT. Returns the process exit code."""
     try:
-        server, cache, floor = build(cfg)
+        server, cache, floor_box = build(cfg)
     except MoecacheError as e:
         log.error("%s", e)
         _notify(f"STATUS=failed: {e}")
@@ -162,7 +196,7 @@ def run(cfg: C.Config) -> int:
         changes, restart = C.reload_changes(old, new)
         applied = []
         for key in list(changes):
-            ok = _apply_live(key, new, server, cache, floor)
+            ok = _apply_live(key, new, server, cache, floor_box)
             if ok is True:
                 applied.append(key)
             else:

@@ -174,3 +174,44 @@ def test_sighup_applies_what_it_says(model, tmp_path):
         out = stop_daemon(d)
     assert "SIGHUP: applied" in out and "max_request_experts" in out and "slots" in out, out
     assert "need a restart: readers" in out, out
+
+
+def test_sighup_turns_the_floor_on_and_off(model, tmp_path):
+    """A floor above all the box's memory switched on by SIGHUP shrinks the cache to its
+    minimum at the next tick; switched off again, the cache gets its configured budget back."""
+    import psutil
+    conf = tmp_path / "f.toml"
+    conf.write_text('slots = 32\n')
+    sock = str(tmp_path / "d.sock")
+    d = start_daemon(model, sock, "--config", str(conf), "--log-level", "info")
+    try:
+        with Client(f"ipc://{sock}") as c:
+            st = c.stats()
+            full = st["budget"]["configured_bytes"]
+            assert "floor" not in st and st["budget"]["current_bytes"] == full
+            huge = psutil.virtual_memory().total * 4
+            conf.write_text(f'slots = 32\nfloor = {huge}\nfloor_interval_s = 0.2\nmin_budget = "1MiB"\n')
+            d.send_signal(signal.SIGHUP)
+            t0 = time.time()
+            while time.time() - t0 < 10:
+                st = c.stats()
+                if "floor" in st and st["budget"]["current_bytes"] < full:
+                    break
+                time.sleep(0.1)
+            assert "floor" in st and st["budget"]["current_bytes"] < full, st.get("budget")
+            conf.write_text('slots = 32\n')
+            d.send_signal(signal.SIGHUP)
+            t0 = time.time()
+            while time.time() - t0 < 10:
+                st = c.stats()
+                if "floor" not in st and st["budget"]["current_bytes"] == full:
+                    break
+                time.sleep(0.1)
+            assert "floor" not in st and st["budget"]["current_bytes"] == full, st.get("budget")
+            c.acquire(c.expert_layers[0], list(range(8))).release()   # still serving at full size
+    finally:
+        out = stop_daemon(d)
+    assert "memory floor on" in out and "memory floor off" in out, out
+    assert "need a restart" not in out, out
+    # min_budget under what the model can run with is raised, said once, and the shrink works
+    assert "below the smallest budget this model runs with" in out and "failed" not in out, out
