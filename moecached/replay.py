@@ -442,23 +442,27 @@ def replay(client, trace, *, compute_ms: float = 0.0, attn_frac: float = 0.3,
     if bar is not None:
         bar.close()
 
-    # all-resident pass: one step's experts, over and over
-    last = sets[n_steps - 1]
-    for li in range(L):
-        if last[li]:
-            acq(ex_layers[li], last[li]).release()
-    client.ping()
-    h0 = client.stats()["hits"]
-    o0 = pc()
-    n_acq = 0
-    for _ in range(overhead_tokens):
+    # all-resident pass: one step's experts, over and over. Skipped while the daemon records a
+    # trace: those made-up tokens would enter it as if the engine had routed them.
+    tracing = s1.get("tracing")
+    o_wall = n_acq = 0
+    all_hit = None
+    if overhead_tokens > 0 and not tracing:
+        last = sets[n_steps - 1]
         for li in range(L):
             if last[li]:
-                acq(ex_layers[li], last[li], tag="decode").release()
-                n_acq += 1
-    client.ping()
-    o_wall = pc() - o0
-    all_hit = client.stats()["hits"] - h0 == sum(len(x) for x in last) * overhead_tokens
+                acq(ex_layers[li], last[li]).release()
+        client.ping()
+        h0 = client.stats()["hits"]
+        o0 = pc()
+        for _ in range(overhead_tokens):
+            for li in range(L):
+                if last[li]:
+                    acq(ex_layers[li], last[li], tag="decode").release()
+                    n_acq += 1
+        client.ping()
+        o_wall = pc() - o0
+        all_hit = client.stats()["hits"] - h0 == sum(len(x) for x in last) * overhead_tokens
 
     d = {k: s1.get(k, 0) - s_mid.get(k, 0) for k in _DELTA_KEYS}
     CT = p.counted_tokens
@@ -491,9 +495,12 @@ def replay(client, trace, *, compute_ms: float = 0.0, attn_frac: float = 0.3,
         "read_gbps": d["bytes_read"] / wall / 1e9 if wall > 0 else float("nan"),
         "read_latency": s1.get("read_latency", {}),
         "gbps": gbps, "gbps_source": gbps_source if gbps else None,
-        "overhead_ms_per_token": o_wall * 1e3 / overhead_tokens,
-        "overhead_us_per_acquire": o_wall * 1e6 / max(n_acq, 1),
-        "overhead_all_hits": bool(all_hit),
+        # None when the probe was skipped (the daemon was recording a trace, or overhead_tokens=0)
+        "overhead_ms_per_token": o_wall * 1e3 / overhead_tokens if n_acq else None,
+        "overhead_us_per_acquire": o_wall * 1e6 / n_acq if n_acq else None,
+        "overhead_all_hits": bool(all_hit) if all_hit is not None else None,
+        "overhead_skipped": ("the daemon is recording a trace" if tracing and overhead_tokens > 0
+                             else None),
         "fresh_daemon": bool(fresh), "other_clients": len(others),
     }
     res["drive_ceiling_tok_s"], res["ceiling_gbps"], res["ceiling_gbps_source"] = \
@@ -597,8 +604,10 @@ def format_table(results, title: str = "") -> str:
         ("read latency p50/p99 ms", lambda r: f"{r['read_latency'].get('p50_us', 0) / 1e3:.1f}"
                                               f"/{r['read_latency'].get('p99_us', 0) / 1e3:.1f}"),
         ("drive ceiling tok/s", _ceiling_cell),
-        ("daemon overhead ms/token", lambda r: f"{r['overhead_ms_per_token']:.2f} "
-                                               f"({r['overhead_us_per_acquire']:.0f} us/acquire)"),
+        ("daemon overhead ms/token", lambda r: (f"{r['overhead_ms_per_token']:.2f} "
+                                                f"({r['overhead_us_per_acquire']:.0f} us/acquire)")
+                                               if r.get("overhead_ms_per_token") is not None
+                                               else f"skipped ({r.get('overhead_skipped') or 'off'})"),
     ]
     if any("sim" in r for r in results):
         def hr(r):

@@ -197,3 +197,24 @@ def test_replay_has_short_endpoint_flag():
     assert a.endpoint == "tcp://127.0.0.1:5555"
     assert build_parser().parse_args(["t.npz", "--endpoint", "ipc:///x"]).endpoint == "ipc:///x"
     assert "--endpoint ENDPOINT, -e ENDPOINT" in build_parser().format_help()
+
+
+def test_replay_while_tracing_records_only_the_trace_tokens(daemon, tmp_path):
+    """While the daemon records a trace, replay skips its all-resident overhead probe, whose
+    made-up tokens would otherwise enter the recording; the recording then holds exactly the
+    replayed tokens, with their experts."""
+    from moecached.trace import load_trace as load
+    t = sliced(qwen_trace(), 2, 60)
+    d, c = daemon(128)
+    out = tmp_path / "rec.npz"
+    try:
+        c.trace_start(str(out))
+        r = replay(c, t, warm_tokens=10, tokens=30, lookahead=0, overhead_tokens=5)
+        c.trace_stop()
+    finally:
+        c.close()
+    assert r["overhead_ms_per_token"] is None and r["overhead_skipped"] == "the daemon is recording a trace"
+    rec = load(out)
+    assert rec.experts.shape[:2] == (40, 2)
+    want = np.sort(t.experts[:40], axis=2)
+    assert np.array_equal(np.sort(rec.experts, axis=2)[:, :, :want.shape[2]], want)
