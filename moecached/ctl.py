@@ -17,6 +17,7 @@ COMMANDS = {
     "status": ("moecached.ctlstats", "status_main", "ask a running daemon for its status"),
     "stats": ("moecached.ctlstats", "stats_main", "ask a running daemon for its counters"),
     "trace": ("moecached.ctlstats", "trace_main", "start/stop routing-trace recording in the daemon"),
+    "metrics": ("moecached.metrics", "main", "serve the daemon's counters to Prometheus (HTTP exporter)"),
     "policy": ("moecached.simulate", "main", "replay routing traces through cache policies (simulator)"),
     "replay": ("moecached.replay", "main", "replay a routing trace against a live daemon"),
     "guard": ("moecached.guard", "main", "run a command, kill it if MemAvailable falls under a floor"),

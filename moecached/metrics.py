@@ -1,0 +1,360 @@
+"""``moecache-ctl metrics``: a Prometheus exporter for a running moecached (sidecar process).
+
+Serves the Prometheus text format over HTTP (``prometheus_client``'s registry and server). Every
+scrape asks the daemon for ``stats`` once, over one long-lived client connection, and turns the
+reply into metric families (:class:`StatsCollector`). A daemon that cannot be reached does not
+fail the scrape: it exposes ``moecached_up 0`` and nothing else. ``--once`` prints one scrape to
+stdout and exits (tests, cron, a quick look).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+from . import MoecacheError
+
+CLIENT_NAME = "moecache-metrics"  # how the exporter's own connection shows in the daemon's stats
+
+# stats key -> (metric name without prefix, help). Counters get ``_total`` from prometheus_client.
+COUNTERS = {
+    "hits": ("hits", "requested experts already resident when asked for"),
+    "prefetch_hits": ("prefetch_hits", "requested experts a prefetch had brought in (or was bringing in)"),
+    "demand_misses": ("demand_misses", "requested experts read while the client waited"),
+    "prefetches": ("prefetches", "prefetch reads queued"),
+    "prefetches_dropped": ("prefetches_dropped", "prefetches refused: max_prefetch_loads already in flight"),
+    "wasted_prefetches": ("wasted_prefetches", "prefetched experts evicted before anyone used them"),
+    "evictions": ("evictions", "slots reclaimed for other experts"),
+    "bytes_read": ("read_bytes", "bytes read from the model files"),
+    "reads": ("reads", "completed expert reads"),
+    "read_errors": ("read_errors", "failed expert reads"),
+    "acquires_queued": ("acquires_queued", "requests that had to wait for a slot"),
+    "shrink_events": ("budget_shrinks", "times the memory floor shrank the cache budget"),
+    "grow_events": ("budget_grows", "times the memory floor grew the cache budget back"),
+}
+GAUGES = {
+    "reads_in_flight": ("reads_in_flight", "expert reads queued or running now"),
+    "prefetch_loads_in_flight": ("prefetch_loads_in_flight", "prefetch loads in flight now"),
+    "leases_open": ("leases_open", "leases held by clients now"),
+    "waiting": ("acquires_waiting", "requests waiting for a slot now"),
+    "pinned": ("pinned_slots", "slots pinned by open leases now"),
+    "uptime_s": ("uptime_seconds", "seconds since the daemon started"),
+}
+SERVER_COUNTERS = ("requests", "errors", "malformed", "undeliverable", "clients_dropped")
+CLASS_GAUGES = ("slots", "slots_max", "used", "pinned", "loading", "free")
+CLASS_COUNTERS = LAYER_COUNTERS = ("hits", "demand_misses", "prefetch_hits", "reads")
+CLIENT_COUNTERS = ("requests", "acquires", "hits", "prefetch_hits", "demand_misses", "prefetches", "errors")
+
+
+def _prometheus():
+    try:
+        import prometheus_client
+        import prometheus_client.core  # noqa: F401 (the *MetricFamily classes)
+    except ImportError:
+        raise MoecacheError("prometheus-client is not installed: pip install 'moecached[metrics]'") from None
+    return prometheus_client
+
+
+class StatsCollector:
+    """``prometheus_client`` collector: one daemon ``stats`` request per ``collect()``.
+
+    Metric names start with ``moecached_``; bytes are ``_bytes``, durations ``_seconds``,
+    counters ``_total`` (values are counts since the daemon started, so they reset when it
+    restarts). Families (labels in braces):
+
+    * ``up`` 1 if the daemon answered this scrape, else 0 -- and then nothing else is exposed;
+      ``info{version,model,policy}`` 1; ``tracing`` 1 while a routing trace is recorded.
+    * counters: ``hits``, ``prefetch_hits``, ``demand_misses``, ``prefetches``,
+      ``prefetches_dropped``, ``wasted_prefetches``, ``evictions``, ``read_bytes``, ``reads``,
+      ``read_errors``, ``acquires_queued``, ``budget_shrinks``,
+      ``budget_grows``, ``server_{requests,errors,malformed,undeliverable,clients_dropped}``,
+      ``reader_chunk_reads``, ``reader_jobs``.
+    * gauges: ``reads_in_flight``, ``prefetch_loads_in_flight``, ``leases_open``,
+      ``acquires_waiting``, ``pinned_slots``, ``uptime_seconds``, ``budget_configured_bytes``,
+      ``budget_current_bytes``, ``reader_queued_jobs{queue=demand|prefetch}``.
+    * ``read_latency_seconds`` summary: ``_count``, ``_sum`` over the run, ``quantile`` 0.5 and
+      0.99 over the last 8192 reads (absent before the first read); ``read_latency_max_seconds``.
+      ``reader_job_latency_seconds`` histogram (the reader pool's fixed buckets, no ``_sum``).
+    * per size class ``{size_class}``: gauges ``class_slot_size_bytes``, ``class_slots``,
+      ``class_slots_max``, ``class_{used,pinned,loading,free}_slots``; counters
+      ``class_{hits,demand_misses,prefetch_hits,reads}``.
+    * per layer ``{layer}``: counters ``layer_{hits,demand_misses,prefetch_hits,reads}``.
+    * per connected client ``{client,pid}`` (the exporter's own connection left out; clients
+      sharing name and pid are summed): counters ``client_{requests,acquires,hits,prefetch_hits,
+      demand_misses,prefetches,errors}``, ``client_stall_seconds``; gauges ``client_leases``,
+      ``client_pending_acquires``, ``client_idle_seconds``; ``clients`` (connected, gauge).
+    * memory floor, only while it is on: gauges ``floor_bytes``, ``floor_hysteresis_bytes``,
+      ``floor_min_budget_bytes``, ``floor_available_bytes``, ``floor_at_min``; counters
+      ``floor_{shrinks,grows,errors}``.
+
+    Args:
+        endpoint: the daemon's ZeroMQ endpoint.
+        timeout: seconds one scrape waits for the daemon (connect or reply).
+    Raises:
+        MoecacheError: prometheus-client is not installed. Errors reaching the daemon never
+        raise: they give ``moecached_up 0`` (and one line on stderr when the error changes).
+    """
+
+    def __init__(self, endpoint: str, timeout: float = 2.0):
+        self._core = _prometheus().core
+        self.endpoint, self.timeout = endpoint, timeout
+        self._client = None
+        self._lock = threading.Lock()  # concurrent scrapes share one connection
+        self._last_error = None
+
+    def close(self) -> None:
+        """Drop the connection to the daemon (the next scrape opens a new one)."""
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:
+                pass
+            self._client = None
+
+    def fetch(self) -> dict | None:
+        """The daemon's ``stats`` reply, or None if it cannot be reached within ``timeout``."""
+        with self._lock:
+            try:
+                if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
+                    raise MoecacheError(f"socket file {self.endpoint[6:]} does not exist")
+                if self._client is None:
+                    from moecache_client import Client
+                    self._client = Client(self.endpoint, name=CLIENT_NAME, timeout=self.timeout,
+                                          connect_timeout=self.timeout, map_arena=False)
+                st = self._client.stats()
+            except Exception as e:  # down, restarted, timed out: reconnect on the next scrape
+                self._drop()
+                msg = f"moecache-ctl metrics: cannot reach moecached at {self.endpoint}: {e}"
+                if msg != self._last_error:
+                    print(msg, file=sys.stderr, flush=True)
+                self._last_error = msg
+                return None
+            self._last_error = None
+            return st
+
+    def collect(self):
+        """Yield the metric families of one scrape (see the class docstring)."""
+        core = self._core
+        st = self.fetch()
+        up = core.GaugeMetricFamily("moecached_up", "1 if moecached answered this scrape, else 0")
+        up.add_metric([], 0 if st is None else 1)
+        yield up
+        if st is None:
+            return
+        yield from self._families(st)
+
+    def _families(self, st: dict):
+        core = self._core
+
+        def single(kind, name, help_, value):
+            if not isinstance(value, (int, float)):  # absent or None: left out
+                return None
+            f = (core.CounterMetricFamily if kind == "c" else core.GaugeMetricFamily)(f"moecached_{name}", help_)
+            f.add_metric([], float(value))
+            return f
+
+        info = core.InfoMetricFamily("moecached", "the daemon instance")
+        info.add_metric([], {k: str(st.get(k, "")) for k in ("version", "model", "policy")})
+        out = [info, single("g", "tracing", "1 while a routing trace is recorded", bool(st.get("tracing")))]
+        for table, kind in ((COUNTERS, "c"), (GAUGES, "g")):
+            for key, (name, help_) in table.items():
+                if key in st:
+                    out.append(single(kind, name, help_, st[key]))
+        for key in ("configured", "current"):
+            v = (st.get("budget") or {}).get(f"{key}_bytes")
+            out.append(single("g", f"budget_{key}_bytes", f"cache budget, {key}", v))
+        server = st.get("server") or {}
+        for key in SERVER_COUNTERS:
+            out.append(single("c", f"server_{key}", f"server {key.replace('_', ' ')} (all clients)",
+                              server.get(key, 0)))
+        out += self._latency(st.get("read_latency") or {}, st.get("readers") or {})
+        out += self._classes(st.get("classes") or [])
+        out += self._layers(st.get("layers") or {})
+        out += self._clients(st.get("clients") or [])
+        if isinstance(st.get("floor"), dict):
+            out += self._floor(st["floor"])
+        return [f for f in out if f is not None]
+
+    def _latency(self, lat: dict, rd: dict):
+        core, out = self._core, []
+        s = core.SummaryMetricFamily("moecached_read_latency_seconds",
+                                     "expert read latency; quantiles over the last 8192 reads")
+        n = int(lat.get("count") or 0)
+        s.add_metric([], n, (lat.get("mean_us") or 0.0) * n / 1e6)
+        for q in ("50", "99"):
+            v = lat.get(f"p{q}_us")
+            if v is not None:
+                s.add_sample(s.name, {"quantile": str(int(q) / 100)}, v / 1e6)
+        out.append(s)
+        if lat.get("max_us") is not None:
+            g = core.GaugeMetricFamily("moecached_read_latency_max_seconds", "slowest expert read")
+            g.add_metric([], lat["max_us"] / 1e6)
+            out.append(g)
+        if rd:
+            for key, name, help_ in (("reads", "reader_chunk_reads", "chunk reads issued by the reader pool"),
+                                     ("jobs", "reader_jobs", "read jobs the reader pool finished")):
+                if key in rd:
+                    c = core.CounterMetricFamily(f"moecached_{name}", help_)
+                    c.add_metric([], rd[key])
+                    out.append(c)
+            q = core.GaugeMetricFamily("moecached_reader_queued_jobs", "read jobs not started yet",
+                                       labels=["queue"])
+            for k in ("demand", "prefetch"):
+                q.add_metric([k], rd.get(f"queued_{k}", 0))
+            out.append(q)
+            edges, hist = rd.get("latency_edges_s"), rd.get("latency_hist")
+            if edges and hist and len(hist) == len(edges) + 1:
+                acc, buckets = 0, []
+                for le, c in zip([repr(float(e)) for e in edges] + ["+Inf"], hist):
+                    acc += c
+                    buckets.append((le, acc))
+                h = core.HistogramMetricFamily("moecached_reader_job_latency_seconds",
+                                               "read job latency in the reader pool")
+                h.add_metric([], buckets, None)
+                out.append(h)
+        return out
+
+    def _classes(self, classes: list):
+        core = self._core
+        names = {"slots": "class_slots", "slots_max": "class_slots_max"}
+        out = {}
+        for key in CLASS_GAUGES:
+            out[key] = core.GaugeMetricFamily(f"moecached_{names.get(key, f'class_{key}_slots')}",
+                                              f"slots per size class: {key.replace('_', ' ')}",
+                                              labels=["size_class"])
+        out["slot_bytes"] = core.GaugeMetricFamily("moecached_class_slot_size_bytes",
+                                                   "bytes per slot of the size class", labels=["size_class"])
+        for key in CLASS_COUNTERS:
+            out["c_" + key] = core.CounterMetricFamily(f"moecached_class_{key}",
+                                                       f"{key.replace('_', ' ')} per size class",
+                                                       labels=["size_class"])
+        for c in classes:
+            lab = [str(c.get("id"))]
+            for key in CLASS_GAUGES + ("slot_bytes",):
+                if key in c:
+                    out[key].add_metric(lab, c[key])
+            for key in CLASS_COUNTERS:
+                if key in c:
+                    out["c_" + key].add_metric(lab, c[key])
+        return list(out.values())
+
+    def _layers(self, layers: dict):
+        core = self._core
+        out = []
+        for key in LAYER_COUNTERS:
+            f = core.CounterMetricFamily(f"moecached_layer_{key}", f"{key.replace('_', ' ')} per layer",
+                                         labels=["layer"])
+            for layer, d in sorted(layers.items(), key=lambda kv: int(kv[0])):
+                if key in d:
+                    f.add_metric([str(layer)], d[key])
+            out.append(f)
+        return out
+
+    def _clients(self, clients: list):
+        core = self._core
+        merged: dict[tuple, dict] = {}
+        for c in clients:
+            lab = (str(c.get("name", c.get("id", ""))), str(c.get("pid", "")))
+            if lab == (CLIENT_NAME, str(os.getpid())):
+                continue  # this exporter
+            m = merged.setdefault(lab, {})
+            for k, v in c.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "pid":
+                    m[k] = min(m[k], v) if k == "idle_s" and k in m else m.get(k, 0) + v
+        n = core.GaugeMetricFamily("moecached_clients", "clients connected now (the exporter not counted)")
+        n.add_metric([], sum(1 for c in clients
+                             if (c.get("name"), str(c.get("pid"))) != (CLIENT_NAME, str(os.getpid()))))
+        fams = [("c", k, f"moecached_client_{k}", f"{k.replace('_', ' ')} of the client") for k in CLIENT_COUNTERS]
+        fams += [("c", "stall_s", "moecached_client_stall_seconds", "time the client's acquires waited for reads"),
+                 ("g", "leases", "moecached_client_leases", "leases the client holds now"),
+                 ("g", "pending", "moecached_client_pending_acquires", "acquires of the client waiting now"),
+                 ("g", "idle_s", "moecached_client_idle_seconds", "seconds since the client's last request")]
+        out = [n]
+        for kind, key, name, help_ in fams:
+            cls = core.CounterMetricFamily if kind == "c" else core.GaugeMetricFamily
+            f = cls(name, help_, labels=["client", "pid"])
+            for lab, m in merged.items():
+                if key in m:
+                    f.add_metric(list(lab), m[key])
+            out.append(f)
+        return out
+
+    def _floor(self, fl: dict):
+        core = self._core
+        out = []
+        for key, name, help_ in (("floor_bytes", "floor_bytes", "memory floor: available memory kept free"),
+                                 ("hysteresis_bytes", "floor_hysteresis_bytes", "grow back above floor + this"),
+                                 ("min_budget", "floor_min_budget_bytes", "the floor never shrinks the cache below"),
+                                 ("available", "floor_available_bytes", "available memory at the last sample"),
+                                 ("at_min", "floor_at_min", "1 while the cache is at its minimum budget")):
+            v = fl.get(key)
+            if isinstance(v, (int, float)):
+                g = core.GaugeMetricFamily(f"moecached_{name}", help_)
+                g.add_metric([], float(v))
+                out.append(g)
+        for key in ("shrinks", "grows", "errors"):
+            if isinstance(fl.get(key), (int, float)):
+                c = core.CounterMetricFamily(f"moecached_floor_{key}", f"memory floor {key}")
+                c.add_metric([], fl[key])
+                out.append(c)
+        return out
+
+
+def _listen(v: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``[V6ADDR]:PORT`` or ``:PORT`` (all interfaces) -> (host, port)."""
+    host, sep, port = v.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        port = ""  # a bare IPv6 address: ambiguous
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{v!r}: expected HOST:PORT or :PORT (port 1-65535)")
+    return host or "0.0.0.0", int(port)
+
+
+def main(argv) -> int:
+    """``moecache-ctl metrics``: serve the exporter until killed (or ``--once``). Returns 0.
+
+    Raises:
+        MoecacheError: prometheus-client missing, or the listen address cannot be bound.
+    """
+    from moecache_client import DEFAULT_ENDPOINT
+
+    from .ctlstats import _positive
+    p = argparse.ArgumentParser(prog="moecache-ctl metrics",
+                                description="Prometheus exporter: serves the daemon's counters at "
+                                            "http://LISTEN/metrics, one stats request per scrape")
+    p.add_argument("--endpoint", "-e", default=DEFAULT_ENDPOINT, help="daemon endpoint (default %(default)s)")
+    p.add_argument("--listen", type=_listen, default="127.0.0.1:9464",
+                   help="HOST:PORT or :PORT (all interfaces) to serve on (default %(default)s)")
+    p.add_argument("--timeout", type=_positive, default=2.0, help="seconds per scrape to wait for the daemon")
+    p.add_argument("--once", action="store_true", help="print one scrape to stdout and exit")
+    a = p.parse_args(argv)
+    pc = _prometheus()
+    registry = pc.CollectorRegistry(auto_describe=False)
+    collector = StatsCollector(a.endpoint, a.timeout)
+    registry.register(collector)
+    if a.once:
+        try:
+            sys.stdout.write(pc.generate_latest(registry).decode())
+        finally:
+            collector.close()
+        return 0
+    host, port = a.listen
+    try:
+        pc.start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise MoecacheError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    print(f"moecache-ctl metrics: serving http://{host}:{port}/metrics for {a.endpoint}",
+          file=sys.stderr, flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        collector.close()

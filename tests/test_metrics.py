@@ -1,0 +1,178 @@
+"""``moecache-ctl metrics``: the Prometheus exporter against a real daemon."""
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from daemon_util import start_daemon, stop_daemon  # noqa: E402
+from moecache_client import Client  # noqa: E402
+from moecached.metrics import StatsCollector, _listen  # noqa: E402
+
+CTL = [sys.executable, "-P", "-m", "moecached.ctl", "metrics"]
+
+
+@pytest.fixture
+def model(model_factory):
+    # real Qwen3-30B-A3B Q4_K_M sizes; these blocks give two slot-size classes
+    return model_factory("qwen3-30b-a3b-Q4_K_M", layers=[0, 6, 7, 8], experts=8)
+
+
+def samples(text: str) -> dict:
+    """{(sample name, ((label, value), ...)): value} of a Prometheus text exposition."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def work(c: Client, experts) -> None:
+    """One acquire per expert layer of ``experts``, released at once."""
+    for layer in c.expert_layers:
+        c.acquire(layer, experts).release()
+
+
+def test_collector_matches_daemon_stats(model, tmp_path):
+    sock = str(tmp_path / "d.sock")
+    d = start_daemon(model, sock, "--slots", "32", "--floor", "1MiB")
+    try:
+        # no pings during the test: the engine's request count stays put between the two reads
+        with Client(f"ipc://{sock}", name="engine-a", heartbeat_s=600, map_arena=False) as eng:
+            work(eng, [1, 2])      # misses
+            work(eng, [1, 2, 3])   # hits + one miss per layer
+            with Client(f"ipc://{sock}", name="watch", heartbeat_s=600, map_arena=False) as w:
+                st = w.stats()
+            reg = CollectorRegistry(auto_describe=False)
+            col = StatsCollector(f"ipc://{sock}", timeout=5)
+            reg.register(col)
+            try:
+                m = samples(generate_latest(reg).decode())
+            finally:
+                col.close()
+            once = subprocess.run(CTL + ["--once", "-e", f"ipc://{sock}"], capture_output=True,
+                                  text=True, timeout=60)
+    finally:
+        stop_daemon(d)
+    assert m[("moecached_up", ())] == 1
+    assert st["hits"] > 0 and st["demand_misses"] > 0
+    assert m[("moecached_hits_total", ())] == st["hits"]
+    assert m[("moecached_demand_misses_total", ())] == st["demand_misses"]
+    assert m[("moecached_prefetch_hits_total", ())] == st["prefetch_hits"]
+    assert m[("moecached_read_bytes_total", ())] == st["bytes_read"]
+    assert m[("moecached_reads_total", ())] == st["reads"]
+    assert m[("moecached_evictions_total", ())] == st["evictions"]
+    assert m[("moecached_budget_configured_bytes", ())] == st["budget"]["configured_bytes"]
+    assert m[("moecached_read_latency_seconds_count", ())] == st["read_latency"]["count"]
+    assert len(st["classes"]) == 2
+    for c in st["classes"]:
+        lab = (("size_class", str(c["id"])),)
+        assert m[("moecached_class_slots", lab)] == c["slots"]
+        assert m[("moecached_class_used_slots", lab)] == c["used"]
+        assert m[("moecached_class_slot_size_bytes", lab)] == c["slot_bytes"]
+    for layer, x in st["layers"].items():
+        assert m[("moecached_layer_hits_total", (("layer", layer),))] == x["hits"]
+    (eng_st,) = [x for x in st["clients"] if x["name"] == "engine-a"]
+    lab = (("client", "engine-a"), ("pid", str(os.getpid())))
+    assert m[("moecached_client_requests_total", lab)] == eng_st["requests"]
+    assert m[("moecached_client_hits_total", lab)] == eng_st["hits"]
+    assert m[("moecached_client_demand_misses_total", lab)] == eng_st["demand_misses"]
+    assert m[("moecached_floor_bytes", ())] == 1 << 20
+    # the exporter leaves its own connection out
+    assert not [k for k in m if k[0].startswith("moecached_client_") and ("client", "moecache-metrics") in k[1]]
+    assert once.returncode == 0, once.stderr
+    m1 = samples(once.stdout)
+    assert m1[("moecached_up", ())] == 1
+    assert m1[("moecached_hits_total", ())] == st["hits"]
+
+
+def test_http_exporter_counts_up_and_follows_daemon_restart(model, tmp_path):
+    sock = str(tmp_path / "d.sock")
+    d = start_daemon(model, sock, "--slots", "32")
+    port = free_port()
+    exp = subprocess.Popen(CTL + ["-e", f"ipc://{sock}", "--listen", f"127.0.0.1:{port}"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}/metrics"
+
+    def scrape():
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert r.status == 200
+            assert r.headers["Content-Type"].startswith("text/plain")
+            return samples(r.read().decode())
+
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                first = scrape()
+                break
+            except OSError:
+                assert exp.poll() is None, exp.communicate()
+                assert time.time() < deadline, "exporter did not come up"
+                time.sleep(0.1)
+        with Client(f"ipc://{sock}", name="engine-b", map_arena=False) as eng:
+            work(eng, [0, 1])
+            work(eng, [0, 1, 4])
+            n_acquires = 2 * len(eng.expert_layers)
+            second = scrape()
+        stop_daemon(d)
+        gone = scrape()
+        assert exp.poll() is None  # a vanished daemon does not end the exporter
+        d = start_daemon(model, sock, "--slots", "32")  # restarted: the exporter reconnects
+        deadline = time.time() + 20
+        while (back := scrape())[("moecached_up", ())] != 1 and time.time() < deadline:
+            time.sleep(0.2)
+    finally:
+        stop_daemon(d)
+        exp.terminate()
+        exp.wait(10)
+    assert first[("moecached_up", ())] == 1 and second[("moecached_up", ())] == 1
+    for name in ("moecached_hits_total", "moecached_demand_misses_total", "moecached_read_bytes_total",
+                 "moecached_reads_total"):
+        assert second[(name, ())] > first[(name, ())], name
+    lab = (("client", "engine-b"), ("pid", str(os.getpid())))
+    assert second[("moecached_client_acquires_total", lab)] == n_acquires
+    assert second[("moecached_clients", ())] == 1
+    assert gone == {("moecached_up", ()): 0}
+    assert back[("moecached_up", ())] == 1 and back[("moecached_hits_total", ())] == 0
+
+
+def test_once_without_daemon_reports_down(tmp_path):
+    r = subprocess.run(CTL + ["--once", "-e", f"ipc://{tmp_path}/nothing.sock"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert samples(r.stdout) == {("moecached_up", ()): 0}
+    assert len(r.stderr.strip().splitlines()) == 1 and "nothing.sock" in r.stderr
+
+
+def test_listen_values():
+    assert _listen("127.0.0.1:9464") == ("127.0.0.1", 9464)
+    assert _listen(":9100") == ("0.0.0.0", 9100)
+    assert _listen("[::1]:80") == ("::1", 80)
+    for bad in ("9464", "host:", "host:0", "host:70000", "::1:80", "h:x"):
+        with pytest.raises(Exception, match="HOST:PORT"):
+            _listen(bad)
+
+
+def test_bad_listen_is_one_line_error(tmp_path):
+    r = subprocess.run(CTL + ["--listen", "nonsense"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "--listen" in r.stderr.strip().splitlines()[-1] and "HOST:PORT" in r.stderr
+    with socket.socket() as busy:  # a port that is taken: exit 1, one line
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        r = subprocess.run(CTL + ["--listen", f"127.0.0.1:{busy.getsockname()[1]}",
+                                  "-e", f"ipc://{tmp_path}/nothing.sock"],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert len(r.stderr.strip().splitlines()) == 1 and "cannot listen" in r.stderr
