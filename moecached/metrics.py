@@ -31,6 +31,7 @@ COUNTERS = {
     "reads": ("reads", "completed expert reads"),
     "read_errors": ("read_errors", "failed expert reads"),
     "acquires_queued": ("acquires_queued", "requests that had to wait for a slot"),
+    "leases": ("leases", "leases granted"),
     "shrink_events": ("budget_shrinks", "times the memory floor shrank the cache budget"),
     "grow_events": ("budget_grows", "times the memory floor grew the cache budget back"),
 }
@@ -68,7 +69,7 @@ class StatsCollector:
       ``info{version,model,policy}`` 1; ``tracing`` 1 while a routing trace is recorded.
     * counters: ``hits``, ``prefetch_hits``, ``demand_misses``, ``prefetches``,
       ``prefetches_dropped``, ``wasted_prefetches``, ``evictions``, ``read_bytes``, ``reads``,
-      ``read_errors``, ``acquires_queued``, ``budget_shrinks``,
+      ``read_errors``, ``acquires_queued``, ``leases`` (granted), ``budget_shrinks``,
       ``budget_grows``, ``server_{requests,errors,malformed,undeliverable,clients_dropped}``,
       ``reader_chunk_reads``, ``reader_jobs``.
     * gauges: ``reads_in_flight``, ``prefetch_loads_in_flight``, ``leases_open``,

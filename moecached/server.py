@@ -645,7 +645,7 @@ class Server:
         st.update(uptime_s=round(time.time() - self.started, 3), pid=os.getpid(),
                   version=__version__, model=self.model_path, endpoint=self.endpoint,
                   session=self.session, fingerprint=self.index.fingerprint(),
-                  leases=len(self.leases), server=dict(self.counters),
+                  leases_held=len(self.leases), server=dict(self.counters),
                   clients=[c.summary() for c in self.clients.values()],
                   departed_clients=list(self.departed),
                   tracing=(self.recorder.path if self.recorder is not None else None))

@@ -72,6 +72,9 @@ def test_collector_matches_daemon_stats(model, tmp_path):
     assert m[("moecached_read_bytes_total", ())] == st["bytes_read"]
     assert m[("moecached_reads_total", ())] == st["reads"]
     assert m[("moecached_evictions_total", ())] == st["evictions"]
+    # `leases` is the cache's granted counter (2 x 4 layers, all released), not open leases
+    assert st["leases"] == 2 * len(st["layers"]) and st["leases_open"] == st["leases_held"] == 0
+    assert m[("moecached_leases_total", ())] == st["leases"]
     assert m[("moecached_budget_configured_bytes", ())] == st["budget"]["configured_bytes"]
     assert m[("moecached_read_latency_seconds_count", ())] == st["read_latency"]["count"]
     assert len(st["classes"]) == 2
