@@ -147,11 +147,16 @@ def test_second_daemon_refused(model, tmp_path):
         stop_daemon(d)
 
 
-def test_sighup_applies_what_it_says(model, tmp_path):
+def start_with_config(model, tmp_path, text: str):
+    """A daemon reading ``text`` as its TOML config file; returns (config path, socket, process)."""
     conf = tmp_path / "m.toml"
-    conf.write_text('max_request_experts = 16384\nslots = 32\n')
+    conf.write_text(text)
     sock = str(tmp_path / "d.sock")
-    d = start_daemon(model, sock, "--config", str(conf), "--log-level", "info")
+    return conf, sock, start_daemon(model, sock, "--config", str(conf), "--log-level", "info")
+
+
+def test_sighup_applies_what_it_says(model, tmp_path):
+    conf, sock, d = start_with_config(model, tmp_path, 'max_request_experts = 16384\nslots = 32\n')
     try:
         with Client(f"ipc://{sock}") as c:
             L = c.expert_layers
@@ -180,10 +185,7 @@ def test_sighup_turns_the_floor_on_and_off(model, tmp_path):
     """A floor above all the box's memory switched on by SIGHUP shrinks the cache to its
     minimum at the next tick; switched off again, the cache gets its configured budget back."""
     import psutil
-    conf = tmp_path / "f.toml"
-    conf.write_text('slots = 32\n')
-    sock = str(tmp_path / "d.sock")
-    d = start_daemon(model, sock, "--config", str(conf), "--log-level", "info")
+    conf, sock, d = start_with_config(model, tmp_path, 'slots = 32\n')
     try:
         with Client(f"ipc://{sock}") as c:
             st = c.stats()
