@@ -33,3 +33,22 @@ def file_problem(path: str) -> tuple[str | None, os.stat_result | None]:
     if st.st_size == 0:
         return "empty file (0 bytes)", st
     return None, st
+
+
+def read_head(path: str, n: int, error, expected: str, not_found: str) -> tuple[bytes, os.stat_result]:
+    """``(first n bytes, stat)`` of ``path`` after :func:`file_problem` found nothing wrong.
+
+    Raises ``error`` (an exception class taking one message) with one line:
+    ``"{path}: {not_found}"`` for a missing path, ``"{path}: {problem}, {expected}"`` for
+    anything else wrong (directory, device, empty, unreadable).
+    """
+    problem, st = file_problem(path)
+    if problem == NOT_FOUND:
+        raise error(f"{path}: {not_found}")
+    if problem:
+        raise error(f"{path}: {problem}, {expected}")
+    try:
+        with open(path, "rb") as f:
+            return f.read(n), st
+    except OSError as e:
+        raise error(f"{path}: cannot read ({e.strerror or e}), {expected}") from None

@@ -39,7 +39,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from . import MoecacheError
-from .files import NOT_FOUND, file_problem
+from .files import read_head
 
 try:
     GGUF_VERSION_STR = _pkg_version("gguf")
@@ -127,16 +127,8 @@ def _check_file(path: str) -> None:
     """Refuse (GGUFError, one line) what cannot be a GGUF file before gguf tries to map it:
     a missing path, a directory, a device / FIFO / socket, an empty or too short file, a
     file that cannot be opened."""
-    problem, st = file_problem(path)
-    if problem == NOT_FOUND:
-        raise GGUFError(f"{path}: file: found no such file, expected a GGUF model")
-    if problem:
-        raise GGUFError(f"{path}: {problem}, expected a GGUF file")
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except OSError as e:
-        raise GGUFError(f"{path}: cannot read ({e.strerror or e}), expected a GGUF file") from None
+    head, st = read_head(path, 4, GGUFError, "expected a GGUF file",
+                     not_found="file: found no such file, expected a GGUF model")
     if head != b"GGUF"[:len(head)]:
         raise GGUFError(f"{path}: magic: found {head!r}, expected b'GGUF'")
     if st.st_size < _GGUF_MIN_HEADER:

@@ -35,7 +35,7 @@ from typing import Optional
 import numpy as np
 
 from . import MoecacheError
-from .files import NOT_FOUND, file_problem
+from .files import read_head
 
 __all__ = ["Trace", "TraceError", "load_trace", "save_trace", "convert_jsonl", "convert_main",
            "TraceRecorder"]
@@ -181,16 +181,7 @@ def _one_line(ex: BaseException) -> str:
 def _open_npz(name: str):
     """``np.load`` of ``name`` after checking that it is a regular, non-empty zip file;
     TraceError (one line) for anything else."""
-    problem, _ = file_problem(name)
-    if problem == NOT_FOUND:
-        raise TraceError(f"{name}: file not found, expected a trace .npz")
-    if problem:
-        raise TraceError(f"{name}: {problem}, {_NOT_A_TRACE}")
-    try:
-        with open(name, "rb") as fh:
-            head = fh.read(6)
-    except OSError as ex:
-        raise TraceError(f"{name}: cannot read ({ex.strerror or ex}), {_NOT_A_TRACE}") from None
+    head, _ = read_head(name, 6, TraceError, _NOT_A_TRACE, not_found="file not found, expected a trace .npz")
     if head.startswith(b"\x93NUMPY"):
         raise TraceError(f"{name}: not a trace: a single .npy array, {_NOT_A_TRACE}")
     if not head.startswith(b"PK"):
