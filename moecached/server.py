@@ -88,6 +88,11 @@ class Server:
         socket_mode / gid: permissions of the ipc socket file (0660, service group).
         on_tick: optional callable(now) run about every ``tick_s`` seconds in the loop
             (the memory floor hooks in here).
+    Attributes:
+        fast_path: True (default) to offer each request to the Cython hot path first; set it
+            False before ``serve_forever`` to serve everything with :meth:`_handle` (tests
+            compare the two).
+        extra_stats: optional callable -> dict merged into ``stats`` (the memory floor's).
     Raises:
         ServerError: another daemon holds the endpoint, or the endpoint cannot be bound.
     """
