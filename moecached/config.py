@@ -141,6 +141,11 @@ def _choice(*opts: str) -> Callable:
     return v
 
 
+#: no size key takes more than this (1 EiB): larger values are typos, and stats carry sizes
+#: as msgpack integers (< 2**64)
+MAX_SIZE = 1 << 60
+
+
 def _size(lo: int = 0, multiple: int = 1, hi: Optional[int] = None, optional_zero: bool = False) -> Callable:
     extra = []
     if lo == 1:
@@ -164,12 +169,14 @@ def _size(lo: int = 0, multiple: int = 1, hi: Optional[int] = None, optional_zer
             raise _Bad(desc) from None
         if n < lo or (hi is not None and n > hi) or n % multiple:
             raise _Bad(desc)
+        if n > MAX_SIZE:
+            raise _Bad(f"{desc}, at most {_human(MAX_SIZE)}")
         return n
     return v
 
 
 def _human(n: int) -> str:
-    for unit, f in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+    for unit, f in (("EiB", MAX_SIZE), ("TiB", 1 << 40), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if n >= f and n % f == 0:
             return f"{n // f} {unit}"
     return f"{n} B"

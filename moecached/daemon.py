@@ -39,24 +39,30 @@ def _budget_bytes(cfg: C.Config, cache) -> int | None:
     return None
 
 
-def _floor_min_budget(cfg: C.Config, cache) -> int:
-    """``min_budget`` for the floor: the configured one, raised (with a warning) to the
-    smallest arena the model can run with, so the floor never asks for an impossible size."""
+_warned: dict = {}
+
+
+def _floor_min_budget(cfg: C.Config, cache, configured_budget: int) -> int:
+    """``min_budget`` for the floor, never above ``configured_budget``: the configured one,
+    raised (with one warning per value) to the daemon's minimum when it is below what serving
+    needs (two layers' top-k of every size class, ``min_budget_for``); the daemon's minimum
+    when none is configured."""
+    least = min(min_budget_for(cache.index, cache), configured_budget)
     if cfg.min_budget is None:
-        return min_budget_for(cache.index, cache)
-    from .arena import smallest_budget
-    least = smallest_budget(cache.index)
-    if cfg.min_budget < least:
-        log.warning("min_budget = %d bytes is below the smallest budget this model runs with "
-                    "(%d bytes: one slot per size class); the floor uses %d", cfg.min_budget, least, least)
         return least
-    return cfg.min_budget
+    if cfg.min_budget < least:
+        if _warned.get("min_budget") != (cfg.min_budget, least):
+            _warned["min_budget"] = (cfg.min_budget, least)
+            log.warning("min_budget = %d bytes is below what serving needs (two layers' top-k "
+                        "of every size class); the floor uses %d", cfg.min_budget, least)
+        return least
+    return min(cfg.min_budget, configured_budget)
 
 
 def _make_floor(cfg: C.Config, cache, configured_budget: int):
     from .floor import MemoryFloor
     return MemoryFloor(cfg.floor, cfg.floor_hysteresis, configured_budget,
-                       _floor_min_budget(cfg, cache),
+                       _floor_min_budget(cfg, cache, configured_budget),
                        cache.set_budget, interval=cfg.floor_interval_s,
                        min_change_interval=cfg.floor_min_change_s,
                        log=logging.getLogger("moecached.floor"))
@@ -89,26 +95,42 @@ def _apply_live(key: str, new: C.Config, server, cache, floor_box: dict):
             return "neither budget nor slots set"
         if want > cache.arena.size:
             return f"larger than the {cache.arena.size} bytes the arena was created with"
-        if floor is not None:
-            floor.reconfigure(configured_budget=want)
-        cache.set_budget(want)
+        from .arena import smallest_budget
+        if want < smallest_budget(cache.index):
+            return (f"{want} bytes is under the smallest arena this model runs with "
+                    f"({smallest_budget(cache.index)} bytes: one slot per size class)")
+        if floor is not None:   # the floor owns the budget while it is on
+            floor.reconfigure(configured_budget=want,
+                              min_budget=_floor_min_budget(new, cache, want))
+        else:
+            cache.set_budget(want)
     elif key in ("floor", "floor_hysteresis", "min_budget", "floor_interval_s", "floor_min_change_s"):
         configured = _budget_bytes(new, cache) or cache.arena.size
         if new.floor is None:
             if floor is not None:  # off: the budget the floor took goes back to the cache
-                floor_box["floor"] = None
+                floor_box["floor"], floor_box["off"] = None, floor  # kept: its counts go on
                 server.extra_stats = None
                 cache.set_budget(configured)
-                log.info("memory floor off; budget back to %d bytes", configured)
+                log.info("memory floor off; budget back to %d bytes",
+                         cache.stats()["budget"]["current_bytes"])
             return True
         server.tick_s = min(1.0, new.floor_interval_s)
         if floor is None:      # on: starts with the next periodic tick
-            floor = floor_box["floor"] = _make_floor(new, cache, configured)
+            floor = floor_box.pop("off", None)
+            if floor is None:
+                floor = _make_floor(new, cache, configured)
+            else:              # the one turned off earlier: counters go on where they were
+                floor.current_budget = floor.configured_budget = configured
+                floor.last_available = None
+                floor.reconfigure(floor_bytes=new.floor, hysteresis_bytes=new.floor_hysteresis,
+                                  configured_budget=configured,
+                                  min_budget=_floor_min_budget(new, cache, configured))
+            floor_box["floor"] = floor
             server.extra_stats = lambda: {"floor": floor.stats()}
             log.info("memory floor on at %d bytes available", new.floor)
-            return True
         floor.reconfigure(floor_bytes=new.floor, hysteresis_bytes=new.floor_hysteresis,
-                          min_budget=_floor_min_budget(new, cache))
+                          configured_budget=configured,
+                          min_budget=_floor_min_budget(new, cache, configured))
         floor.interval = new.floor_interval_s
         floor.min_change_interval = new.floor_min_change_s
     else:
@@ -196,7 +218,10 @@ def run(cfg: C.Config) -> int:
         changes, restart = C.reload_changes(old, new)
         applied = []
         for key in list(changes):
-            ok = _apply_live(key, new, server, cache, floor_box)
+            try:
+                ok = _apply_live(key, new, server, cache, floor_box)
+            except (MoecacheError, ValueError) as e:  # e.g. the cache refused the size
+                ok = f"failed: {e}"
             if ok is True:
                 applied.append(key)
             else:

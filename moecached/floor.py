@@ -86,9 +86,10 @@ class MemoryFloor:
         self.log = log or logging.getLogger("moecached.floor")
         self.used_bytes = used_bytes
         self.events: deque = deque(maxlen=max_events)
-        self.counts = {"shrink": 0, "grow": 0, "error": 0}
+        self.counts = {"shrink": 0, "grow": 0, "error": 0, "configure": 0}
         self.last_available: Optional[int] = None
         self.at_min = False
+        self._held = False   # a pressure shrink holds the budget down until a grow restores it
         self._last_change: Optional[float] = None     # monotonic time of the last applied change
         self._last_shrink: Optional[float] = None
         self._above_since: Optional[float] = None     # when available went above floor + hysteresis
@@ -181,8 +182,11 @@ class MemoryFloor:
             return ev
         ev["result"] = result
         self.current_budget = target
-        if kind == "grow":
+        if kind == "shrink":
+            self._held = True
+        elif kind == "grow":
             self.at_min = False
+            self._held = target < self.configured_budget
         self._last_change = now
         if kind == "shrink":
             self._last_shrink = now
@@ -193,6 +197,11 @@ class MemoryFloor:
         freed = ""
         if isinstance(result, dict) and "bytes_released" in result:
             freed = f", released {format_bytes(result['bytes_released'])}"
+        if kind == "configure":   # the operator's change (SIGHUP), not memory pressure
+            self.log.info("floor: budget %s -> %s (configured budget %s, min_budget %s%s)",
+                          format_bytes(before), format_bytes(target),
+                          format_bytes(self.configured_budget), format_bytes(self.min_budget), freed)
+            return ev
         level = logging.WARNING if kind == "shrink" else logging.INFO
         self.log.log(level, "floor: %s budget %s -> %s (available %s, floor %s%s)", kind,
                      format_bytes(before), format_bytes(target), format_bytes(avail),
@@ -202,21 +211,33 @@ class MemoryFloor:
     # -- reconfiguration (SIGHUP) -----------------------------------------------------------
     def reconfigure(self, *, floor_bytes: Optional[int] = None, hysteresis_bytes: Optional[int] = None,
                     configured_budget: Optional[int] = None, min_budget: Optional[int] = None) -> None:
-        """Change settings in place; the next tick acts on them. A smaller ``configured_budget``
-        than the current budget is applied at once through ``set_budget`` (kind ``shrink``)."""
+        """Change settings in place (SIGHUP); the next tick acts on them.
+
+        The budget follows at once through ``set_budget`` (event kind ``configure``, counted
+        apart from shrinks and grows) where the new settings require it: a new
+        ``configured_budget`` is taken as is while the floor has not shrunk the cache, and
+        otherwise only cuts a budget above it (a shrink the floor made stays until memory
+        allows a grow); a ``min_budget`` above the current budget raises it (at most to the
+        configured budget). Raises ValueError for values out of range, changing nothing.
+        """
         with self._lock:
-            if floor_bytes is not None:
-                self.floor_bytes = int(floor_bytes)
-            if hysteresis_bytes is not None:
-                self.hysteresis_bytes = int(hysteresis_bytes)
-            if min_budget is not None:
-                self.min_budget = int(min_budget)
-            if configured_budget is not None:
-                self.configured_budget = int(configured_budget)
-                if self.current_budget > self.configured_budget:
-                    self._change("shrink", self.configured_budget,
-                                 self.last_available if self.last_available is not None else -1,
-                                 time.monotonic())
+            fb = self.floor_bytes if floor_bytes is None else int(floor_bytes)
+            hb = self.hysteresis_bytes if hysteresis_bytes is None else int(hysteresis_bytes)
+            cb = self.configured_budget if configured_budget is None else int(configured_budget)
+            mb = self.min_budget if min_budget is None else int(min_budget)
+            if fb < 0 or hb < 0 or mb < 0 or mb > cb:
+                raise ValueError(f"floor {fb}, hysteresis {hb}: need >= 0; min_budget {mb}: "
+                                 f"need 0 <= min_budget <= configured budget {cb}")
+            shrunk = self._held or self.current_budget < self.configured_budget
+            self.floor_bytes, self.hysteresis_bytes, self.min_budget = fb, hb, mb
+            self.configured_budget = cb
+            target = min(self.current_budget, cb) if shrunk else cb
+            target = max(target, mb)
+            if target != self.current_budget:
+                self._change("configure", target,
+                             self.last_available if self.last_available is not None else -1,
+                             time.monotonic())
+            self.at_min = self.current_budget <= self.min_budget
             self._above_since = None
 
     # -- reporting --------------------------------------------------------------------------
@@ -234,6 +255,7 @@ class MemoryFloor:
                 "shrinks": self.counts["shrink"],
                 "grows": self.counts["grow"],
                 "errors": self.counts["error"],
+                "reconfigures": self.counts["configure"],
                 "events": [dict(e) for e in self.events],
             }
 

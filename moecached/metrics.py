@@ -88,7 +88,7 @@ class StatsCollector:
       ``client_pending_acquires``, ``client_idle_seconds``; ``clients`` (connected, gauge).
     * memory floor, only while it is on: gauges ``floor_bytes``, ``floor_hysteresis_bytes``,
       ``floor_min_budget_bytes``, ``floor_available_bytes``, ``floor_at_min``; counters
-      ``floor_{shrinks,grows,errors}``.
+      ``floor_{shrinks,grows,errors,reconfigures}`` (reconfigures: budget changes a SIGHUP made).
 
     Args:
         endpoint: the daemon's ZeroMQ endpoint.
@@ -119,8 +119,12 @@ class StatsCollector:
             self._client = None
 
     def fetch(self) -> dict | None:
-        """The daemon's ``stats`` reply, or None if it cannot be reached within ``timeout``."""
-        with self._lock:
+        """The daemon's ``stats`` reply, or None if it cannot be reached within ``timeout``
+        (scrapes at once share one connection: one waiting behind another gives up, and
+        reports the daemon down, when its own ``timeout`` has passed)."""
+        if not self._lock.acquire(timeout=self.timeout):
+            return None
+        try:
             try:
                 if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
                     raise MoecacheError(f"socket file {self.endpoint[6:]} does not exist")
@@ -138,6 +142,8 @@ class StatsCollector:
                 return None
             self._last_error = None
             return st
+        finally:
+            self._lock.release()
 
     def collect(self):
         """Yield the metric families of one scrape (see the class docstring)."""
@@ -299,7 +305,7 @@ class StatsCollector:
                 g = core.GaugeMetricFamily(f"moecached_{name}", help_)
                 g.add_metric([], float(v))
                 out.append(g)
-        for key in ("shrinks", "grows", "errors"):
+        for key in ("shrinks", "grows", "errors", "reconfigures"):
             if isinstance(fl.get(key), (int, float)):
                 c = core.CounterMetricFamily(f"moecached_floor_{key}", f"memory floor {key}")
                 c.add_metric([], fl[key])
@@ -308,7 +314,7 @@ class StatsCollector:
 
 
 def _listen(v: str) -> tuple[str, int]:
-    """``HOST:PORT``, ``[V6ADDR]:PORT`` or ``:PORT`` (all interfaces) -> (host, port)."""
+    """``HOST:PORT``, ``[V6ADDR]:PORT`` or ``:PORT`` (all IPv4 interfaces) -> (host, port)."""
     host, sep, port = v.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
@@ -333,7 +339,7 @@ def main(argv) -> int:
                                             "http://LISTEN/metrics, one stats request per scrape")
     p.add_argument("--endpoint", "-e", default=DEFAULT_ENDPOINT, help="daemon endpoint (default %(default)s)")
     p.add_argument("--listen", type=_listen, default="127.0.0.1:9464",
-                   help="HOST:PORT or :PORT (all interfaces) to serve on (default %(default)s)")
+                   help="HOST:PORT, [V6ADDR]:PORT or :PORT (all IPv4 interfaces) to serve on (default %(default)s)")
     p.add_argument("--timeout", type=_positive, default=2.0, help="seconds per scrape to wait for the daemon")
     p.add_argument("--once", action="store_true", help="print one scrape to stdout and exit")
     a = p.parse_args(argv)

@@ -183,37 +183,55 @@ def test_sighup_applies_what_it_says(model, tmp_path):
 
 def test_sighup_turns_the_floor_on_and_off(model, tmp_path):
     """A floor above all the box's memory switched on by SIGHUP shrinks the cache to its
-    minimum at the next tick; switched off again, the cache gets its configured budget back."""
+    minimum at the next tick; a budget change then keeps that shrink (the floor owns the
+    budget), a budget under one slot per class is refused with nothing changed, off gives the
+    configured budget back, and on again keeps counting where the floor left off."""
     import psutil
-    conf, sock, d = start_with_config(model, tmp_path, 'slots = 32\n')
+
+    def until(cond, what):
+        t0 = time.time()
+        while time.time() - t0 < 10:
+            st = c.stats()
+            if cond(st):
+                return st
+            time.sleep(0.1)
+        raise AssertionError(f"{what}: {st.get('budget')} {st.get('floor', {}).get('current_budget')}")
+
+    conf, sock, d = start_with_config(model, tmp_path, 'slots = 64\n')
+    huge = psutil.virtual_memory().total * 4
+    on = f'floor = {huge}\nfloor_interval_s = 0.2\nmin_budget = "1MiB"\n'
     try:
         with Client(f"ipc://{sock}") as c:
             st = c.stats()
             full = st["budget"]["configured_bytes"]
             assert "floor" not in st and st["budget"]["current_bytes"] == full
-            huge = psutil.virtual_memory().total * 4
-            conf.write_text(f'slots = 32\nfloor = {huge}\nfloor_interval_s = 0.2\nmin_budget = "1MiB"\n')
+            conf.write_text('slots = 64\n' + on)
             d.send_signal(signal.SIGHUP)
-            t0 = time.time()
-            while time.time() - t0 < 10:
-                st = c.stats()
-                if "floor" in st and st["budget"]["current_bytes"] < full:
-                    break
-                time.sleep(0.1)
-            assert "floor" in st and st["budget"]["current_bytes"] < full, st.get("budget")
-            conf.write_text('slots = 32\n')
+            st = until(lambda st: "floor" in st and st["floor"]["shrinks"] >= 1, "floor on")
+            low = st["budget"]["current_bytes"]
+            assert low < full and st["floor"]["current_budget"] == low
+            conf.write_text('slots = 60\n' + on)          # a budget change keeps the shrink
             d.send_signal(signal.SIGHUP)
-            t0 = time.time()
-            while time.time() - t0 < 10:
-                st = c.stats()
-                if "floor" not in st and st["budget"]["current_bytes"] == full:
-                    break
-                time.sleep(0.1)
-            assert "floor" not in st and st["budget"]["current_bytes"] == full, st.get("budget")
+            st = until(lambda st: st["floor"]["configured_budget"] < full, "budget change")
+            assert st["budget"]["current_bytes"] == st["floor"]["current_budget"] == low
+            conf.write_text('budget = "2MiB"\n' + on)     # under one slot per class: refused
+            d.send_signal(signal.SIGHUP)
+            time.sleep(1.0)
+            st = c.stats()
+            assert st["budget"]["current_bytes"] == low and st["floor"]["configured_budget"] < full
+            shrinks = st["floor"]["shrinks"]
+            conf.write_text('slots = 64\n')
+            d.send_signal(signal.SIGHUP)
+            st = until(lambda st: "floor" not in st and st["budget"]["current_bytes"] == full, "floor off")
             c.acquire(c.expert_layers[0], list(range(8))).release()   # still serving at full size
+            conf.write_text('slots = 64\n' + on)
+            d.send_signal(signal.SIGHUP)
+            st = until(lambda st: "floor" in st and st["budget"]["current_bytes"] < full, "floor on again")
+            assert st["floor"]["shrinks"] >= shrinks + 1     # counters go on, never back
     finally:
         out = stop_daemon(d)
-    assert "memory floor on" in out and "memory floor off" in out, out
-    assert "need a restart" not in out, out
-    # min_budget under what the model can run with is raised, said once, and the shrink works
-    assert "below the smallest budget this model runs with" in out and "failed" not in out, out
+    assert out.count("memory floor on") == 2 and "memory floor off" in out, out
+    assert "budget (2097152 bytes is under the smallest arena" in out, out
+    assert "failed" not in out and "reload failed" not in out, out
+    # min_budget under what serving needs is raised, said once for that value
+    assert out.count("is below what serving needs") == 1, out

@@ -209,3 +209,33 @@ def test_thread_survives_probe_errors(caplog):
         f.stop()
     assert cache.calls, "the thread died on the probe error"
     assert any("tick failed" in r.getMessage() for r in caplog.records)
+
+
+def test_reconfigure_keeps_a_pressure_shrink_and_honours_min_budget():
+    """SIGHUP changes through reconfigure: a new configured budget does not undo a shrink the
+    floor made under pressure (it only cuts above it), is taken as is while the floor has not
+    shrunk the cache, a raised min_budget lifts the budget, counted as ``reconfigures``, and a
+    bad value changes nothing."""
+    f, probe, cache = make(avail=20 * GiB, floor=8 * GiB, budget=12 * GiB, min_budget=1 * GiB)
+    f.reconfigure(configured_budget=10 * GiB)            # not shrunk: follows at once
+    assert f.current_budget == 10 * GiB and cache.calls[-1] == 10 * GiB
+    probe.value = 5 * GiB                                # 3 GiB under the floor
+    ev = f.tick(0.0)
+    assert ev["kind"] == "shrink"
+    shrunk = f.current_budget
+    assert shrunk < 10 * GiB
+    calls = len(cache.calls)
+    f.reconfigure(configured_budget=11 * GiB)            # a larger budget keeps the shrink
+    assert f.current_budget == shrunk and len(cache.calls) == calls
+    f.reconfigure(configured_budget=shrunk - GiB)        # a smaller one cuts at once
+    assert f.current_budget == shrunk - GiB == cache.calls[-1]
+    f.reconfigure(configured_budget=12 * GiB, min_budget=shrunk)   # a min_budget above the
+    assert f.current_budget == shrunk == cache.calls[-1] and f.at_min  # budget lifts it
+    with pytest.raises(ValueError):
+        f.reconfigure(min_budget=13 * GiB)               # min_budget > configured budget
+    with pytest.raises(ValueError):
+        f.reconfigure(floor_bytes=-1)
+    assert f.floor_bytes == 8 * GiB and f.min_budget == shrunk and f.configured_budget == 12 * GiB
+    s = f.stats()
+    assert s["shrinks"] == 1 and s["reconfigures"] == 3
+    assert [e["kind"] for e in s["events"]].count("configure") == 3
