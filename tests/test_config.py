@@ -293,3 +293,11 @@ def test_every_key_has_a_flag():
     for key, k in KEYS.items():
         assert k.flag in flags
     assert "--config" in flags and "--no-lock-memory" in flags
+
+
+@pytest.mark.parametrize("value", ["1e30", '"99999999999999999999999999"', '"2000000TiB"'])
+def test_sizes_over_one_eib_are_refused(tmp_path, value):
+    """A huge size (a typo, or 1e30) is refused: it once reached stats, where msgpack cannot
+    carry integers >= 2**64, and broke `stats` and the exporter until the floor was turned off."""
+    path, msg = err_file(tmp_path, f"floor = {value}\n")
+    assert msg.startswith(f"{path}: floor = ") and msg.endswith("at most 1 EiB"), msg
