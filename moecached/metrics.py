@@ -358,7 +358,8 @@ def main(argv) -> int:
         pc.start_http_server(port, addr=host, registry=registry)
     except OSError as e:
         raise MoecacheError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    print(f"moecache-ctl metrics: serving http://{host}:{port}/metrics for {a.endpoint}",
+    shown = f"[{host}]" if ":" in host else host   # an IPv6 address in a URL takes brackets
+    print(f"moecache-ctl metrics: serving http://{shown}:{port}/metrics for {a.endpoint}",
           file=sys.stderr, flush=True)
     try:
         while True:

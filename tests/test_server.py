@@ -525,3 +525,13 @@ def test_malformed_frames_answered_without_a_stale_delimiter(daemon):
     frames = s.recv_multipart()
     assert len(frames) == 1 and msgpack.unpackb(frames[0])["error"]["code"] == "malformed"
     s.close()
+
+
+def test_long_client_name_connects_and_is_cut_to_64(daemon):
+    """A very long client name once made hello fail (over the protocol's string limit) and
+    left a ghost client behind; the client keeps the 64 characters the daemon shows."""
+    name = "engine-" + "x" * 5000
+    with Client(daemon.endpoint, name=name, connect_timeout=5) as c:
+        c.acquire(daemon.idx.expert_layers[0], [1]).release()
+        names = [x["name"] for x in c.stats()["clients"]]
+    assert name[:64] in names and not [n for n in names if n != name[:64] and n.startswith("engine-")]

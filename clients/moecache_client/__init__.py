@@ -207,7 +207,7 @@ class Client:
 
     Args:
         endpoint: the daemon's ZeroMQ endpoint (default ``ipc:///run/moecached/moecached.sock``).
-        name: shown per client in ``moecache-ctl stats``.
+        name: shown per client in ``moecache-ctl stats`` (the first 64 characters).
         timeout: default seconds a call waits for its reply (``None`` = forever).
         heartbeat_s: seconds between pings while idle (default: a third of the daemon's).
         connect_timeout: seconds to wait for the first hello.
@@ -230,7 +230,8 @@ class Client:
                  connect_timeout: float = 10.0, map_arena: bool = True):
         self.endpoint = endpoint
         self.map_arena = map_arena
-        self.name = name or f"pid{os.getpid()}"
+        # the daemon keeps 64 characters of a name; a longer one would not fit its limits
+        self.name = (name or f"pid{os.getpid()}")[:64]
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self._hb = heartbeat_s
