@@ -566,14 +566,6 @@ class Server:
         self._reply(c.ident, rid, t=time.time())
 
     def _op_acquire(self, c: _Client, rid: int, msg: dict) -> None:
-        if len(msg) == 5:  # {v, id, op, layer, experts}: try the hit path first
-            layer, experts = msg.get("layer"), msg.get("experts")
-            if (type(layer) is int and type(experts) is list
-                    and len(experts) <= self.checker.max_experts):
-                lease = self.cache.acquire_resident(layer, experts)
-                if lease is not None:
-                    self._deliver(c, rid, lease, None)
-                    return
         reqs = self.checker.requests(msg)
         tag = msg.get("tag")
         if tag is not None and tag not in ("prompt", "decode"):
@@ -603,14 +595,6 @@ class Server:
             self._reply(c.ident, rid, queued=n)
 
     def _op_release(self, c: _Client, rid: int, msg: dict) -> None:
-        if len(msg) == 5 and msg.get("noreply") is True:  # {v, id, op, lease, noreply: true}
-            lid = msg.get("lease")
-            owner = self.leases.get(lid) if type(lid) is int else None
-            if owner is not None and owner[0] == c.ident:
-                del self.leases[lid]
-                c.leases.discard(lid)
-                self.cache.release(owner[1])
-                return
         quiet = self._noreply(msg)
         if "leases" in msg and "lease" in msg:
             raise P.ProtocolError(P.E_BAD_TYPE, "give either 'lease' or 'leases', not both")
