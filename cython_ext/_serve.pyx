@@ -131,11 +131,4 @@ cdef class FastPath:
         # Server._register, inlined (no trace is being recorded: checked above)
         self.leases[lid] = (ident, lease)
         c.leases.add(lid)
-        server = self.server
-        lo = server.lease_lo
-        if lo is None or lid < lo:
-            server.lease_lo = lid
-        hi = server.lease_hi
-        if hi is None or lid > hi:
-            server.lease_hi = lid
         return True

@@ -800,6 +800,11 @@ class ExpertCache:
             self._after(submits, (), ())
         return len(submits)
 
+    def own_lease_id(self, lid: int) -> bool:
+        """True when ``lid`` lies in this cache instance's id range (issued here, or one it
+        could issue); False marks a lease id from another instance, e.g. before a restart."""
+        return self._id_base <= lid < self._id_base + (1 << 40)
+
     def release(self, lease_or_id) -> None:
         """Unpin a lease (a :class:`Lease` or its id). LeaseError when unknown or released twice."""
         lid = lease_or_id.id if isinstance(lease_or_id, Lease) else lease_or_id
@@ -813,7 +818,7 @@ class ExpertCache:
                     submits, promotes, done = [], [], []
                     self._kick(submits, promotes, done)
         if pins is None:
-            if isinstance(lid, int) and not self._id_base <= lid < self._id_base + (1 << 40):
+            if isinstance(lid, int) and not self.own_lease_id(lid):
                 raise LeaseError(f"lease {lid}: not from this cache instance (stale: daemon restarted?)")
             raise LeaseError(f"lease {lid}: unknown or already released")
         if submits is not None:

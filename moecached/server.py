@@ -118,8 +118,6 @@ class Server:
         self.moe_index = {l: i for i, l in enumerate(self.index.expert_layers)}
         self.clients: dict[bytes, _Client] = {}
         self.leases: dict[int, tuple[bytes, object]] = {}
-        self.lease_lo: int | None = None
-        self.lease_hi: int | None = None
         self.deadlines: list = []  # heap of (t, ticket, ident, rid)
         self.done = collections.deque()
         self.recorder = None
@@ -525,10 +523,6 @@ class Server:
         lid = lease.id
         self.leases[lid] = (c.ident, lease)
         c.leases.add(lid)
-        if self.lease_lo is None or lid < self.lease_lo:
-            self.lease_lo = lid
-        if self.lease_hi is None or lid > self.lease_hi:
-            self.lease_hi = lid
         if self.recorder is not None and (self.recorder_client in (None, c.name)):
             for layer, experts in _group(lease.items):
                 self.recorder.record(self.moe_index[layer], experts, tag == "prompt", c.name)
@@ -611,7 +605,7 @@ class Server:
         for lid in ids:
             owner = self.leases.get(lid)
             if owner is None:
-                if self.lease_lo is not None and self.lease_lo <= lid <= self.lease_hi:
+                if self.cache.own_lease_id(lid):
                     raise P.ProtocolError(P.E_UNKNOWN_LEASE, f"lease {lid} is not held: released twice or expired")
                 raise P.ProtocolError(P.E_STALE_LEASE, f"lease {lid} was not issued by this daemon instance (stale: from before a restart?)")
             if owner[0] != c.ident:
