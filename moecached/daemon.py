@@ -120,11 +120,7 @@ def _apply_live(key: str, new: C.Config, server, cache, floor_box: dict):
             if floor is None:
                 floor = _make_floor(new, cache, configured)
             else:              # the one turned off earlier: counters go on where they were
-                floor.current_budget = floor.configured_budget = configured
-                floor.last_available = None
-                floor.reconfigure(floor_bytes=new.floor, hysteresis_bytes=new.floor_hysteresis,
-                                  configured_budget=configured,
-                                  min_budget=_floor_min_budget(new, cache, configured))
+                floor.resume(configured)
             floor_box["floor"] = floor
             server.extra_stats = lambda: {"floor": floor.stats()}
             log.info("memory floor on at %d bytes available", new.floor)

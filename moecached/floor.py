@@ -240,6 +240,16 @@ class MemoryFloor:
             self.at_min = self.current_budget <= self.min_budget
             self._above_since = None
 
+    def resume(self, budget: int) -> None:
+        """Take up again after being off while the cache ran at ``budget`` bytes (its
+        configured budget): forget the old budget state, keep counts and events."""
+        with self._lock:
+            self.current_budget = self.configured_budget = int(budget)
+            self.min_budget = min(self.min_budget, self.configured_budget)
+            self.last_available = None
+            self.at_min = self._held = False
+            self._above_since = None
+
     # -- reporting --------------------------------------------------------------------------
     def stats(self) -> dict:
         """State for the daemon's ``stats``: budgets, floor, last available, counts, recent events."""
