@@ -281,6 +281,9 @@ class ExpertCache:
     def _build(self, index, ne):
         arena = self.arena
         self._base_addr = arena.base_address
+        # slot generations in the arena's control block (written here only, under the lock)
+        self._gens = self._gens_mv = {c.id: memoryview(arena.generations(c.id)).cast("B").cast("Q")
+                                      for c in arena.classes}
         self._cls = {}           # cid -> (layout, [pools])
         self._layers: dict[int, _Layer] = {}
         self._max_bytes = 0
@@ -336,6 +339,7 @@ class ExpertCache:
         s = pool.alloc[k]
         pool.alloc[k] = -1
         pool.res[k] = -1
+        self._gens[pool.cid][s] += 1     # the expert leaves the slot: old leases on it go invalid
         if pool.unused[k]:
             pool.unused[k] = 0
             self.c_wasted += 1
@@ -614,6 +618,7 @@ class ExpertCache:
             pool.unused[k] = 0
             pool.lru.unpin(k)
             pool.lru.remove(k)
+            self._gens[pool.cid][load.slot] += 1
             pool.free.append(load.slot)
         load.waiters = []
         if self._waitq:
@@ -799,6 +804,13 @@ class ExpertCache:
         if submits:
             self._after(submits, (), ())
         return len(submits)
+
+    def lease_generations(self, items) -> list[int]:
+        """Generation of each item's slot (``(layer, expert, class_id, slot)`` items of a lease
+        still pinned): what a holder compares against the arena's control block to know its
+        lease is still valid (docs/protocol.md, "Lease validity")."""
+        g = self._gens_mv
+        return [g[it[2]][it[3]] for it in items]
 
     def own_lease_id(self, lid: int) -> bool:
         """True when ``lid`` lies in this cache instance's id range (issued here, or one it
@@ -999,6 +1011,8 @@ class ExpertCache:
                 cb(res)
             except Exception:
                 self.log.exception("moecached cache: acquire callback raised")
+        with self._lock:
+            self._gens = self._gens_mv = {}   # views of the mapping: let it be unmapped
         try:
             self.readers.close()
         finally:

@@ -45,7 +45,10 @@ def two_class_index(n_experts=8):
 
 
 def total_bytes(idx, counts):
-    return sum(-(-counts[c.id] * c.part_bytes[p] // PAGE) * PAGE for c in idx.size_classes for p in c.parts)
+    """Bytes of the whole arena file: the control block (64-byte header + 8 per slot) and the
+    page-rounded part arrays."""
+    ctl = -(-(64 + 8 * sum(counts.values())) // PAGE) * PAGE
+    return ctl + sum(-(-counts[c.id] * c.part_bytes[p] // PAGE) * PAGE for c in idx.size_classes for p in c.parts)
 
 
 def test_plan_same_share_per_class():
