@@ -103,6 +103,12 @@ def _class_bytes(sc, n: int, page: int) -> int:
     return sum(_round_up(n * int(sc.part_bytes[p]), page) for p in sc.parts)
 
 
+def arena_bytes(index, counts: dict[int, int], page_size: int = mmap.PAGESIZE) -> int:
+    """Bytes of an arena holding ``counts`` slots per size class id: control block + part arrays."""
+    return (control_bytes(sum(counts.values()), page_size)
+            + sum(_class_bytes(sc, counts[sc.id], page_size) for sc in index.size_classes))
+
+
 def control_bytes(total_slots: int, page: int) -> int:
     """Bytes of the control block (header + one generation word per slot), page-rounded."""
     return _round_up(CONTROL_HEADER_BYTES + 8 * total_slots, page)
@@ -118,9 +124,7 @@ def smallest_budget(index, page_size: int = mmap.PAGESIZE) -> int:
         raise ArenaError("index has no size classes (no routed experts found); check the model file")
     weights = {sc.id: len(sc.layers) * int(index.n_experts) for sc in classes}
     fmin = max(Fraction(1, w) for w in weights.values())
-    n = {sc.id: int(fmin * weights[sc.id]) for sc in classes}
-    return (control_bytes(sum(n.values()), page_size)
-            + sum(_class_bytes(sc, n[sc.id], page_size) for sc in classes))
+    return arena_bytes(index, {sc.id: int(fmin * weights[sc.id]) for sc in classes}, page_size)
 
 
 def plan_slots(index, *, budget_bytes: int | None = None, slots: int | None = None,
@@ -147,8 +151,7 @@ def plan_slots(index, *, budget_bytes: int | None = None, slots: int | None = No
     def cost(f: Fraction) -> int:
         c = counts(f)
         if budget_bytes is not None:   # the whole file: control block and slots
-            return (control_bytes(sum(c.values()), page_size)
-                    + sum(_class_bytes(sc, c[sc.id], page_size) for sc in classes))
+            return arena_bytes(index, c, page_size)
         return sum(c.values())
 
     limit = budget_bytes if budget_bytes is not None else slots

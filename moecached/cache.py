@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass
 
 from . import MoecacheError
+from .arena import arena_bytes
 from .policy import LRU
 from .stats import LatencyHistogram
 
@@ -286,9 +287,8 @@ class ExpertCache:
                                       for c in arena.classes}
         self._cls = {}           # cid -> (layout, [pools])
         self._layers: dict[int, _Layer] = {}
-        self._max_bytes = 0
+        self._max_bytes = arena.size   # budgets count the whole arena file (control block too)
         for c in arena.classes:
-            self._max_bytes += c.n_slots * c.slot_bytes
             pools = []
             if self.policy == "global":
                 pools.append((_Pool(c.id, list(c.layers), ne, list(range(c.n_slots))), c.layers))
@@ -968,7 +968,10 @@ class ExpertCache:
             layers = {str(l): {"hits": self._l_hits[l], "demand_misses": self._l_miss[l],
                           "prefetch_hits": self._l_pf[l], "reads": self._l_reads[l]}
                       for l in sorted(self._layers)}
-            cur = sum(p.cap * self._cls[p.cid][0].slot_bytes for p in self._pools)
+            caps = dict.fromkeys(self._cls, 0)
+            for p in self._pools:
+                caps[p.cid] += p.cap
+            cur = arena_bytes(self.index, caps, self.arena.page_size)
             out = {
                 "hits": sum(self._l_hits), "demand_misses": sum(self._l_miss),
                 "prefetch_hits": sum(self._l_pf), "prefetches": self.c_prefetches,
