@@ -3,8 +3,10 @@
 Layout (bytes, all offsets relative to the start of the arena file)::
 
     control block                                                  offset 0, page-rounded
-      header (64 bytes): magic "MOECTL01", epoch u64, state u64, n_classes u64, reserved
+      header (64 bytes): magic "MOECTL01", epoch u64, state u64, n_classes u64, n_keys u64,
+                         resident map offset u64, reserved
       generations: one u64 per slot, class by class (class c's at ``gen_off``)
+      resident map: one u64 per key (moe layer index * n_experts + expert): 0, or slot + 1
     class 0: part "gate"  array  [n_slots x part_bytes["gate"]]   page-aligned start
              part "up"    array  [n_slots x part_bytes["up"]]     page-aligned start
              part "down"  array  ...
@@ -20,7 +22,9 @@ The control block is written by the daemon only. ``epoch`` is the serving daemon
 serving, 2 model file changed, 0 stopped. A slot's *generation* moves whenever the expert it
 held leaves it (eviction, a failed load, a budget shrink): a holder that finds the epoch and
 every generation of its lease unchanged *after* reading the bytes read the expert it was
-granted (a seqlock; docs/protocol.md, "Lease validity").
+granted (a seqlock; docs/protocol.md, "Lease validity"). The resident map says where each
+resident expert is, for clients that pin without a message; the rules of both live once, in
+``clients/c/include/moecache_shm.h``.
 
 Budget: each size class gets the same share (one ``fraction`` for all classes) of its layers'
 experts, ``n_slots(class) = floor(fraction * len(class.layers) * n_experts)``, with the largest
@@ -52,7 +56,7 @@ __all__ = ["ArenaError", "ClassLayout", "Arena", "map_readonly", "plan_slots"]
 DESCRIPTOR_VERSION = 2
 CONTROL_MAGIC = b"MOECTL01"
 CONTROL_HEADER_BYTES = 64
-EPOCH_OFF, STATE_OFF, NCLASSES_OFF = 8, 16, 24     # byte offsets of the header words
+EPOCH_OFF, STATE_OFF, NCLASSES_OFF, NKEYS_OFF, RESMAP_OFF_OFF = 8, 16, 24, 32, 40  # header words
 STATE_STOPPED, STATE_SERVING, STATE_MODEL_CHANGED = 0, 1, 2
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -103,15 +107,21 @@ def _class_bytes(sc, n: int, page: int) -> int:
     return sum(_round_up(n * int(sc.part_bytes[p]), page) for p in sc.parts)
 
 
+def n_keys(index) -> int:
+    """Keys of the resident map: every (moe layer, expert) pair."""
+    return sum(len(sc.layers) for sc in index.size_classes) * int(index.n_experts)
+
+
 def arena_bytes(index, counts: dict[int, int], page_size: int = mmap.PAGESIZE) -> int:
     """Bytes of an arena holding ``counts`` slots per size class id: control block + part arrays."""
-    return (control_bytes(sum(counts.values()), page_size)
+    return (control_bytes(sum(counts.values()), n_keys(index), page_size)
             + sum(_class_bytes(sc, counts[sc.id], page_size) for sc in index.size_classes))
 
 
-def control_bytes(total_slots: int, page: int) -> int:
-    """Bytes of the control block (header + one generation word per slot), page-rounded."""
-    return _round_up(CONTROL_HEADER_BYTES + 8 * total_slots, page)
+def control_bytes(total_slots: int, keys: int, page: int) -> int:
+    """Bytes of the control block (header, one generation word per slot, one resident-map
+    word per key), page-rounded."""
+    return _round_up(CONTROL_HEADER_BYTES + 8 * total_slots + 8 * keys, page)
 
 
 def smallest_budget(index, page_size: int = mmap.PAGESIZE) -> int:
@@ -251,7 +261,9 @@ class Arena:
         for sc in index.size_classes:
             gen_offs[sc.id] = gen_off
             gen_off += 8 * counts[sc.id]
-        self.control_bytes = control_bytes(sum(counts.values()), page)
+        self.n_keys = n_keys(index)
+        self.resmap_off = gen_off
+        self.control_bytes = control_bytes(sum(counts.values()), self.n_keys, page)
         off = self.control_bytes
         self.classes: list[ClassLayout] = []
         for sc in index.size_classes:
@@ -311,6 +323,8 @@ class Arena:
             self._ctl[:] = 0
             self._ctl[0] = np.frombuffer(CONTROL_MAGIC, dtype=np.uint64)[0]
             self._ctl[NCLASSES_OFF // 8] = len(self.classes)
+            self._ctl[NKEYS_OFF // 8] = self.n_keys
+            self._ctl[RESMAP_OFF_OFF // 8] = self.resmap_off
             self.set_epoch(int.from_bytes(os.urandom(8), "little") >> 1 | 1, STATE_SERVING)
             if lock:
                 self._mlock(0, self.size)
@@ -373,7 +387,8 @@ class Arena:
         return {"version": DESCRIPTOR_VERSION, "path": self.path, "size": self.size,
                 "page_size": self.page_size, "hugetlb": self.hugetlb, "n_experts": self.n_experts,
                 "control": {"off": 0, "bytes": self.control_bytes, "magic": CONTROL_MAGIC.decode(),
-                            "epoch_off": EPOCH_OFF, "state_off": STATE_OFF},
+                            "epoch_off": EPOCH_OFF, "state_off": STATE_OFF,
+                            "n_keys": self.n_keys, "resmap_off": self.resmap_off},
                 "classes": [c.to_dict() for c in self.classes],
                 "layer_class": {str(l): c.id for c in self.classes for l in c.layers}}
 
@@ -391,6 +406,10 @@ class Arena:
 
     def set_state(self, state: int) -> None:
         self._ctl[STATE_OFF // 8] = state
+
+    def resident_map(self) -> np.ndarray:
+        """The writable u64 resident map (one word per key: 0, or slot + 1)."""
+        return self._ctl[self.resmap_off // 8: self.resmap_off // 8 + self.n_keys]
 
     def generations(self, class_id: int) -> np.ndarray:
         """The writable u64 generation array of class ``class_id`` (one word per slot)."""
