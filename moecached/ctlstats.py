@@ -1,6 +1,10 @@
 """``moecache-ctl status | stats | trace``: talk to a running daemon.
 
 Output is memcached-style ``STAT name value`` lines (``--json`` for scripts).
+
+The daemon's endpoint (:func:`resolve_endpoint`, shared by every command that talks to the
+daemon): ``--endpoint`` > ``$MOECACHED_ENDPOINT`` > the ``endpoint`` key of the daemon's config
+file (``/etc/moecached/moecached.toml``) > ``ipc:///run/moecached/moecached.sock``.
 """
 from __future__ import annotations
 
@@ -11,19 +15,55 @@ import sys
 
 from . import MoecacheError
 
+#: environment variable naming the daemon's endpoint for ``moecache-ctl``
+ENDPOINT_ENV = "MOECACHED_ENDPOINT"
+ENDPOINT_HELP = (f"daemon endpoint (default: ${ENDPOINT_ENV}, else the endpoint of the daemon's "
+                 f"config file, else ipc:///run/moecached/moecached.sock)")
 
-def _client(endpoint: str, timeout: float):
+
+def resolve_endpoint(flag: str | None = None) -> tuple[str, str]:
+    """``(endpoint, where it came from)``: ``flag`` (``--endpoint``) if given, else
+    ``$MOECACHED_ENDPOINT``, else the ``endpoint`` key of the daemon's config file (read by
+    :func:`moecached.config.load_config`), else the built-in default. A config file that cannot
+    be read or is invalid is skipped (the reason goes into the source, shown on failures).
+
+    Raises:
+        MoecacheError: the flag or the environment variable is not an endpoint.
+    """
+    from .config import DEFAULT_ENDPOINT, KEYS, ConfigError, _Bad, load_config
+    if flag is not None:
+        value, where = flag, "--endpoint"
+    elif os.environ.get(ENDPOINT_ENV):
+        value, where = os.environ[ENDPOINT_ENV], f"${ENDPOINT_ENV}"
+    else:
+        try:
+            cfg = load_config(None, check_runnable=False)
+        except ConfigError as e:
+            return DEFAULT_ENDPOINT, f"the built-in default; config file skipped: {e}"
+        src = cfg.sources.get("endpoint", "default")
+        return cfg.endpoint, ("the built-in default" if src == "default" else src)
+    try:
+        return KEYS["endpoint"].check(value), where
+    except _Bad as e:
+        raise MoecacheError(f"{where} {value!r}: expected {e.expected}") from None
+
+
+def _client(endpoint: str, timeout: float, source: str = "--endpoint"):
+    """A ``Client`` for ``endpoint``; failures are one line naming the endpoint and ``source``
+    (where it came from, see :func:`resolve_endpoint`)."""
     try:
         from moecache_client import Client, ClientError, Timeout  # noqa: F401
     except ImportError as e:  # pragma: no cover
         raise MoecacheError(f"moecache_client is not installed: {e}")
+    via = f"(endpoint from {source})"
     if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
-        raise MoecacheError(f"no daemon at {endpoint}: socket file {endpoint[len('ipc://'):]} does not exist")
+        raise MoecacheError(f"no daemon at {endpoint} {via}: socket file {endpoint[len('ipc://'):]} "
+                            f"does not exist")
     try:
         return Client(endpoint, name="moecache-ctl", timeout=timeout, connect_timeout=timeout,
                       map_arena=False)
     except Exception as e:
-        raise MoecacheError(f"cannot reach moecached at {endpoint}: {e}")
+        raise MoecacheError(f"cannot reach moecached at {endpoint} {via}: {e}")
 
 
 def _positive(v: str) -> float:
@@ -37,12 +77,16 @@ def _positive(v: str) -> float:
 
 
 def _parser(prog: str, desc: str) -> argparse.ArgumentParser:
-    from moecache_client import DEFAULT_ENDPOINT
     p = argparse.ArgumentParser(prog=f"moecache-ctl {prog}", description=desc)
-    p.add_argument("--endpoint", "-e", default=DEFAULT_ENDPOINT, help="daemon endpoint (default %(default)s)")
+    p.add_argument("--endpoint", "-e", default=None, help=ENDPOINT_HELP)
     p.add_argument("--timeout", type=_positive, default=5.0, help="seconds to wait for the daemon")
     p.add_argument("--json", action="store_true", help="print JSON")
     return p
+
+
+def _endpoint_of(a: argparse.Namespace) -> tuple[str, float, str]:
+    endpoint, source = resolve_endpoint(a.endpoint)
+    return endpoint, a.timeout, source
 
 
 def _fmt(v) -> str:
@@ -83,7 +127,7 @@ def _print(d: dict, as_json: bool) -> None:
 
 def status_main(argv) -> int:
     a = _parser("status", "one-screen status of a running moecached").parse_args(argv)
-    c = _client(a.endpoint, a.timeout)
+    c = _client(*_endpoint_of(a))
     try:
         _print(c.status(), a.json)
     finally:
@@ -93,7 +137,7 @@ def status_main(argv) -> int:
 
 def stats_main(argv) -> int:
     a = _parser("stats", "all counters of a running moecached (cache, reads, per client)").parse_args(argv)
-    c = _client(a.endpoint, a.timeout)
+    c = _client(*_endpoint_of(a))
     try:
         st = c.stats()
     finally:
@@ -115,7 +159,7 @@ def trace_main(argv) -> int:
     p.add_argument("file", nargs="?", help="output .npz (start)")
     p.add_argument("--client", help="record only this client's acquires")
     a = p.parse_args(argv)
-    c = _client(a.endpoint, a.timeout)
+    c = _client(*_endpoint_of(a))
     try:
         if a.action == "start":
             if not a.file:
