@@ -54,3 +54,10 @@ def test_bad_env_endpoint_is_one_line_error(config_file, monkeypatch, capsys):
     monkeypatch.setenv("MOECACHED_ENDPOINT", "localhost:5555")
     assert _err(capsys, "status") == ("moecache-ctl status: error: $MOECACHED_ENDPOINT 'localhost:5555': "
                                       "expected ipc:///absolute/path (at most 107 bytes) or tcp://HOST:PORT")
+
+
+def test_version(capsys):
+    from moecached import __version__
+    assert ctl(["--version"]) == 0
+    assert capsys.readouterr().out == f"moecache-ctl {__version__}\n"
+    assert "--version" in (ctl(["--help"]), capsys.readouterr().out)[1]
