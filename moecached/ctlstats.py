@@ -1,6 +1,7 @@
 """``moecache-ctl status | stats | trace``: talk to a running daemon.
 
-Output is memcached-style ``STAT name value`` lines (``--json`` for scripts).
+Output is memcached-style ``STAT name value`` lines (``--json`` for scripts); ``stats`` prints
+a short human summary (:func:`summary`) unless ``--all`` or ``--json`` asks for every counter.
 
 The daemon's endpoint (:func:`resolve_endpoint`, shared by every command that talks to the
 daemon): ``--endpoint`` > ``$MOECACHED_ENDPOINT`` > the ``endpoint`` key of the daemon's config
@@ -80,7 +81,7 @@ def _parser(prog: str, desc: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"moecache-ctl {prog}", description=desc)
     p.add_argument("--endpoint", "-e", default=None, help=ENDPOINT_HELP)
     p.add_argument("--timeout", type=_positive, default=5.0, help="seconds to wait for the daemon")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--json", action="store_true", help="print JSON (every counter)")
     return p
 
 
@@ -135,8 +136,66 @@ def status_main(argv) -> int:
     return 0
 
 
+GiB = 1 << 30
+
+
+def _gib(n) -> str:
+    return f"{(n or 0) / GiB:.2f} GiB"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _ms(us) -> str:
+    return "-" if us is None else f"{us / 1000:.2f} ms"
+
+
+def _duration(s) -> str:
+    s = int(s or 0)
+    d, h, m = s // 86400, s // 3600 % 24, s // 60 % 60
+    return f"{d}d{h:02d}h" if d else f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s"
+
+
+def summary(st: dict, layers: bool = False) -> list[str]:
+    """The short human view of a ``stats`` reply: hit rate, budget and use (GiB), reads, read
+    latency, one line per client; per-layer lines when ``layers``."""
+    from .stats import hit_rate
+    budget = st.get("budget") or {}
+    classes = st.get("classes") or []
+    used = sum(x.get("used", 0) * x.get("slot_bytes", 0) for x in classes)
+    cur, conf = budget.get("current_bytes"), budget.get("configured_bytes")
+    lat = st.get("read_latency") or {}
+    hits, pf, miss = st.get("hits", 0), st.get("prefetch_hits", 0), st.get("demand_misses", 0)
+    clients = st.get("clients") or []
+    out = [f"moecached {st.get('version', '?')}, pid {st.get('pid', '?')}, up {_duration(st.get('uptime_s'))}, "
+           f"{st.get('endpoint', '?')}",
+           f"hit rate  {_pct(hit_rate(hits, pf, miss))} ({hits} hits, {pf} prefetch hits, {miss} demand misses)",
+           f"budget    {_gib(cur)}" + (f" (configured {_gib(conf)})" if cur != conf else "")
+           + f", used {_gib(used)} ({sum(x.get('used', 0) for x in classes)} of "
+             f"{sum(x.get('slots', 0) for x in classes)} slots, {st.get('pinned', 0)} pinned)",
+           f"reads     {st.get('reads', 0)} ({_gib(st.get('bytes_read'))}, {st.get('read_errors', 0)} errors, "
+           f"{st.get('reads_in_flight', 0)} in flight), latency p50 {_ms(lat.get('p50_us'))}, "
+           f"p99 {_ms(lat.get('p99_us'))}",
+           f"clients   {len(clients)}"]
+    for x in clients:
+        out.append(f"  {x.get('name')} pid {x.get('pid')}: hit rate {_pct(x.get('hit_rate'))}, "
+                   f"{x.get('acquires', 0)} acquires, {x.get('leases', 0)} leases, {x.get('pending', 0)} pending, "
+                   f"stall {x.get('stall_s', 0):.2f} s, idle {x.get('idle_s', 0):.1f} s")
+    if layers:
+        for name, x in (st.get("layers") or {}).items():
+            out.append(f"layer {name}: hit rate {_pct(hit_rate(x['hits'], x['prefetch_hits'], x['demand_misses']))} "
+                       f"({x['hits']} hits, {x['prefetch_hits']} prefetch hits, "
+                       f"{x['demand_misses']} demand misses), {x['reads']} reads")
+    return out
+
+
 def stats_main(argv) -> int:
-    a = _parser("stats", "all counters of a running moecached (cache, reads, per client)").parse_args(argv)
+    p = _parser("stats", "counters of a running moecached: a short summary, or every counter "
+                         "(--all as STAT lines, --json)")
+    p.add_argument("--layers", action="store_true", help="add one line per layer to the summary")
+    p.add_argument("--all", action="store_true", help="every counter as STAT lines")
+    a = p.parse_args(argv)
     c = _client(*_endpoint_of(a))
     try:
         st = c.stats()
@@ -144,7 +203,10 @@ def stats_main(argv) -> int:
         c.close()
     # leave out the ctl's own connection from the per-client list
     st["clients"] = [x for x in st.get("clients", []) if x.get("name") != "moecache-ctl"]
-    _print(st, a.json)
+    if a.json or a.all:
+        _print(st, a.json)
+    else:
+        print("\n".join(summary(st, a.layers)))
     return 0
 
 

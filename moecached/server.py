@@ -33,6 +33,7 @@ import zmq
 from . import MoecacheError, __version__
 from . import protocol as P
 from ._serve import FastPath
+from .stats import hit_rate
 
 log = logging.getLogger("moecached.server")
 
@@ -62,12 +63,11 @@ class _Client:
         self.stall_s = 0.0
 
     def summary(self) -> dict:
-        looked = self.hits + self.prefetch_hits + self.misses
         return {"name": self.name, "id": self.ident.hex(), "pid": self.pid, "leases": len(self.leases),
                 "pending": len(self.pending), "requests": self.requests,
                 "acquires": self.acquires, "hits": self.hits,
                 "prefetch_hits": self.prefetch_hits, "demand_misses": self.misses,
-                "hit_rate": (self.hits + self.prefetch_hits) / looked if looked else None,
+                "hit_rate": hit_rate(self.hits, self.prefetch_hits, self.misses),
                 "prefetches": self.prefetches, "errors": self.errors,
                 "stall_s": round(self.stall_s, 6),
                 "idle_s": round(time.monotonic() - self.last_seen, 3)}
@@ -641,7 +641,6 @@ class Server:
 
     def _op_status(self, c: _Client, rid: int, msg: dict) -> None:
         st = self.cache.stats()
-        looked = st.get("hits", 0) + st.get("prefetch_hits", 0) + st.get("demand_misses", 0)
         budget = st.get("budget", {})
         classes = st.get("classes", [])
         self._reply(c.ident, rid, status={
@@ -654,7 +653,7 @@ class Server:
             "slots_used": sum(x.get("used", 0) for x in classes),
             "pinned": st.get("pinned"), "hits": st.get("hits"),
             "prefetch_hits": st.get("prefetch_hits"), "demand_misses": st.get("demand_misses"),
-            "hit_rate": (st.get("hits", 0) + st.get("prefetch_hits", 0)) / looked if looked else None,
+            "hit_rate": hit_rate(st.get("hits", 0), st.get("prefetch_hits", 0), st.get("demand_misses", 0)),
             "reads_in_flight": st.get("reads_in_flight")})
 
     def _op_trace_start(self, c: _Client, rid: int, msg: dict) -> None:

@@ -61,3 +61,48 @@ def test_version(capsys):
     assert ctl(["--version"]) == 0
     assert capsys.readouterr().out == f"moecache-ctl {__version__}\n"
     assert "--version" in (ctl(["--help"]), capsys.readouterr().out)[1]
+
+
+@pytest.fixture
+def daemon(model_factory, tmp_path, monkeypatch):
+    from test_server import Daemon
+    d = Daemon(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8), tmp_path)
+    monkeypatch.setenv("MOECACHED_ENDPOINT", d.endpoint)
+    yield d
+    d.stop()
+
+
+def test_stats_summary_layers_and_json(daemon, capsys):
+    import json
+    from moecache_client import Client
+    with Client(daemon.endpoint, name="engine-a") as a, Client(daemon.endpoint, name="engine-b"):
+        layer = a.expert_layers[1]
+        a.acquire(layer, [0, 1, 2]).release()
+        a.acquire(layer, [0, 1, 5]).release()        # 2 hits, 4 demand misses
+        assert ctl(["stats", "--json"]) == 0
+        st = json.loads(capsys.readouterr().out)
+        assert ctl(["stats"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert ctl(["stats", "--layers"]) == 0
+        with_layers = capsys.readouterr().out.splitlines()
+    # --json: every counter, as before
+    assert {"classes", "layers", "read_latency", "readers", "server", "budget"} <= set(st)
+    assert [x["name"] for x in st["clients"]] == ["engine-a", "engine-b"]
+    budget = st["budget"]["current_bytes"]
+    used = sum(x["used"] * x["slot_bytes"] for x in st["classes"])
+    assert used > 0 and budget > used
+    by_head = {line.split()[0]: line for line in out}
+    assert by_head["hit"].startswith("hit rate  33.3% (2 hits, 0 prefetch hits, 4 demand misses)")
+    assert by_head["budget"].startswith(f"budget    {budget / 2**30:.2f} GiB, used {used / 2**30:.2f} GiB "
+                                        f"(4 of {sum(x['slots'] for x in st['classes'])} slots")
+    assert by_head["reads"].startswith("reads     4 (")
+    assert "latency p50 " in by_head["reads"] and " ms, p99 " in by_head["reads"]
+    assert by_head["clients"] == "clients   2"
+    clients = [line for line in out if line.startswith("  ")]
+    assert [c.split()[0] for c in clients] == ["engine-a", "engine-b"]
+    assert "hit rate 33.3%, 2 acquires" in clients[0]
+    assert len(out) < 12 and not any(line.startswith("layer") for line in out)
+    layer_lines = [line for line in with_layers if line.startswith("layer ")]
+    assert len(layer_lines) == len(st["layers"])
+    assert f"layer {layer}: hit rate 33.3% (2 hits, 0 prefetch hits, 4 demand misses), 4 reads" in layer_lines
+    assert len(with_layers) == len(out) + len(layer_lines)
