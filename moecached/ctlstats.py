@@ -56,15 +56,11 @@ def _client(endpoint: str, timeout: float, source: str = "--endpoint"):
         from moecache_client import Client, ClientError, Timeout  # noqa: F401
     except ImportError as e:  # pragma: no cover
         raise MoecacheError(f"moecache_client is not installed: {e}")
-    via = f"(endpoint from {source})"
-    if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
-        raise MoecacheError(f"no daemon at {endpoint} {via}: socket file {endpoint[len('ipc://'):]} "
-                            f"does not exist")
     try:
         return Client(endpoint, name="moecache-ctl", timeout=timeout, connect_timeout=timeout,
                       map_arena=False)
     except Exception as e:
-        raise MoecacheError(f"cannot reach moecached at {endpoint} {via}: {e}")
+        raise MoecacheError(f"cannot reach moecached at {endpoint} (endpoint from {source}): {e}")
 
 
 def _positive(v: str) -> float:

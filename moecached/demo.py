@@ -86,7 +86,7 @@ class Daemon:
                                      stdin=subprocess.DEVNULL)
 
     def connect(self, timeout=120.0, name="moecache-demo"):
-        from moecache_client import Client, Timeout
+        from moecache_client import Client, ClientError, ServerError
         t_end = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -94,10 +94,13 @@ class Daemon:
                                 f"{self.tail()}")
             try:
                 return Client(self.endpoint, name=name, timeout=300, connect_timeout=1.0)
-            except Timeout:
+            except ServerError:
+                raise
+            except ClientError:  # not up yet: no socket file, or no hello within 1 s
                 if time.monotonic() > t_end:
                     raise DemoError(f"moecached did not answer on {self.endpoint} within "
                                     f"{timeout:.0f} s: {self.tail()}") from None
+                time.sleep(0.1)
 
     def tail(self, n=3):
         try:

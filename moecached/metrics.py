@@ -128,8 +128,6 @@ class StatsCollector:
             return None
         try:
             try:
-                if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
-                    raise MoecacheError(f"socket file {self.endpoint[6:]} does not exist")
                 if self._client is None:
                     from moecache_client import Client
                     self._client = Client(self.endpoint, name=CLIENT_NAME, timeout=self.timeout,

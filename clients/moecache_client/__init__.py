@@ -214,6 +214,8 @@ class Client:
         map_arena: map the arena read-only at hello (default); tools that only read
             counters pass False.
     Raises:
+        ClientError: an ``ipc://`` endpoint whose socket file does not exist (no daemon
+            there): raised at once, without waiting ``connect_timeout``.
         Timeout: the daemon did not answer hello within ``connect_timeout``.
         ServerError: the daemon refused hello (protocol version).
 
@@ -229,6 +231,9 @@ class Client:
                  timeout: float | None = 30.0, heartbeat_s: float | None = None,
                  connect_timeout: float = 10.0, map_arena: bool = True):
         self.endpoint = endpoint
+        path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+        if path is not None and not os.path.exists(path):
+            raise ClientError(f"no daemon socket at {path}: is moecached running? (systemctl status moecached)")
         self.map_arena = map_arena
         # the daemon keeps 64 characters of a name; a longer one would not fit its limits
         self.name = (name or f"pid{os.getpid()}")[:64]
