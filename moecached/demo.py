@@ -63,6 +63,18 @@ def _memlock_ok(nbytes: int) -> bool:
     return room is None or room >= nbytes + (64 << 20)
 
 
+def _check_free_space(where: str, workdir: str, n_layers: int) -> None:
+    """Refuse (one line) to write the scaled model where it does not fit: the space it takes
+    (:func:`moecached.synth.model_disk_bytes`) plus 64 MiB against what the filesystem has free."""
+    from .synth import model_disk_bytes
+    need = model_disk_bytes(LAYOUT, layers=n_layers) + (64 << 20)
+    free = shutil.disk_usage(workdir).free
+    if free < need:
+        raise DemoError(f"{where}: the {n_layers}-block model needs {need / 2**30:.1f} GiB, "
+                        f"{free / 2**30:.1f} GiB available: pass --workdir DIR on a filesystem "
+                        f"with room (or fewer --layers)")
+
+
 def _slice_layers(t: Trace, n: int) -> Trace:
     return Trace(experts=np.ascontiguousarray(t.experts[:, :n]), is_prompt=t.is_prompt,
                  predicted=None if t.predicted is None else np.ascontiguousarray(t.predicted[:, :n]),
@@ -162,6 +174,7 @@ def run_demo(a, out=sys.stdout) -> dict:
         else:
             n_layers = a.layers or (real.n_layers if real is not None else DEFAULT_LAYERS)
             model = os.path.join(workdir, "qwen3-30b-a3b-scaled.gguf")
+            _check_free_space(base or tempfile.gettempdir(), workdir, n_layers)
             say(f"model: writing a scaled Qwen3-30B-A3B Q4_K_M ({n_layers} of 48 blocks, all "
                 f"128 experts, real per-expert sizes; non-expert tensors are sparse holes) to "
                 f"{model}")
