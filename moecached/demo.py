@@ -309,7 +309,7 @@ def build_parser():
         epilog=f"Defaults: a {DEFAULT_LAYERS}-block model (~{DEFAULT_LAYERS * 0.37:.0f} GiB on "
                f"disk) and the SYNTHETIC workload, {SYN_WARM} warm-up + {SYN_TOKENS} counted "
                f"tokens; with --trace the model has the trace's layer count (48 for Qwen3: "
-               f"~17.5 GiB on disk, the 75%% arena ~13 GiB in /dev/shm) and {TRACE_WARM} + "
+               f"~17.5 GiB on disk, the 75% arena ~13 GiB in /dev/shm) and {TRACE_WARM} + "
                f"{TRACE_TOKENS} tokens. Compute time 0 and prefetch off by default, so the "
                f"table shows what the drive, the cache and the daemon alone allow, and the hit "
                f"rate can be checked against the simulator's g-lru.")

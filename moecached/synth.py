@@ -455,7 +455,10 @@ def _parse_layers(s: str):
 def main(argv=None) -> int:
     """``moecache-ctl synth --layout LAYOUT --out PATH [--layers N|a,b,..] [--experts E] [--split K]
     [--seed S] [--legacy-experts] [--dense] [--quiet]``"""
-    ap = argparse.ArgumentParser(prog="moecache-ctl synth", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="moecache-ctl synth",
+                                 description="write a real-layout GGUF model (or split set) whose "
+                                             "expert bytes carry stamps that name their block, "
+                                             "part and expert (test fixtures, the demo's model)")
     ap.add_argument("--layout", required=True, help="layout JSON path or embedded layout name")
     ap.add_argument("--out", required=True,
                     help="output .gguf path (shards are named after it; an existing file is "

@@ -106,3 +106,55 @@ def test_stats_summary_layers_and_json(daemon, capsys):
     assert len(layer_lines) == len(st["layers"])
     assert f"layer {layer}: hit rate 33.3% (2 hits, 0 prefetch hits, 4 demand misses), 4 reads" in layer_lines
     assert len(with_layers) == len(out) + len(layer_lines)
+
+
+def _help_texts(capsys) -> dict:
+    """``--help`` output of ``moecached``, every ``moecache-ctl`` command (and ``trace
+    convert``) and ``python -m moecached.workload``, by command."""
+    from moecached import daemon, workload
+    from moecached.ctl import COMMANDS
+    runs = {f"moecache-ctl {name}": lambda n=name: ctl([n, "--help"]) for name in COMMANDS}
+    runs["moecache-ctl trace convert"] = lambda: ctl(["trace", "convert", "--help"])
+    runs["moecache-ctl"] = lambda: ctl(["--help"])
+    runs["moecached"] = lambda: daemon.main(["--help"])
+    runs["python -m moecached.workload"] = lambda: workload.main(["--help"])
+    out = {}
+    for name, run in runs.items():
+        try:
+            rc = run()
+        except SystemExit as e:
+            rc = e.code
+        assert rc in (0, None), name
+        out[name] = capsys.readouterr().out
+        assert "usage" in out[name], name
+    return out
+
+
+def test_help_texts_are_plain_text(capsys):
+    import re
+    for name, text in _help_texts(capsys).items():
+        assert "%%" not in text and "%(" not in text, (name, text)
+        assert "``" not in text, (name, text)
+        assert not re.search(r":(func|class|mod|meth|data|ref):`", text), (name, text)
+
+
+def test_flags_named_in_messages_exist(capsys):
+    """Every ``--flag`` a message names (any string in moecached/ but docstrings) is a flag
+    of one of the commands."""
+    import ast
+    import re
+    from pathlib import Path
+    known = set()
+    for text in _help_texts(capsys).values():
+        known |= set(re.findall(r"--[a-z][a-z0-9-]*", text))
+    unknown = []
+    for f in sorted((Path(moecached.config.__file__).parent).glob("*.py")):
+        tree = ast.parse(f.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs:
+                unknown += [(f.name, n.lineno, flag) for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", n.value)
+                            if flag not in known]
+    assert unknown == []
