@@ -378,12 +378,9 @@ class Server:
         elif len(frames) == 3 and frames[1] == b"":
             ident, envelope, payload = frames[0], b"", frames[2]
         else:
-            self.counters["malformed"] += 1
             if len(frames) >= 1:  # envelope unknown: answered without a delimiter
-                self._send_frame(frames[0], False, P.pack(
-                    {"v": P.PROTOCOL_VERSION, "id": 0, "ok": False, "session": self.session,
-                     "error": {"code": P.E_MALFORMED,
-                               "message": f"request has {len(frames) - 1} frames: expected 1 (or an empty delimiter + 1)"}}))
+                self._send_error(frames[0], 0, P.E_MALFORMED, f"request has {len(frames) - 1} frames: "
+                                 "expected 1 (or an empty delimiter + 1)", delim=False)
             return
         now = time.monotonic()
         c = self.clients.get(ident)
@@ -444,10 +441,16 @@ class Server:
         fields.update(v=P.PROTOCOL_VERSION, id=rid, ok=True, session=self.session)
         return self._send(ident, fields)
 
-    def _send_error(self, ident: bytes, rid: int, code: str, message: str) -> bool:
-        return self._send(ident, {"v": P.PROTOCOL_VERSION, "id": rid, "ok": False,
-                                  "session": self.session,
-                                  "error": {"code": code, "message": message}})
+    def _send_error(self, ident: bytes, rid: int, code: str, message: str, delim: bool | None = None) -> bool:
+        """Send an error reply; every error reply goes through here, so ``malformed`` counts
+        each reply with that code. ``delim``: None = as the client's last request."""
+        if code == P.E_MALFORMED:
+            self.counters["malformed"] += 1
+        msg = {"v": P.PROTOCOL_VERSION, "id": rid, "ok": False, "session": self.session,
+               "error": {"code": code, "message": message}}
+        if delim is None:
+            return self._send(ident, msg)
+        return self._send_frame(ident, delim, P.pack(msg))
 
     # ---- client lifetime --------------------------------------------------------------
     def _drop_client(self, c: _Client, why: str) -> None:

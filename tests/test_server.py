@@ -535,3 +535,24 @@ def test_long_client_name_connects_and_is_cut_to_64(daemon):
         c.acquire(daemon.idx.expert_layers[0], [1]).release()
         names = [x["name"] for x in c.stats()["clients"]]
     assert name[:64] in names and not [n for n in names if n != name[:64] and n.startswith("engine-")]
+
+
+def test_every_malformed_reply_is_counted(daemon):
+    """``server.malformed`` counts every reply whose code is ``malformed``, whichever check
+    refused the request (frame count, msgpack decoding, size limit, not a map)."""
+    def malformed():
+        return daemon.server.stats()["server"].get("malformed", 0)
+    before = malformed()
+    sent = 0
+    for payload in (b"\xc1garbage", b"\x93\x01", msgpack.packb([1, 2]), b"\xdd\xff\xff\xff\xff",
+                    msgpack.packb({"v": 1, "id": 3, "op": "ping"}) + b"\x00",   # trailing bytes
+                    b"\x00" * (daemon.server.max_message_bytes + 1)):            # over the limit
+        rep = raw(daemon.endpoint, payload)
+        assert rep["error"]["code"] == "malformed", (payload[:16], rep)
+        sent += 1
+    rep = raw(daemon.endpoint, None, frames=[b"a", b"b", b"c"])
+    assert rep["error"]["code"] == "malformed"
+    sent += 1
+    # other refusals are errors, not malformed
+    assert raw(daemon.endpoint, msgpack.packb({"v": 1, "id": 4, "op": "nope"}))["error"]["code"] != "malformed"
+    assert malformed() - before == sent
