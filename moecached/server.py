@@ -620,6 +620,19 @@ class Server:
         if not quiet:
             self._reply(c.ident, rid, released=len(ids))
 
+    def _op_cancel(self, c: _Client, rid: int, msg: dict) -> None:
+        """Drop this client's pending acquire whose request id is ``request`` (its caller gave
+        up): its pins go, its reads go on as prefetches, it gets no reply. ``cancelled`` is
+        false when no such acquire is pending (already answered, or never sent)."""
+        quiet = self._noreply(msg)
+        target = P._int(msg, "request", lo=0, hi=2**64 - 1)
+        ticket = next((t for t, r in c.pending.items() if r == target), None)
+        done = ticket is not None and self.cache.cancel(ticket)
+        if done:
+            del c.pending[ticket]
+        if not quiet:
+            self._reply(c.ident, rid, cancelled=done)
+
     def _op_bye(self, c: _Client, rid: int, msg: dict) -> None:
         n = len(c.leases)
         self._reply(c.ident, rid, released=n)
