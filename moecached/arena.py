@@ -341,7 +341,7 @@ class Arena:
             raise ArenaError(
                 f"RLIMIT_MEMLOCK is {soft} bytes ({soft // 1024} KiB), {max(have, 0)} left, but arena "
                 f"{self.path} needs {self.size} bytes locked; set LimitMEMLOCK=infinity in the systemd "
-                f"unit or run 'ulimit -l unlimited' before starting (or pass lock=False / --no-lock)")
+                f"unit or run 'ulimit -l unlimited' before starting (or pass lock=False / --no-lock-memory)")
 
     def _mlock(self, off: int, length: int) -> None:
         if length <= 0:

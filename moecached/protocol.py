@@ -30,7 +30,7 @@ MAX_BIN_LEN = 0                    # the protocol never carries binary payloads
 UNPACK_LIMITS = dict(raw=False, strict_map_key=True, max_str_len=MAX_STR_LEN, max_bin_len=MAX_BIN_LEN,
                      max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0)
 
-OPS = ("hello", "acquire", "prefetch", "release", "stats", "status", "ping", "bye",
+OPS = ("hello", "acquire", "prefetch", "release", "cancel", "stats", "status", "ping", "bye",
        "trace_start", "trace_stop")
 
 # Error codes (stable strings; docs/protocol.md lists them with meanings).

@@ -40,6 +40,7 @@ from . import MoecacheError, __version__
 from . import protocol as P
 from ._serve import FastPath
 from .arena import STATE_SERVING
+from .stats import hit_rate
 
 log = logging.getLogger("moecached.server")
 
@@ -70,12 +71,11 @@ class _Client:
         self.pidfd = None  # pidfd of the client's process when watched (ipc + verified pid)
 
     def summary(self) -> dict:
-        looked = self.hits + self.prefetch_hits + self.misses
         return {"name": self.name, "id": self.ident.hex(), "pid": self.pid, "leases": len(self.leases),
                 "pending": len(self.pending), "requests": self.requests,
                 "acquires": self.acquires, "hits": self.hits,
                 "prefetch_hits": self.prefetch_hits, "demand_misses": self.misses,
-                "hit_rate": (self.hits + self.prefetch_hits) / looked if looked else None,
+                "hit_rate": hit_rate(self.hits, self.prefetch_hits, self.misses),
                 "prefetches": self.prefetches, "errors": self.errors,
                 "stall_s": round(self.stall_s, 6),
                 "watched": "process" if self.pidfd is not None else "heartbeat",
@@ -412,12 +412,9 @@ class Server:
         elif len(frames) == 3 and frames[1] == b"":
             ident, envelope, payload = frames[0], b"", frames[2]
         else:
-            self.counters["malformed"] += 1
             if len(frames) >= 1:  # envelope unknown: answered without a delimiter
-                self._send_frame(frames[0], False, P.pack(
-                    {"v": P.PROTOCOL_VERSION, "id": 0, "ok": False, "session": self.session,
-                     "error": {"code": P.E_MALFORMED,
-                               "message": f"request has {len(frames) - 1} frames: expected 1 (or an empty delimiter + 1)"}}))
+                self._send_error(frames[0], 0, P.E_MALFORMED, f"request has {len(frames) - 1} frames: "
+                                 "expected 1 (or an empty delimiter + 1)", delim=False)
             return
         now = time.monotonic()
         c = self.clients.get(ident)
@@ -478,10 +475,16 @@ class Server:
         fields.update(v=P.PROTOCOL_VERSION, id=rid, ok=True, session=self.session)
         return self._send(ident, fields)
 
-    def _send_error(self, ident: bytes, rid: int, code: str, message: str) -> bool:
-        return self._send(ident, {"v": P.PROTOCOL_VERSION, "id": rid, "ok": False,
-                                  "session": self.session,
-                                  "error": {"code": code, "message": message}})
+    def _send_error(self, ident: bytes, rid: int, code: str, message: str, delim: bool | None = None) -> bool:
+        """Send an error reply; every error reply goes through here, so ``malformed`` counts
+        each reply with that code. ``delim``: None = as the client's last request."""
+        if code == P.E_MALFORMED:
+            self.counters["malformed"] += 1
+        msg = {"v": P.PROTOCOL_VERSION, "id": rid, "ok": False, "session": self.session,
+               "error": {"code": code, "message": message}}
+        if delim is None:
+            return self._send(ident, msg)
+        return self._send_frame(ident, delim, P.pack(msg))
 
     # ---- client lifetime --------------------------------------------------------------
     def _drop_client(self, c: _Client, why: str) -> None:
@@ -687,6 +690,19 @@ class Server:
         if not quiet:
             self._reply(c.ident, rid, released=len(ids))
 
+    def _op_cancel(self, c: _Client, rid: int, msg: dict) -> None:
+        """Drop this client's pending acquire whose request id is ``request`` (its caller gave
+        up): its pins go, its reads go on as prefetches, it gets no reply. ``cancelled`` is
+        false when no such acquire is pending (already answered, or never sent)."""
+        quiet = self._noreply(msg)
+        target = P._int(msg, "request", lo=0, hi=2**64 - 1)
+        ticket = next((t for t, r in c.pending.items() if r == target), None)
+        done = ticket is not None and self.cache.cancel(ticket)
+        if done:
+            del c.pending[ticket]
+        if not quiet:
+            self._reply(c.ident, rid, cancelled=done)
+
     def _op_bye(self, c: _Client, rid: int, msg: dict) -> None:
         n = len(c.leases)
         self._reply(c.ident, rid, released=n)
@@ -711,7 +727,6 @@ class Server:
 
     def _op_status(self, c: _Client, rid: int, msg: dict) -> None:
         st = self.cache.stats()
-        looked = st.get("hits", 0) + st.get("prefetch_hits", 0) + st.get("demand_misses", 0)
         budget = st.get("budget", {})
         classes = st.get("classes", [])
         self._reply(c.ident, rid, status={
@@ -724,7 +739,7 @@ class Server:
             "slots_used": sum(x.get("used", 0) for x in classes),
             "pinned": st.get("pinned"), "hits": st.get("hits"),
             "prefetch_hits": st.get("prefetch_hits"), "demand_misses": st.get("demand_misses"),
-            "hit_rate": (st.get("hits", 0) + st.get("prefetch_hits", 0)) / looked if looked else None,
+            "hit_rate": hit_rate(st.get("hits", 0), st.get("prefetch_hits", 0), st.get("demand_misses", 0)),
             "reads_in_flight": st.get("reads_in_flight")})
 
     def _op_trace_start(self, c: _Client, rid: int, msg: dict) -> None:
