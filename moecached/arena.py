@@ -37,7 +37,7 @@ import numpy as np
 
 from . import MoecacheError
 
-__all__ = ["ArenaError", "ClassLayout", "Arena", "map_readonly", "plan_slots"]
+__all__ = ["ArenaError", "ClassLayout", "Arena", "map_readonly", "plan_slots", "planned_size"]
 
 DESCRIPTOR_VERSION = 1
 
@@ -153,6 +153,14 @@ def plan_slots(index, *, budget_bytes: int | None = None, slots: int | None = No
             f"so the minimum is {need} {unit}"
             + (f" ({need / 2**20:.1f} MiB)" if unit == "bytes" else "") + "; raise the budget")
     return got
+
+
+def planned_size(index, *, budget_bytes: int | None = None, slots: int | None = None,
+                 page_size: int = mmap.PAGESIZE) -> int:
+    """Bytes of the arena :class:`Arena` makes for this budget or slot count (nothing reserved),
+    so the daemon can check it against the memory limits first."""
+    counts = plan_slots(index, budget_bytes=budget_bytes, slots=slots, page_size=page_size)
+    return max(sum(_class_bytes(sc, counts[sc.id], page_size) for sc in index.size_classes), page_size)
 
 
 CAP_IPC_LOCK = 14
