@@ -198,9 +198,10 @@ def _build(cfg: C.Config, held: dict, t0: float):
     with stage(f"indexing {cfg.model}") as st_index:
         idx = open_index(cfg.model)
     total = sum(sc.slot_bytes * len(sc.layers) for sc in idx.size_classes) * int(idx.n_experts)
-    log.info("found %d routed experts (%d layers x %d) in %d size classes, %s of expert weights",
+    n_classes = len(idx.size_classes)
+    log.info("found %d routed experts (%d layers x %d) in %d size class%s, %s of expert weights",
              len(idx.expert_layers) * int(idx.n_experts), len(idx.expert_layers), int(idx.n_experts),
-             len(idx.size_classes), format_bytes(total, precision=2))
+             n_classes, "" if n_classes == 1 else "es", format_bytes(total, precision=2))
     gid = grp.getgrnam(cfg.group).gr_gid if cfg.group else None
     from .arena import remove_stale_arenas, planned_size
     remove_stale_arenas(cfg.arena_dir, log)  # arenas of daemons that were killed pin shm
@@ -211,12 +212,20 @@ def _build(cfg: C.Config, held: dict, t0: float):
     what = ("reserving and locking" if cfg.lock_memory else "reserving") + \
         f" {format_bytes(size, precision=2)} for the arena in {cfg.arena_dir}"
     _notify("STATUS=" + what)
+    tenth = [0]
+
+    def progress(done, total):
+        st_arena.update(done, total)
+        if done * 10 // total > tenth[0]:   # systemctl status shows how far it got
+            tenth[0] = done * 10 // total
+            _notify(f"STATUS={what}: {tenth[0] * 10}%")
+
     with stage(what, total=size * (2 if cfg.lock_memory else 1)) as st_arena:
         cache = ExpertCache(idx, budget_bytes=budget, slots=slots, policy=cfg.policy,
                             readers=cfg.readers, chunk_bytes=cfg.chunk, arena_dir=cfg.arena_dir,
                             hugetlb=cfg.hugetlb, lock_memory=cfg.lock_memory, direct_io=cfg.direct_io,
                             shrunk_policy=cfg.on_pressure, max_prefetch_loads=cfg.max_prefetch_loads,
-                            arena_progress=st_arena.update)
+                            arena_progress=progress)
     try:
         arena = cache.arena
         os.chmod(arena.path, cfg.arena_mode)
