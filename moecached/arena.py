@@ -626,8 +626,9 @@ def remove_stale_arenas(dir: str = "/dev/shm", log=None) -> list[str]:
     locks is stale (its owner was SIGKILLed or crashed). Shared memory is not reclaimable,
     so each one pins its whole size until removed. An arena has two names, ``moecached-*``
     and its private ``.moecached-*`` (:class:`Arena`); both go, and a private name whose public
-    one a client unlinked goes too. Returns the paths removed; files that cannot be opened
-    or locked are left alone. One log line per arena.
+    one a client unlinked goes too. Returns one path per arena removed (its public name, or the
+    private one when that was all that was left); files that cannot be opened or locked are
+    left alone. One log line per arena.
     """
     removed = []
     try:
@@ -656,16 +657,15 @@ def remove_stale_arenas(dir: str = "/dev/shm", log=None) -> list[str]:
                 os.pwrite(fd, bytes(16), EPOCH_OFF)
             # unlinked while we hold the lock: a daemon starting now cannot take it first
             os.unlink(path)
-            removed.append(path)
             stale.setdefault((st.st_dev, st.st_ino), [st.st_size, []])[1].append(name)
         finally:
             os.close(fd)
-    if log is not None:
-        for size, ns in stale.values():
-            shown = min(ns, key=lambda n: n.startswith("."))   # the public name when there is one
-            log.warning("removed stale arena %s (%.1f MiB) left by a daemon that died",
-                        os.path.join(dir, shown), size / 2**20)
-    return removed
+    for size, ns in stale.values():
+        shown = os.path.join(dir, min(ns, key=lambda n: n.startswith(".")))  # public name first
+        removed.append(shown)
+        if log is not None:
+            log.warning("removed stale arena %s (%.1f MiB) left by a daemon that died", shown, size / 2**20)
+    return sorted(removed)
 
 
 def map_readonly(descriptor: dict) -> tuple[mmap.mmap, dict]:
