@@ -198,6 +198,7 @@ class ExpertCache:
             since prefetch pays only when the drive has slack. Default: 2 x top-k x size
             classes, at least 16.
         log: a ``logging.Logger`` (default ``logging.getLogger("moecached.cache")``).
+        arena_progress: ``progress(done, total)`` while the arena is reserved and locked.
 
     Attributes: ``arena`` (``Arena``), ``index``, ``readers`` (``ReaderPool``).
 
@@ -209,7 +210,7 @@ class ExpertCache:
     def __init__(self, index, *, budget_bytes=None, slots=None, policy="global", readers=16,
                  chunk_bytes=256 * 1024, arena_dir="/dev/shm", arena_name=None, hugetlb=False,
                  lock_memory=True, direct_io=True, shrunk_policy="wait", max_prefetch_loads=None,
-                 log=None):
+                 log=None, arena_progress=None):
         from .arena import Arena, plan_slots
         from .readers import ReaderPool
 
@@ -229,7 +230,7 @@ class ExpertCache:
         if budget_bytes is None and slots is None:
             slots = sum(len(sc.layers) for sc in index.size_classes) * ne
         self.arena = Arena(index, budget_bytes=budget_bytes, slots=slots, dir=arena_dir,
-                           name=arena_name, hugetlb=hugetlb, lock=lock_memory)
+                           name=arena_name, hugetlb=hugetlb, lock=lock_memory, progress=arena_progress)
         try:
             self._build(index, ne)
             files = [str(getattr(f, "path", f)) for f in index.files]

@@ -2,8 +2,11 @@
 
     moecached --model PATH [--budget SIZE | --slots N] [--endpoint ipc://...] [--config FILE]
 
-Start-up order: configuration (file + flags, validated) -> index of the model's experts ->
-arena reserved and locked + readers -> ZeroMQ socket bound -> READY=1 to systemd. A failure
+Start-up order: configuration (file + flags, validated) -> the endpoint's lock (a second daemon
+on a live endpoint is refused here, having touched nothing) -> index of the model's experts ->
+the arena checked against the memory cgroup limit and MemAvailable (refused, or sized down when
+a floor is set) -> arena reserved and locked + readers -> ZeroMQ socket bound -> READY=1 to
+systemd. Each stage logs one line as it begins (a live percentage on a terminal). A failure
 at any step prints one line and exits 1 (systemd restarts it per the unit file). SIGTERM
 stops gracefully (pending requests fail with ``shutdown``, socket and arena files removed);
 SIGHUP re-reads the config file and applies what can change without a restart.
@@ -15,11 +18,13 @@ import grp
 import logging
 import os
 import sys
+import time
 
 from . import MoecacheError, __version__
 from . import config as C
 from . import notify
-from .logs import setup_logging
+from .logs import setup_logging, stage
+from .units import format_bytes
 
 log = logging.getLogger("moecached")
 
@@ -108,7 +113,6 @@ def _apply_live(key: str, new: C.Config, server, cache, floor_box: dict):
         if new.floor is None:
             if floor is not None:  # off: the budget the floor took goes back to the cache
                 floor_box["floor"], floor_box["off"] = None, floor  # kept: its counts go on
-                server.extra_stats = None
                 cache.set_budget(configured)
                 log.info("memory floor off; budget back to %d bytes",
                          cache.stats()["budget"]["current_bytes"])
@@ -121,7 +125,6 @@ def _apply_live(key: str, new: C.Config, server, cache, floor_box: dict):
             else:              # the one turned off earlier: counters go on where they were
                 floor.resume(configured)
             floor_box["floor"] = floor
-            server.extra_stats = lambda: {"floor": floor.stats()}
             log.info("memory floor on at %d bytes available", new.floor)
         floor.reconfigure(floor_bytes=new.floor, hysteresis_bytes=new.floor_hysteresis,
                           configured_budget=configured,
@@ -141,47 +144,142 @@ def min_budget_for(index, cache) -> int:
     return min(arena_bytes(index, per_class, cache.arena.page_size), cache.arena.size)
 
 
+def _fit_budget(cfg: C.Config, idx) -> tuple[int | None, int | None]:
+    """(budget_bytes, slots) for the arena, checked against the memory this process may use
+    before anything is reserved (``moecached.floor.fit_arena``): raises MemoryLimitError when
+    it does not fit, or with a floor returns a smaller budget that does (logged once)."""
+    from .arena import planned_size, smallest_budget
+    from .floor import fit_arena, read_memory_limit
+    budget, slots = cfg.budget, cfg.slots
+    if budget is None and slots is None:
+        slots = sum(len(sc.layers) for sc in idx.size_classes) * int(idx.n_experts)
+    if cfg.hugetlb:   # huge pages come from their own pool, not MemAvailable or the cgroup
+        return budget, slots
+    size = planned_size(idx, budget_bytes=budget, slots=slots)
+    swap = 0
+    if not cfg.lock_memory:   # an unlocked arena may go to swap
+        import psutil
+        swap = int(psutil.swap_memory().free)
+    fit = fit_arena(size, read_memory_limit(), floor=cfg.floor, swap_free=swap,
+                    smallest=smallest_budget(idx), what="budget")
+    if fit < size:
+        log.warning("budget %s does not fit above the floor %s in the memory left now: sized the "
+                    "arena down to %s (restart when memory is free to get the whole budget)",
+                    format_bytes(size, precision=2), format_bytes(cfg.floor, precision=2),
+                    format_bytes(fit, precision=2))
+        return fit, None
+    return budget, slots
+
+
 def build(cfg: C.Config):
     """Index + cache + (floor) + server for a validated Config. Returns (server, cache,
-    floor_box): ``floor_box["floor"]`` is the MemoryFloor or None (SIGHUP may switch it)."""
+    floor_box): ``floor_box["floor"]`` is the MemoryFloor or None (SIGHUP may switch it);
+    ``floor_box["timings"]`` the seconds each start-up stage took."""
+    from .server import lock_endpoint, unlock_endpoint
+
+    t0 = time.monotonic()
+    held = {"lock": lock_endpoint(cfg.endpoint)}  # before anything is read or reserved
+    try:
+        return _build(cfg, held, t0)
+    except BaseException:
+        if held["lock"] is not None:   # not handed to a Server yet
+            unlock_endpoint(cfg.endpoint, held["lock"])
+        raise
+
+
+def _build(cfg: C.Config, held: dict, t0: float):
     from .cache import ExpertCache
     from .index import open_index
     from .server import Server
 
     _notify("STATUS=indexing " + cfg.model)
-    idx = open_index(cfg.model)
+    with stage(f"indexing {cfg.model}") as st_index:
+        idx = open_index(cfg.model)
+    total = sum(sc.slot_bytes * len(sc.layers) for sc in idx.size_classes) * int(idx.n_experts)
+    n_classes = len(idx.size_classes)
+    log.info("found %d routed experts (%d layers x %d) in %d size class%s, %s of expert weights",
+             len(idx.expert_layers) * int(idx.n_experts), len(idx.expert_layers), int(idx.n_experts),
+             n_classes, "" if n_classes == 1 else "es", format_bytes(total, precision=2))
     gid = grp.getgrnam(cfg.group).gr_gid if cfg.group else None
-    from .arena import remove_stale_arenas
+    from .arena import remove_stale_arenas, planned_size
     remove_stale_arenas(cfg.arena_dir, log)  # arenas of daemons that were killed pin shm
-    _notify("STATUS=reserving and locking the arena")
-    cache = ExpertCache(idx, budget_bytes=cfg.budget, slots=cfg.slots, policy=cfg.policy,
-                        readers=cfg.readers, chunk_bytes=cfg.chunk, arena_dir=cfg.arena_dir,
-                        hugetlb=cfg.hugetlb, lock_memory=cfg.lock_memory, direct_io=cfg.direct_io,
-                        shrunk_policy=cfg.on_pressure, max_prefetch_loads=cfg.max_prefetch_loads)
+    budget, slots = _fit_budget(cfg, idx)
+    page = int(os.statvfs(cfg.arena_dir).f_bsize) if cfg.hugetlb else None
+    size = planned_size(idx, budget_bytes=budget, slots=slots,
+                        **({"page_size": page} if page else {}))
+    what = ("reserving and locking" if cfg.lock_memory else "reserving") + \
+        f" {format_bytes(size, precision=2)} for the arena in {cfg.arena_dir}"
+    _notify("STATUS=" + what)
+    tenth = [0]
+
+    def progress(done, total):
+        st_arena.update(done, total)
+        if done * 10 // total > tenth[0]:   # systemctl status shows how far it got
+            tenth[0] = done * 10 // total
+            _notify(f"STATUS={what}: {tenth[0] * 10}%")
+
+    with stage(what, total=size * (2 if cfg.lock_memory else 1)) as st_arena:
+        cache = ExpertCache(idx, budget_bytes=budget, slots=slots, policy=cfg.policy,
+                            readers=cfg.readers, chunk_bytes=cfg.chunk, arena_dir=cfg.arena_dir,
+                            hugetlb=cfg.hugetlb, lock_memory=cfg.lock_memory, direct_io=cfg.direct_io,
+                            shrunk_policy=cfg.on_pressure, max_prefetch_loads=cfg.max_prefetch_loads,
+                            arena_progress=progress)
     try:
-        os.chmod(cache.arena.path, cfg.arena_mode)
+        arena = cache.arena
+        os.chmod(arena.path, cfg.arena_mode)
         if gid is not None:
-            os.chown(cache.arena.path, -1, gid)
-        floor_box = {"floor": _make_floor(cfg, cache, cache.arena.size) if cfg.floor is not None else None}
+            os.chown(arena.path, -1, gid)
+        if arena.keep_error:
+            log.warning("%s; a client that unlinks the arena cannot be repaired", arena.keep_error)
+        floor_box = {"floor": _make_floor(cfg, cache, arena.size) if cfg.floor is not None else None,
+                     "timings": {"index_s": st_index.elapsed, "arena_s": st_arena.elapsed}}
 
         watchdog = notify.watchdog_ping if notify.watchdog_interval() else None
+        seen = {"link": "ok"}
+
+        def check_arena():
+            r = arena.check_link()
+            if r == "relinked":
+                log.warning("arena %s was unlinked by some process (multiprocessing.shared_memory"
+                            ".SharedMemory does that when the process that opened it exits); linked "
+                            "it back from %s, clients attach as before", arena.path, arena.keep_path)
+            elif r != "ok" and r != seen["link"]:
+                log.error("%s", r)
+            seen["link"] = r
 
         def on_tick(now):
+            check_arena()
             floor = floor_box["floor"]
             if floor is not None:
                 floor.tick(now)
             if watchdog is not None:
                 watchdog()
 
+        lock_fd, held["lock"] = held["lock"], None   # the server owns it from here
         server = Server(cache, endpoint=cfg.endpoint, model_path=cfg.model,
                         heartbeat_s=cfg.heartbeat_s, socket_mode=cfg.socket_mode, gid=gid,
                         on_tick=on_tick, tick_s=min(1.0, cfg.floor_interval_s),
                         max_request_experts=cfg.max_request_experts,
                         max_message_bytes=cfg.max_message_bytes,
-                        acquire_timeout_s=cfg.pressure_timeout_s if cfg.on_pressure == "wait" else None)
-        floor = floor_box["floor"]
-        if floor is not None:
-            server.extra_stats = lambda: {"floor": floor.stats()}
+                        acquire_timeout_s=cfg.pressure_timeout_s if cfg.on_pressure == "wait" else None,
+                        endpoint_lock=lock_fd)
+
+        def extra_stats():
+            st = {"arena": {"path": arena.path, "private_link": arena.keep_path,
+                            "relinks": arena.relinks, "problem": arena.link_problem}}
+            floor = floor_box["floor"]
+            if floor is not None:
+                st["floor"] = floor.stats()
+            return st
+
+        def extra_status():
+            if arena.link_problem is None:
+                return {}
+            return {"state": "degraded", "problem": arena.link_problem}
+
+        server.extra_stats = extra_stats
+        server.extra_status = extra_status
+        floor_box["timings"]["total_s"] = time.monotonic() - t0
     except BaseException:
         cache.close()
         raise
@@ -232,7 +330,9 @@ def run(cfg: C.Config) -> int:
         slots = sum(c.n_slots for c in cache.arena.classes)
         msg = (f"serving {os.path.basename(cfg.model)} on {cfg.endpoint}: {slots} slots, "
                f"{cache.arena.size / 2**30:.2f} GiB arena")
-        log.info("moecached %s %s", __version__, msg)
+        t = floor_box["timings"]
+        log.info("moecached %s ready: %s (started in %.1f s: index %.1f s, arena %.1f s)", __version__,
+                 msg, t["total_s"], t["index_s"], t["arena_s"])
         _notify("READY=1", f"STATUS={msg}", f"MAINPID={os.getpid()}")
 
     try:

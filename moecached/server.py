@@ -105,6 +105,46 @@ def _ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
 
 
+def lock_endpoint(endpoint: str) -> int | None:
+    """Take the endpoint's lock (exclusive ``flock`` on ``<socket>.lock``, holding our pid) and
+    return its fd; None for a non-ipc endpoint. The daemon takes it before it indexes or
+    reserves anything, so a second daemon on a live endpoint is refused at once, having touched
+    nothing; :class:`Server` takes it over (``endpoint_lock=``) and releases it in ``close()``.
+    Raises :class:`ServerError` when another daemon holds it or the directory is missing."""
+    ipc = _ipc_path(endpoint)
+    if not ipc:
+        return None
+    d = os.path.dirname(ipc) or "."
+    if not os.path.isdir(d):
+        raise ServerError(f"endpoint {endpoint}: directory {d} does not exist "
+                          "(systemd creates /run/moecached via RuntimeDirectory=; create it or pick another path)")
+    fd = os.open(ipc + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        try:
+            other = os.pread(fd, 32, 0).decode().strip() or "?"
+        except OSError:
+            other = "?"
+        os.close(fd)
+        raise ServerError(f"endpoint {endpoint}: another moecached (pid {other}) is serving it; "
+                          "stop it first or choose another --endpoint")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def unlock_endpoint(endpoint: str, fd: int | None) -> None:
+    """Release a lock from :func:`lock_endpoint` that no Server took over (start-up failed)."""
+    if fd is None:
+        return
+    try:
+        os.unlink(_ipc_path(endpoint) + ".lock")
+    except (FileNotFoundError, TypeError):
+        pass
+    os.close(fd)
+
+
 class Server:
     """Serves one ExpertCache on one ZeroMQ endpoint.
 
@@ -121,6 +161,8 @@ class Server:
             False before ``serve_forever`` to serve everything with :meth:`_handle` (tests
             compare the two).
         extra_stats: optional callable -> dict merged into ``stats`` (the memory floor's).
+        extra_status: optional callable -> dict merged into ``status`` (the arena's health).
+        endpoint_lock: the fd :func:`lock_endpoint` returned, when the caller took it first.
     Raises:
         ServerError: another daemon holds the endpoint, or the endpoint cannot be bound.
     """
@@ -128,7 +170,7 @@ class Server:
     def __init__(self, cache, *, endpoint: str, model_path: str = "", heartbeat_s: float = 5.0,
                  socket_mode: int = 0o660, gid: int | None = None, on_tick=None, tick_s: float = 1.0,
                  max_request_experts: int = P.MAX_ARRAY_LEN, max_message_bytes: int = P.MAX_MESSAGE_BYTES,
-                 acquire_timeout_s: float | None = None):
+                 acquire_timeout_s: float | None = None, endpoint_lock: int | None = None):
         self.cache = cache
         self.index = cache.index
         self.endpoint = endpoint
@@ -157,6 +199,7 @@ class Server:
         self.counters = collections.Counter()
         self.departed = collections.deque(maxlen=32)  # summaries of the last clients that left
         self.extra_stats = None  # optional callable -> dict merged into stats (the floor)
+        self.extra_status = None  # optional callable -> dict merged into status
         self._stopping = False
         self._loop_tid = None
         self._hup = False        # SIGHUP seen; the loop runs self._on_hup
@@ -165,6 +208,7 @@ class Server:
         self.fast_path = True  # serve resident acquires / own noreply releases in Cython first
         self._on_hup = None
         self._lock_fd = None
+        self._endpoint_lock = endpoint_lock
         self._ipc = _ipc_path(endpoint)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -192,24 +236,8 @@ class Server:
     # ---- start / stop -------------------------------------------------------------------
     def _bind(self, mode: int, gid: int | None) -> None:
         if self._ipc:
-            d = os.path.dirname(self._ipc) or "."
-            if not os.path.isdir(d):
-                raise ServerError(f"endpoint {self.endpoint}: directory {d} does not exist "
-                                  "(systemd creates /run/moecached via RuntimeDirectory=; create it or pick another path)")
-            lock_path = self._ipc + ".lock"
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                try:
-                    other = os.pread(fd, 32, 0).decode().strip() or "?"
-                except OSError:
-                    other = "?"
-                os.close(fd)
-                raise ServerError(f"endpoint {self.endpoint}: another moecached (pid {other}) is serving it; "
-                                  "stop it first or choose another --endpoint")
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            fd = self._endpoint_lock if self._endpoint_lock is not None else lock_endpoint(self.endpoint)
+            self._endpoint_lock = None
             self._lock_fd = fd
             if os.path.exists(self._ipc):
                 # We hold the lock, so whoever made this socket file is gone: a crash left it.
@@ -729,7 +757,7 @@ class Server:
         st = self.cache.stats()
         budget = st.get("budget", {})
         classes = st.get("classes", [])
-        self._reply(c.ident, rid, status={
+        status = {
             "state": "serving", "pid": os.getpid(), "version": __version__,
             "uptime_s": round(time.time() - self.started, 3), "model": self.model_path,
             "endpoint": self.endpoint, "clients": len(self.clients), "leases": len(self.leases),
@@ -740,7 +768,10 @@ class Server:
             "pinned": st.get("pinned"), "hits": st.get("hits"),
             "prefetch_hits": st.get("prefetch_hits"), "demand_misses": st.get("demand_misses"),
             "hit_rate": hit_rate(st.get("hits", 0), st.get("prefetch_hits", 0), st.get("demand_misses", 0)),
-            "reads_in_flight": st.get("reads_in_flight")})
+            "reads_in_flight": st.get("reads_in_flight")}
+        if self.extra_status is not None:
+            status.update(self.extra_status())
+        self._reply(c.ident, rid, status=status)
 
     def _op_trace_start(self, c: _Client, rid: int, msg: dict) -> None:
         path = msg.get("path")
