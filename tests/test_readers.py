@@ -476,3 +476,37 @@ def test_rewritten_in_place_with_mtime_restored_fails_loads(tmp_path):
         assert pool.stats()["errors"] == 0
     finally:
         pool.close()
+
+
+def test_load_racing_an_in_place_rewrite_is_withheld(tmp_path, monkeypatch):
+    """The file is rewritten (mtime put back) while a load reads it, after the check before
+    its first chunk: the check after its last chunk sees the ctime and withholds the bytes."""
+    import ctypes
+    import threading as _th
+    path = tmp_path / "m.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    st = os.stat(path)
+    real = readers_mod.read_many
+    done = []
+
+    def rewrite_then_read(*a):
+        if not done:
+            done.append(1)
+            with open(path, "r+b") as f:
+                f.write(os.urandom(1 << 20))
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        return real(*a)
+    monkeypatch.setattr(readers_mod, "read_many", rewrite_then_read)
+    pool = ReaderPool([str(path)], threads=1, direct=False)
+    buf = ctypes.create_string_buffer(65536)
+    results = []
+    ev = _th.Event()
+    try:
+        pool.submit([(0, 4096, 65536, ctypes.addressof(buf))], priority=0,
+                    callback=lambda j, e, n, s: (results.append(e), ev.set()))
+        assert ev.wait(10) and done
+        assert isinstance(results[-1], ModelChanged) and "ctime changed" in str(results[-1])
+        assert results[-1].dest_written is True
+        assert pool.model_changed is not None
+    finally:
+        pool.close()
