@@ -28,6 +28,7 @@ cdef class FastPath:
         more_nb, nb: the zmq flag ints for "more frames follow, don't block" and "don't block".
     """
     cdef object server, clients, leases, counters, send, packb, unpack, acquire_resident, release
+    cdef object generations
     cdef object session
     cdef int more_nb, nb
 
@@ -41,6 +42,7 @@ cdef class FastPath:
         self.unpack = unpack
         self.acquire_resident = server.cache.acquire_resident
         self.release = server.cache.release
+        self.generations = server.cache.lease_generations
         self.session = server.session
         self.more_nb = more_nb
         self.nb = nb
@@ -120,7 +122,8 @@ cdef class FastPath:
         c.hits += hits
         c.prefetch_hits += pf
         reply = self.packb({"v": 1, "id": rid, "ok": True, "session": self.session,
-                            "lease": lid, "items": lease.items, "hits": hits,
+                            "lease": lid, "items": lease.items,
+                            "gens": self.generations(lease.items), "hits": hits,
                             "prefetch_hits": pf, "misses": 0, "stall_us": 0})
         try:
             self.send(ident, self.more_nb)

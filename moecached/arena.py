@@ -2,6 +2,11 @@
 
 Layout (bytes, all offsets relative to the start of the arena file)::
 
+    control block                                                  offset 0, page-rounded
+      header (64 bytes): magic "MOECTL01", epoch u64, state u64, n_classes u64, n_keys u64,
+                         resident map offset u64, reserved
+      generations: one u64 per slot, class by class (class c's at ``gen_off``)
+      resident map: one u64 per key (moe layer index * n_experts + expert): 0, or slot + 1
     class 0: part "gate"  array  [n_slots x part_bytes["gate"]]   page-aligned start
              part "up"    array  [n_slots x part_bytes["up"]]     page-aligned start
              part "down"  array  ...
@@ -11,6 +16,15 @@ Part ``p`` of slot ``i`` of a class lives at ``part_off[p] + i * part_bytes[p]``
 packed array in ggml's expert-tensor layout (``[ne0, ne1, n_slots]``), so an engine can run
 ``MUL_MAT_ID`` over the slots directly. ``Arena.descriptor()`` is a JSON-able description of all
 of this; another process maps the file read-only with :func:`map_readonly`.
+
+The control block is written by the daemon only. ``epoch`` is the serving daemon's session id
+(0 once it stopped, or when a later daemon found the file left by a crash); ``state`` is 1
+serving, 2 model file changed, 0 stopped. A slot's *generation* moves whenever the expert it
+held leaves it (eviction, a failed load, a budget shrink): a holder that finds the epoch and
+every generation of its lease unchanged *after* reading the bytes read the expert it was
+granted (a seqlock; docs/protocol.md, "Lease validity"). The resident map says where each
+resident expert is, for clients that pin without a message; the rules of both live once, in
+``clients/c/include/moecache_shm.h``.
 
 Budget: each size class gets the same share (one ``fraction`` for all classes) of its layers'
 experts, ``n_slots(class) = floor(fraction * len(class.layers) * n_experts)``, with the largest
@@ -39,7 +53,11 @@ from . import MoecacheError
 
 __all__ = ["ArenaError", "ClassLayout", "Arena", "map_readonly", "plan_slots"]
 
-DESCRIPTOR_VERSION = 1
+DESCRIPTOR_VERSION = 2
+CONTROL_MAGIC = b"MOECTL01"
+CONTROL_HEADER_BYTES = 64
+EPOCH_OFF, STATE_OFF, NCLASSES_OFF, NKEYS_OFF, RESMAP_OFF_OFF = 8, 16, 24, 32, 40  # header words
+STATE_STOPPED, STATE_SERVING, STATE_MODEL_CHANGED = 0, 1, 2
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
@@ -71,11 +89,12 @@ class ClassLayout:
     n_slots: int
     slot_bytes: int
     part_types: dict = field(default_factory=dict)
+    gen_off: int = 0   # byte offset of this class's slot generations (u64 each) in the control block
 
     def to_dict(self) -> dict:
         return {"id": self.id, "layers": list(self.layers), "parts": list(self.parts),
                 "part_bytes": dict(self.part_bytes), "part_off": dict(self.part_off),
-                "n_slots": self.n_slots, "slot_bytes": self.slot_bytes,
+                "n_slots": self.n_slots, "slot_bytes": self.slot_bytes, "gen_off": self.gen_off,
                 "part_types": {k: (v if isinstance(v, (int, str)) else str(v))
                                for k, v in self.part_types.items()}}
 
@@ -88,6 +107,23 @@ def _class_bytes(sc, n: int, page: int) -> int:
     return sum(_round_up(n * int(sc.part_bytes[p]), page) for p in sc.parts)
 
 
+def n_keys(index) -> int:
+    """Keys of the resident map: every (moe layer, expert) pair."""
+    return sum(len(sc.layers) for sc in index.size_classes) * int(index.n_experts)
+
+
+def arena_bytes(index, counts: dict[int, int], page_size: int = mmap.PAGESIZE) -> int:
+    """Bytes of an arena holding ``counts`` slots per size class id: control block + part arrays."""
+    return (control_bytes(sum(counts.values()), n_keys(index), page_size)
+            + sum(_class_bytes(sc, counts[sc.id], page_size) for sc in index.size_classes))
+
+
+def control_bytes(total_slots: int, keys: int, page: int) -> int:
+    """Bytes of the control block (header, one generation word per slot, one resident-map
+    word per key), page-rounded."""
+    return _round_up(CONTROL_HEADER_BYTES + 8 * total_slots + 8 * keys, page)
+
+
 def smallest_budget(index, page_size: int = mmap.PAGESIZE) -> int:
     """Bytes of the smallest arena :func:`plan_slots` accepts (every size class >= 1 slot).
 
@@ -98,7 +134,7 @@ def smallest_budget(index, page_size: int = mmap.PAGESIZE) -> int:
         raise ArenaError("index has no size classes (no routed experts found); check the model file")
     weights = {sc.id: len(sc.layers) * int(index.n_experts) for sc in classes}
     fmin = max(Fraction(1, w) for w in weights.values())
-    return sum(_class_bytes(sc, int(fmin * weights[sc.id]), page_size) for sc in classes)
+    return arena_bytes(index, {sc.id: int(fmin * weights[sc.id]) for sc in classes}, page_size)
 
 
 def plan_slots(index, *, budget_bytes: int | None = None, slots: int | None = None,
@@ -124,8 +160,8 @@ def plan_slots(index, *, budget_bytes: int | None = None, slots: int | None = No
 
     def cost(f: Fraction) -> int:
         c = counts(f)
-        if budget_bytes is not None:
-            return sum(_class_bytes(sc, c[sc.id], page_size) for sc in classes)
+        if budget_bytes is not None:   # the whole file: control block and slots
+            return arena_bytes(index, c, page_size)
         return sum(c.values())
 
     limit = budget_bytes if budget_bytes is not None else slots
@@ -212,6 +248,7 @@ class Arena:
                  dir: str = "/dev/shm", name: str | None = None, hugetlb: bool = False,
                  lock: bool = True, mode: int = 0o640, gid: int | None = None):
         self._mm = None
+        self._ctl = None
         self._fd = -1
         self.locked = False
         self.page_size = int(os.statvfs(dir).f_bsize) if hugetlb else mmap.PAGESIZE
@@ -219,7 +256,15 @@ class Arena:
         self.n_experts = int(index.n_experts)
         counts = plan_slots(index, budget_bytes=budget_bytes, slots=slots, page_size=self.page_size)
         page = self.page_size
-        off = 0
+        gen_off = CONTROL_HEADER_BYTES
+        gen_offs = {}
+        for sc in index.size_classes:
+            gen_offs[sc.id] = gen_off
+            gen_off += 8 * counts[sc.id]
+        self.n_keys = n_keys(index)
+        self.resmap_off = gen_off
+        self.control_bytes = control_bytes(sum(counts.values()), self.n_keys, page)
+        off = self.control_bytes
         self.classes: list[ClassLayout] = []
         for sc in index.size_classes:
             n = counts[sc.id]
@@ -232,7 +277,7 @@ class Arena:
                 id=int(sc.id), layers=[int(x) for x in sc.layers], parts=list(sc.parts),
                 part_bytes=part_bytes, part_off=part_off, n_slots=n,
                 slot_bytes=sum(part_bytes.values()),
-                part_types=dict(getattr(sc, "part_types", {}) or {})))
+                part_types=dict(getattr(sc, "part_types", {}) or {}), gen_off=gen_offs[sc.id]))
         self._by_id = {c.id: c for c in self.classes}
         self.size = max(off, page)
         name = name or f"moecached-{os.getpid()}-{secrets.token_hex(4)}"
@@ -274,6 +319,13 @@ class Arena:
             self.base_address = ctypes.addressof(anchor)
             del anchor
             self._np = np.frombuffer(self._mm, dtype=np.uint8)
+            self._ctl = np.frombuffer(self._mm, dtype=np.uint64, count=self.control_bytes // 8)
+            self._ctl[:] = 0
+            self._ctl[0] = np.frombuffer(CONTROL_MAGIC, dtype=np.uint64)[0]
+            self._ctl[NCLASSES_OFF // 8] = len(self.classes)
+            self._ctl[NKEYS_OFF // 8] = self.n_keys
+            self._ctl[RESMAP_OFF_OFF // 8] = self.resmap_off
+            self.set_epoch(int.from_bytes(os.urandom(8), "little") >> 1 | 1, STATE_SERVING)
             if lock:
                 self._mlock(0, self.size)
                 self.locked = True
@@ -329,12 +381,40 @@ class Arena:
 
         Keys: ``version``, ``path``, ``size`` (bytes), ``page_size``, ``hugetlb``, ``n_experts``,
         ``classes`` (list of dicts: id, layers, parts, part_bytes, part_off, n_slots, slot_bytes,
-        part_types), ``layer_class`` ({str(layer): class id}).
+        part_types, gen_off), ``layer_class`` ({str(layer): class id}), ``control`` (off,
+        bytes, magic, epoch_off, state_off: the control block, see the module doc).
         """
         return {"version": DESCRIPTOR_VERSION, "path": self.path, "size": self.size,
                 "page_size": self.page_size, "hugetlb": self.hugetlb, "n_experts": self.n_experts,
+                "control": {"off": 0, "bytes": self.control_bytes, "magic": CONTROL_MAGIC.decode(),
+                            "epoch_off": EPOCH_OFF, "state_off": STATE_OFF,
+                            "n_keys": self.n_keys, "resmap_off": self.resmap_off},
                 "classes": [c.to_dict() for c in self.classes],
                 "layer_class": {str(l): c.id for c in self.classes for l in c.layers}}
+
+    # ---- control block (epoch, state, slot generations) ------------------------------------
+    @property
+    def epoch(self) -> int:
+        return int(self._ctl[EPOCH_OFF // 8])
+
+    def set_epoch(self, epoch: int, state: int | None = None) -> None:
+        """Publish the serving daemon's session id (0: nobody serves this arena any more) and,
+        when given, the state word. Every lease of an earlier epoch reads as invalid."""
+        if state is not None:
+            self._ctl[STATE_OFF // 8] = state
+        self._ctl[EPOCH_OFF // 8] = epoch
+
+    def set_state(self, state: int) -> None:
+        self._ctl[STATE_OFF // 8] = state
+
+    def resident_map(self) -> np.ndarray:
+        """The writable u64 resident map (one word per key: 0, or slot + 1)."""
+        return self._ctl[self.resmap_off // 8: self.resmap_off // 8 + self.n_keys]
+
+    def generations(self, class_id: int) -> np.ndarray:
+        """The writable u64 generation array of class ``class_id`` (one word per slot)."""
+        c = self.layout(class_id)
+        return self._ctl[c.gen_off // 8: c.gen_off // 8 + c.n_slots]
 
     # ---- release / restore ---------------------------------------------------------------
     def _slot_ranges(self, class_id: int, slots: list[int]) -> list[tuple[int, int]]:
@@ -406,6 +486,10 @@ class Arena:
     # ---- lifetime ------------------------------------------------------------------------
     def _teardown(self, unlink: bool) -> None:
         self._np = None
+        if getattr(self, "_ctl", None) is not None:
+            self._ctl[EPOCH_OFF // 8] = 0        # every lease on this arena is void from now
+            self._ctl[STATE_OFF // 8] = STATE_STOPPED
+            self._ctl = None
         if self._mm is not None:
             if self.locked:
                 _libc.munlock(ctypes.c_void_p(self.base_address), ctypes.c_size_t(self.size))
@@ -463,7 +547,7 @@ def remove_stale_arenas(dir: str = "/dev/shm", log=None) -> list[str]:
             continue
         path = os.path.join(dir, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
             continue
         try:
@@ -474,6 +558,9 @@ def remove_stale_arenas(dir: str = "/dev/shm", log=None) -> list[str]:
             except OSError:
                 continue  # owned by a live daemon
             size = os.fstat(fd).st_size
+            if size >= CONTROL_HEADER_BYTES and os.pread(fd, 8, 0) == CONTROL_MAGIC:
+                # clients that still map it see epoch 0: their leases read as invalid
+                os.pwrite(fd, bytes(16), EPOCH_OFF)
             os.unlink(path)
             removed.append(path)
             if log is not None:

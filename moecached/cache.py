@@ -51,6 +51,7 @@ import time
 from dataclasses import dataclass
 
 from . import MoecacheError
+from .arena import arena_bytes
 from .policy import LRU
 from .readers import ModelChanged
 from .stats import LatencyHistogram
@@ -296,11 +297,13 @@ class ExpertCache:
     def _build(self, index, ne):
         arena = self.arena
         self._base_addr = arena.base_address
+        # slot generations in the arena's control block (written here only, under the lock)
+        self._gens = self._gens_mv = {c.id: memoryview(arena.generations(c.id)).cast("B").cast("Q")
+                                      for c in arena.classes}
         self._cls = {}           # cid -> (layout, [pools])
         self._layers: dict[int, _Layer] = {}
-        self._max_bytes = 0
+        self._max_bytes = arena.size   # budgets count the whole arena file (control block too)
         for c in arena.classes:
-            self._max_bytes += c.n_slots * c.slot_bytes
             pools = []
             if self.policy == "global":
                 pools.append((_Pool(c.id, list(c.layers), ne, list(range(c.n_slots))), c.layers))
@@ -351,6 +354,7 @@ class ExpertCache:
         s = pool.alloc[k]
         pool.alloc[k] = -1
         pool.res[k] = -1
+        self._gens[pool.cid][s] += 1     # the expert leaves the slot: old leases on it go invalid
         if pool.unused[k]:
             pool.unused[k] = 0
             self.c_wasted += 1
@@ -654,6 +658,7 @@ class ExpertCache:
             pool.unused[k] = 0
             pool.lru.unpin(k)
             pool.lru.remove(k)
+            self._gens[pool.cid][load.slot] += 1
             v = load.victim
             if v is not None and not getattr(error, "dest_written", True) and pool.alloc[v[0]] < 0:
                 # the slot still holds the evicted expert's bytes: it gets its place back
@@ -855,6 +860,13 @@ class ExpertCache:
             self._after(submits, (), ())
         return len(submits)
 
+    def lease_generations(self, items) -> list[int]:
+        """Generation of each item's slot (``(layer, expert, class_id, slot)`` items of a lease
+        still pinned): what a holder compares against the arena's control block to know its
+        lease is still valid (docs/protocol.md, "Lease validity")."""
+        g = self._gens_mv
+        return [g[it[2]][it[3]] for it in items]
+
     def own_lease_id(self, lid: int) -> bool:
         """True when ``lid`` lies in this cache instance's id range (issued here, or one it
         could issue); False marks a lease id from another instance, e.g. before a restart."""
@@ -1017,7 +1029,10 @@ class ExpertCache:
             layers = {str(l): {"hits": self._l_hits[l], "demand_misses": self._l_miss[l],
                           "prefetch_hits": self._l_pf[l], "reads": self._l_reads[l]}
                       for l in sorted(self._layers)}
-            cur = sum(p.cap * self._cls[p.cid][0].slot_bytes for p in self._pools)
+            caps = dict.fromkeys(self._cls, 0)
+            for p in self._pools:
+                caps[p.cid] += p.cap
+            cur = arena_bytes(self.index, caps, self.arena.page_size)
             out = {
                 "hits": sum(self._l_hits), "demand_misses": sum(self._l_miss),
                 "prefetch_hits": sum(self._l_pf), "prefetches": self.c_prefetches,
@@ -1061,6 +1076,8 @@ class ExpertCache:
                 cb(res)
             except Exception:
                 self.log.exception("moecached cache: acquire callback raised")
+        with self._lock:
+            self._gens = self._gens_mv = {}   # views of the mapping: let it be unmapped
         try:
             self.readers.close()
         finally:

@@ -45,9 +45,8 @@ def _budget_bytes(cfg: C.Config, cache) -> int | None:
     if cfg.budget is not None:
         return int(cfg.budget)
     if cfg.slots is not None:
-        from .arena import plan_slots
-        n = plan_slots(cache.index, slots=cfg.slots)
-        return sum(n[c.id] * c.slot_bytes for c in cache.arena.classes)
+        from .arena import arena_bytes, plan_slots
+        return arena_bytes(cache.index, plan_slots(cache.index, slots=cfg.slots), cache.arena.page_size)
     return None
 
 
@@ -151,10 +150,9 @@ def _apply_live(key: str, new: C.Config, server, cache, floor_box: dict):
 def min_budget_for(index, cache) -> int:
     """Smallest budget the memory floor may shrink to: two layers' top-k of every size class
     (one layer computing, the next loading), in bytes."""
-    need = 0
-    for sc in index.size_classes:
-        need += 2 * index.top_k * sc.slot_bytes
-    return min(need, cache.arena.size)
+    from .arena import arena_bytes
+    per_class = {sc.id: 2 * index.top_k for sc in index.size_classes}
+    return min(arena_bytes(index, per_class, cache.arena.page_size), cache.arena.size)
 
 
 def _make_cache(cfg: C.Config, idx):

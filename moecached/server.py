@@ -10,9 +10,14 @@ behaviour that also produces every error reply. Replies use ``ROUTER_MANDATORY``
 a client that vanished raises EHOSTUNREACH and the lease it carried is rolled back (released)
 at once.
 
-Leases belong to the ZeroMQ routing id (one DEALER connection) that took them. A client that
-sends nothing for ``heartbeat_s`` seconds loses its leases; the Python client pings on its
-own while idle.
+Leases belong to the ZeroMQ routing id (one DEALER connection) that took them. A local (ipc)
+client whose hello names its pid and that process's start time is watched through a pidfd:
+its leases are kept while the process lives, however long it stalls, and released as soon as
+it exits (a reused pid cannot fool the start-time check). Any other client that sends
+nothing for ``heartbeat_s`` seconds loses its leases; the Python client pings on its own
+while idle. Wherever a lease is released without its holder's word, the generations of its
+slots in the arena's control block move before the slots are reused, so the holder can tell
+(docs/protocol.md, "Lease validity").
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import functools
 import heapq
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -33,6 +39,7 @@ import zmq
 from . import MoecacheError, __version__
 from . import protocol as P
 from ._serve import FastPath
+from .arena import STATE_MODEL_CHANGED, STATE_SERVING
 
 log = logging.getLogger("moecached.server")
 
@@ -47,7 +54,7 @@ class ServerError(MoecacheError):
 class _Client:
     __slots__ = ("ident", "delim", "name", "pid", "first_seen", "last_seen", "leases", "pending",
                  "requests", "acquires", "hits", "misses", "prefetch_hits", "prefetches",
-                 "errors", "stall_s")
+                 "errors", "stall_s", "pidfd")
 
     def __init__(self, ident: bytes, now: float):
         self.ident = ident
@@ -60,6 +67,7 @@ class _Client:
         self.requests = self.acquires = self.hits = self.misses = 0
         self.prefetch_hits = self.prefetches = self.errors = 0
         self.stall_s = 0.0
+        self.pidfd = None  # pidfd of the client's process when watched (ipc + verified pid)
 
     def summary(self) -> dict:
         looked = self.hits + self.prefetch_hits + self.misses
@@ -70,7 +78,27 @@ class _Client:
                 "hit_rate": (self.hits + self.prefetch_hits) / looked if looked else None,
                 "prefetches": self.prefetches, "errors": self.errors,
                 "stall_s": round(self.stall_s, 6),
+                "watched": "process" if self.pidfd is not None else "heartbeat",
                 "idle_s": round(time.monotonic() - self.last_seen, 3)}
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of process ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22),
+    or None when there is no such process here. With the pid it names one process for good:
+    a pid reused later has another start time."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            data = f.read()
+        return int(data[data.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _pidfd_open(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
 
 
 def _ipc_path(endpoint: str) -> str | None:
@@ -111,7 +139,9 @@ class Server:
         self.heartbeat_s = float(heartbeat_s)
         self.on_tick = on_tick
         self.tick_s = tick_s
-        self.session = int.from_bytes(os.urandom(8), "little") >> 1
+        self.session = int.from_bytes(os.urandom(8), "little") >> 1 | 1
+        # the arena's control block names the session it serves: leases of any other are void
+        cache.arena.set_epoch(self.session, STATE_SERVING)
         self.started = time.time()
         self.checker = P.RequestChecker(self.index.expert_layers, self.index.n_experts,
                                         max_experts=max_request_experts)
@@ -120,6 +150,8 @@ class Server:
         self.acquire_timeout_s = acquire_timeout_s
         self.moe_index = {l: i for i, l in enumerate(self.index.expert_layers)}
         self.clients: dict[bytes, _Client] = {}
+        self._watch = select.poll()           # pidfds of watched clients (POLLIN: exited)
+        self._watched: dict[int, _Client] = {}
         self.leases: dict[int, tuple[bytes, object]] = {}
         self.deadlines: list = []  # heap of (t, ticket, ident, rid)
         self.done = collections.deque()
@@ -235,6 +267,8 @@ class Server:
             except Exception:
                 pass
         self.leases.clear()
+        for c in list(self.clients.values()):
+            self._unwatch(c)
         if self.recorder is not None:
             self._trace_stop()
         self.sock.close(linger=0)
@@ -307,6 +341,8 @@ class Server:
                                 log.error("reload failed: %s", e)
                         if self._model_change is not None:
                             msg, self._model_change = self._model_change, None
+                            # shared-memory pins stop; resident hits go on over the socket
+                            self.cache.arena.set_state(STATE_MODEL_CHANGED)
                             if self.on_model_change is not None:
                                 try:
                                     self.on_model_change(msg)
@@ -372,7 +408,9 @@ class Server:
         """Start a new session: a new ``session`` id in every reply, so clients fail their calls
         in flight with DaemonRestarted and say hello again (re-mapping the arena). The one
         place the session changes after start."""
-        self.session = int.from_bytes(os.urandom(8), "little") >> 1
+        self.session = int.from_bytes(os.urandom(8), "little") >> 1 | 1
+        # the arena's control block names the session it serves: leases of any other are void
+        self.cache.arena.set_epoch(self.session, STATE_SERVING)
         if self._fast is not None:
             self._fast = self._fast_handler()  # the hot path holds the session and the cache
 
@@ -524,6 +562,7 @@ class Server:
             self.cache.release(lease)
             n += 1
         c.leases.clear()
+        self._unwatch(c)
         self.clients.pop(c.ident, None)
         self.counters["clients_dropped"] += 1
         gone = c.summary()
@@ -533,9 +572,41 @@ class Server:
             log.info("client %s (pid %s) %s: released %d leases", c.name, c.pid, why, n)
 
     def _expire_clients(self, now: float) -> None:
+        """Release the leases of watched clients whose process exited, and of unwatched ones
+        silent for longer than ``heartbeat_s`` (a watched client may stall for any time)."""
+        if self._watched:
+            for fd, _ in self._watch.poll(0):
+                c = self._watched.get(fd)
+                if c is not None:
+                    self._drop_client(c, "process exited")
         for c in list(self.clients.values()):
-            if now - c.last_seen > self.heartbeat_s:
+            if c.pidfd is None and now - c.last_seen > self.heartbeat_s:
                 self._drop_client(c, f"silent for {now - c.last_seen:.1f}s")
+
+    def _watch_client(self, c: _Client, pid, pid_start) -> None:
+        """Watch ``c``'s process when it is local and its pid is verified by its start time."""
+        self._unwatch(c)
+        if not self._ipc or type(pid) is not int or type(pid_start) is not int or pid <= 0:
+            return
+        fd = _pidfd_open(pid)
+        if fd is None:
+            return
+        if process_start_time(pid) != pid_start:   # not that process (other pid namespace, reused)
+            os.close(fd)
+            return
+        c.pidfd = fd
+        self._watched[fd] = c
+        self._watch.register(fd, select.POLLIN)
+
+    def _unwatch(self, c: _Client) -> None:
+        fd, c.pidfd = c.pidfd, None
+        if fd is not None:
+            self._watched.pop(fd, None)
+            try:
+                self._watch.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+            os.close(fd)
 
     # ---- completions from reader threads ----------------------------------------------
     def _complete(self, ident: bytes, rid: int, ticket_box: list, tag, result) -> None:
@@ -573,7 +644,8 @@ class Server:
         ident = c.ident
         lid = lease.id
         payload = self._packb({"v": P.PROTOCOL_VERSION, "id": rid, "ok": True, "session": self.session,
-                          "lease": lid, "items": lease.items, "hits": lease.hits,
+                          "lease": lid, "items": lease.items,
+                          "gens": self.cache.lease_generations(lease.items), "hits": lease.hits,
                           "prefetch_hits": lease.prefetch_hits, "misses": lease.misses,
                           "stall_us": int(lease.stall_s * 1e6)})
         if not self._send_frame(ident, c.delim, payload):
@@ -609,12 +681,14 @@ class Server:
         pid = msg.get("pid")
         if isinstance(pid, int) and not isinstance(pid, bool):
             c.pid = pid
+        self._watch_client(c, pid, msg.get("pid_start"))
         idx = self.index
         self._reply(c.ident, rid, protocol=P.PROTOCOL_VERSION, server=f"moecached {__version__}",
                     fingerprint=idx.fingerprint(), model=self.model_path,
                     arena=self.cache.descriptor(), index=idx.to_json(),
                     expert_layers=list(idx.expert_layers), n_experts=idx.n_experts,
                     top_k=idx.top_k, heartbeat_s=self.heartbeat_s,
+                    lease_watch="process" if c.pidfd is not None else "heartbeat",
                     limits={"max_message_bytes": self.max_message_bytes,
                             "max_array_len": P.MAX_ARRAY_LEN, "max_map_len": P.MAX_MAP_LEN,
                             "max_str_len": P.MAX_STR_LEN,

@@ -45,7 +45,12 @@ def two_class_index(n_experts=8):
 
 
 def total_bytes(idx, counts):
-    return sum(-(-counts[c.id] * c.part_bytes[p] // PAGE) * PAGE for c in idx.size_classes for p in c.parts)
+    """Bytes of the whole arena file: the control block (64-byte header, 8 per slot and per
+    key of the resident map) and the
+    page-rounded part arrays."""
+    keys = sum(len(c.layers) for c in idx.size_classes) * idx.n_experts
+    ctl = -(-(64 + 8 * sum(counts.values()) + 8 * keys) // PAGE) * PAGE
+    return ctl + sum(-(-counts[c.id] * c.part_bytes[p] // PAGE) * PAGE for c in idx.size_classes for p in c.parts)
 
 
 def test_plan_same_share_per_class():

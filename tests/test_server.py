@@ -149,9 +149,14 @@ def test_lease_ownership_and_double_release(daemon):
     assert daemon.cache.pinned_count() == 0
 
 
-def test_heartbeat_expiry_releases_pins(daemon):
+def test_heartbeat_expiry_releases_pins(daemon, monkeypatch):
+    """A client the daemon cannot watch by its process (no verifiable pid) loses its leases
+    after ``heartbeat_s`` of silence (a watched one keeps them: test_lease_validity.py)."""
+    import moecache_client
+    monkeypatch.setattr(moecache_client, "_own_start_time", lambda: None)
     L = daemon.idx.expert_layers
     c = Client(daemon.endpoint, heartbeat_s=100)  # never pings: looks dead to the daemon
+    assert c.info["lease_watch"] == "heartbeat"
     c.acquire(L[0], [1, 2])
     assert daemon.cache.pinned_count() == 2
     deadline = time.time() + 5

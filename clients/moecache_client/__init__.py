@@ -14,6 +14,12 @@ id; a reply that arrives after its caller timed out is never mistaken for a late
 keeps this client's leases. When the daemon restarts (the connection drops or a reply's
 ``session`` changes) the calls in flight fail with ``DaemonRestarted`` and the next call
 says hello again, re-mapping the new arena.
+
+A lease is valid until it is released, or the daemon restarts, or (for a client the daemon
+cannot watch: tcp) it is revoked after a silence; its holder can always tell:
+``lease.part()``/``parts()`` raise :class:`LeaseInvalid` once it is not, and
+``lease.valid()`` -- a few loads from the arena's control block, no message -- says whether
+bytes already read are the granted expert's. Check it after computing with them.
 """
 from __future__ import annotations
 
@@ -30,11 +36,13 @@ import numpy as np
 import zmq
 
 __all__ = ["Client", "Lease", "ClientError", "ServerError", "DaemonRestarted", "Timeout",
-           "DEFAULT_ENDPOINT"]
+           "LeaseInvalid", "DEFAULT_ENDPOINT"]
 
 DEFAULT_ENDPOINT = "ipc:///run/moecached/moecached.sock"
 _INT_ONLY = frozenset((int,))
 PROTOCOL_VERSION = 1
+DESCRIPTOR_VERSION = 2     # the arena descriptor this client reads (control block included)
+_CONTROL_MAGIC = b"MOECTL01"
 
 
 class ClientError(Exception):
@@ -55,6 +63,22 @@ class DaemonRestarted(ClientError):
 
 class Timeout(ClientError):
     """No reply within the call's timeout."""
+
+
+class LeaseInvalid(ClientError):
+    """The lease no longer pins its experts (released, daemon restarted, or revoked and its
+    slots reused): bytes read through it may belong to another expert."""
+
+
+def _own_start_time() -> int | None:
+    """This process's start time (``/proc/self/stat`` field 22): with the pid, the daemon can
+    watch this process exactly and keep its leases through any stall."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            st = f.read()
+        return int(st[st.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class _Call:
@@ -111,6 +135,9 @@ class _Arena:
 
     def __init__(self, desc: dict):
         self.desc = desc
+        if desc.get("version") != DESCRIPTOR_VERSION:
+            raise ClientError(f"arena descriptor version {desc.get('version')!r}: this client reads "
+                              f"version {DESCRIPTOR_VERSION}; install the client that matches the daemon")
         fd = os.open(desc["path"], os.O_RDONLY)
         try:
             self.mm = mmap.mmap(fd, desc["size"], mmap.MAP_SHARED, mmap.PROT_READ)
@@ -118,6 +145,18 @@ class _Arena:
             os.close(fd)
         self.buf = np.frombuffer(self.mm, dtype=np.uint8)
         self.classes = {int(c["id"]): c for c in desc["classes"]}
+        ctl = desc["control"]
+        if bytes(self.buf[ctl["off"]:ctl["off"] + 8]) != _CONTROL_MAGIC:
+            raise ClientError(f"arena {desc['path']}: no control block at offset {ctl['off']} "
+                              "(not a moecached arena, or a newer layout); upgrade the client")
+        self._words = np.frombuffer(self.mm, dtype=np.uint64, count=ctl["bytes"] // 8, offset=ctl["off"])
+        self._epoch_i = ctl["epoch_off"] // 8
+        self.gens = {cid: self._words[c["gen_off"] // 8: c["gen_off"] // 8 + c["n_slots"]]
+                     for cid, c in self.classes.items()}
+
+    def epoch(self) -> int:
+        """Session id of the daemon serving this arena now (0: none)."""
+        return int(self._words[self._epoch_i])
 
     def part(self, class_id: int, slot: int, part: str) -> np.ndarray:
         c = self.classes[class_id]
@@ -126,7 +165,8 @@ class _Arena:
         return self.buf[off:off + n]
 
     def close(self):
-        self.buf = None
+        self.buf = self._words = None
+        self.gens = {}
         try:
             self.mm.close()
         except BufferError:
@@ -156,6 +196,40 @@ class Lease:
         self.stall_us = reply.get("stall_us", 0)
         self.released = False
         self._where_map = None
+        # per size class: (slot indices, their generations at grant), checked by valid()
+        by_cls: dict = {}
+        for (_, _, cid, slot), g in zip(self.items, reply["gens"]):
+            by_cls.setdefault(cid, ([], []))
+            by_cls[cid][0].append(slot)
+            by_cls[cid][1].append(g)
+        self._granted = [(cid, np.array(sl, dtype=np.intp), np.array(gs, dtype=np.uint64))
+                         for cid, (sl, gs) in by_cls.items()]
+
+    def _invalid_because(self) -> str | None:
+        if self.released:
+            return "it was released"
+        if self._client.session != self.session:
+            return "the daemon that granted it restarted or went away"
+        a = self._arena
+        if a is None or a.buf is None:
+            return "its arena is no longer mapped"
+        if a.epoch() != self.session:
+            return "the daemon that granted it no longer serves this arena"
+        for cid, slots, gens in self._granted:
+            if not np.array_equal(a.gens[cid][slots], gens):
+                return "the daemon revoked it and reused its slots"
+        return None
+
+    def valid(self) -> bool:
+        """True while the lease pins its experts: bytes read through it before this call
+        returned True are the granted experts'. A few shared-memory loads, no message."""
+        return self._invalid_because() is None
+
+    def check(self) -> None:
+        """Raise :class:`LeaseInvalid` (saying why) unless :meth:`valid`."""
+        why = self._invalid_because()
+        if why is not None:
+            raise LeaseInvalid(f"lease {self.id} is no longer valid: {why}")
 
     @property
     def slots(self) -> list[int]:
@@ -172,8 +246,10 @@ class Lease:
         """Zero-copy read-only uint8 view of one part ('gate', 'up', 'down', ...) of an expert.
 
         ``layer`` may be left out when the lease covers one layer. Raises KeyError when the
-        expert is not in this lease.
+        expert is not in this lease, :class:`LeaseInvalid` when the lease is no longer valid
+        (call :meth:`valid` again after using the bytes: a revocation may come at any time).
         """
+        self.check()
         if layer is None:
             layers = {l for l, _, _, _ in self.items}
             if len(layers) != 1:
@@ -183,7 +259,8 @@ class Lease:
         return self._arena.part(cls, slot, part)
 
     def parts(self, expert: int, layer: int | None = None) -> dict[str, np.ndarray]:
-        """All parts of one expert as {part: uint8 view}."""
+        """All parts of one expert as {part: uint8 view} (:class:`LeaseInvalid` as :meth:`part`)."""
+        self.check()
         if layer is None:
             layer = self.items[0][0]
         cls, _ = self._where[(layer, expert)]
@@ -229,6 +306,7 @@ class Client:
                  timeout: float | None = 30.0, heartbeat_s: float | None = None,
                  connect_timeout: float = 10.0, map_arena: bool = True):
         self.endpoint = endpoint
+        self._ipc = endpoint.startswith("ipc://")
         self.map_arena = map_arena
         # the daemon keeps 64 characters of a name; a longer one would not fit its limits
         self.name = (name or f"pid{os.getpid()}")[:64]
@@ -485,7 +563,11 @@ class Client:
         rid = next(self._ids)
         fut = _Call(rid, "hello")
         self._pending[rid] = fut
-        self._send({"v": PROTOCOL_VERSION, "id": rid, "op": "hello", "client": self.name, "pid": os.getpid()})
+        hello = {"v": PROTOCOL_VERSION, "id": rid, "op": "hello", "client": self.name, "pid": os.getpid()}
+        start = _own_start_time()
+        if start is not None:
+            hello["pid_start"] = start
+        self._send(hello)
         deadline = time.monotonic() + timeout
         while not fut.done():
             left = deadline - time.monotonic()
@@ -599,8 +681,11 @@ class Client:
                     self._ping_sent = next(self._ids)
                     self._send({"v": PROTOCOL_VERSION, "id": self._ping_sent, "op": "ping"})
                     self._ping_started = now
-                elif self._ping_sent is not None and now - self._ping_started > 3 * hb and now - self._last_rx > 3 * hb:
-                    # no answer for a while: the daemon is gone or wedged; start afresh
+                elif (self._ping_sent is not None and not self._ipc and now - self._ping_started > 3 * hb
+                      and now - self._last_rx > 3 * hb):
+                    # tcp: no answer for a while, the daemon or the host is gone; start afresh.
+                    # (over ipc a daemon that went away drops the connection, which the monitor
+                    # sees; a stalled one keeps this client's leases, so nothing is voided)
                     self._void_session("daemon not answering")
                     self._close_socket()
                     self._sock, self._mon = self._new_socket()
