@@ -54,6 +54,14 @@ def check_bytes(lease, idx, layer, experts, seed):
     return bad
 
 
+def control_words(c):
+    """(epoch, state) words of the arena control block the client said hello to."""
+    import numpy as np
+    a = c.info["arena"]
+    w = np.memmap(a["path"], dtype=np.uint64, mode="r", shape=(4,))
+    return int(w[a["control"]["epoch_off"] // 8]), int(w[a["control"]["state_off"] // 8])
+
+
 def wait_for(fn, what, timeout=30.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -115,6 +123,8 @@ def test_replaced_by_unreadable_file_gives_one_clear_state(models, tmp_path):
                 assert check_bytes(lease, idx, L, range(8), 0) == []
             before = c.stats()
             assert c.status()["state"] == "serving"
+            held = c.acquire(L, [3])   # held across the change
+            assert control_words(c) == (before["session"], 1)
             bad = path + ".bad"
             with open(bad, "wb") as f:
                 f.write(b"not a gguf file" * 1000)
@@ -134,6 +144,11 @@ def test_replaced_by_unreadable_file_gives_one_clear_state(models, tmp_path):
                 [x["used"] for x in after["classes"]] == [x["used"] for x in before["classes"]]
             assert after["model_changed"]
             assert c.status()["state"] == "model changed"
+            # the control block says so; a lease held across the change stays valid (same
+            # session, its slot untouched) and its bytes are the indexed model's
+            assert control_words(c) == (before["session"], 2)
+            assert held.valid() and check_bytes(held, idx, L, [3], 0) == []
+            held.release()
     finally:
         out = stop_daemon(d)
     assert out.count("since it was indexed") == 1, out
@@ -166,6 +181,7 @@ def test_reload_mode_serves_the_new_file(models, tmp_path, how):
             with c.acquire(L, [0, 1]) as lease:
                 assert check_bytes(lease, idx, L, [0, 1], 0) == []
             s0 = c.stats()["session"]
+            held = c.acquire(L, [2])
             (rewrite_in_place_keep_mtime if how == "in_place" else replace_by_rename)(path, other)
 
             def new_session():
@@ -183,8 +199,11 @@ def test_reload_mode_serves_the_new_file(models, tmp_path, how):
                 except DaemonRestarted:
                     continue
             assert got is not None
+            assert not held.valid()   # the reload voided every lease of the old session
             with got as lease:
                 assert check_bytes(lease, idx2, L, [0, 1, 5], 1) == []
+            st2 = c.stats()
+            assert control_words(c) == (st2["session"], 1) and st2["session"] != s0
             st = c.stats()
             assert st["read_errors"] == 0 and not st["model_changed"]
             assert c.status()["state"] == "serving"
