@@ -66,7 +66,8 @@ class StatsCollector:
     restarts). Families (labels in braces):
 
     * ``up`` 1 if the daemon answered this scrape, else 0 -- and then nothing else is exposed;
-      ``info{version,model,policy}`` 1; ``tracing`` 1 while a routing trace is recorded.
+      ``info{version,model,policy}`` 1; ``tracing`` 1 while a routing trace is recorded;
+      ``model_changed`` 1 while the model file differs from the one indexed.
     * counters: ``hits``, ``prefetch_hits``, ``demand_misses``, ``prefetches``,
       ``prefetches_dropped``, ``wasted_prefetches``, ``evictions``, ``read_bytes``, ``reads``,
       ``read_errors``, ``acquires_queued``, ``leases`` (granted), ``budget_shrinks``,
@@ -169,7 +170,9 @@ class StatsCollector:
 
         info = core.InfoMetricFamily("moecached", "the daemon instance")
         info.add_metric([], {k: str(st.get(k, "")) for k in ("version", "model", "policy")})
-        out = [info, single("g", "tracing", "1 while a routing trace is recorded", bool(st.get("tracing")))]
+        out = [info, single("g", "tracing", "1 while a routing trace is recorded", bool(st.get("tracing"))),
+               single("g", "model_changed", "1 while the model file differs from the one indexed "
+                      "(misses fail with model_changed)", bool(st.get("model_changed")))]
         for table, kind in ((COUNTERS, "c"), (GAUGES, "g")):
             for key, (name, help_) in table.items():
                 if key in st:

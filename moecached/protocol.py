@@ -44,6 +44,7 @@ E_UNKNOWN_LEASE = "unknown_lease"  # released twice, expired, or never existed
 E_STALE_LEASE = "stale_lease"      # lease id from another daemon instance (before a restart)
 E_NOT_OWNER = "not_owner"          # releasing another client's lease
 E_LOAD_FAILED = "load_failed"      # reading an expert from the model file failed
+E_MODEL_CHANGED = "model_changed"  # the model file changed since it was indexed: no reads until re-indexed
 E_TIMEOUT = "timeout"
 E_UNAVAILABLE = "unavailable"      # cannot be satisfied at the current (shrunk) budget
 E_SHUTDOWN = "shutdown"            # the daemon is stopping

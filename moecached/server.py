@@ -39,7 +39,7 @@ import zmq
 from . import MoecacheError, __version__
 from . import protocol as P
 from ._serve import FastPath
-from .arena import STATE_SERVING
+from .arena import STATE_MODEL_CHANGED, STATE_SERVING
 from .stats import hit_rate
 
 log = logging.getLogger("moecached.server")
@@ -163,6 +163,9 @@ class Server:
         extra_stats: optional callable -> dict merged into ``stats`` (the memory floor's).
         extra_status: optional callable -> dict merged into ``status`` (the arena's health).
         endpoint_lock: the fd :func:`lock_endpoint` returned, when the caller took it first.
+        on_model_change: optional callable(message) run in the loop thread after
+            :meth:`model_changed` was called (from any thread) with why the model file is no
+            longer the one indexed; the daemon reloads or exits there.
     Raises:
         ServerError: another daemon holds the endpoint, or the endpoint cannot be bound.
     """
@@ -200,6 +203,9 @@ class Server:
         self.departed = collections.deque(maxlen=32)  # summaries of the last clients that left
         self.extra_stats = None  # optional callable -> dict merged into stats (the floor)
         self.extra_status = None  # optional callable -> dict merged into status
+        self.on_model_change = None  # optional callable(message), run in the loop thread
+        self._model_change = None    # message waiting for on_model_change
+        self._fast = None
         self._stopping = False
         self._loop_tid = None
         self._hup = False        # SIGHUP seen; the loop runs self._on_hup
@@ -338,7 +344,7 @@ class Server:
         next_timer = min(next_tick, next_hb)
         recv = sock.recv_multipart
         handle = self._handle
-        fast = self._fast_handler()
+        self._fast = fast = self._fast_handler()
         if ready:
             ready()
         try:
@@ -361,6 +367,16 @@ class Server:
                                 self._on_hup()
                             except Exception as e:
                                 log.error("reload failed: %s", e)
+                        if self._model_change is not None:
+                            msg, self._model_change = self._model_change, None
+                            # shared-memory pins stop; resident hits go on over the socket
+                            self.cache.arena.set_state(STATE_MODEL_CHANGED)
+                            if self.on_model_change is not None:
+                                try:
+                                    self.on_model_change(msg)
+                                except Exception:
+                                    log.exception("model change handling failed")
+                            fast = self._fast   # a reload starts a new session
                     else:
                         try:
                             served = fast(frames)
@@ -392,6 +408,7 @@ class Server:
                                 self.on_tick(now)
                             except Exception as e:  # never let the floor kill the server
                                 log.error("periodic task failed: %s", e)
+                            fast = self._fast   # the periodic task may have reloaded the model
                     next_timer = min(next_tick, next_hb)
                     want = idle_ms
                     if dl:
@@ -409,6 +426,57 @@ class Server:
             return lambda frames: False
         unpack = functools.partial(msgpack.unpackb, **P.UNPACK_LIMITS)
         return FastPath(self, unpack, _MORE_NB, _NB).handle
+
+    def model_changed(self, message: str) -> None:
+        """The model file changed (any thread): run ``on_model_change(message)`` in the loop."""
+        self._model_change = message
+        self._wake()
+
+    def new_session(self) -> None:
+        """Start a new session: a new ``session`` id in every reply, so clients fail their calls
+        in flight with DaemonRestarted and say hello again (re-mapping the arena). The one
+        place the session changes after start."""
+        self.session = int.from_bytes(os.urandom(8), "little") >> 1 | 1
+        # the arena's control block names the session it serves: leases of any other are void
+        self.cache.arena.set_epoch(self.session, STATE_SERVING)
+        if self._fast is not None:
+            self._fast = self._fast_handler()  # the hot path holds the session and the cache
+
+    def retire_cache(self, code: str, message: str) -> None:
+        """Close the cache being served (loop thread): every pending acquire fails with
+        ``code``/``message``, every lease is forgotten (it dies with the arena; clients learn
+        of it from the next session), a trace being recorded stops. Follow with
+        :meth:`install_cache`."""
+        old = self.cache
+        for c in self.clients.values():
+            for ticket, rid in list(c.pending.items()):
+                if old.cancel(ticket):
+                    del c.pending[ticket]
+                    self._send_error(c.ident, rid, code, message)
+        old.close()   # joins the readers: every callback has run, its result is in self.done
+        while self.done:
+            ident, rid, box, _tag, _result = self.done.popleft()
+            ticket = box[0] if box else None
+            c = self.clients.get(ident)
+            if c is not None and ticket is not None and c.pending.pop(ticket, None) is not None:
+                self._send_error(ident, rid, code, message)
+        self.leases.clear()
+        self.deadlines.clear()
+        for c in self.clients.values():
+            c.leases.clear()
+            c.pending.clear()
+        if self.recorder is not None:
+            path = self._trace_stop()["path"]
+            log.warning("trace %s stopped: the model it recorded is no longer served", path)
+
+    def install_cache(self, cache) -> None:
+        """Serve ``cache`` (after :meth:`retire_cache`) under a new session."""
+        self.cache = cache
+        self.index = cache.index
+        self.checker = P.RequestChecker(self.index.expert_layers, self.index.n_experts,
+                                        max_experts=self.checker.max_experts)
+        self.moe_index = {l: i for i, l in enumerate(self.index.expert_layers)}
+        self.new_session()
 
     def _wake(self) -> None:
         """Wake the loop (any thread, or a signal handler in the loop's thread)."""
@@ -757,8 +825,10 @@ class Server:
         st = self.cache.stats()
         budget = st.get("budget", {})
         classes = st.get("classes", [])
+        changed = getattr(self.cache, "model_changed", None)
         status = {
-            "state": "serving", "pid": os.getpid(), "version": __version__,
+            "state": "model changed" if changed else "serving", "model_changed": changed,
+            "pid": os.getpid(), "version": __version__,
             "uptime_s": round(time.time() - self.started, 3), "model": self.model_path,
             "endpoint": self.endpoint, "clients": len(self.clients), "leases": len(self.leases),
             "budget_configured_bytes": budget.get("configured_bytes"),
@@ -828,6 +898,7 @@ def _group(items):
 
 def _code_of(e: Exception) -> str:
     name = type(e).__name__
-    return {"LoadError": P.E_LOAD_FAILED, "RequestError": P.E_TOO_LARGE,
+    return {"LoadError": P.E_LOAD_FAILED, "ModelChangedError": P.E_MODEL_CHANGED,
+            "RequestError": P.E_TOO_LARGE,
             "LeaseError": P.E_UNKNOWN_LEASE, "CapacityError": P.E_UNAVAILABLE,
             "TimeoutError": P.E_TIMEOUT, "CacheClosed": P.E_SHUTDOWN}.get(name, getattr(e, "code", P.E_INTERNAL))

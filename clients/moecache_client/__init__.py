@@ -361,7 +361,8 @@ class Client:
         """Pin ``experts`` of ``layer`` (GGUF block number), waiting for reads; returns a Lease.
 
         ``layers=[(layer, [experts]), ...]`` acquires several layers in one lease.
-        Raises ServerError (bad layer/expert, too large, load failed), Timeout, DaemonRestarted.
+        Raises ServerError (bad layer/expert, too large, load failed, model_changed: the
+        model file changed and the expert is not resident), Timeout, DaemonRestarted.
         """
         msg = {"op": "acquire"}
         self._requests(msg, layer, experts, layers)
