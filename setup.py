@@ -1,5 +1,8 @@
 """Builds the Cython core: every cython_ext/<name>.pyx becomes the module moecached.<name>.
 
+``clients/c/include`` is on the include path: ``_shm`` compiles ``moecache_shm.h``, the one
+implementation of the shared-memory hit path's rules.
+
 Modules do not cimport each other (one .pyx per concept, each self-contained), so a plain
 `pip install .` needs nothing beyond the build requirements in pyproject.toml.
 """
@@ -14,7 +17,7 @@ exts = [
     Extension(
         "moecached." + os.path.splitext(os.path.basename(p))[0],
         [p],
-        include_dirs=[numpy.get_include()],
+        include_dirs=[numpy.get_include(), "clients/c/include"],
         extra_compile_args=["-O3"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )
