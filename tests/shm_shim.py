@@ -98,6 +98,24 @@ def _map(path, size, writable):
         os.close(fd)
 
 
+def shim_layout(arena, pins, session, ctl_addr, pin_addr):
+    """An ``mcshm_layout`` (in the shim) from an arena descriptor (``hello.arena`` or
+    ``ExpertCache.descriptor()``) and a ``pins`` map, over mappings at these addresses."""
+    layers = list(arena["expert_layers"])
+    classes = sorted(arena["classes"], key=lambda c: c["id"])
+    kc = (ctypes.c_uint32 * len(layers))(*[arena["layer_class"][str(l)] for l in layers])
+    go = (ctypes.c_uint64 * len(classes))(*[c["gen_off"] for c in classes])
+    ns = (ctypes.c_uint32 * len(classes))(*[c["n_slots"] for c in classes])
+    return lib().shim_new(ctl_addr, pin_addr, session, arena["n_experts"], arena["control"]["n_keys"],
+                          len(classes), pins["ring_n"], kc, len(layers), go, ns,
+                          arena["control"]["resmap_off"], pins["pins_off"], pins["ring_off"])
+
+
+def map_file(path, size, writable):
+    """Map ``path`` shared (read-only unless ``writable``); returns the address."""
+    return _map(path, size, writable)
+
+
 def process_start_time(pid):
     from moecached.server import process_start_time as pst
     return pst(pid)
@@ -134,14 +152,7 @@ class FastClient:
         self.pin_addr = None
         if self.pins:
             self.pin_addr = _map(self.pins["path"], self.pins["size"], True)
-            classes = sorted(a["classes"], key=lambda c: c["id"])
-            kc = (ctypes.c_uint32 * len(self.layers))(*[a["layer_class"][str(l)] for l in self.layers])
-            go = (ctypes.c_uint64 * len(classes))(*[c["gen_off"] for c in classes])
-            ns = (ctypes.c_uint32 * len(classes))(*[c["n_slots"] for c in classes])
-            self.h = lib().shim_new(self.ctl, self.pin_addr, self.session, self.n_experts,
-                                    a["control"]["n_keys"], len(classes), self.pins["ring_n"], kc,
-                                    len(self.layers), go, ns, a["control"]["resmap_off"],
-                                    self.pins["pins_off"], self.pins["ring_off"])
+            self.h = shim_layout(a, self.pins, self.session, self.ctl, self.pin_addr)
 
     # ---- socket ----------------------------------------------------------------------------
     def call(self, op, **fields):
