@@ -254,3 +254,36 @@ def test_garbage_in_a_pin_file_never_crashes_or_serves_wrong_bytes(daemon):
     st = fc.stats()
     assert st["fast_path"]["pins_honoured"] <= 3
     fc.close()
+
+
+def test_fast_path_counters_reach_the_exporter(daemon):
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from moecached.metrics import StatsCollector
+    ep = daemon()
+    fc = FastClient(ep)
+    L = fc.layers
+    items = pin_resident(fc, L[0], [1, 2])
+    fc.unpin(items)
+    items = fc.pin(L[0], [1, 2, 3])             # 3 is not resident: a miss, nothing pinned
+    assert items == 1
+    held = fc.pin(L[0], [2])
+    st = fc.stats()                             # drains the ring first
+    reg = CollectorRegistry(auto_describe=False)
+    col = StatsCollector(ep, timeout=5)
+    reg.register(col)
+    try:
+        m = {(s.name, tuple(sorted(s.labels.items()))): s.value
+             for f in text_string_to_metric_families(generate_latest(reg).decode()) for s in f.samples}
+    finally:
+        col.close()
+    me = fc.me(st)
+    assert st["fast_path"]["fast_hits"] == me["fast_hits"] == 3
+    assert m[("moecached_fast_hits_total", ())] == 3
+    assert m[("moecached_fast_pin_files", ())] == 1
+    lab = (("client", "fast"), ("pid", str(os.getpid())))
+    assert m[("moecached_client_fast_hits_total", lab)] == 3
+    assert m[("moecached_client_hits_total", lab)] == me["hits"]
+    fc.unpin(held)
+    fc.close()
