@@ -287,3 +287,31 @@ def test_fast_path_counters_reach_the_exporter(daemon):
     assert m[("moecached_client_hits_total", lab)] == me["hits"]
     fc.unpin(held)
     fc.close()
+
+
+def test_reload_and_stop_remove_pin_files(model_factory, tmp_path):
+    import shutil
+    a = model_factory("qwen3-30b-a3b-Q4_K_M", layers=[0, 6, 7, 8], experts=N_EXP, seed=0)
+    b = model_factory("qwen3-30b-a3b-Q4_K_M", layers=[0, 6, 7, 8], experts=N_EXP, seed=1)
+    path = str(tmp_path / "model.gguf")
+    shutil.copyfile(a, path)
+    sock = str(tmp_path / "r.sock")
+    d = start_daemon(path, sock, "--slots", "64", "--arena-dir", str(tmp_path), "--on-model-change", "reload")
+    try:
+        fc = FastClient(f"ipc://{sock}")
+        items = pin_resident(fc, fc.layers[0], [1])
+        old = fc.pins["path"]
+        shutil.copyfile(b, path + ".new")
+        os.rename(path + ".new", path)
+        wait_for(lambda: not os.path.exists(old), "pin file removed by the reload", timeout=30)
+        wait_for(lambda: not fc.valid(items), "the old session's pins void (epoch cleared)")
+        fc2 = FastClient(f"ipc://{sock}", name="again")
+        assert fc2.pins is not None and fc2.pins["path"] != old and fc2.session != fc.session
+        items = pin_resident(fc2, fc2.layers[0], [2])
+        assert fc2.valid(items)
+        new = fc2.pins["path"]
+    finally:
+        out = stop_daemon(d)
+    assert "Traceback" not in out, out
+    assert not os.path.exists(new), "pin file left after the daemon stopped"
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("moecached-")]
