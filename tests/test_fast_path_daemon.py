@@ -218,6 +218,16 @@ def test_ring_hits_count_like_socket_hits_and_keep_the_eviction_order(daemon):
     for k in ("hits", "prefetch_hits", "demand_misses"):
         assert me_f[k] == me_s[k], (k, me_f[k], me_s[k])
     assert res_f == res_s, "different experts resident: the eviction order differs"
+    # and both are the daemon's LRU as the replay check computes it without a daemon
+    from moecached.replay import reference_lru
+    fc = FastClient(eps[1], fast_path=False, name="peek2")
+    lc = fc.arena["layer_class"]
+    classes = sorted(fc.arena["classes"], key=lambda c: c["id"])
+    sets = [[ex if l == layer else [] for l in layers] for layer, ex in seq]
+    H, A = reference_lru(sets, [True] * len(sets), [lc[str(l)] for l in layers],
+                         [c["n_slots"] for c in classes], N_EXP)
+    assert A == st_f["hits"] + st_f["prefetch_hits"] + st_f["demand_misses"]
+    assert st_f["hits"] + st_f["prefetch_hits"] == H
     assert st_f["fast_path"]["ring_drops"] == 0
 
 
