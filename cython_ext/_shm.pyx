@@ -58,6 +58,103 @@ cdef extern from *:
     """
     int moecached_ring_implausible(const mcshm_layout *m, mcshm_u64 *pf) nogil
 
+cdef extern from *:
+    """
+    #include <setjmp.h>
+    #include <signal.h>
+    #include <string.h>
+
+    /* A pin file belongs to its client, who can truncate it: the daemon's next access to it
+       would raise SIGBUS. Every access to pin-file memory runs under a guard: a SIGBUS taken
+       while the guard of this thread is set jumps back and the call returns -1 (the caller
+       then drops that file); any other SIGBUS gets the previous disposition. The guard
+       pointer is volatile and fenced, so the compiler cannot move its stores across the
+       accesses it guards. */
+    static __thread sigjmp_buf *volatile moecached_bus_jb = NULL;
+    static struct sigaction moecached_bus_old;
+    static int moecached_bus_installed = 0;
+    static void moecached_bus(int sig, siginfo_t *si, void *uc) {
+        sigjmp_buf *jb = moecached_bus_jb;
+        (void)sig; (void)si; (void)uc;
+        if (jb != NULL) {
+            moecached_bus_jb = NULL;
+            siglongjmp(*jb, 1);
+        }
+        sigaction(SIGBUS, &moecached_bus_old, NULL);   /* not ours: fault again, as before */
+    }
+    static int moecached_bus_install(void) {
+        struct sigaction sa;
+        if (moecached_bus_installed)
+            return 0;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_sigaction = moecached_bus;
+        sa.sa_flags = SA_SIGINFO | SA_NODEFER;   /* NODEFER: the jump leaves SIGBUS unblocked */
+        sigemptyset(&sa.sa_mask);
+        if (sigaction(SIGBUS, &sa, &moecached_bus_old) != 0)
+            return -1;
+        moecached_bus_installed = 1;
+        return 0;
+    }
+    #define MOECACHED_GUARD(fail) sigjmp_buf jb; \
+        if (sigsetjmp(jb, 0)) { fail; } \
+        moecached_bus_jb = &jb; atomic_signal_fence(memory_order_seq_cst);
+    #define MOECACHED_UNGUARD() atomic_signal_fence(memory_order_seq_cst); moecached_bus_jb = NULL;
+
+    static int g_try_evict(const mcshm_layout *m, mcshm_u64 **pins, uint32_t n, uint32_t key,
+                           uint32_t cls, uint32_t slot) {
+        /* a fault can only come from reading pin counts, before the generation moves: the
+           map is put back as it was and nothing was evicted */
+        MOECACHED_GUARD(mcshm_publish(m, key, slot); return -1)
+        int r = mcshm_try_evict(m, pins, n, key, cls, slot);
+        MOECACHED_UNGUARD()
+        return r;
+    }
+    static int g_pinned(const mcshm_layout *m, mcshm_u64 *pf, uint32_t gslot) {
+        MOECACHED_GUARD(return -1)
+        int r = mcshm_pinned_by(m, &pf, 1, gslot) != 0;
+        MOECACHED_UNGUARD()
+        return r;
+    }
+    static int g_pending(const mcshm_layout *m, mcshm_u64 *pf) {
+        MOECACHED_GUARD(return -1)
+        int r = mcshm_ring_pending(m, pf) != 0 || moecached_ring_implausible(m, pf);
+        MOECACHED_UNGUARD()
+        return r;
+    }
+    /* -1 fault, -2 implausible head (ring reset), else entries copied */
+    static long g_drain(const mcshm_layout *m, mcshm_u64 *pf, uint64_t *keys, uint64_t *ts,
+                        uint32_t max) {
+        MOECACHED_GUARD(return -1)
+        long r;
+        if (moecached_ring_implausible(m, pf)) {
+            mcshm_ring_reset(pf);
+            r = -2;
+        } else {
+            r = mcshm_drain(m, pf, keys, ts, max);
+        }
+        MOECACHED_UNGUARD()
+        return r;
+    }
+    /* 0 when every page of the mapping is there (the file was not truncated), -1 if not */
+    static int g_probe(mcshm_u64 *pf, size_t size) {
+        MOECACHED_GUARD(return -1)
+        volatile const char *b = (volatile const char *)pf;
+        for (size_t off = 0; off < size; off += 4096)
+            (void)b[off];
+        (void)b[size - 1];
+        MOECACHED_UNGUARD()
+        return 0;
+    }
+    """
+    int moecached_bus_install() nogil
+    int g_try_evict(const mcshm_layout *m, mcshm_u64 **pins, uint32_t n, uint32_t key,
+                    uint32_t cls, uint32_t slot) nogil
+    int g_pinned(const mcshm_layout *m, mcshm_u64 *pf, uint32_t gslot) nogil
+    int g_pending(const mcshm_layout *m, mcshm_u64 *pf) nogil
+    long g_drain(const mcshm_layout *m, mcshm_u64 *pf, uint64_t *keys, uint64_t *ts,
+                 uint32_t max) nogil
+    int g_probe(mcshm_u64 *pf, size_t size) nogil
+
 #: Ring entries per pin file (a power of two): 16384 entries of 16 bytes, 256 KiB.
 RING_N = 16384
 MAX_CLASSES = MCSHM_MAX_CLASSES
@@ -78,6 +175,7 @@ cdef class PinFile:
     cdef public long quota
     cdef public set honoured
     cdef public long hits, prefetch_hits, drops, resets, ignored
+    cdef public bint broken
 
     def __cinit__(self):
         self.p = NULL
@@ -93,6 +191,7 @@ cdef class PinFile:
         self.quota = quota
         self.honoured = set()
         self.hits = self.prefetch_hits = self.drops = self.resets = self.ignored = 0
+        self.broken = False
 
     cpdef void unmap(self):
         if self.p != NULL:
@@ -127,6 +226,7 @@ cdef class ShmArena:
     cdef public uint32_t n_slots_total
     cdef public uint64_t pins_off, ring_off, file_size
     cdef public long evictions_held, resets, drops_closed, ignored_closed, fast_hits
+    cdef public list broken
 
     def __cinit__(self):
         self.ptrs = NULL
@@ -161,6 +261,9 @@ cdef class ShmArena:
         self.L.ring_word = self.ring_off // 8
         self.file_size = (self.ring_off + 16 * RING_N + 4095) // 4096 * 4096
         self.files = []
+        self.broken = []   # pin files found truncated (unmapped; their clients are to be dropped)
+        if moecached_bus_install() != 0:
+            raise OSError("cannot install the SIGBUS guard of the pin files")
         # counts of pin files already closed (open ones keep their own)
         self.evictions_held = self.resets = self.drops_closed = self.ignored_closed = 0
         self.fast_hits = 0
@@ -208,6 +311,15 @@ cdef class ShmArena:
         self.files = []
         self.L.ctl = NULL
 
+    cdef void _drop_broken(self) except *:
+        """Some access faulted: unmap and forget every pin file that is no longer whole."""
+        cdef PinFile f
+        for f in list(self.files):
+            if f.p != NULL and g_probe(f.p, f.size) != 0:
+                f.broken = True
+                self.broken.append(f)
+                self.remove(f)
+
     # ---- resident map / eviction ----------------------------------------------------------
     cpdef void publish(self, uint32_t key, uint32_t slot):
         """``resmap[key] = slot + 1``: the expert is resident (its load completed)."""
@@ -221,29 +333,30 @@ cdef class ShmArena:
         a pin holds it (nothing changed); the slot is recorded as honoured for each file that
         pins it. A file already honouring ``quota`` other slots is not asked (its pins there
         are ignored and counted)."""
-        cdef uint32_t n = 0, gslot = self.L.slot_base[cls] + slot
+        cdef uint32_t n, gslot = self.L.slot_base[cls] + slot
         cdef PinFile f
-        cdef mcshm_u64 *one
+        cdef int r
         if self.L.ctl == NULL:
             return False
-        for f in self.files:
-            if f.p == NULL:
-                continue
-            if gslot in f.honoured or len(f.honoured) < f.quota:
-                self.ptrs[n] = f.p
-                n += 1
-            else:
-                one = f.p
-                if mcshm_pinned_by(&self.L, &one, 1, gslot):
+        while True:
+            n = 0
+            for f in self.files:
+                if f.p == NULL:
+                    continue
+                if gslot in f.honoured or len(f.honoured) < f.quota:
+                    self.ptrs[n] = f.p
+                    n += 1
+                elif g_pinned(&self.L, f.p, gslot) == 1:
                     f.ignored += 1
-        if mcshm_try_evict(&self.L, self.ptrs, n, key, cls, slot):
+            r = g_try_evict(&self.L, self.ptrs, n, key, cls, slot)
+            if r >= 0:
+                break
+            self._drop_broken()
+        if r:
             return True
         for f in self.files:
-            if f.p == NULL:
-                continue
-            one = f.p
-            if (gslot in f.honoured or len(f.honoured) < f.quota) and \
-                    mcshm_pinned_by(&self.L, &one, 1, gslot):
+            if f.p != NULL and (gslot in f.honoured or len(f.honoured) < f.quota) and \
+                    g_pinned(&self.L, f.p, gslot) == 1:
                 f.honoured.add(gslot)
         self.evictions_held += 1
         return False
@@ -255,19 +368,23 @@ cdef class ShmArena:
         """Forget honoured slots whose pin count went back to 0; returns the global slots some
         file still holds (an honoured pin)."""
         cdef PinFile f
-        cdef mcshm_u64 *one
         cdef uint32_t g
+        cdef int r
         held = set()
-        for f in self.files:
+        for f in list(self.files):
             if f.p == NULL or not f.honoured:
                 continue
-            one = f.p
             keep = set()
             for g in f.honoured:
-                if mcshm_pinned_by(&self.L, &one, 1, g):
+                r = g_pinned(&self.L, f.p, g)
+                if r < 0:
+                    self._drop_broken()
+                    break
+                if r:
                     keep.add(g)
-            f.honoured = keep
-            held |= keep
+            else:
+                f.honoured = keep
+                held |= keep
         return held
 
     # ---- hit rings ------------------------------------------------------------------------
@@ -277,9 +394,8 @@ cdef class ShmArena:
         if self.L.ctl == NULL:
             return False
         for f in self.files:
-            if f.p != NULL and (mcshm_ring_pending(&self.L, f.p) or
-                                moecached_ring_implausible(&self.L, f.p)):
-                return True
+            if f.p != NULL and g_pending(&self.L, f.p) != 0:
+                return True   # entries, or a fault (the drain then finds the broken file)
         return False
 
     def drain(self):
@@ -287,22 +403,25 @@ cdef class ShmArena:
         (``key`` as the client wrote it, minus 1; out-of-range ones are dropped and counted
         here); resets rings with an implausible head (counted). None when nothing came."""
         cdef PinFile f
-        cdef uint32_t got, j
+        cdef long got
+        cdef uint32_t j
         cdef uint64_t k1, nk = self.L.n_keys
         cdef long fi = 0
         if self.L.ctl == NULL:
             return None
         parts = []
-        for f in self.files:
+        for f in list(self.files):
             fi += 1
             if f.p == NULL:
                 continue
-            if moecached_ring_implausible(&self.L, f.p):
-                mcshm_ring_reset(f.p)
+            got = g_drain(&self.L, f.p, self.kbuf, self.tbuf, RING_N)
+            if got == -1:
+                self._drop_broken()
+                continue
+            if got == -2:
                 f.resets += 1
                 self.resets += 1
                 continue
-            got = mcshm_drain(&self.L, f.p, self.kbuf, self.tbuf, RING_N)
             if got == 0:
                 continue
             one = []

@@ -471,8 +471,15 @@ class ExpertCache:
 
     @property
     def pin_files(self) -> int:
-        """Pin files open now."""
-        return len(self._shm.files)
+        """Pin files open now (and found truncated, not yet taken by :meth:`take_broken_pin_files`)."""
+        return len(self._shm.files) + len(self._shm.broken)
+
+    def take_broken_pin_files(self) -> list:
+        """Pin files found truncated since the last call (already unmapped, their pins no longer
+        honoured): their clients are to be dropped, then :meth:`close_pin_file` each."""
+        with self._lock:
+            out, self._shm.broken = self._shm.broken, []
+        return out
 
     def default_pin_quota(self) -> int:
         """Slots whose fast-path pins are honoured per client when the configuration gives no

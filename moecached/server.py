@@ -437,6 +437,8 @@ class Server:
                         next_sweep = now + self.PIN_DRAIN_MS / 1000
                         try:
                             self.cache.sweep_pins()
+                            for f in self.cache.take_broken_pin_files():
+                                self._drop_broken_pins(f)
                         except Exception:
                             log.exception("internal error draining the pin files")
                     if now >= next_tick:
@@ -693,6 +695,17 @@ class Server:
         c.pins = f
         return {"path": f.path, "size": f.size, "ring_n": RING_N,
                 "pins_off": cache._shm.pins_off, "ring_off": cache._shm.ring_off, "quota": quota}
+
+    def _drop_broken_pins(self, f) -> None:
+        """``f`` was truncated under the daemon (its client's doing): drop that client."""
+        self.counters["pin_files_truncated"] += 1
+        c = next((c for c in self.clients.values() if c.pins is f), None)
+        if c is None:
+            self.cache.close_pin_file(f)
+            return
+        log.warning("client %s (pid %s) truncated its pin file %s: dropped (its leases released)",
+                    c.name, c.pid, f.path)
+        self._drop_client(c, "pin file truncated")
 
     def _close_pins(self, c: _Client) -> None:
         f, c.pins = c.pins, None

@@ -325,3 +325,25 @@ def test_reload_and_stop_remove_pin_files(model_factory, tmp_path):
     assert "Traceback" not in out, out
     assert not os.path.exists(new), "pin file left after the daemon stopped"
     assert not [n for n in os.listdir(tmp_path) if n.startswith("moecached-")]
+
+
+def test_a_client_truncating_its_pin_file_is_dropped_not_fatal(daemon):
+    ep = daemon("--slots", "8")
+    fc = FastClient(ep)
+    L = fc.layers
+    items = pin_resident(fc, L[1], [3])
+    path = fc.pins["path"]
+    with open(path, "w+b"):                     # O_TRUNC: a plausible client bug
+        pass
+    churn(ep, L, rounds=2)                      # evictions read every pin file
+    with Client(ep, name="check") as c:
+        for e in range(4):
+            with c.acquire(L[2], [e]) as lease:
+                for p, v in lease.parts(e, L[2]).items():
+                    assert verify_expert_bytes(v, L[2], p, e, 0) is None
+        wait_for(lambda: not any(x["name"] == "fast" for x in c.stats()["clients"]),
+                 "the client with the truncated pin file dropped")
+        gone = [x for x in c.stats()["departed_clients"] if x["name"] == "fast"]
+        assert gone and "pin file" in gone[-1]["left"], gone
+    assert not os.path.exists(path)
+    del items
