@@ -56,7 +56,7 @@ class ServerError(MoecacheError):
 class _Client:
     __slots__ = ("ident", "delim", "name", "pid", "first_seen", "last_seen", "leases", "pending",
                  "requests", "acquires", "hits", "misses", "prefetch_hits", "prefetches",
-                 "errors", "stall_s", "pidfd", "pins")
+                 "errors", "stall_s", "pidfd", "pins", "fast_closed")
 
     def __init__(self, ident: bytes, now: float):
         self.ident = ident
@@ -71,15 +71,28 @@ class _Client:
         self.stall_s = 0.0
         self.pidfd = None  # pidfd of the client's process when watched (ipc + verified pid)
         self.pins = None   # its pin file (moecached._shm.PinFile) when it uses the fast path
+        # counters of its pin files already closed (a new hello, a reload)
+        self.fast_closed = dict.fromkeys(("fast_hits", "ring_drops", "ring_resets", "pins_ignored"), 0)
+
+    def fold_pins(self) -> None:
+        """Its pin file is closing: keep what it counted (hits go to the socket counters)."""
+        pf, self.pins = self.pins, None
+        if pf is not None:
+            self.hits += pf.hits
+            self.prefetch_hits += pf.prefetch_hits
+            info = pf.info()
+            for k in self.fast_closed:
+                self.fast_closed[k] += info[k]
 
     def summary(self) -> dict:
         pf = self.pins
         hits, pfh = self.hits, self.prefetch_hits
-        fast = {"fast_hits": 0, "ring_drops": 0, "ring_resets": 0, "pins_honoured": 0,
-                "pins_ignored": 0} if pf is None else pf.info()
+        fast = dict(self.fast_closed, pins_honoured=0)
         if pf is not None:   # hits taken through shared memory count as socket hits would
             hits += pf.hits
             pfh += pf.prefetch_hits
+            for k, v in pf.info().items():
+                fast[k] += v
         return {"name": self.name, "id": self.ident.hex(), "pid": self.pid, "leases": len(self.leases),
                 "pending": len(self.pending), "requests": self.requests,
                 "acquires": self.acquires, "hits": hits,
@@ -507,7 +520,7 @@ class Server:
         for c in self.clients.values():
             c.leases.clear()
             c.pending.clear()
-            c.pins = None   # closed with the cache: the client says hello again
+            c.fold_pins()   # closed with the cache: the client says hello again
         if self.recorder is not None:
             path = self._trace_stop()["path"]
             log.warning("trace %s stopped: the model it recorded is no longer served", path)
@@ -708,7 +721,8 @@ class Server:
         self._drop_client(c, "pin file truncated")
 
     def _close_pins(self, c: _Client) -> None:
-        f, c.pins = c.pins, None
+        f = c.pins
+        c.fold_pins()
         if f is not None:
             self.cache.close_pin_file(f)
 

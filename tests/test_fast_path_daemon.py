@@ -178,6 +178,9 @@ def test_killed_client_pins_stop_counting_and_its_file_goes(daemon):
     assert fc.generation(cls, slot) != gen, "a dead client's pin still holds the slot"
     st = fc.stats()
     assert st["fast_path"]["pin_files"] == 0 and st["fast_path"]["held_keys"] == 0
+    (gone,) = [x for x in st["departed_clients"] if x["name"] == "victim"]
+    assert gone["left"] == "process exited"
+    assert gone["fast_hits"] == 2 and gone["hits"] == 2 and gone["demand_misses"] == 2, gone
     fc.close()
 
 
