@@ -5,8 +5,12 @@ parts). Each read is cut into the fewest chunks of at most ``chunk_bytes`` (equa
 cuts on the file's direct-I/O alignment, so widening adds < one alignment unit at the ends of a
 read, not per chunk). Chunks of all jobs are shared by all threads: a priority queue of jobs,
 demand (0) before prefetch (1), FIFO within a priority; the first queued job hands out its next
-chunk (or, when many chunks are queued, its next ``batch`` chunks to one thread, read back to
-back in one ``moecached._io.read_many`` call: fewer GIL hand-offs). Each chunk runs without the
+chunk (or, for a demand job when many chunks are queued, its next ``batch`` chunks to one
+thread, read back to back in one ``moecached._io.read_many`` call: fewer GIL hand-offs).
+Prefetch chunks yield to demand at chunk level: they are handed out one at a time (a demand job
+arriving waits for at most one chunk per thread), and while a demand job is unfinished at most
+``prefetch_with_demand`` prefetch chunks are in flight (the drive's queue then holds demand
+reads, not a backlog of prefetch). Each chunk runs without the
 GIL: an O_DIRECT ``pread`` of the range widened to alignment into the thread's aligned bounce
 buffer, then ``memcpy`` to dest (straight into dest when offset, length and dest are all aligned).
 
@@ -99,13 +103,16 @@ class ReaderPool:
     ``log``: a ``logging.Logger`` (default ``logging.getLogger("moecached.readers")``).
     ``batch``: most consecutive chunks of one job a thread takes at once (read one after another
     in a single GIL release) when at least ``threads * batch`` chunks are queued; fewer queued
-    chunks are spread one per thread so a lone demand load still uses every thread.
+    chunks are spread one per thread so a lone demand load still uses every thread. Prefetch
+    chunks are always taken one at a time.
+    ``prefetch_with_demand``: most prefetch chunks in flight while a demand job is unfinished
+    (default ``threads // 8``, at least 1).
     Raises :class:`ReadError` at construction if a file cannot be opened or already differs.
     """
 
     def __init__(self, files: list[str], *, threads: int = 16, chunk_bytes: int = 256 * 1024,
                  direct: bool = True, file_sizes=None, file_mtimes_ns=None, log=None,
-                 batch: int = 4):
+                 batch: int = 4, prefetch_with_demand: int | None = None):
         if threads < 1 or chunk_bytes < 4096:
             raise ReadError(f"threads={threads}, chunk_bytes={chunk_bytes}: need threads >= 1 and "
                             f"chunk_bytes >= 4096")
@@ -144,6 +151,10 @@ class ReaderPool:
         self._closing = False
         self._batch = max(1, min(int(batch), 64))
         self._queued_chunks = 0
+        self._demand_jobs = 0      # demand-priority jobs not finished (submitted or promoted)
+        self._pf_chunks = 0        # prefetch chunks being read now
+        self._pf_with_demand = max(1, int(prefetch_with_demand) if prefetch_with_demand is not None
+                                   else threads // 8)
         self._stats = {"reads": 0, "bytes": 0, "jobs": 0, "errors": 0}
         self._hist = [0] * (len(LATENCY_EDGES_S) + 1)
         self._recent = collections.deque(maxlen=4096)
@@ -266,6 +277,8 @@ class ReaderPool:
             jid = next(self._ids)
             job = _Job(jid, priority, chunks, callback, total)
             self._jobs[jid] = job
+            if priority == 0:
+                self._demand_jobs += 1
             heapq.heappush(self._heap, (priority, next(self._seq), job))
             self._queued_chunks += len(chunks)
             self._cond.notify(min(len(chunks), len(self._threads)))
@@ -282,15 +295,18 @@ class ReaderPool:
             if job is None or job.priority == 0 or job.error is not None or job.next >= len(job.chunks):
                 return False
             job.priority = 0
+            self._demand_jobs += 1
             heapq.heappush(self._heap, (0, next(self._seq), job))  # old entry goes stale
             self._cond.notify()
             return True
 
     def _take(self):
-        """Next (job, [chunks]) or None when closing. Caller holds self._cond.
+        """Next (job, [chunks], priority taken at) or None when closing. Caller holds self._cond.
 
-        Takes up to ``batch`` consecutive chunks of the first job when the queue is deep enough
-        (queued chunks >= threads * k), else one."""
+        Takes up to ``batch`` consecutive chunks of the first job when it is a demand job and
+        the queue is deep enough (queued chunks >= threads * k), else one. Waits instead of
+        taking a prefetch chunk while a demand job is unfinished and ``prefetch_with_demand``
+        prefetch chunks are already in flight."""
         heap = self._heap
         while True:
             if self._closing:
@@ -300,15 +316,22 @@ class ReaderPool:
                 if prio != job.priority or job.next >= len(job.chunks) or job.error is not None:
                     heapq.heappop(heap)  # stale (promoted, exhausted, failed)
                     continue
-                k = min(self._batch, self._queued_chunks // len(self._threads), len(job.chunks) - job.next)
-                k = max(k, 1)
+                if prio:
+                    if self._demand_jobs and self._pf_chunks >= self._pf_with_demand:
+                        break  # demand is being read: leave the drive to it
+                    k = 1
+                    self._pf_chunks += 1
+                else:
+                    k = min(self._batch, self._queued_chunks // len(self._threads),
+                            len(job.chunks) - job.next)
+                    k = max(k, 1)
                 take = job.chunks[job.next:job.next + k]
                 job.next += k
                 job.inflight += k
                 self._queued_chunks -= k
                 if job.next >= len(job.chunks):
                     heapq.heappop(heap)
-                return job, take
+                return job, take, prio
             self._cond.wait()
 
     def _read(self, chunks, bounce: int):
@@ -350,7 +373,7 @@ class ReaderPool:
                 got = self._take()
             if got is None:
                 return
-            job, chunks = got
+            job, chunks, prio = got
             try:
                 ok, err = self._read(chunks, bounce)
             except Exception as e:  # never let a reader thread die
@@ -358,6 +381,8 @@ class ReaderPool:
                                        f"{chunks[0][1]}: {e!r}")
             with cond:
                 k = len(chunks)
+                if prio:
+                    self._pf_chunks -= k
                 job.inflight -= k
                 job.done += k
                 if chunks[0] is not None:
@@ -371,6 +396,10 @@ class ReaderPool:
                 if fin:
                     job.finished = True
                     del self._jobs[job.id]
+                    if job.priority == 0:
+                        self._demand_jobs -= 1
+                        if not self._demand_jobs:
+                            cond.notify_all()  # prefetch chunks held back may go now
                     dt = time.perf_counter() - job.t0
                     self._finish_stats(job, dt)
             if fin:
