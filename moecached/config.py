@@ -69,8 +69,8 @@ class Config:
     policy: str = "global"                   # eviction scope: global | per-layer
     max_prefetch_loads: Optional[int] = None # prefetch loads in flight before dropping (None: auto)
     client_max_prefetch: Optional[int] = None  # per client prefetch loads in flight (None: auto, 0: no cap)
-    client_rate_limit: float = 20000.0       # requests/s per client (0: off)
-    client_rate_burst: int = 20000           # requests a client may send at once
+    client_rate_limit: float = 40000.0       # requests/s per client (0: off)
+    client_rate_burst: int = 40000           # requests a client may send at once
     floor: Optional[int] = None              # memory floor, bytes; None = off
     floor_hysteresis: int = 1 * GiB          # grow back above floor + this
     floor_interval_s: float = 1.0            # floor sampling period
@@ -290,10 +290,10 @@ KEYS: dict[str, Key] = {
                                "per-client cap)", "N", "int"),
     "client_rate_limit": Key(_rate, "--client-rate-limit",
                              "requests per second per client before it is refused rate_limited "
-                             "(noreply prefetches dropped); releases never count (default 20000; "
+                             "(noreply prefetches dropped); releases never count (default 40000; "
                              "0 turns it off)", "R", "float"),
     "client_rate_burst": Key(_int_range(1, 1 << 30), "--client-rate-burst",
-                             "requests a client may send at once above its rate (default 20000)",
+                             "requests a client may send at once above its rate (default 40000)",
                              "N", "int"),
     "floor": Key(_size(optional_zero=True), "--floor",
                  "shrink the cache when available memory falls under SIZE (default off)", "SIZE", "size"),

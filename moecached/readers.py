@@ -7,10 +7,10 @@ read, not per chunk). Chunks of all jobs are shared by all threads: a priority q
 demand (0) before prefetch (1), FIFO within a priority; the first queued job hands out its next
 chunk (or, for a demand job when many chunks are queued, its next ``batch`` chunks to one
 thread, read back to back in one ``moecached._io.read_many`` call: fewer GIL hand-offs).
-Prefetch chunks yield to demand at chunk level: they are handed out one at a time (a demand job
-arriving waits for at most one chunk per thread), and while a demand job is unfinished at most
-``prefetch_with_demand`` prefetch chunks are in flight (the drive's queue then holds demand
-reads, not a backlog of prefetch). Each chunk runs without the
+Prefetch chunks yield to demand at chunk level: they are handed out one at a time, at most
+``prefetch_chunks`` of them are in flight at any time (so a demand job arriving finds at most
+that many prefetch chunks ahead of it in the drive's queue, not one per thread), and at most
+``prefetch_with_demand`` while a demand job is unfinished. Each chunk runs without the
 GIL: an O_DIRECT ``pread`` of the range widened to alignment into the thread's aligned bounce
 buffer, then ``memcpy`` to dest (straight into dest when offset, length and dest are all aligned).
 
@@ -105,14 +105,16 @@ class ReaderPool:
     in a single GIL release) when at least ``threads * batch`` chunks are queued; fewer queued
     chunks are spread one per thread so a lone demand load still uses every thread. Prefetch
     chunks are always taken one at a time.
-    ``prefetch_with_demand``: most prefetch chunks in flight while a demand job is unfinished
-    (default ``threads // 8``, at least 1).
+    ``prefetch_chunks``: most prefetch chunks in flight (default ``threads // 4``, at least 1);
+    ``prefetch_with_demand``: most while a demand job is unfinished (default ``threads // 8``,
+    at least 1).
     Raises :class:`ReadError` at construction if a file cannot be opened or already differs.
     """
 
     def __init__(self, files: list[str], *, threads: int = 16, chunk_bytes: int = 256 * 1024,
                  direct: bool = True, file_sizes=None, file_mtimes_ns=None, log=None,
-                 batch: int = 4, prefetch_with_demand: int | None = None):
+                 batch: int = 4, prefetch_chunks: int | None = None,
+                 prefetch_with_demand: int | None = None):
         if threads < 1 or chunk_bytes < 4096:
             raise ReadError(f"threads={threads}, chunk_bytes={chunk_bytes}: need threads >= 1 and "
                             f"chunk_bytes >= 4096")
@@ -153,8 +155,9 @@ class ReaderPool:
         self._queued_chunks = 0
         self._demand_jobs = 0      # demand-priority jobs not finished (submitted or promoted)
         self._pf_chunks = 0        # prefetch chunks being read now
-        self._pf_with_demand = max(1, int(prefetch_with_demand) if prefetch_with_demand is not None
-                                   else threads // 8)
+        self._pf_max = max(1, int(prefetch_chunks) if prefetch_chunks is not None else threads // 4)
+        self._pf_with_demand = min(self._pf_max, max(
+            1, int(prefetch_with_demand) if prefetch_with_demand is not None else threads // 8))
         self._stats = {"reads": 0, "bytes": 0, "jobs": 0, "errors": 0}
         self._hist = [0] * (len(LATENCY_EDGES_S) + 1)
         self._recent = collections.deque(maxlen=4096)
@@ -305,8 +308,8 @@ class ReaderPool:
 
         Takes up to ``batch`` consecutive chunks of the first job when it is a demand job and
         the queue is deep enough (queued chunks >= threads * k), else one. Waits instead of
-        taking a prefetch chunk while a demand job is unfinished and ``prefetch_with_demand``
-        prefetch chunks are already in flight."""
+        taking a prefetch chunk when ``prefetch_chunks`` prefetch chunks are in flight
+        (``prefetch_with_demand`` while a demand job is unfinished)."""
         heap = self._heap
         while True:
             if self._closing:
@@ -317,8 +320,9 @@ class ReaderPool:
                     heapq.heappop(heap)  # stale (promoted, exhausted, failed)
                     continue
                 if prio:
-                    if self._demand_jobs and self._pf_chunks >= self._pf_with_demand:
-                        break  # demand is being read: leave the drive to it
+                    if self._pf_chunks >= (self._pf_with_demand if self._demand_jobs
+                                           else self._pf_max):
+                        break  # leave the drive to demand reads
                     k = 1
                     self._pf_chunks += 1
                 else:

@@ -215,8 +215,9 @@ def test_no_op_prefetch_is_served_by_the_hot_path(model_factory, tmp_path, monke
 
 
 def test_prefetch_chunks_yield_to_a_demand_read(tmp_path, monkeypatch):
-    """While a demand job is being read, prefetch chunks started after it was submitted stay
-    within the pool's prefetch_with_demand share (the others wait), whatever the queue holds."""
+    """Prefetch chunks in flight stay within the pool's prefetch_chunks, and while a demand job
+    is being read, those started after it was submitted within prefetch_with_demand (the other
+    threads wait), whatever the queue holds."""
     threads, chunk = 4, 4096
     size = 256 * chunk
     path = tmp_path / "f.bin"
@@ -228,7 +229,8 @@ def test_prefetch_chunks_yield_to_a_demand_read(tmp_path, monkeypatch):
     lock = threading.Lock()
     # late: prefetch chunks started after the demand job was submitted; peak: most of them in
     # flight at once while a demand chunk was being read
-    state = {"demand_submitted": False, "demand_reading": 0, "late": 0, "peak": 0}
+    state = {"demand_submitted": False, "demand_reading": 0, "late": 0, "peak": 0,
+             "pf": 0, "pf_peak": 0}
     real = readers_mod.read_many
     started = threading.Event()
 
@@ -236,6 +238,9 @@ def test_prefetch_chunks_yield_to_a_demand_read(tmp_path, monkeypatch):
         is_pf = pf_addr <= chunks[0][3] < pf_addr + size
         late = False
         with lock:
+            if is_pf:
+                state["pf"] += len(chunks)
+                state["pf_peak"] = max(state["pf_peak"], state["pf"])
             if is_pf and state["demand_submitted"]:
                 late = True
                 state["late"] += len(chunks)
@@ -249,6 +254,8 @@ def test_prefetch_chunks_yield_to_a_demand_read(tmp_path, monkeypatch):
             return real(chunks, *a)
         finally:
             with lock:
+                if is_pf:
+                    state["pf"] -= len(chunks)
                 if late:
                     state["late"] -= len(chunks)
                 elif not is_pf:
@@ -257,7 +264,7 @@ def test_prefetch_chunks_yield_to_a_demand_read(tmp_path, monkeypatch):
     monkeypatch.setattr(readers_mod, "read_many", slow_many)
     done = threading.Event()
     pool = ReaderPool([str(path)], threads=threads, chunk_bytes=chunk, direct=False, batch=4,
-                      prefetch_with_demand=1)
+                      prefetch_chunks=2, prefetch_with_demand=1)
     try:
         for j in range(32):                       # 32 prefetch jobs of 8 chunks
             pool.submit([(0, j * 8 * chunk, 8 * chunk, pf_addr + j * 8 * chunk)], priority=1,
@@ -270,4 +277,5 @@ def test_prefetch_chunks_yield_to_a_demand_read(tmp_path, monkeypatch):
         assert dm_buf[:] == path.read_bytes()[:8 * chunk]
     finally:
         pool.close()
-    assert state["peak"] <= 1, state
+    assert state["peak"] <= 1, state       # while demand is read: prefetch_with_demand
+    assert state["pf_peak"] <= 2, state    # at any time: prefetch_chunks, not one batch per thread
