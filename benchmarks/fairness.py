@@ -202,6 +202,69 @@ def _run_phase(phase: str, endpoint: str, args, seed: int, pid: int | None = Non
     return out
 
 
+def micro(model: str, reps: int = 7, n: int = 20000) -> dict:
+    """In-process cost per request of the server's handlers (no sockets: replies go to a stub),
+    interleaved ``reps`` times, microseconds (min and median over reps): a no-op noreply
+    prefetch on the hot path vs the general path, and a resident acquire + noreply release on
+    the hot path with the per-client rate limit on (never reached) vs off."""
+    import types
+    import msgpack
+    from moecached.cache import ExpertCache
+    from moecached.index import open_index
+    from moecached.server import Server, _Client
+    idx = open_index(model)
+    cache = ExpertCache(idx, lock_memory=False, readers=2)
+    d = tempfile.mkdtemp(prefix="moecache-fair-micro-")
+    srv = Server(cache, endpoint=f"ipc://{d}/m.sock", client_rate_limit=1e9, client_rate_burst=1e9)
+    real_sock = srv.sock
+    try:
+        L = idx.expert_layers[0]
+        ex = list(range(min(8, idx.n_experts)))
+        cache.release(cache.acquire(L, ex, timeout=60))
+        srv.sock = types.SimpleNamespace(send=lambda *a: None)   # replies go nowhere
+        ident = b"micro"
+        srv.clients[ident] = _Client(ident, time.monotonic(), 1e9, None)
+        fast = srv._fast_handler()
+        general = srv._handle
+        pf = msgpack.packb({"v": 1, "id": 5, "op": "prefetch", "layer": L, "experts": ex, "noreply": True})
+        acq = msgpack.packb({"v": 1, "id": 6, "op": "acquire", "layer": L, "experts": ex})
+
+        def pf_fast():
+            for _ in range(n):
+                fast([ident, pf])
+
+        def pf_general():
+            for _ in range(n):
+                general([ident, pf])
+
+        def acq_rel():
+            leases = srv.leases
+            for _ in range(n):
+                fast([ident, acq])
+                lid = next(iter(leases))
+                fast([ident, msgpack.packb({"v": 1, "id": 7, "op": "release", "lease": lid,
+                                            "noreply": True})])
+
+        def limit(on):
+            def f():
+                srv.rate_limit.rate = 1e9 if on else 0.0
+                acq_rel()
+            return f
+        cases = {"noop_prefetch_fast_us": pf_fast, "noop_prefetch_general_us": pf_general,
+                 "acquire_release_limit_on_us": limit(True), "acquire_release_limit_off_us": limit(False)}
+        times = {k: [] for k in cases}
+        for _ in range(reps):
+            for k, f in cases.items():
+                t = time.perf_counter()
+                f()
+                times[k].append((time.perf_counter() - t) / n * 1e6)
+        return {k: {"min": min(v), "median": _median(v)} for k, v in times.items()}
+    finally:
+        srv.sock = real_sock
+        srv.close()
+        cache.close()
+
+
 def _median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2] if xs else None
@@ -285,6 +348,12 @@ def main(argv=None) -> int:
                 except OSError:
                     pass
 
+        mic = micro(model)
+    print()
+    print("in-process handler cost, us per request (min / median of 7 interleaved reps):")
+    for k, v in mic.items():
+        print(f"  {k:32s} {v['min']:7.2f} {v['median']:7.2f}")
+
     summary = {}
     print()
     print(f"{'daemon':10s} {'phase':6s} {'acq/s':>8s} {'vs alone':>8s} {'p50 us':>8s} {'p99 us':>9s} "
@@ -324,7 +393,7 @@ def main(argv=None) -> int:
     out = {"benchmark": "fairness", "argv": sys.argv[1:], "host": platform.node(),
            "cpus": os.cpu_count(), "throttle_notes": notes,
            "params": {k: v for k, v in vars(args).items() if k not in ("worker", "endpoint", "rate", "seed")},
-           "summary": summary, "rounds": results}
+           "summary": summary, "handler_cost_us": mic, "rounds": results}
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)

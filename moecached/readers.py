@@ -284,7 +284,9 @@ class ReaderPool:
                 self._demand_jobs += 1
             heapq.heappush(self._heap, (priority, next(self._seq), job))
             self._queued_chunks += len(chunks)
-            self._cond.notify(min(len(chunks), len(self._threads)))
+            # wake only threads that may take a chunk (prefetch: up to its cap), not a herd
+            self._cond.notify(min(len(chunks), len(self._threads) if priority == 0
+                                  else max(0, self._pf_limit() - self._pf_chunks)))
         return jid
 
     def promote(self, job_id: int) -> bool:
@@ -303,6 +305,10 @@ class ReaderPool:
             self._cond.notify()
             return True
 
+    def _pf_limit(self) -> int:
+        """Most prefetch chunks in flight now. Caller holds self._cond."""
+        return self._pf_with_demand if self._demand_jobs else self._pf_max
+
     def _take(self):
         """Next (job, [chunks], priority taken at) or None when closing. Caller holds self._cond.
 
@@ -320,8 +326,7 @@ class ReaderPool:
                     heapq.heappop(heap)  # stale (promoted, exhausted, failed)
                     continue
                 if prio:
-                    if self._pf_chunks >= (self._pf_with_demand if self._demand_jobs
-                                           else self._pf_max):
+                    if self._pf_chunks >= self._pf_limit():
                         break  # leave the drive to demand reads
                     k = 1
                     self._pf_chunks += 1
@@ -402,8 +407,8 @@ class ReaderPool:
                     del self._jobs[job.id]
                     if job.priority == 0:
                         self._demand_jobs -= 1
-                        if not self._demand_jobs:
-                            cond.notify_all()  # prefetch chunks held back may go now
+                        if not self._demand_jobs:  # prefetch chunks held back may go now
+                            cond.notify(max(0, self._pf_max - self._pf_chunks))
                     dt = time.perf_counter() - job.t0
                     self._finish_stats(job, dt)
             if fin:
