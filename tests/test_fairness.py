@@ -279,3 +279,31 @@ def test_prefetch_chunks_yield_to_a_demand_read(tmp_path, monkeypatch):
         pool.close()
     assert state["peak"] <= 1, state       # while demand is read: prefetch_with_demand
     assert state["pf_peak"] <= 2, state    # at any time: prefetch_chunks, not one batch per thread
+
+
+def test_sighup_changes_the_client_limits(model_factory, tmp_path):
+    import signal
+    import time
+    from daemon_util import start_daemon, stop_daemon
+    conf = tmp_path / "m.toml"
+    conf.write_text("slots = 32\nclient_rate_limit = 0\n")
+    sock = str(tmp_path / "d.sock")
+    d = start_daemon(model(model_factory), sock, "--config", str(conf), "--log-level", "info")
+    err = None
+    try:
+        with Client(f"ipc://{sock}", name="engine") as c:
+            for _ in range(50):                     # limit off: never refused
+                c.ping()
+            conf.write_text("slots = 32\nclient_rate_limit = 1.0\nclient_rate_burst = 2\n"
+                            "client_max_prefetch = 1\n")
+            d.send_signal(signal.SIGHUP)
+            t0 = time.time()
+            while time.time() - t0 < 10 and err is None:
+                try:
+                    c.ping()
+                except CError as e:
+                    err = e
+            assert err is not None and err.code == "rate_limited", err
+    finally:
+        out = stop_daemon(d)
+    assert "SIGHUP: applied" in out and "client_rate_limit" in out and "client_max_prefetch" in out, out
