@@ -204,7 +204,7 @@ def _run_phase(phase: str, endpoint: str, args, seed: int, pid: int | None = Non
 
 def micro(model: str, reps: int = 7, n: int = 20000) -> dict:
     """In-process cost per request of the server's handlers (no sockets: replies go to a stub),
-    interleaved ``reps`` times, microseconds (min and median over reps): a no-op noreply
+    interleaved ``reps`` times in ABBA order, microseconds (min and median over reps): a no-op noreply
     prefetch on the hot path vs the general path, and a resident acquire + noreply release on
     the hot path with the per-client rate limit on (never reached) vs off."""
     import types
@@ -253,8 +253,8 @@ def micro(model: str, reps: int = 7, n: int = 20000) -> dict:
         cases = {"noop_prefetch_fast_us": pf_fast, "noop_prefetch_general_us": pf_general,
                  "acquire_release_limit_on_us": limit(True), "acquire_release_limit_off_us": limit(False)}
         times = {k: [] for k in cases}
-        for _ in range(reps):
-            for k, f in cases.items():
+        for r in range(reps):   # order reversed every other rep (ABBA): no order effect
+            for k, f in (list(cases.items()) if r % 2 == 0 else list(cases.items())[::-1]):
                 t = time.perf_counter()
                 f()
                 times[k].append((time.perf_counter() - t) / n * 1e6)
