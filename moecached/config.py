@@ -286,7 +286,7 @@ KEYS: dict[str, Key] = {
                               "N", "int"),
     "client_max_prefetch": Key(_int_range(0, 1 << 20), "--client-max-prefetch",
                                "prefetch loads one client may have in flight before its new "
-                               "prefetches are dropped (default: half of max_prefetch_loads; 0: no "
+                               "prefetches are dropped (default: max_prefetch_loads; 0: no "
                                "per-client cap)", "N", "int"),
     "client_rate_limit": Key(_rate, "--client-rate-limit",
                              "requests per second per client before it is refused rate_limited "

@@ -105,7 +105,7 @@ class ReaderPool:
     in a single GIL release) when at least ``threads * batch`` chunks are queued; fewer queued
     chunks are spread one per thread so a lone demand load still uses every thread. Prefetch
     chunks are always taken one at a time.
-    ``prefetch_chunks``: most prefetch chunks in flight (default ``threads // 4``, at least 1);
+    ``prefetch_chunks``: most prefetch chunks in flight (default ``threads // 2``, at least 1);
     ``prefetch_with_demand``: most while a demand job is unfinished (default ``threads // 8``,
     at least 1).
     Raises :class:`ReadError` at construction if a file cannot be opened or already differs.
@@ -155,7 +155,7 @@ class ReaderPool:
         self._queued_chunks = 0
         self._demand_jobs = 0      # demand-priority jobs not finished (submitted or promoted)
         self._pf_chunks = 0        # prefetch chunks being read now
-        self._pf_max = max(1, int(prefetch_chunks) if prefetch_chunks is not None else threads // 4)
+        self._pf_max = max(1, int(prefetch_chunks) if prefetch_chunks is not None else threads // 2)
         self._pf_with_demand = min(self._pf_max, max(
             1, int(prefetch_with_demand) if prefetch_with_demand is not None else threads // 8))
         self._stats = {"reads": 0, "bytes": 0, "jobs": 0, "errors": 0}

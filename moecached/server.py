@@ -107,8 +107,8 @@ class Server:
     bursts of ``client_rate_burst`` per client (0: off); a replied request over the limit is
     answered ``rate_limited``, a noreply prefetch is dropped, both counted per client;
     releases and bye are never limited. ``client_max_prefetch``: prefetch loads one client may
-    have in flight (None: half the cache's ``max_prefetch_loads``; 0: no own cap); its
-    prefetches beyond it are dropped and counted per client.
+    have in flight (None: the cache's ``max_prefetch_loads``, so a lone client is limited as
+    before; 0: no own cap); its prefetches beyond it are dropped and counted per client.
     Raises:
         ServerError: another daemon holds the endpoint, or the endpoint cannot be bound.
     """
@@ -362,13 +362,13 @@ class Server:
 
     def set_client_limits(self, rate: float, burst: float, max_prefetch: int | None) -> None:
         """Apply the per-client limits (at start and on reload): ``rate`` requests/s (0: off),
-        ``burst`` requests, ``max_prefetch`` prefetch loads in flight per client (None: half
-        the cache's ``max_prefetch_loads``, at least 1; 0: no own cap). Connected clients get
-        the new values at once."""
+        ``burst`` requests, ``max_prefetch`` prefetch loads in flight per client (None: the
+        cache's ``max_prefetch_loads``; 0: no own cap). Connected clients get the new values at
+        once."""
         self.rate_limit.rate = max(0.0, float(rate))
         self.rate_limit.burst = max(1.0, float(burst))
         if max_prefetch is None:
-            max_prefetch = max(1, int(getattr(self.cache, "max_prefetch_loads", 2)) // 2)
+            max_prefetch = int(getattr(self.cache, "max_prefetch_loads", 0))
         self.client_max_prefetch = int(max_prefetch) or None
         for c in self.clients.values():
             c.pf.limit = self.client_max_prefetch
@@ -597,7 +597,10 @@ class Server:
                     limits={"max_message_bytes": self.max_message_bytes,
                             "max_array_len": P.MAX_ARRAY_LEN, "max_map_len": P.MAX_MAP_LEN,
                             "max_str_len": P.MAX_STR_LEN,
-                            "max_request_experts": self.checker.max_experts})
+                            "max_request_experts": self.checker.max_experts,
+                            "client_rate_limit": self.rate_limit.rate,
+                            "client_rate_burst": self.rate_limit.burst,
+                            "client_max_prefetch": self.client_max_prefetch or 0})
 
     def _op_ping(self, c: _Client, rid: int, msg: dict) -> None:
         self._reply(c.ident, rid, t=time.time())

@@ -292,6 +292,7 @@ def test_sighup_changes_the_client_limits(model_factory, tmp_path):
     err = None
     try:
         with Client(f"ipc://{sock}", name="engine") as c:
+            assert c._call({"op": "hello"})["limits"]["client_rate_limit"] == 0
             for _ in range(50):                     # limit off: never refused
                 c.ping()
             conf.write_text("slots = 32\nclient_rate_limit = 1.0\nclient_rate_burst = 2\n"
@@ -304,6 +305,9 @@ def test_sighup_changes_the_client_limits(model_factory, tmp_path):
                 except CError as e:
                     err = e
             assert err is not None and err.code == "rate_limited", err
+        with Client(f"ipc://{sock}", name="other") as c2:      # a new connection: full bucket
+            lim = c2._call({"op": "hello"})["limits"]
+            assert (lim["client_rate_limit"], lim["client_rate_burst"], lim["client_max_prefetch"]) == (1.0, 2.0, 1)
     finally:
         out = stop_daemon(d)
     assert "SIGHUP: applied" in out and "client_rate_limit" in out and "client_max_prefetch" in out, out
