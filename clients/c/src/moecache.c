@@ -640,13 +640,20 @@ static call *take_pending_locked(mc_client *c, uint64_t id) {
 }
 
 /* One reply frame; the caller owns the socket and holds c->mu. */
-static void dispatch_locked(mc_client *c, const char *data, size_t len, int hello) {
+static void dispatch_locked(mc_client *c, const char *frame, size_t len, int hello) {
     c->last_rx = now_s();
+    /* msgpack-c's strings point into the buffer they were unpacked from, and the frame goes
+     * away when it is closed: unpack a copy that the reply's zone owns */
+    char *data = malloc(len ? len : 1);
+    if (!data) return;
+    memcpy(data, frame, len);
     msgpack_unpacked u;
     msgpack_unpacked_init(&u);
     size_t off = 0;
-    if (msgpack_unpack_next(&u, data, len, &off) != MSGPACK_UNPACK_SUCCESS || u.data.type != MSGPACK_OBJECT_MAP) {
+    if (msgpack_unpack_next(&u, data, len, &off) != MSGPACK_UNPACK_SUCCESS || u.data.type != MSGPACK_OBJECT_MAP ||
+        !u.zone || !msgpack_zone_push_finalizer(u.zone, free, data)) {
         msgpack_unpacked_destroy(&u);
+        free(data);
         return;
     }
     const msgpack_object *rep = &u.data;
@@ -879,7 +886,6 @@ static int hello_locked(mc_client *c, mc_error *err) {
     msgpack_unpacked_destroy(&k.rep);
     am->client_next = c->all;
     c->all = am;
-    atomic_fetch_add(&am->refs, 0);   /* the list owns the initial ref; the map ref is "current" */
     pthread_mutex_lock(&c->pin_mu);
     c->cur = am;
     c->fast = am->lay.pin != NULL;
@@ -1289,10 +1295,8 @@ static int lease_from_reply(mc_client *c, const msgpack_object *rep, uint64_t se
                             uint32_t n, uint32_t total, mc_lease **out, mc_error *err) {
     const msgpack_object *items = mget(rep, "items"), *gens = mget(rep, "gens");
     uint64_t lid = 0;
-    if (!muint(mget(rep, "lease"), &lid) || !items || items->type != MSGPACK_OBJECT_ARRAY ||
-        items->via.array.size != total || !gens || gens->type != MSGPACK_OBJECT_ARRAY ||
-        gens->via.array.size != total)
-        return seterr(err, MC_ERR_PROTOCOL, "acquire reply: lease/items/gens missing or of the wrong length");
+    if (!muint(mget(rep, "lease"), &lid))
+        return seterr(err, MC_ERR_PROTOCOL, "acquire reply: no lease id");
     mc_lease *l = lease_new(total);
     if (!l) return seterr(err, MC_ERR_SYSTEM, "out of memory");
     l->id = lid;
@@ -1302,6 +1306,13 @@ static int lease_from_reply(mc_client *c, const msgpack_object *rep, uint64_t se
         pthread_mutex_unlock(&c->mu);
         lease_free(l);
         return seterr(err, MC_ERR_RESTARTED, "acquire: the daemon restarted");
+    }
+    if (!items || items->type != MSGPACK_OBJECT_ARRAY || items->via.array.size != total || !gens ||
+        gens->type != MSGPACK_OBJECT_ARRAY || gens->via.array.size != total) {
+        send_release_locked(c, &lid, 1);   /* give back what we cannot use */
+        pthread_mutex_unlock(&c->mu);
+        lease_free(l);
+        return seterr(err, MC_ERR_PROTOCOL, "acquire reply: items/gens missing or not one per requested expert");
     }
     atomic_fetch_add(&am->refs, 1);
     atomic_fetch_add(&am->maprefs, 1);

@@ -18,7 +18,7 @@ static int g_failures;
  * each; class 0 (block FA_L0) has FA_S0 slots, class 1 (block FA_L1) FA_S1 slots; parts
  * "gate" (FA_GATE bytes) and "down" (FA_DOWN bytes). */
 enum { FA_L0 = 1, FA_L1 = 3, FA_E = 8, FA_S0 = 4, FA_S1 = 3, FA_GATE = 256, FA_DOWN = 128,
-       FA_CTL = 4096, FA_RING = 16 };
+       FA_CTL = 4096, FA_RING = 64 };
 
 typedef struct fake_arena {
     mc_arena_map *am;
