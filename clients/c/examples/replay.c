@@ -125,5 +125,6 @@ int main(int argc, char **argv) {
     mc_close(c);
     if (ex) ex_free(ex);
     (void)sink;
+    free(rows);
     return wrong || invalid || errors ? 1 : 0;
 }

@@ -465,11 +465,11 @@ struct mc_client {
     int sock_busy, sock_want, hello_busy;
     call *pending;
     uint64_t next_id;
-    uint64_t session;
+    _Atomic uint64_t session;  /* written under mu; read without it by the accessors */
     mc_arena_map *cur;
     mc_arena_map *all;         /* every arena since connect (metadata kept until close) */
-    int watched, fast, hb_ms;
-    uint32_t max_request_experts;
+    _Atomic int watched, fast, hb_ms;
+    _Atomic uint32_t max_request_experts;
     double last_tx, last_rx, ping_t;
     uint64_t ping_id;
     uint64_t *relq;            /* socket releases waiting for the socket */
