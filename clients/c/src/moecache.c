@@ -1007,7 +1007,12 @@ mc_client *mc_connect(const char *endpoint, const char *name, const mc_options *
 static void tick_locked(mc_client *c) {
     if (c->closed || !c->sock) return;
     double now = now_s(), hb = c->hb_ms / 1000.0;
-    if (c->sock_busy) return;   /* a reader is active: it reads replies and watches the monitor */
+    /* while a reader is active it reads the replies and watches the monitor; only a ping due
+     * (a long acquire wait sends nothing) makes this thread take the socket from it */
+    int ping_due = c->session != 0 && c->ping_id == 0 && now - c->last_tx >= hb * 0.9;
+    if (c->sock_busy && !ping_due) return;
+    sock_wait_locked(c);
+    if (c->closed || !c->sock) return;
     read_slice_locked(c, NULL, 0, 0);
     if (c->session == 0) return;
     if (c->ping_id == 0 && now - c->last_tx >= hb * 0.9) {
