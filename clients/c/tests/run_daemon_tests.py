@@ -29,6 +29,10 @@ def main(build: str) -> int:
         env = dict(os.environ, MC_PYTHON=sys.executable, MC_MODEL=model, MC_EXPECT=expect, MC_DIR=d,
                    PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "clients")] +
                                               ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+        print("== test_fake (scripted daemon)", flush=True)
+        r = subprocess.call([sys.executable, str(HERE / "fake_daemon.py"), build, d], env=env)
+        if r:
+            return r
         print("== test_daemon", flush=True)
         r = subprocess.call([os.path.join(build, "test_daemon")], env=env)
         if r:

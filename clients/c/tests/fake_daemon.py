@@ -1,0 +1,136 @@
+"""A scripted stand-in for moecached, for the C client's socket behaviour that a real daemon
+does not produce on demand: a reply after the caller's timeout, a reply from another session,
+an error code, an arena descriptor of an unknown version.
+
+    python fake_daemon.py BUILD_DIR SCRATCH_DIR
+
+Binds a ROUTER on ipc://SCRATCH_DIR/fake.sock, runs BUILD_DIR/test_fake against it, then
+checks what the client sent (hello fields, the release of the late lease, bye). Exit 0 on
+success.
+"""
+import os
+import subprocess
+import sys
+import time
+
+import msgpack
+import numpy as np
+import zmq
+
+S1, S2 = 0x1111_2222_3333, 0x4444_5555_6666
+LAYERS, E, SLOTS, PART = [0, 1], 4, 4, 64
+
+
+def make_arena(path: str, session: int, version: int = 2) -> dict:
+    ctl = 4096
+    gen_off, resmap_off = 64, 64 + 8 * SLOTS
+    size = ctl + PART * SLOTS
+    buf = np.zeros(size, dtype=np.uint8)
+    w = buf[:ctl].view(np.uint64)
+    buf[:8] = np.frombuffer(b"MOECTL01", dtype=np.uint8)
+    w[1], w[2], w[3], w[4], w[5] = session, 1, 1, len(LAYERS) * E, resmap_off
+    for s in range(SLOTS):
+        w[gen_off // 8 + s] = 100 + s
+        buf[ctl + s * PART: ctl + (s + 1) * PART] = s + 1
+    buf.tofile(path)
+    return {"version": version, "path": path, "size": size, "page_size": 4096,
+            "control": {"off": 0, "bytes": ctl, "magic": "MOECTL01", "epoch_off": 8, "state_off": 16,
+                        "n_keys": len(LAYERS) * E, "resmap_off": resmap_off},
+            "classes": [{"id": 0, "layers": LAYERS, "parts": ["gate"], "part_bytes": {"gate": PART},
+                         "part_off": {"gate": ctl}, "part_types": {"gate": "Q8_0"}, "n_slots": SLOTS,
+                         "slot_bytes": PART, "gen_off": gen_off}],
+            "layer_class": {str(l): 0 for l in LAYERS}}
+
+
+def start_time(pid: int) -> int:
+    st = open(f"/proc/{pid}/stat", "rb").read()
+    return int(st[st.rindex(b")") + 2:].split()[19])
+
+
+def main(build: str, d: str) -> int:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.linger = 0
+    sock.bind(f"ipc://{d}/fake.sock")
+    arenas = {S1: make_arena(f"{d}/arena1", S1), S2: make_arena(f"{d}/arena2", S2)}
+    v3 = make_arena(f"{d}/arena3", S1, version=3)
+    proc = subprocess.Popen([os.path.join(build, "test_fake"), f"ipc://{d}/fake.sock"])
+    session, hellos, releases, byes, delayed, problems = S1, [], [], 0, [], []
+
+    def reply(ident, rid, sess, **kw):
+        sock.send_multipart([ident, msgpack.packb({"v": 1, "id": rid, "ok": True, "session": sess, **kw})])
+
+    def lease_reply(ident, rid, sess, lid, layer, experts):
+        items = [[layer, e, 0, e % SLOTS] for e in experts]
+        reply(ident, rid, sess, lease=lid, items=items, gens=[100 + e % SLOTS for e in experts], hits=len(experts),
+              prefetch_hits=0, misses=0, stall_us=0)
+
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    deadline = time.time() + 60
+    while proc.poll() is None and time.time() < deadline:
+        for t, ident, rid, sess, lid, layer, ex in list(delayed):
+            if time.time() >= t:
+                lease_reply(ident, rid, sess, lid, layer, ex)
+                delayed.remove((t, ident, rid, sess, lid, layer, ex))
+        if not poller.poll(20):
+            continue
+        ident, data = sock.recv_multipart()
+        m = msgpack.unpackb(data)
+        op, rid = m["op"], m["id"]
+        if op == "hello":
+            hellos.append(m)
+            if m.get("client") == "v3":
+                reply(ident, rid, S1, arena=v3, expert_layers=LAYERS, n_experts=E, top_k=2, heartbeat_s=5.0,
+                      lease_watch="process", limits={"max_request_experts": 64}, pins=None)
+                continue
+            if m.get("pid") != proc.pid or m.get("pid_start") != start_time(proc.pid) or m.get("fast_path") is not True:
+                problems.append(f"hello fields: {m}")
+            reply(ident, rid, session, arena=arenas[session], expert_layers=LAYERS, n_experts=E, top_k=2,
+                  heartbeat_s=5.0, lease_watch="process", limits={"max_request_experts": 64}, pins=None)
+        elif op == "acquire":
+            ex = m["experts"]
+            if ex == [1, 2]:
+                lease_reply(ident, rid, session, 11, m["layer"], ex)
+            elif ex == [2]:     # answered after the client's timeout
+                delayed.append((time.time() + 1.0, ident, rid, session, 22, m["layer"], ex))
+            elif ex == [3]:
+                sock.send_multipart([ident, msgpack.packb({"v": 1, "id": rid, "ok": False, "session": session,
+                                                           "error": {"code": "rate_limited", "message": "slow down"}})])
+            elif ex == [0]:     # the daemon "restarted": the answer comes from another session
+                session = S2
+                lease_reply(ident, rid, S2, 33, m["layer"], ex)
+            else:
+                problems.append(f"unexpected acquire {m}")
+        elif op == "release":
+            releases.append(m.get("lease"))
+            if m.get("noreply") is not True:
+                problems.append(f"release without noreply: {m}")
+        elif op == "ping":
+            reply(ident, rid, session, t=time.time())
+        elif op == "bye":
+            byes += 1
+            reply(ident, rid, session, released=0)
+        else:
+            problems.append(f"unexpected op {m}")
+    if proc.poll() is None:
+        proc.kill()
+        problems.append("test_fake did not finish within 60 s")
+    rc = proc.wait()
+    if rc:
+        problems.append(f"test_fake exited {rc}")
+    if releases != [22]:
+        problems.append(f"releases sent: {releases} (expected only the late lease 22)")
+    if [h.get("client") for h in hellos] != ["fake", "fake", "v3"]:
+        problems.append(f"hellos: {[h.get('client') for h in hellos]} (expected fake, fake again, v3)")
+    if byes != 1:
+        problems.append(f"{byes} bye(s), expected 1")
+    for p in problems:
+        print("fake_daemon: FAIL:", p)
+    if not problems:
+        print("fake_daemon: ok")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))
