@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import zmq
 
-S1, S2 = 0x1111_2222_3333, 0x4444_5555_6666
+S1, S2, S3 = 0x1111_2222_3333, 0x4444_5555_6666, 0x7777_8888_9999
 LAYERS, E, SLOTS, PART = [0, 1], 4, 4, 64
 
 
@@ -42,6 +42,17 @@ def make_arena(path: str, session: int, version: int = 2) -> dict:
             "layer_class": {str(l): 0 for l in LAYERS}}
 
 
+def make_pins(path: str, session: int) -> dict:
+    """A pin file as the daemon creates it for a fast-path client (docs/protocol.md)."""
+    ring_n, pins_off, ring_off = 8, 192, 256
+    size = ring_off + 16 * ring_n
+    w = np.zeros(size // 8, dtype=np.uint64)
+    w[0] = int.from_bytes(b"MOEPIN01", "little")
+    w[1], w[2], w[3], w[4], w[5], w[6] = session, SLOTS, ring_n, pins_off, ring_off, 64
+    w.tofile(path)
+    return {"path": path, "size": size, "ring_n": ring_n, "pins_off": pins_off, "ring_off": ring_off, "quota": 64}
+
+
 def start_time(pid: int) -> int:
     st = open(f"/proc/{pid}/stat", "rb").read()
     return int(st[st.rindex(b")") + 2:].split()[19])
@@ -54,6 +65,14 @@ def main(build: str, d: str) -> int:
     sock.bind(f"ipc://{d}/fake.sock")
     arenas = {S1: make_arena(f"{d}/arena1", S1), S2: make_arena(f"{d}/arena2", S2)}
     v3 = make_arena(f"{d}/arena3", S1, version=3)
+    # the fast-path client: expert 2 of block 1 (key 1 * E + 2) resident in slot 3
+    fast_arena = make_arena(f"{d}/arena4", S3)
+    fast_pins = make_pins(f"{d}/pins4", S3)
+    ctl = np.memmap(f"{d}/arena4", dtype=np.uint64, mode="r+", shape=(512,))
+    ctl[fast_arena["control"]["resmap_off"] // 8 + 1 * E + 2] = 3 + 1
+    ctl.flush()
+    pinw = np.memmap(f"{d}/pins4", dtype=np.uint64, mode="r", shape=(fast_pins["size"] // 8,))
+    fast_pings = 0
     proc = subprocess.Popen([os.path.join(build, "test_fake"), f"ipc://{d}/fake.sock"])
     session, hellos, releases, byes, delayed, problems = S1, [], [], 0, [], []
 
@@ -80,6 +99,10 @@ def main(build: str, d: str) -> int:
         op, rid = m["op"], m["id"]
         if op == "hello":
             hellos.append(m)
+            if m.get("client") == "fastc":
+                reply(ident, rid, S3, arena=fast_arena, expert_layers=LAYERS, n_experts=E, top_k=2,
+                      heartbeat_s=5.0, lease_watch="process", limits={"max_request_experts": 64}, pins=fast_pins)
+                continue
             if m.get("client") == "v3":
                 reply(ident, rid, S1, arena=v3, expert_layers=LAYERS, n_experts=E, top_k=2, heartbeat_s=5.0,
                       lease_watch="process", limits={"max_request_experts": 64}, pins=None)
@@ -97,6 +120,8 @@ def main(build: str, d: str) -> int:
             elif ex == [3]:
                 sock.send_multipart([ident, msgpack.packb({"v": 1, "id": rid, "ok": False, "session": session,
                                                            "error": {"code": "rate_limited", "message": "slow down"}})])
+            elif ex == [2, 3] and hellos[-1].get("client") == "fastc":   # expert 3 not resident: socket
+                lease_reply(ident, rid, S3, 44, m["layer"], ex)
             elif ex == [0]:     # the daemon "restarted": the answer comes from another session
                 session = S2
                 lease_reply(ident, rid, S2, 33, m["layer"], ex)
@@ -106,6 +131,18 @@ def main(build: str, d: str) -> int:
             releases.append(m.get("lease"))
             if m.get("noreply") is not True:
                 problems.append(f"release without noreply: {m}")
+        elif op == "ping" and hellos and hellos[-1].get("client") == "fastc":
+            fast_pings += 1
+            pins = pinw[192 // 8:256 // 8].view(np.uint32)
+            if fast_pings == 1:     # the client holds a fast-path lease on slot 3
+                if list(pins[:SLOTS]) != [0, 0, 0, 1] or pinw[8] != 1 or pinw[256 // 8] != 1 * E + 2 + 1:
+                    problems.append(f"fast pin: counts {list(pins[:SLOTS])}, head {pinw[8]}, ring[0] {pinw[32]}")
+            elif fast_pings == 2:   # released; then the "daemon" goes away (epoch cleared)
+                if list(pins[:SLOTS]) != [0, 0, 0, 0]:
+                    problems.append(f"fast release left pins {list(pins[:SLOTS])}")
+                ctl[1] = 0
+                ctl.flush()
+            reply(ident, rid, S3, t=time.time())
         elif op == "ping":
             reply(ident, rid, session, t=time.time())
         elif op == "bye":
@@ -119,10 +156,12 @@ def main(build: str, d: str) -> int:
     rc = proc.wait()
     if rc:
         problems.append(f"test_fake exited {rc}")
-    if releases != [22]:
-        problems.append(f"releases sent: {releases} (expected only the late lease 22)")
-    if [h.get("client") for h in hellos] != ["fake", "fake", "v3"]:
-        problems.append(f"hellos: {[h.get('client') for h in hellos]} (expected fake, fake again, v3)")
+    if releases != [22, 44]:
+        problems.append(f"releases sent: {releases} (expected the late lease 22 and the socket lease 44)")
+    if [h.get("client") for h in hellos] != ["fake", "fake", "v3", "fastc"]:
+        problems.append(f"hellos: {[h.get('client') for h in hellos]} (expected fake, fake again, v3, fastc)")
+    if fast_pings != 2:
+        problems.append(f"{fast_pings} pings from the fast-path client, expected 2")
     if byes != 1:
         problems.append(f"{byes} bye(s), expected 1")
     for p in problems:

@@ -64,6 +64,31 @@ int main(int argc, char **argv) {
     CHECK(c == NULL && e.code == MC_ERR_UNSUPPORTED && strstr(e.message, "version 3"), "descriptor v3: %s",
           e.message);
     if (c) mc_close(c);
+
+    /* the fast path: the fake offers a pin file and has expert 2 of block 1 resident in slot 3 */
+    c = mc_connect(argv[1], "fastc", &o, &e);
+    if (!c) { fprintf(stderr, "connect fastc: %s\n", e.message); return 1; }
+    CHECK(mc_fast_path(c), "pins offered: fast path on");
+    r = mc_acquire(c, 1, ex2, 1, 0, -1, &l, &e);
+    CHECK(r == MC_OK && l && mc_lease_fast(l) && mc_lease_slot(l, 0) == 3, "fast pin: %s", e.message);
+    if (l) {
+        const unsigned char *b = mc_lease_part(l, 0, "gate", NULL);
+        CHECK(b && b[0] == 4 && b[63] == 4, "slot 3's bytes through a fast lease");
+        CHECK(mc_lease_valid(l), "fast lease valid");
+    }
+    CHECK(mc_ping(c, NULL, &e) == MC_OK, "ping 1 (the fake checks the pin count and the ring)");
+    mc_release(l);
+    int ex23[] = {2, 3};
+    l = NULL;
+    r = mc_acquire(c, 1, ex23, 2, 0, -1, &l, &e);
+    CHECK(r == MC_OK && l && !mc_lease_fast(l), "expert 3 not resident: the whole set over the socket: %s", e.message);
+    mc_release(l);
+    CHECK(mc_ping(c, NULL, &e) == MC_OK, "ping 2 (the fake checks the pins are gone, then clears the epoch)");
+    l = NULL;
+    r = mc_acquire(c, 1, ex2, 1, 0, -1, &l, &e);
+    CHECK(r == MC_ERR_RESTARTED && !l, "epoch cleared: the fast path says restarted: %s", mc_code_name(r));
+    CHECK(mc_session(c) == 0, "session voided by the fast path");
+    mc_close(c);
     if (g_failures) return 1;
     printf("test_fake: ok\n");
     return 0;
