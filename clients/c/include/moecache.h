@@ -175,7 +175,9 @@ typedef struct mc_arena {
 } mc_arena;
 
 /* The arena of the current hello (says hello first when the last one was voided by a restart;
- * NULL then on error). Valid until mc_close, even after a restart. */
+ * NULL then on error). The description stays readable until mc_close, even after a restart;
+ * its `base` mapping stays while it is the current arena or a lease granted on it is held
+ * (after MC_ERR_RESTARTED, call mc_arena_get again for the new one). */
 const mc_arena *mc_arena_get(mc_client *c, mc_error *err);
 /* Class id of a GGUF block (-1 when it has no routed experts). */
 int mc_layer_class(const mc_arena *a, int layer);
@@ -203,8 +205,9 @@ enum {
 
 /* Pin `experts[0..n)` of `layer` (GGUF block number); *out gets the lease. All or nothing.
  * First the shared-memory hit path (all resident: no message), else one acquire over the
- * socket for the whole set. timeout_ms: -1 = the client's default; it is also sent as the
- * daemon's timeout_ms when >= 0. */
+ * socket for the whole set. timeout_ms: -1 = the client's default wait (mc_options.timeout_ms);
+ * >= 0 is sent as the daemon's timeout_ms and the client waits one second longer, so the
+ * daemon's answer (MC_ERR_D_TIMEOUT, nothing pinned) wins over a local MC_ERR_TIMEOUT. */
 int mc_acquire(mc_client *c, int layer, const int *experts, uint32_t n, int flags, int timeout_ms,
                mc_lease **out, mc_error *err);
 /* Several layers in one lease. */
