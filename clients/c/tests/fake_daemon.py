@@ -73,6 +73,7 @@ def main(build: str, d: str) -> int:
     ctl.flush()
     pinw = np.memmap(f"{d}/pins4", dtype=np.uint64, mode="r", shape=(fast_pins["size"] // 8,))
     fast_pings = 0
+    hb_wait = None
     proc = subprocess.Popen([os.path.join(build, "test_fake"), f"ipc://{d}/fake.sock"])
     session, hellos, releases, byes, delayed, problems = S1, [], [], 0, [], []
 
@@ -99,6 +100,10 @@ def main(build: str, d: str) -> int:
         op, rid = m["op"], m["id"]
         if op == "hello":
             hellos.append(m)
+            if m.get("client") == "hbwait":
+                reply(ident, rid, S1, arena=arenas[S1], expert_layers=LAYERS, n_experts=E, top_k=2,
+                      heartbeat_s=5.0, lease_watch="heartbeat", limits={"max_request_experts": 64}, pins=None)
+                continue
             if m.get("client") == "fastc":
                 reply(ident, rid, S3, arena=fast_arena, expert_layers=LAYERS, n_experts=E, top_k=2,
                       heartbeat_s=5.0, lease_watch="process", limits={"max_request_experts": 64}, pins=fast_pins)
@@ -115,6 +120,9 @@ def main(build: str, d: str) -> int:
             ex = m["experts"]
             if ex == [1, 2]:
                 lease_reply(ident, rid, session, 11, m["layer"], ex)
+            elif ex == [1] and hellos[-1].get("client") == "hbwait":   # a long wait for reads
+                delayed.append((time.time() + 1.5, ident, rid, S1, 55, m["layer"], ex))
+                hb_wait = [time.time(), 0]
             elif ex == [2]:     # answered after the client's timeout
                 delayed.append((time.time() + 1.0, ident, rid, session, 22, m["layer"], ex))
             elif ex == [3]:
@@ -131,6 +139,10 @@ def main(build: str, d: str) -> int:
             releases.append(m.get("lease"))
             if m.get("noreply") is not True:
                 problems.append(f"release without noreply: {m}")
+        elif op == "ping" and hellos and hellos[-1].get("client") == "hbwait":
+            if hb_wait is not None and time.time() - hb_wait[0] < 1.5:
+                hb_wait[1] += 1
+            reply(ident, rid, S1, t=time.time())
         elif op == "ping" and hellos and hellos[-1].get("client") == "fastc":
             fast_pings += 1
             pins = pinw[192 // 8:256 // 8].view(np.uint32)
@@ -156,14 +168,17 @@ def main(build: str, d: str) -> int:
     rc = proc.wait()
     if rc:
         problems.append(f"test_fake exited {rc}")
-    if releases != [22, 44]:
-        problems.append(f"releases sent: {releases} (expected the late lease 22 and the socket lease 44)")
-    if [h.get("client") for h in hellos] != ["fake", "fake", "v3", "fastc"]:
-        problems.append(f"hellos: {[h.get('client') for h in hellos]} (expected fake, fake again, v3, fastc)")
+    if releases != [22, 44, 55]:
+        problems.append(f"releases sent: {releases} (expected the late lease 22 and the socket leases 44, 55)")
+    if [h.get("client") for h in hellos] != ["fake", "fake", "v3", "fastc", "hbwait"]:
+        problems.append(f"hellos: {[h.get('client') for h in hellos]} (expected fake, fake again, v3, fastc, hbwait)")
+    if hb_wait is None or hb_wait[1] < 3:
+        problems.append(f"pings while an acquire waited 1.5 s (heartbeat every 0.1 s): "
+                        f"{hb_wait and hb_wait[1]}, expected at least 3")
     if fast_pings != 2:
         problems.append(f"{fast_pings} pings from the fast-path client, expected 2")
-    if byes != 1:
-        problems.append(f"{byes} bye(s), expected 1")
+    if byes != 2:
+        problems.append(f"{byes} bye(s), expected 2 (fake after its restart, hbwait)")
     for p in problems:
         print("fake_daemon: FAIL:", p)
     if not problems:

@@ -89,6 +89,20 @@ int main(int argc, char **argv) {
     CHECK(r == MC_ERR_RESTARTED && !l, "epoch cleared: the fast path says restarted: %s", mc_code_name(r));
     CHECK(mc_session(c) == 0, "session voided by the fast path");
     mc_close(c);
+
+    /* an unwatched client keeps pinging while one of its acquires waits (the fake answers the
+     * acquire after 1.5 s and counts the pings meanwhile) */
+    o.heartbeat_thread = 1;
+    o.heartbeat_ms = 100;
+    o.timeout_ms = 5000;
+    c = mc_connect(argv[1], "hbwait", &o, &e);
+    if (!c) { fprintf(stderr, "connect hbwait: %s\n", e.message); return 1; }
+    int ex1[] = {1};
+    l = NULL;
+    r = mc_acquire(c, 0, ex1, 1, 0, -1, &l, &e);
+    CHECK(r == MC_OK && l, "the slow acquire: %s", e.message);
+    mc_release(l);
+    mc_close(c);
     if (g_failures) return 1;
     printf("test_fake: ok\n");
     return 0;
