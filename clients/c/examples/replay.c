@@ -1,6 +1,6 @@
 /* replay -- an engine loop over a routing trace, through libmoecache.
  *
- *   replay ENDPOINT TRACE [EXPECT]
+ *   replay [--no-fast] ENDPOINT TRACE [EXPECT]
  *
  * TRACE: text, one line per token per MoE layer: "<token> <moe layer> <expert> <expert> ...";
  * moe layer i is the model's i-th block with routed experts (as in moecached's .npz traces;
@@ -9,7 +9,8 @@
  *     [print(t,l,*[x for x in e[t,l] if x>=0]) for t in range(e.shape[0]) for l in range(e.shape[1])]" T.npz
  * ). Per token and layer: prefetch the next layer's experts, acquire this layer's, read every
  * byte of every part (and, with EXPECT from clients/c/tests/dump_expect.py, compare it with the
- * model file), check the lease is still valid, release. Prints hits/misses/time per token and
+ * model file), check the lease is still valid, release. --no-fast sends every acquire over
+ * the socket (MC_ACQ_NO_FAST), for comparison. Prints hits/misses/time per token and
  * a summary; exit status 1 when any byte was wrong or a lease went invalid. */
 #define _GNU_SOURCE
 #include "moecache.h"
@@ -28,8 +29,14 @@ static double now_us(void) {
 }
 
 int main(int argc, char **argv) {
+    int acq_flags = MC_ACQ_DECODE;
+    if (argc > 1 && strcmp(argv[1], "--no-fast") == 0) {
+        acq_flags |= MC_ACQ_NO_FAST;
+        argv++;
+        argc--;
+    }
     if (argc < 3) {
-        fprintf(stderr, "usage: replay ENDPOINT TRACE [EXPECT]\n");
+        fprintf(stderr, "usage: replay [--no-fast] ENDPOINT TRACE [EXPECT]\n");
         return 2;
     }
     FILE *f = fopen(argv[2], "r");
@@ -86,7 +93,7 @@ int main(int argc, char **argv) {
                 (uint32_t)rows[i + 1].layer < a->n_expert_layers)
                 mc_prefetch(c, a->expert_layers[rows[i + 1].layer], rows[i + 1].ex, (uint32_t)rows[i + 1].n, NULL);
             mc_lease *l;
-            int rc = mc_acquire(c, block, r->ex, (uint32_t)r->n, MC_ACQ_DECODE, -1, &l, &err);
+            int rc = mc_acquire(c, block, r->ex, (uint32_t)r->n, acq_flags, -1, &l, &err);
             if (rc != MC_OK) {
                 fprintf(stderr, "replay: token %d block %d: %s\n", tok, block, err.message);
                 errors++;

@@ -62,7 +62,8 @@ typedef enum mc_code {
     MC_ERR_INVALID_ARG = 1,   /* a bad argument (NULL, layer without experts, too many experts) */
     MC_ERR_SYSTEM = 2,        /* an OS or ZeroMQ call failed (errno text in the message) */
     MC_ERR_PROTOCOL = 3,      /* the daemon's reply could not be understood */
-    MC_ERR_TIMEOUT = 4,       /* no reply within the call's timeout (a lease arriving later is released) */
+    MC_ERR_TIMEOUT = 4,       /* no reply within the call's timeout (an acquire is cancelled in the
+                                 daemon; a lease arriving anyway is released) */
     MC_ERR_RESTARTED = 5,     /* the daemon restarted or went away; the next call says hello again */
     MC_ERR_CLOSED = 6,        /* the client is closed */
     MC_ERR_UNSUPPORTED = 7,   /* an arena descriptor version or layout this library cannot read */
@@ -118,7 +119,9 @@ typedef struct mc_lease mc_lease;
 
 /* Connect, say hello (with pid/pid_start, and fast_path when opt->fast_path), map the arena
  * read-only and, when the daemon offers it, the pin file read-write. NULL on error (*err set;
- * err may be NULL). opt may be NULL (defaults). name may be NULL ("pid<N>"). */
+ * err may be NULL): an ipc endpoint without a socket file fails at once (MC_ERR_SYSTEM, "no
+ * daemon socket at ..."), a daemon that does not answer after connect_timeout_ms
+ * (MC_ERR_TIMEOUT). opt may be NULL (defaults). name may be NULL ("pid<N>"). */
 mc_client *mc_connect(const char *endpoint, const char *name, const mc_options *opt, mc_error *err);
 
 /* Say bye (the daemon releases this client's leases), stop the heartbeat, close the socket. */

@@ -592,6 +592,23 @@ static void send_release_locked(mc_client *c, const uint64_t *ids, uint32_t n) {
     msgpack_sbuffer_destroy(&sb);
 }
 
+/* An acquire its caller gave up on: the daemon drops it (its pins go now rather than when its
+ * reads finish); a lease that still comes is released as a late reply. Best effort, noreply. */
+static void send_cancel_locked(mc_client *c, uint64_t rid) {
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 5);
+    pk_str(&pk, "v"); msgpack_pack_int(&pk, PROTOCOL_VERSION);
+    pk_str(&pk, "id"); msgpack_pack_uint64(&pk, c->next_id++);
+    pk_str(&pk, "op"); pk_str(&pk, "cancel");
+    pk_str(&pk, "request"); msgpack_pack_uint64(&pk, rid);
+    pk_str(&pk, "noreply"); msgpack_pack_true(&pk);
+    send_locked(c, &sb, "cancel", NULL);
+    msgpack_sbuffer_destroy(&sb);
+}
+
 /* The socket's owner sends the releases queued while it was busy. */
 static void flush_releases_locked(mc_client *c) {
     uint32_t i = 0;
@@ -864,6 +881,10 @@ static int hello_locked(mc_client *c, mc_error *err) {
                    c->opt.connect_timeout_ms);
         return k.err.code;
     }
+    /* a disconnect the monitor reports now happened before this hello's connection was made
+     * (the reply came through it): it is the old daemon's, not this session's */
+    sock_wait_locked(c);
+    if (c->mon) check_monitor_locked(c, 1);
     const msgpack_object *rep = &k.rep.data;
     uint64_t session = 0;
     if (!muint(mget(rep, "session"), &session) || session == 0) {
@@ -945,8 +966,12 @@ static int do_call(mc_client *c, const char *op, int n_fields, fill_fn fill, voi
         return r == MC_OK ? okerr(err) : r;
     }
     int tmo = timeout_ms >= 0 ? timeout_ms : c->opt.timeout_ms;
+    uint64_t sent_session = c->session;
     wait_call_locked(c, &k, tmo < 0 ? -1 : now_s() + tmo / 1000.0, 0);
     uint64_t sess = c->session;
+    if (k.state == 2 && k.err.code == MC_ERR_TIMEOUT && strcmp(op, "acquire") == 0 && sess == sent_session &&
+        sess != 0)
+        send_cancel_locked(c, k.id);
     pthread_mutex_unlock(&c->mu);
     if (k.state != 1) {
         if (err) *err = k.err;
@@ -962,6 +987,13 @@ mc_client *mc_connect(const char *endpoint, const char *name, const mc_options *
     if (!c) { seterr(err, MC_ERR_SYSTEM, "out of memory"); return NULL; }
     if (opt) c->opt = *opt; else mc_options_init(&c->opt);
     if (!endpoint) endpoint = MC_DEFAULT_ENDPOINT;
+    struct stat st;
+    if (strncmp(endpoint, "ipc://", 6) == 0 && stat(endpoint + 6, &st) != 0 && errno == ENOENT) {
+        seterr(err, MC_ERR_SYSTEM, "no daemon socket at %s: is moecached running? (systemctl status moecached)",
+               endpoint + 6);
+        free(c);
+        return NULL;
+    }
     c->endpoint = strdup(endpoint);
     c->ipc = strncmp(endpoint, "ipc://", 6) == 0;
     if (name && *name) snprintf(c->name, sizeof c->name, "%s", name);

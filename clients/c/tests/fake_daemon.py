@@ -73,6 +73,7 @@ def main(build: str, d: str) -> int:
     ctl.flush()
     pinw = np.memmap(f"{d}/pins4", dtype=np.uint64, mode="r", shape=(fast_pins["size"] // 8,))
     fast_pings = 0
+    cancels, late_rid = [], None
     hb_wait = None
     proc = subprocess.Popen([os.path.join(build, "test_fake"), f"ipc://{d}/fake.sock"])
     session, hellos, releases, byes, delayed, problems = S1, [], [], 0, [], []
@@ -124,6 +125,7 @@ def main(build: str, d: str) -> int:
                 delayed.append((time.time() + 1.5, ident, rid, S1, 55, m["layer"], ex))
                 hb_wait = [time.time(), 0]
             elif ex == [2]:     # answered after the client's timeout
+                late_rid = rid
                 delayed.append((time.time() + 1.0, ident, rid, session, 22, m["layer"], ex))
             elif ex == [3]:
                 sock.send_multipart([ident, msgpack.packb({"v": 1, "id": rid, "ok": False, "session": session,
@@ -157,6 +159,10 @@ def main(build: str, d: str) -> int:
             reply(ident, rid, S3, t=time.time())
         elif op == "ping":
             reply(ident, rid, session, t=time.time())
+        elif op == "cancel":
+            cancels.append(m.get("request"))
+            if m.get("noreply") is not True:
+                problems.append(f"cancel without noreply: {m}")
         elif op == "bye":
             byes += 1
             reply(ident, rid, session, released=0)
@@ -177,6 +183,8 @@ def main(build: str, d: str) -> int:
                         f"{hb_wait and hb_wait[1]}, expected at least 3")
     if fast_pings != 2:
         problems.append(f"{fast_pings} pings from the fast-path client, expected 2")
+    if cancels != [late_rid]:
+        problems.append(f"cancels sent: {cancels} (expected one, for the acquire that timed out: id {late_rid})")
     if byes != 2:
         problems.append(f"{byes} bye(s), expected 2 (fake after its restart, hbwait)")
     for p in problems:
