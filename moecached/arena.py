@@ -41,6 +41,7 @@ import ctypes.util
 import errno
 import mmap
 import os
+import re
 import resource
 import secrets
 import stat
@@ -51,10 +52,12 @@ import numpy as np
 
 from . import MoecacheError
 
-__all__ = ["ArenaError", "ClassLayout", "Arena", "map_readonly", "plan_slots"]
+__all__ = ["ArenaError", "ClassLayout", "Arena", "map_readonly", "plan_slots", "planned_size"]
 
 DESCRIPTOR_VERSION = 2
 CONTROL_MAGIC = b"MOECTL01"
+PIN_MAGIC = b"MOEPIN01"      # a fast-path client's pin file (daemon-owned, same cleanup)
+_OLD_ARENA_NAME = re.compile(r"\.?moecached-\d+-[0-9a-f]{8}")  # arenas from before the control block
 CONTROL_HEADER_BYTES = 64
 EPOCH_OFF, STATE_OFF, NCLASSES_OFF, NKEYS_OFF, RESMAP_OFF_OFF = 8, 16, 24, 32, 40  # header words
 STATE_STOPPED, STATE_SERVING, STATE_MODEL_CHANGED = 0, 1, 2
@@ -191,6 +194,14 @@ def plan_slots(index, *, budget_bytes: int | None = None, slots: int | None = No
     return got
 
 
+def planned_size(index, *, budget_bytes: int | None = None, slots: int | None = None,
+                 page_size: int = mmap.PAGESIZE) -> int:
+    """Bytes of the arena :class:`Arena` makes for this budget or slot count (nothing reserved),
+    so the daemon can check it against the memory limits first."""
+    counts = plan_slots(index, budget_bytes=budget_bytes, slots=slots, page_size=page_size)
+    return max(arena_bytes(index, counts, page_size), page_size)
+
+
 CAP_IPC_LOCK = 14
 
 
@@ -237,7 +248,16 @@ class Arena:
 
     Attributes: ``path`` (str), ``size`` (bytes), ``page_size`` (bytes), ``classes``
     (list of :class:`ClassLayout`, in the index's size-class order), ``base_address`` (int,
-    virtual address of the writable mapping; valid until :meth:`close`), ``locked`` (bool).
+    virtual address of the writable mapping; valid until :meth:`close`), ``locked`` (bool),
+    ``keep_path`` (the private second name, see below; None when the file system refused it),
+    ``relinks`` (times :meth:`check_link` put the public name back), ``link_problem`` (None, or
+    why new clients cannot open ``path``).
+
+    The file has a second, private hard link, ``keep_path`` (``.<name>`` beside it, a name no
+    client uses): a client that unlinks ``path`` (``multiprocessing.shared_memory.SharedMemory``
+    does when its process exits) leaves the memory and this name, and :meth:`check_link`
+    puts ``path`` back. ``progress(done, total)`` is called as the file is reserved and locked
+    (in chunks; ``total`` counts both passes).
 
     Raises :class:`ArenaError` on: a budget too small for one slot per class, a file that already
     exists, ``dir`` too small (ENOSPC at fallocate), RLIMIT_MEMLOCK below the arena size, mlock
@@ -246,10 +266,15 @@ class Arena:
 
     def __init__(self, index, *, budget_bytes: int | None = None, slots: int | None = None,
                  dir: str = "/dev/shm", name: str | None = None, hugetlb: bool = False,
-                 lock: bool = True, mode: int = 0o640, gid: int | None = None):
+                 lock: bool = True, mode: int = 0o640, gid: int | None = None, progress=None):
         self._mm = None
         self._ctl = None
         self._fd = -1
+        self._ino = None
+        self.keep_path = None
+        self.keep_error = None
+        self.relinks = 0
+        self.link_problem = None
         self.locked = False
         self.page_size = int(os.statvfs(dir).f_bsize) if hugetlb else mmap.PAGESIZE
         self.hugetlb = bool(hugetlb)
@@ -297,12 +322,25 @@ class Arena:
         # The owner holds an exclusive flock for the arena's life: a file under this name
         # pattern that nobody has locked was left by a daemon that died (remove_stale_arenas).
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        st = os.fstat(self._fd)
+        self._ino = (st.st_dev, st.st_ino)
         try:
+            keep = os.path.join(dir, "." + name)
+            try:
+                os.link(self.path, keep)
+                self.keep_path = keep
+            except OSError as e:
+                self.keep_error = f"cannot make the private link {keep}: {e.strerror}"
             os.fchmod(self._fd, mode)  # umask must not narrow what clients were promised
             if gid is not None:
                 os.fchown(self._fd, -1, gid)
+            total = self.size * (2 if lock else 1)
+            step = max(CHUNK_BYTES, _round_up(self.size // 100, page))
             try:
-                os.posix_fallocate(self._fd, 0, self.size)
+                for a in range(0, self.size, step):
+                    os.posix_fallocate(self._fd, a, min(step, self.size - a))
+                    if progress is not None:
+                        progress(min(a + step, self.size), total)
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.ENOMEM):
                     st = os.statvfs(dir)
@@ -327,8 +365,11 @@ class Arena:
             self._ctl[RESMAP_OFF_OFF // 8] = self.resmap_off
             self.set_epoch(int.from_bytes(os.urandom(8), "little") >> 1 | 1, STATE_SERVING)
             if lock:
-                self._mlock(0, self.size)
-                self.locked = True
+                self.locked = True   # teardown munlocks the whole range, also after a failure
+                for a in range(0, self.size, step):
+                    self._mlock(a, min(step, self.size - a))
+                    if progress is not None:
+                        progress(self.size + min(a + step, self.size), total)
         except BaseException:
             self._teardown(unlink=True)
             raise
@@ -341,7 +382,7 @@ class Arena:
             raise ArenaError(
                 f"RLIMIT_MEMLOCK is {soft} bytes ({soft // 1024} KiB), {max(have, 0)} left, but arena "
                 f"{self.path} needs {self.size} bytes locked; set LimitMEMLOCK=infinity in the systemd "
-                f"unit or run 'ulimit -l unlimited' before starting (or pass lock=False / --no-lock)")
+                f"unit or run 'ulimit -l unlimited' before starting (or pass lock=False / --no-lock-memory)")
 
     def _mlock(self, off: int, length: int) -> None:
         if length <= 0:
@@ -503,10 +544,59 @@ class Arena:
             os.close(self._fd)
             self._fd = -1
         if unlink:
+            for p in (self.path, self.keep_path):
+                if p is not None and self._is_ours(p):  # never another file put under the name
+                    try:
+                        os.unlink(p)
+                    except FileNotFoundError:
+                        pass
+            self.keep_path = None
+
+    def _is_ours(self, path: str):
+        """True when ``path`` names this arena's file, False when it is missing, None when it
+        names another file."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return False
+        return True if (st.st_dev, st.st_ino) == self._ino else None
+
+    def check_link(self) -> str:
+        """Check that clients can still open ``path`` and repair it: ``"ok"``, ``"relinked"``
+        (the name had been unlinked and is back: same file, same bytes), or a one-line problem
+        (also kept in ``link_problem``) when it cannot be repaired. A missing private link is
+        made again. Cheap (two ``stat``); the daemon calls it at every periodic tick."""
+        if self._fd < 0:
+            return "ok"
+        pub = self._is_ours(self.path)
+        if self.keep_path is not None and self._is_ours(self.keep_path) is False and pub:
             try:
-                os.unlink(self.path)
-            except FileNotFoundError:
+                os.link(self.path, self.keep_path)
+            except OSError:
                 pass
+        if pub:
+            self.link_problem = None
+            return "ok"
+        if pub is None:
+            self.link_problem = (f"arena path {self.path} names another file now; new clients would map "
+                                 f"it: remove that file (the daemon then puts the arena back)")
+            return self.link_problem
+        err = None
+        for src, follow in ((self.keep_path, False), (f"/proc/self/fd/{self._fd}", True)):
+            if src is None or (not follow and not self._is_ours(src)):
+                continue
+            try:
+                os.link(src, self.path, follow_symlinks=follow)
+            except OSError as e:
+                err = e.strerror
+                continue
+            if self._is_ours(self.path):
+                self.relinks += 1
+                self.link_problem = None
+                return "relinked"
+        self.link_problem = (f"arena file {self.path} was unlinked and cannot be put back "
+                             f"({err or 'no other name left'}); new clients cannot attach: restart the daemon")
+        return self.link_problem
 
     def close(self, unlink: bool = True) -> None:
         """Unlock, unmap and (default) unlink the arena file. Idempotent."""
@@ -528,22 +618,30 @@ class Arena:
 
 ARENA_PREFIX = "moecached-"
 
+#: Bytes reserved (fallocate) and locked (mlock) per step, for progress; at least 1% of the arena.
+CHUNK_BYTES = 64 << 20
+
 
 def remove_stale_arenas(dir: str = "/dev/shm", log=None) -> list[str]:
     """Unlink arena files in ``dir`` left by daemons that died without cleaning up.
 
     A live arena's owner holds an exclusive ``flock`` on it; a ``moecached-*`` file nobody
     locks is stale (its owner was SIGKILLed or crashed). Shared memory is not reclaimable,
-    so each one pins its whole size until removed. Returns the paths removed; files that
-    cannot be opened or locked are left alone.
+    so each one pins its whole size until removed. An arena has two names, ``moecached-*``
+    and its private ``.moecached-*`` (:class:`Arena`); both go, and a private name whose public
+    one a client unlinked goes too. Returns one path per arena removed (its public name, or the
+    private one when that was all that was left); files that cannot be opened or locked are
+    left alone, and so are files that are not ours (no arena or pin-file magic and not an
+    arena name of older versions) whatever their names. One log line per arena.
     """
     removed = []
     try:
         names = sorted(os.listdir(dir))
     except OSError:
         return removed
+    stale: dict = {}   # (dev, ino) -> [size, [paths]], in listing order
     for name in names:
-        if not name.startswith(ARENA_PREFIX):
+        if not (name.startswith(ARENA_PREFIX) or name.startswith("." + ARENA_PREFIX)):
             continue
         path = os.path.join(dir, name)
         try:
@@ -551,23 +649,30 @@ def remove_stale_arenas(dir: str = "/dev/shm", log=None) -> list[str]:
         except OSError:
             continue
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 continue
+            magic = os.pread(fd, 8, 0)
+            if magic not in (CONTROL_MAGIC, PIN_MAGIC) and not _OLD_ARENA_NAME.fullmatch(name):
+                continue  # not a file of ours, whatever its name says
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # owned by a live daemon
-            size = os.fstat(fd).st_size
-            if size >= CONTROL_HEADER_BYTES and os.pread(fd, 8, 0) == CONTROL_MAGIC:
+            if magic == CONTROL_MAGIC:
                 # clients that still map it see epoch 0: their leases read as invalid
                 os.pwrite(fd, bytes(16), EPOCH_OFF)
+            # unlinked while we hold the lock: a daemon starting now cannot take it first
             os.unlink(path)
-            removed.append(path)
-            if log is not None:
-                log.warning("removed stale arena %s (%.1f MiB) left by a daemon that died", path, size / 2**20)
+            stale.setdefault((st.st_dev, st.st_ino), [st.st_size, []])[1].append(name)
         finally:
             os.close(fd)
-    return removed
+    for size, ns in stale.values():
+        shown = os.path.join(dir, min(ns, key=lambda n: n.startswith(".")))  # public name first
+        removed.append(shown)
+        if log is not None:
+            log.warning("removed stale arena %s (%.1f MiB) left by a daemon that died", shown, size / 2**20)
+    return sorted(removed)
 
 
 def map_readonly(descriptor: dict) -> tuple[mmap.mmap, dict]:

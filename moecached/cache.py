@@ -22,6 +22,13 @@ Model::
   already loading never waits in that queue (it needs no new slot).
 * Pins: every lease pins its experts until ``release``; every load pins its slot until it ends.
   Pinned keys are never evicted, never given back by :meth:`ExpertCache.set_budget`.
+* A failed load gives its slot back as it found it: a free slot goes back to the free list; a
+  slot taken by evicting a resident expert gets that expert back (resident again, at the cold
+  end, counters restored) when the load failed before any byte was read into the slot (refused
+  at submit, or the model changed before its first chunk). Only a read that failed after
+  writing part of the slot frees it (the evicted expert's bytes are gone).
+* Once the model file changes (``model_changed``), acquires that need a read fail at once with
+  :class:`ModelChangedError` (no slot taken), prefetches queue nothing; resident hits go on.
 * Prefetched experts enter the LRU at the cold end and are marked *unused*; the first demand use
   counts a prefetch hit and moves them hot; evicting an unused one counts a wasted prefetch.
 
@@ -46,10 +53,11 @@ from dataclasses import dataclass
 from . import MoecacheError
 from .arena import arena_bytes
 from .policy import LRU
+from .readers import ModelChanged
 from .stats import LatencyHistogram
 
 __all__ = ["CacheError", "RequestError", "CapacityError", "LeaseError", "LoadError",
-           "AcquireTimeout", "CacheClosed", "Lease", "ExpertCache"]
+           "ModelChangedError", "AcquireTimeout", "CacheClosed", "Lease", "ExpertCache"]
 
 
 class CacheError(MoecacheError):
@@ -81,6 +89,12 @@ class LeaseError(CacheError):
 class LoadError(CacheError):
     """A read needed by this acquire failed (short read, EIO, file changed); names layer, expert
     and file. The expert stays absent; a later acquire retries the read."""
+
+
+class ModelChangedError(LoadError):
+    """The model file is no longer the one indexed (see ``ExpertCache.model_changed``): an
+    acquire that needs a read is refused at once, before any slot is taken (nothing evicted);
+    resident experts are still served (their slots hold bytes read before the change)."""
 
 
 class AcquireTimeout(CacheError):
@@ -148,9 +162,9 @@ class _Layer:
 
 class _Load:
     __slots__ = ("pool", "key", "slot", "layer", "expert", "demanded", "prefetched", "waiters",
-                 "job_id", "priority", "fids")
+                 "job_id", "priority", "fids", "victim")
 
-    def __init__(self, pool, key, slot, layer, expert, demanded, fids):
+    def __init__(self, pool, key, slot, layer, expert, demanded, fids, victim=None):
         self.pool, self.key, self.slot, self.layer, self.expert = pool, key, slot, layer, expert
         self.demanded = demanded
         self.prefetched = not demanded
@@ -158,6 +172,7 @@ class _Load:
         self.job_id = None
         self.priority = 0 if demanded else 1
         self.fids = fids
+        self.victim = victim    # (key, was_unused) evicted to free the slot, or None
 
 
 class _Req:
@@ -198,6 +213,7 @@ class ExpertCache:
             since prefetch pays only when the drive has slack. Default: 2 x top-k x size
             classes, at least 16.
         log: a ``logging.Logger`` (default ``logging.getLogger("moecached.cache")``).
+        arena_progress: ``progress(done, total)`` while the arena is reserved and locked.
 
     Attributes: ``arena`` (``Arena``), ``index``, ``readers`` (``ReaderPool``).
 
@@ -209,7 +225,7 @@ class ExpertCache:
     def __init__(self, index, *, budget_bytes=None, slots=None, policy="global", readers=16,
                  chunk_bytes=256 * 1024, arena_dir="/dev/shm", arena_name=None, hugetlb=False,
                  lock_memory=True, direct_io=True, shrunk_policy="wait", max_prefetch_loads=None,
-                 log=None):
+                 log=None, arena_progress=None):
         from .arena import Arena, plan_slots
         from .readers import ReaderPool
 
@@ -229,7 +245,7 @@ class ExpertCache:
         if budget_bytes is None and slots is None:
             slots = sum(len(sc.layers) for sc in index.size_classes) * ne
         self.arena = Arena(index, budget_bytes=budget_bytes, slots=slots, dir=arena_dir,
-                           name=arena_name, hugetlb=hugetlb, lock=lock_memory)
+                           name=arena_name, hugetlb=hugetlb, lock=lock_memory, progress=arena_progress)
         try:
             self._build(index, ne)
             files = [str(getattr(f, "path", f)) for f in index.files]
@@ -346,15 +362,22 @@ class ExpertCache:
         self.c_evictions += 1
         return s
 
-    def _take_slot(self, pool: _Pool) -> int:
+    def _take_slot(self, pool: _Pool) -> tuple:
+        """A slot for a load: ``(slot, victim)``; victim ``(key, was_unused)`` when a resident
+        expert was evicted for it (given back if the load fails untouched), slot -1 if none."""
         if pool.free:
-            return pool.free.pop()
-        return self._evict_one(pool)
+            return pool.free.pop(), None
+        k = pool.lru.victim()
+        if k < 0:
+            return -1, None
+        was_unused = pool.unused[k]
+        return self._evict_one(pool), (k, was_unused)
 
-    def _start_load(self, L: _Layer, expert: int, slot: int, demanded: bool, submits: list):
+    def _start_load(self, L: _Layer, expert: int, slot: int, demanded: bool, submits: list,
+                    victim=None):
         pool = L.pool
         k = L.base + expert
-        load = _Load(pool, k, slot, L.layer, expert, demanded, L.fids[expert])
+        load = _Load(pool, k, slot, L.layer, expert, demanded, L.fids[expert], victim)
         pool.alloc[k] = slot
         pool.loading[k] = load
         pool.lru.insert(k, not demanded)
@@ -474,9 +497,9 @@ class ExpertCache:
             pf += lp
             miss += lm
         for i, L, e in misses:          # second pass: own keys are pinned, evictions are safe
-            s = self._take_slot(L.pool)
+            s, victim = self._take_slot(L.pool)
             assert s >= 0, "grant without a slot (bookkeeping bug)"
-            load = self._start_load(L, e, s, True, submits)
+            load = self._start_load(L, e, s, True, submits, victim)
             L.pool.lru.pin(load.key)
             load.waiters.append(req)
             req.pending += 1
@@ -487,6 +510,16 @@ class ExpertCache:
             req.stalled = True
         req.hits, req.pf, req.misses = hits, pf, miss
         req.state = _Req.LOADING
+
+    def _refuse_reads(self, req: _Req, done: list) -> bool:
+        """The model changed and ``req`` needs a read: fail it now (no slot taken). Under lock."""
+        why = self.readers.model_changed
+        if why is None or not self._needs_slots(req):
+            return False
+        self._fail(req, ModelChangedError(f"{why}: acquire needs a read of the changed model; "
+                                          f"only resident experts are served until it is re-indexed"),
+                   done)
+        return True
 
     def _finish(self, req: _Req, done: list) -> None:
         req.state = _Req.DONE
@@ -524,6 +557,8 @@ class ExpertCache:
             if blocked and any(p in blocked for p in req.by_pool):
                 blocked.update(req.by_pool)
                 continue
+            if self._refuse_reads(req, done):
+                continue
             if self._can_grant(req):
                 self._waitq.remove(req)
                 self._grant(req, submits, promotes)
@@ -542,6 +577,7 @@ class ExpertCache:
                                      callback=lambda j, err, n, sec, _l=load:
                                      self._on_read(_l, err, n, sec))
             except Exception as e:  # pool closed or refused: fail the load like a read error
+                e.dest_written = False  # refused before reading: the slot is as it was
                 self._on_read(load, e, 0, 0.0)
                 continue
             load.job_id = jid
@@ -603,23 +639,39 @@ class ExpertCache:
                     if req.pending == 0:
                         self._finish(req, done)
         else:
-            self.c_read_errors += 1
+            msg = str(error).splitlines()[0] if str(error) else type(error).__name__
             names = self._file_names
             fname = ", ".join(dict.fromkeys(names[f] if 0 <= f < len(names) else "?"
                                             for f in load.fids))
-            msg = str(error).splitlines()[0] if str(error) else type(error).__name__
-            err = LoadError(f"load of layer {load.layer} expert {load.expert} from {fname} "
-                            f"failed: {msg}")
+            if isinstance(error, ModelChanged):
+                # not an I/O error, and said once by the reader pool: neither counted nor logged
+                fail = ModelChangedError(f"load of layer {load.layer} expert {load.expert} from "
+                                         f"{fname} refused: {msg}")
+            else:
+                self.c_read_errors += 1
+                err = fail = LoadError(f"load of layer {load.layer} expert {load.expert} from "
+                                       f"{fname} failed: {msg}")
             for req in load.waiters:
                 if req.state == _Req.LOADING:
-                    self._fail(req, err, done)
+                    self._fail(req, fail, done)
             pool.alloc[k] = -1
             pool.res[k] = -1
             pool.unused[k] = 0
             pool.lru.unpin(k)
             pool.lru.remove(k)
             self._gens[pool.cid][load.slot] += 1
-            pool.free.append(load.slot)
+            v = load.victim
+            if v is not None and not getattr(error, "dest_written", True) and pool.alloc[v[0]] < 0:
+                # the slot still holds the evicted expert's bytes: it gets its place back
+                vk, was_unused = v
+                pool.alloc[vk] = pool.res[vk] = load.slot
+                pool.unused[vk] = was_unused
+                pool.lru.insert(vk, True)
+                self.c_evictions -= 1
+                if was_unused:
+                    self.c_wasted -= 1
+            else:
+                pool.free.append(load.slot)
         load.waiters = []
         if self._waitq:
             self._kick(submits, promotes, done)
@@ -723,7 +775,9 @@ class ExpertCache:
             self._reqs[rid] = req
             blocked = self._waitq and self._needs_slots(req) and any(
                 p in q.by_pool for q in self._waitq for p in by_pool)
-            if not blocked and self._can_grant(req):
+            if self._refuse_reads(req, done):
+                pass
+            elif not blocked and self._can_grant(req):
                 self._grant(req, submits, promotes)
                 if req.pending == 0:
                     self._finish(req, done)
@@ -778,6 +832,8 @@ class ExpertCache:
         with self._lock:
             if self._closed:
                 raise CacheClosed()
+            if self.readers.model_changed is not None:
+                return 0   # nothing is read from a changed model
             waiting = {p for q in self._waitq for p in q.by_pool} if self._waitq else ()
             for layer, experts in requests:
                 L = self._layers.get(layer)
@@ -795,10 +851,10 @@ class ExpertCache:
                     if self._pf_loading >= self.max_prefetch_loads:
                         self.c_pf_dropped += 1
                         continue
-                    s = self._take_slot(pool)
+                    s, victim = self._take_slot(pool)
                     if s < 0:
                         break
-                    self._start_load(L, e, s, False, submits)
+                    self._start_load(L, e, s, False, submits, victim)
                     self._pf_loading += 1
                     self.c_prefetches += 1
         if submits:
@@ -918,6 +974,11 @@ class ExpertCache:
             return {"slots_before": before, "slots_after": after, "slots_target": target_total,
                     "bytes_released": released, "bytes_restored": restored}
 
+    @property
+    def model_changed(self) -> str | None:
+        """Why the model file is no longer the one indexed (one line), or None while it is."""
+        return self.readers.model_changed
+
     def pinned_count(self) -> int:
         """Distinct pinned keys over all pools (leased or loading)."""
         with self._lock:
@@ -950,7 +1011,8 @@ class ExpertCache:
         (resident+loading), pinned, loading, free, hits, demand_misses, prefetch_hits, reads),
         ``layers`` ({layer: {hits, demand_misses, prefetch_hits, reads}}),
         ``budget`` ({configured_bytes, current_bytes}), ``shrink_events``, ``grow_events``,
-        ``readers`` (ReaderPool.stats()).
+        ``readers`` (ReaderPool.stats()), ``model_changed`` (why the model file is no longer
+        the one indexed, or None).
         """
         with self._lock:
             classes = []
@@ -987,6 +1049,7 @@ class ExpertCache:
                 "budget": {"configured_bytes": self._max_bytes, "current_bytes": cur},
                 "shrink_events": self.c_shrinks, "grow_events": self.c_grows,
                 "policy": self.policy,
+                "model_changed": self.readers.model_changed,
             }
         try:
             out["readers"] = self.readers.stats()

@@ -75,6 +75,7 @@ class Config:
     min_budget: Optional[int] = None         # the floor never shrinks below this (None: daemon picks)
     on_pressure: str = "error"               # acquire that cannot fit: error | wait
     pressure_timeout_s: float = 30.0         # on_pressure = wait: give up after this
+    on_model_change: str = "reload"          # model file changed under the daemon: reload | exit
     heartbeat_s: float = 5.0                 # client lease heartbeat period
     socket_mode: int = 0o660                 # mode of the ipc socket file
     arena_mode: int = 0o640                  # mode of the arena file
@@ -287,6 +288,10 @@ KEYS: dict[str, Key] = {
                        "an acquire that cannot fit: error (default) or wait", "MODE"),
     "pressure_timeout_s": Key(_float_range(0, 3600), "--pressure-timeout",
                               "with on_pressure=wait, give up after S seconds (default 30)", "S", "float"),
+    "on_model_change": Key(_choice("reload", "exit"), "--on-model-change",
+                           "the model file changed under the daemon: reload (default: re-index "
+                           "it once quiet, new session) or exit (non-zero: the service manager "
+                           "restarts it)", "MODE"),
     "heartbeat_s": Key(_float_range(0, 3600, lo_open=True), "--heartbeat",
                        "client heartbeat period, seconds (default 5)", "S", "float"),
     "socket_mode": Key(_mode, "--socket-mode", "mode of the socket file (default 0660)", "MODE", "mode"),
@@ -303,6 +308,7 @@ KEYS: dict[str, Key] = {
 #: Keys a SIGHUP can apply to a running daemon; others need a restart.
 RELOADABLE = frozenset({"budget", "slots", "floor", "floor_hysteresis", "floor_interval_s",
                         "floor_min_change_s", "min_budget", "on_pressure", "pressure_timeout_s",
+                        "on_model_change",
                         "heartbeat_s", "log_level", "max_request_experts", "max_message_bytes"})
 
 assert set(KEYS) == {f.name for f in dataclasses.fields(Config)} - {"sources", "path"}

@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 
-from . import MoecacheError
+from . import MoecacheError, __version__
 
 # name -> ("module", "function", one-line help)
 COMMANDS = {
@@ -29,7 +29,7 @@ def usage() -> str:
     for name, (_, _, help_) in COMMANDS.items():
         lines.append(f"  {name:<9} {help_}")
     lines.append("")
-    lines.append("moecache-ctl COMMAND --help for a command's options")
+    lines.append("moecache-ctl COMMAND --help for a command's options; moecache-ctl --version")
     return "\n".join(lines)
 
 
@@ -37,6 +37,9 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"moecache-ctl {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

@@ -1,6 +1,11 @@
 """``moecache-ctl status | stats | trace``: talk to a running daemon.
 
-Output is memcached-style ``STAT name value`` lines (``--json`` for scripts).
+Output is memcached-style ``STAT name value`` lines (``--json`` for scripts); ``stats`` prints
+a short human summary (:func:`summary`) unless ``--all`` or ``--json`` asks for every counter.
+
+The daemon's endpoint (:func:`resolve_endpoint`, shared by every command that talks to the
+daemon): ``--endpoint`` > ``$MOECACHED_ENDPOINT`` > the ``endpoint`` key of the daemon's config
+file (``/etc/moecached/moecached.toml``) > ``ipc:///run/moecached/moecached.sock``.
 """
 from __future__ import annotations
 
@@ -11,19 +16,51 @@ import sys
 
 from . import MoecacheError
 
+#: environment variable naming the daemon's endpoint for ``moecache-ctl``
+ENDPOINT_ENV = "MOECACHED_ENDPOINT"
+ENDPOINT_HELP = (f"daemon endpoint (default: ${ENDPOINT_ENV}, else the endpoint of the daemon's "
+                 f"config file, else ipc:///run/moecached/moecached.sock)")
 
-def _client(endpoint: str, timeout: float):
+
+def resolve_endpoint(flag: str | None = None) -> tuple[str, str]:
+    """``(endpoint, where it came from)``: ``flag`` (``--endpoint``) if given, else
+    ``$MOECACHED_ENDPOINT``, else the ``endpoint`` key of the daemon's config file (read by
+    :func:`moecached.config.load_config`), else the built-in default. A config file that cannot
+    be read or is invalid is skipped (the reason goes into the source, shown on failures).
+
+    Raises:
+        MoecacheError: the flag or the environment variable is not an endpoint.
+    """
+    from .config import DEFAULT_ENDPOINT, KEYS, ConfigError, _Bad, load_config
+    if flag is not None:
+        value, where = flag, "--endpoint"
+    elif os.environ.get(ENDPOINT_ENV):
+        value, where = os.environ[ENDPOINT_ENV], f"${ENDPOINT_ENV}"
+    else:
+        try:
+            cfg = load_config(None, check_runnable=False)
+        except ConfigError as e:
+            return DEFAULT_ENDPOINT, f"the built-in default; config file skipped: {e}"
+        src = cfg.sources.get("endpoint", "default")
+        return cfg.endpoint, ("the built-in default" if src == "default" else src)
+    try:
+        return KEYS["endpoint"].check(value), where
+    except _Bad as e:
+        raise MoecacheError(f"{where} {value!r}: expected {e.expected}") from None
+
+
+def _client(endpoint: str, timeout: float, source: str = "--endpoint"):
+    """A ``Client`` for ``endpoint``; failures are one line naming the endpoint and ``source``
+    (where it came from, see :func:`resolve_endpoint`)."""
     try:
         from moecache_client import Client, ClientError, Timeout  # noqa: F401
     except ImportError as e:  # pragma: no cover
         raise MoecacheError(f"moecache_client is not installed: {e}")
-    if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
-        raise MoecacheError(f"no daemon at {endpoint}: socket file {endpoint[len('ipc://'):]} does not exist")
     try:
         return Client(endpoint, name="moecache-ctl", timeout=timeout, connect_timeout=timeout,
                       map_arena=False)
     except Exception as e:
-        raise MoecacheError(f"cannot reach moecached at {endpoint}: {e}")
+        raise MoecacheError(f"cannot reach moecached at {endpoint} (endpoint from {source}): {e}")
 
 
 def _positive(v: str) -> float:
@@ -37,12 +74,16 @@ def _positive(v: str) -> float:
 
 
 def _parser(prog: str, desc: str) -> argparse.ArgumentParser:
-    from moecache_client import DEFAULT_ENDPOINT
     p = argparse.ArgumentParser(prog=f"moecache-ctl {prog}", description=desc)
-    p.add_argument("--endpoint", "-e", default=DEFAULT_ENDPOINT, help="daemon endpoint (default %(default)s)")
+    p.add_argument("--endpoint", "-e", default=None, help=ENDPOINT_HELP)
     p.add_argument("--timeout", type=_positive, default=5.0, help="seconds to wait for the daemon")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--json", action="store_true", help="print JSON (every counter)")
     return p
+
+
+def _endpoint_of(a: argparse.Namespace) -> tuple[str, float, str]:
+    endpoint, source = resolve_endpoint(a.endpoint)
+    return endpoint, a.timeout, source
 
 
 def _fmt(v) -> str:
@@ -83,7 +124,7 @@ def _print(d: dict, as_json: bool) -> None:
 
 def status_main(argv) -> int:
     a = _parser("status", "one-screen status of a running moecached").parse_args(argv)
-    c = _client(a.endpoint, a.timeout)
+    c = _client(*_endpoint_of(a))
     try:
         _print(c.status(), a.json)
     finally:
@@ -91,16 +132,77 @@ def status_main(argv) -> int:
     return 0
 
 
+GiB = 1 << 30
+
+
+def _gib(n) -> str:
+    return f"{(n or 0) / GiB:.2f} GiB"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _ms(us) -> str:
+    return "-" if us is None else f"{us / 1000:.2f} ms"
+
+
+def _duration(s) -> str:
+    s = int(s or 0)
+    d, h, m = s // 86400, s // 3600 % 24, s // 60 % 60
+    return f"{d}d{h:02d}h" if d else f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s"
+
+
+def summary(st: dict, layers: bool = False) -> list[str]:
+    """The short human view of a ``stats`` reply: hit rate, budget and use (GiB), reads, read
+    latency, one line per client; per-layer lines when ``layers``."""
+    from .stats import hit_rate
+    budget = st.get("budget") or {}
+    classes = st.get("classes") or []
+    used = sum(x.get("used", 0) * x.get("slot_bytes", 0) for x in classes)
+    cur, conf = budget.get("current_bytes"), budget.get("configured_bytes")
+    lat = st.get("read_latency") or {}
+    hits, pf, miss = st.get("hits", 0), st.get("prefetch_hits", 0), st.get("demand_misses", 0)
+    clients = st.get("clients") or []
+    out = [f"moecached {st.get('version', '?')}, pid {st.get('pid', '?')}, up {_duration(st.get('uptime_s'))}, "
+           f"{st.get('endpoint', '?')}",
+           f"hit rate  {_pct(hit_rate(hits, pf, miss))} ({hits} hits, {pf} prefetch hits, {miss} demand misses)",
+           f"budget    {_gib(cur)}" + (f" (configured {_gib(conf)})" if cur != conf else "")
+           + f", used {_gib(used)} ({sum(x.get('used', 0) for x in classes)} of "
+             f"{sum(x.get('slots', 0) for x in classes)} slots, {st.get('pinned', 0)} pinned)",
+           f"reads     {st.get('reads', 0)} ({_gib(st.get('bytes_read'))}, {st.get('read_errors', 0)} errors, "
+           f"{st.get('reads_in_flight', 0)} in flight), latency p50 {_ms(lat.get('p50_us'))}, "
+           f"p99 {_ms(lat.get('p99_us'))}",
+           f"clients   {len(clients)}"]
+    for x in clients:
+        out.append(f"  {x.get('name')} pid {x.get('pid')}: hit rate {_pct(x.get('hit_rate'))}, "
+                   f"{x.get('acquires', 0)} acquires, {x.get('leases', 0)} leases, {x.get('pending', 0)} pending, "
+                   f"stall {x.get('stall_s', 0):.2f} s, idle {x.get('idle_s', 0):.1f} s")
+    if layers:
+        for name, x in (st.get("layers") or {}).items():
+            out.append(f"layer {name}: hit rate {_pct(hit_rate(x['hits'], x['prefetch_hits'], x['demand_misses']))} "
+                       f"({x['hits']} hits, {x['prefetch_hits']} prefetch hits, "
+                       f"{x['demand_misses']} demand misses), {x['reads']} reads")
+    return out
+
+
 def stats_main(argv) -> int:
-    a = _parser("stats", "all counters of a running moecached (cache, reads, per client)").parse_args(argv)
-    c = _client(a.endpoint, a.timeout)
+    p = _parser("stats", "counters of a running moecached: a short summary, or every counter "
+                         "(--all as STAT lines, --json)")
+    p.add_argument("--layers", action="store_true", help="add one line per layer to the summary")
+    p.add_argument("--all", action="store_true", help="every counter as STAT lines")
+    a = p.parse_args(argv)
+    c = _client(*_endpoint_of(a))
     try:
         st = c.stats()
     finally:
         c.close()
     # leave out the ctl's own connection from the per-client list
     st["clients"] = [x for x in st.get("clients", []) if x.get("name") != "moecache-ctl"]
-    _print(st, a.json)
+    if a.json or a.all:
+        _print(st, a.json)
+    else:
+        print("\n".join(summary(st, a.layers)))
     return 0
 
 
@@ -115,7 +217,7 @@ def trace_main(argv) -> int:
     p.add_argument("file", nargs="?", help="output .npz (start)")
     p.add_argument("--client", help="record only this client's acquires")
     a = p.parse_args(argv)
-    c = _client(a.endpoint, a.timeout)
+    c = _client(*_endpoint_of(a))
     try:
         if a.action == "start":
             if not a.file:

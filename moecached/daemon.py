@@ -2,11 +2,21 @@
 
     moecached --model PATH [--budget SIZE | --slots N] [--endpoint ipc://...] [--config FILE]
 
-Start-up order: configuration (file + flags, validated) -> index of the model's experts ->
-arena reserved and locked + readers -> ZeroMQ socket bound -> READY=1 to systemd. A failure
+Start-up order: configuration (file + flags, validated) -> the endpoint's lock (a second daemon
+on a live endpoint is refused here, having touched nothing) -> index of the model's experts ->
+the arena checked against the memory cgroup limit and MemAvailable (refused, or sized down when
+a floor is set) -> arena reserved and locked + readers -> ZeroMQ socket bound -> READY=1 to
+systemd. Each stage logs one line as it begins (a live percentage on a terminal). A failure
 at any step prints one line and exits 1 (systemd restarts it per the unit file). SIGTERM
 stops gracefully (pending requests fail with ``shutdown``, socket and arena files removed);
 SIGHUP re-reads the config file and applies what can change without a restart.
+
+A model file that changes under the daemon (written, truncated, replaced, even with its mtime
+restored) is noticed at once (inotify on the files and their directories, a stat check on
+every load and every periodic tick): misses fail with ``model_changed``, the log says it once,
+and then ``on_model_change`` decides: ``"exit"`` exits with status 3 (systemd restarts it),
+``"reload"`` re-indexes the file once it has been quiet for ``MODEL_SETTLE_S`` seconds and
+serves it under a new session. See docs/operations.md, "Model file changed".
 """
 from __future__ import annotations
 
@@ -15,13 +25,20 @@ import grp
 import logging
 import os
 import sys
+import time
 
 from . import MoecacheError, __version__
 from . import config as C
 from . import notify
-from .logs import setup_logging
+from .logs import setup_logging, stage
+from .units import format_bytes
 
 log = logging.getLogger("moecached")
+
+#: exit status when the model file changed and on_model_change = "exit"
+EXIT_MODEL_CHANGED = 3
+#: on_model_change = "reload": seconds the model file must stay unchanged before re-indexing
+MODEL_SETTLE_S = 1.0
 
 
 def _notify(*lines: str) -> None:
@@ -88,6 +105,8 @@ def _apply_live(key: str, new: C.Config, server, cache, floor_box: dict):
     elif key == "pressure_timeout_s":
         if new.on_pressure == "wait":
             server.acquire_timeout_s = new.pressure_timeout_s
+    elif key == "on_model_change":
+        pass   # read when a change happens
     elif key in ("budget", "slots"):
         want = _budget_bytes(new, cache)
         if want is None:
@@ -108,7 +127,6 @@ def _apply_live(key: str, new: C.Config, server, cache, floor_box: dict):
         if new.floor is None:
             if floor is not None:  # off: the budget the floor took goes back to the cache
                 floor_box["floor"], floor_box["off"] = None, floor  # kept: its counts go on
-                server.extra_stats = None
                 cache.set_budget(configured)
                 log.info("memory floor off; budget back to %d bytes",
                          cache.stats()["budget"]["current_bytes"])
@@ -121,7 +139,6 @@ def _apply_live(key: str, new: C.Config, server, cache, floor_box: dict):
             else:              # the one turned off earlier: counters go on where they were
                 floor.resume(configured)
             floor_box["floor"] = floor
-            server.extra_stats = lambda: {"floor": floor.stats()}
             log.info("memory floor on at %d bytes available", new.floor)
         floor.reconfigure(floor_bytes=new.floor, hysteresis_bytes=new.floor_hysteresis,
                           configured_budget=configured,
@@ -141,47 +158,187 @@ def min_budget_for(index, cache) -> int:
     return min(arena_bytes(index, per_class, cache.arena.page_size), cache.arena.size)
 
 
+def _fit_budget(cfg: C.Config, idx) -> tuple[int | None, int | None]:
+    """(budget_bytes, slots) for the arena, checked against the memory this process may use
+    before anything is reserved (``moecached.floor.fit_arena``): raises MemoryLimitError when
+    it does not fit, or with a floor returns a smaller budget that does (logged once)."""
+    from .arena import planned_size, smallest_budget
+    from .floor import fit_arena, read_memory_limit
+    budget, slots = cfg.budget, cfg.slots
+    if budget is None and slots is None:
+        slots = sum(len(sc.layers) for sc in idx.size_classes) * int(idx.n_experts)
+    if cfg.hugetlb:   # huge pages come from their own pool, not MemAvailable or the cgroup
+        return budget, slots
+    size = planned_size(idx, budget_bytes=budget, slots=slots)
+    swap = 0
+    if not cfg.lock_memory:   # an unlocked arena may go to swap
+        import psutil
+        swap = int(psutil.swap_memory().free)
+    fit = fit_arena(size, read_memory_limit(), floor=cfg.floor, swap_free=swap,
+                    smallest=smallest_budget(idx), what="budget")
+    if fit < size:
+        log.warning("budget %s does not fit above the floor %s in the memory left now: sized the "
+                    "arena down to %s (restart when memory is free to get the whole budget)",
+                    format_bytes(size, precision=2), format_bytes(cfg.floor, precision=2),
+                    format_bytes(fit, precision=2))
+        return fit, None
+    return budget, slots
+
+
+def _make_cache(cfg: C.Config, idx, progress=None, fitted=None):
+    """The ExpertCache of ``idx`` for ``cfg`` (its budget fitted to the memory this process may
+    use: ``fitted``, else ``_fit_budget``), its arena file given the configured mode/group."""
+    from .cache import ExpertCache
+    budget, slots = fitted if fitted is not None else _fit_budget(cfg, idx)
+    cache = ExpertCache(idx, budget_bytes=budget, slots=slots, policy=cfg.policy,
+                        readers=cfg.readers, chunk_bytes=cfg.chunk, arena_dir=cfg.arena_dir,
+                        hugetlb=cfg.hugetlb, lock_memory=cfg.lock_memory, direct_io=cfg.direct_io,
+                        shrunk_policy=cfg.on_pressure, max_prefetch_loads=cfg.max_prefetch_loads,
+                        arena_progress=progress)
+    try:
+        arena = cache.arena
+        os.chmod(arena.path, cfg.arena_mode)
+        if cfg.group:
+            os.chown(arena.path, -1, grp.getgrnam(cfg.group).gr_gid)
+        if arena.keep_error:
+            log.warning("%s; a client that unlinks the arena cannot be repaired", arena.keep_error)
+    except BaseException:
+        cache.close()
+        raise
+    return cache
+
+
+def _file_sig(paths) -> tuple:
+    """What the model files look like now (size, mtime, ctime, inode; None if missing)."""
+    out = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            out.append((st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev, st.st_ino))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def _model_files(cache) -> list[str]:
+    return [str(getattr(f, "path", f)) for f in cache.index.files]
+
+
+def _start_watch(cache):
+    """An inotify watch on ``cache``'s model files that rechecks them on every event, or None
+    (with one warning) when inotify is unavailable: the periodic check still notices."""
+    from .watch import ModelWatch, WatchError
+    readers = cache.readers
+    try:
+        return ModelWatch(_model_files(cache), readers.recheck, log=logging.getLogger("moecached.watch"))
+    except WatchError as e:
+        log.warning("%s; a change of the model file is noticed at the next load or periodic "
+                    "check instead", e.strerror)
+        return None
+
+
 def build(cfg: C.Config):
     """Index + cache + (floor) + server for a validated Config. Returns (server, cache,
-    floor_box): ``floor_box["floor"]`` is the MemoryFloor or None (SIGHUP may switch it)."""
-    from .cache import ExpertCache
+    floor_box): ``floor_box["floor"]`` is the MemoryFloor or None (SIGHUP may switch it);
+    ``floor_box["timings"]`` the seconds each start-up stage took."""
+    from .server import lock_endpoint, unlock_endpoint
+
+    t0 = time.monotonic()
+    held = {"lock": lock_endpoint(cfg.endpoint)}  # before anything is read or reserved
+    try:
+        return _build(cfg, held, t0)
+    except BaseException:
+        if held["lock"] is not None:   # not handed to a Server yet
+            unlock_endpoint(cfg.endpoint, held["lock"])
+        raise
+
+
+def _build(cfg: C.Config, held: dict, t0: float):
     from .index import open_index
     from .server import Server
 
     _notify("STATUS=indexing " + cfg.model)
-    idx = open_index(cfg.model)
+    with stage(f"indexing {cfg.model}") as st_index:
+        idx = open_index(cfg.model)
+    total = sum(sc.slot_bytes * len(sc.layers) for sc in idx.size_classes) * int(idx.n_experts)
+    n_classes = len(idx.size_classes)
+    log.info("found %d routed experts (%d layers x %d) in %d size class%s, %s of expert weights",
+             len(idx.expert_layers) * int(idx.n_experts), len(idx.expert_layers), int(idx.n_experts),
+             n_classes, "" if n_classes == 1 else "es", format_bytes(total, precision=2))
     gid = grp.getgrnam(cfg.group).gr_gid if cfg.group else None
-    from .arena import remove_stale_arenas
+    from .arena import remove_stale_arenas, planned_size
     remove_stale_arenas(cfg.arena_dir, log)  # arenas of daemons that were killed pin shm
-    _notify("STATUS=reserving and locking the arena")
-    cache = ExpertCache(idx, budget_bytes=cfg.budget, slots=cfg.slots, policy=cfg.policy,
-                        readers=cfg.readers, chunk_bytes=cfg.chunk, arena_dir=cfg.arena_dir,
-                        hugetlb=cfg.hugetlb, lock_memory=cfg.lock_memory, direct_io=cfg.direct_io,
-                        shrunk_policy=cfg.on_pressure, max_prefetch_loads=cfg.max_prefetch_loads)
+    budget, slots = _fit_budget(cfg, idx)
+    page = int(os.statvfs(cfg.arena_dir).f_bsize) if cfg.hugetlb else None
+    size = planned_size(idx, budget_bytes=budget, slots=slots,
+                        **({"page_size": page} if page else {}))
+    what = ("reserving and locking" if cfg.lock_memory else "reserving") + \
+        f" {format_bytes(size, precision=2)} for the arena in {cfg.arena_dir}"
+    _notify("STATUS=" + what)
+    tenth = [0]
+
+    def progress(done, total):
+        st_arena.update(done, total)
+        if done * 10 // total > tenth[0]:   # systemctl status shows how far it got
+            tenth[0] = done * 10 // total
+            _notify(f"STATUS={what}: {tenth[0] * 10}%")
+
+    with stage(what, total=size * (2 if cfg.lock_memory else 1)) as st_arena:
+        cache = _make_cache(cfg, idx, progress, fitted=(budget, slots))
     try:
-        os.chmod(cache.arena.path, cfg.arena_mode)
-        if gid is not None:
-            os.chown(cache.arena.path, -1, gid)
-        floor_box = {"floor": _make_floor(cfg, cache, cache.arena.size) if cfg.floor is not None else None}
+        arena = cache.arena
+        floor_box = {"floor": _make_floor(cfg, cache, arena.size) if cfg.floor is not None else None,
+                     "timings": {"index_s": st_index.elapsed, "arena_s": st_arena.elapsed}}
 
         watchdog = notify.watchdog_ping if notify.watchdog_interval() else None
+        seen = {"link": "ok"}
+
+        def check_arena():
+            arena = server.cache.arena     # the current one: a model reload makes a new arena
+            r = arena.check_link()
+            if r == "relinked":
+                log.warning("arena %s was unlinked by some process (multiprocessing.shared_memory"
+                            ".SharedMemory does that when the process that opened it exits); linked "
+                            "it back from %s, clients attach as before", arena.path, arena.keep_path)
+            elif r != "ok" and r != seen["link"]:
+                log.error("%s", r)
+            seen["link"] = r
 
         def on_tick(now):
+            check_arena()
             floor = floor_box["floor"]
             if floor is not None:
                 floor.tick(now)
             if watchdog is not None:
                 watchdog()
 
+        lock_fd, held["lock"] = held["lock"], None   # the server owns it from here
         server = Server(cache, endpoint=cfg.endpoint, model_path=cfg.model,
                         heartbeat_s=cfg.heartbeat_s, socket_mode=cfg.socket_mode, gid=gid,
                         on_tick=on_tick, tick_s=min(1.0, cfg.floor_interval_s),
                         max_request_experts=cfg.max_request_experts,
                         max_message_bytes=cfg.max_message_bytes,
-                        acquire_timeout_s=cfg.pressure_timeout_s if cfg.on_pressure == "wait" else None)
-        floor = floor_box["floor"]
-        if floor is not None:
-            server.extra_stats = lambda: {"floor": floor.stats()}
+                        acquire_timeout_s=cfg.pressure_timeout_s if cfg.on_pressure == "wait" else None,
+                        endpoint_lock=lock_fd)
+
+        def extra_stats():
+            arena = server.cache.arena
+            st = {"arena": {"path": arena.path, "private_link": arena.keep_path,
+                            "relinks": arena.relinks, "problem": arena.link_problem}}
+            floor = floor_box["floor"]
+            if floor is not None:
+                st["floor"] = floor.stats()
+            return st
+
+        def extra_status():
+            arena = server.cache.arena
+            if arena.link_problem is None:
+                return {}
+            return {"state": "degraded", "problem": arena.link_problem}
+
+        server.extra_stats = extra_stats
+        server.extra_status = extra_status
+        floor_box["timings"]["total_s"] = time.monotonic() - t0
     except BaseException:
         cache.close()
         raise
@@ -196,7 +353,93 @@ def run(cfg: C.Config) -> int:
         log.error("%s", e)
         _notify(f"STATUS=failed: {e}")
         return 1
-    state = {"cfg": cfg}
+    state = {"cfg": cfg, "exit": 0}
+    live = {"cache": cache, "reload": None}
+    cache.readers.on_change = server.model_changed
+    live["watch"] = _start_watch(cache)
+
+    def on_model_change(msg):
+        """Loop thread, once per change: say it once, then exit or wait to re-index."""
+        mode = state["cfg"].on_model_change
+        if mode == "exit":
+            log.error("%s; on_model_change = \"exit\": exiting with status %d so the service "
+                      "manager restarts the daemon on the new file", msg, EXIT_MODEL_CHANGED)
+            _notify("STATUS=model file changed: exiting")
+            state["exit"] = EXIT_MODEL_CHANGED
+            server.stop()
+            return
+        log.error("%s; on_model_change = \"reload\": misses fail with model_changed, resident "
+                  "experts are still served; re-indexing once the file has been unchanged for "
+                  "%g s", msg, MODEL_SETTLE_S)
+        _notify("STATUS=model file changed: waiting to re-index")
+        import time
+        live["reload"] = {"msg": msg, "sig": _file_sig(_model_files(live["cache"])),
+                          "since": time.monotonic(), "failed": None}
+
+    server.on_model_change = on_model_change
+
+    def reload_model(r, sig):
+        """Re-index the model file and serve it under a new session (loop thread)."""
+        from .index import open_index
+        new_cfg = state["cfg"]
+        try:
+            idx = open_index(new_cfg.model)
+        except (MoecacheError, OSError) as e:
+            r["failed"] = sig
+            log.error("model %s cannot be indexed (%s); still serving resident experts only, "
+                      "trying again when the file changes", new_cfg.model, e)
+            return
+        if _file_sig(_model_files(live["cache"])) != sig:
+            return  # changed while being indexed: wait for it to settle again
+        server.retire_cache("model_changed", f"{r['msg']}; the daemon is re-indexing it")
+        if live["watch"] is not None:
+            live["watch"].close()
+            live["watch"] = None
+        floor_box["floor"] = None
+        floor_box.pop("off", None)
+        try:
+            new = _make_cache(new_cfg, idx)
+        except MoecacheError as e:
+            log.error("model %s re-indexed but the cache could not be rebuilt: %s; exiting",
+                      new_cfg.model, e)
+            state["exit"] = 1
+            server.stop()
+            return
+        live["cache"] = new
+        live["reload"] = None
+        new.readers.on_change = server.model_changed
+        server.install_cache(new)
+        if new_cfg.floor is not None:
+            floor = _make_floor(new_cfg, new, _budget_bytes(new_cfg, new) or new.arena.size)
+            floor_box["floor"] = floor
+        live["watch"] = _start_watch(new)
+        slots = sum(c.n_slots for c in new.arena.classes)
+        log.info("model %s re-indexed and reloaded: %d slots, fingerprint %s, new session; "
+                 "clients say hello again", new_cfg.model, slots, idx.fingerprint())
+        _notify(f"STATUS=serving {os.path.basename(new_cfg.model)} (reloaded) on {new_cfg.endpoint}")
+        # a change after the index was read and before the readers opened the files
+        if _file_sig(_model_files(new)) != sig:
+            new.readers.recheck()
+
+    base_tick = server.on_tick
+
+    def on_tick(now):
+        if base_tick is not None:
+            base_tick(now)
+        c = live["cache"]
+        if c.readers.model_changed is None:
+            c.readers.recheck()   # without inotify this is how a change is noticed
+            return
+        r = live["reload"]
+        if r is None:
+            return
+        sig = _file_sig(_model_files(c))
+        if sig != r["sig"]:
+            r["sig"], r["since"] = sig, now
+        elif now - r["since"] >= MODEL_SETTLE_S and r["failed"] != sig:
+            reload_model(r, sig)
+
+    server.on_tick = on_tick
 
     def reload():
         """SIGHUP: re-read the config file (command-line flags still win) and apply what can
@@ -213,7 +456,7 @@ def run(cfg: C.Config) -> int:
         applied = []
         for key in list(changes):
             try:
-                ok = _apply_live(key, new, server, cache, floor_box)
+                ok = _apply_live(key, new, server, live["cache"], floor_box)
             except (MoecacheError, ValueError) as e:  # e.g. the cache refused the size
                 ok = f"failed: {e}"
             if ok is True:
@@ -232,14 +475,20 @@ def run(cfg: C.Config) -> int:
         slots = sum(c.n_slots for c in cache.arena.classes)
         msg = (f"serving {os.path.basename(cfg.model)} on {cfg.endpoint}: {slots} slots, "
                f"{cache.arena.size / 2**30:.2f} GiB arena")
-        log.info("moecached %s %s", __version__, msg)
+        t = floor_box["timings"]
+        log.info("moecached %s ready: %s (started in %.1f s: index %.1f s, arena %.1f s)", __version__,
+                 msg, t["total_s"], t["index_s"], t["arena_s"])
         _notify("READY=1", f"STATUS={msg}", f"MAINPID={os.getpid()}")
 
     try:
         server.serve_forever(ready=ready)
     finally:
         _notify("STOPPING=1")
-        cache.close()
+        if live["watch"] is not None:
+            live["watch"].close()
+        live["cache"].close()
+    if state["exit"]:
+        return state["exit"]
     log.info("stopped")
     return 0
 

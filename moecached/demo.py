@@ -63,6 +63,18 @@ def _memlock_ok(nbytes: int) -> bool:
     return room is None or room >= nbytes + (64 << 20)
 
 
+def _check_free_space(where: str, workdir: str, n_layers: int) -> None:
+    """Refuse (one line) to write the scaled model where it does not fit: the space it takes
+    (:func:`moecached.synth.model_disk_bytes`) plus 64 MiB against what the filesystem has free."""
+    from .synth import model_disk_bytes
+    need = model_disk_bytes(LAYOUT, layers=n_layers) + (64 << 20)
+    free = shutil.disk_usage(workdir).free
+    if free < need:
+        raise DemoError(f"{where}: the {n_layers}-block model needs {need / 2**30:.1f} GiB, "
+                        f"{free / 2**30:.1f} GiB available: pass --workdir DIR on a filesystem "
+                        f"with room (or fewer --layers)")
+
+
 def _slice_layers(t: Trace, n: int) -> Trace:
     return Trace(experts=np.ascontiguousarray(t.experts[:, :n]), is_prompt=t.is_prompt,
                  predicted=None if t.predicted is None else np.ascontiguousarray(t.predicted[:, :n]),
@@ -86,7 +98,7 @@ class Daemon:
                                      stdin=subprocess.DEVNULL)
 
     def connect(self, timeout=120.0, name="moecache-demo"):
-        from moecache_client import Client, Timeout
+        from moecache_client import Client, ClientError, ServerError
         t_end = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -94,10 +106,13 @@ class Daemon:
                                 f"{self.tail()}")
             try:
                 return Client(self.endpoint, name=name, timeout=300, connect_timeout=1.0)
-            except Timeout:
+            except ServerError:
+                raise
+            except ClientError:  # not up yet: no socket file, or no hello within 1 s
                 if time.monotonic() > t_end:
                     raise DemoError(f"moecached did not answer on {self.endpoint} within "
                                     f"{timeout:.0f} s: {self.tail()}") from None
+                time.sleep(0.1)
 
     def tail(self, n=3):
         try:
@@ -159,6 +174,7 @@ def run_demo(a, out=sys.stdout) -> dict:
         else:
             n_layers = a.layers or (real.n_layers if real is not None else DEFAULT_LAYERS)
             model = os.path.join(workdir, "qwen3-30b-a3b-scaled.gguf")
+            _check_free_space(base or tempfile.gettempdir(), workdir, n_layers)
             say(f"model: writing a scaled Qwen3-30B-A3B Q4_K_M ({n_layers} of 48 blocks, all "
                 f"128 experts, real per-expert sizes; non-expert tensors are sparse holes) to "
                 f"{model}")
@@ -293,7 +309,7 @@ def build_parser():
         epilog=f"Defaults: a {DEFAULT_LAYERS}-block model (~{DEFAULT_LAYERS * 0.37:.0f} GiB on "
                f"disk) and the SYNTHETIC workload, {SYN_WARM} warm-up + {SYN_TOKENS} counted "
                f"tokens; with --trace the model has the trace's layer count (48 for Qwen3: "
-               f"~17.5 GiB on disk, the 75%% arena ~13 GiB in /dev/shm) and {TRACE_WARM} + "
+               f"~17.5 GiB on disk, the 75% arena ~13 GiB in /dev/shm) and {TRACE_WARM} + "
                f"{TRACE_TOKENS} tokens. Compute time 0 and prefetch off by default, so the "
                f"table shows what the drive, the cache and the daemon alone allow, and the hit "
                f"rate can be checked against the simulator's g-lru.")

@@ -1,6 +1,6 @@
 """The daemon's memory floor: shrink the cache budget under memory pressure, grow it back after.
 
-:class:`MemoryFloor` samples available memory (:class:`moecached.guard.MemoryProbe`: the smaller
+:class:`MemoryFloor` samples available memory (:class:`MemoryProbe`, below: the smaller
 of MemAvailable and the cgroup's headroom) and calls the cache's ``set_budget(bytes)``:
 
 * **shrink** when ``available < floor``: the new budget is
@@ -29,18 +29,262 @@ daemon's ``stats`` reply.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from .guard import MemoryProbe
+from . import MoecacheError
 from .units import format_bytes
 
-__all__ = ["MemoryFloor", "MIN_MARGIN"]
+__all__ = ["MemoryFloor", "MIN_MARGIN", "MemoryProbe", "MemorySample", "MemoryLimitError",
+           "read_memory_limit", "fit_arena"]
+
+#: Limits at or above this are "no limit" (cgroup v1 writes 2**63 - page size for unlimited).
+_UNLIMITED = 1 << 62
+
+
+@dataclass
+class MemorySample:
+    """One reading of available memory, in bytes.
+
+    ``available`` is the effective figure, ``min(mem_available, cgroup_headroom)``;
+    ``source`` says which one it came from ("MemAvailable" or "cgroup <path>").
+    ``cgroup_headroom`` is None outside a memory-limited cgroup. For the tightest limited
+    cgroup: ``cgroup`` its directory, ``cgroup_path`` its name as ``/proc/self/cgroup`` writes
+    it (``/system.slice/moecached.service``), ``cgroup_limit`` the limit in bytes and
+    ``limit_file`` the file it came from (``memory.max``, ``memory.limit_in_bytes``).
+    """
+    available: int
+    mem_available: int
+    cgroup_headroom: Optional[int] = None
+    cgroup: Optional[str] = None
+    cgroup_limit: Optional[int] = None
+    source: str = "MemAvailable"
+    details: dict = field(default_factory=dict)
+    cgroup_path: Optional[str] = None
+    limit_file: Optional[str] = None
+
+
+class MemoryProbe:
+    """Reads how much memory can still be used before the kernel (or a cgroup) runs out.
+
+    * ``MemAvailable`` from ``psutil.virtual_memory().available`` (or ``mem_available``, a
+      callable returning bytes, for tests).
+    * The cgroup headroom of this process's cgroup and of every ancestor that has a limit:
+      cgroup v2: ``memory.max - (memory.current - inactive_file)`` (``memory.stat``);
+      cgroup v1: ``limit - (memory.usage_in_bytes - total_inactive_file)``, limit being
+      ``hierarchical_memory_limit`` from ``memory.stat`` (or ``memory.limit_in_bytes``).
+      Inactive file pages are subtracted from usage because the kernel reclaims them before
+      it OOM-kills inside the cgroup; shmem is charged and is not reclaimable.
+
+    ``proc_cgroup`` and ``cgroup_root`` are paths (``/proc/self/cgroup``, ``/sys/fs/cgroup``)
+    so tests can point them at a fake tree. The cgroup directories are found once, at
+    construction (``refresh()`` finds them again).
+    """
+
+    def __init__(self, *, proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup",
+                 mem_available: Optional[Callable[[], int]] = None):
+        self.proc_cgroup = proc_cgroup
+        self.cgroup_root = cgroup_root
+        self._mem_available = mem_available
+        self.refresh()
+
+    # -- discovery -----------------------------------------------------------------------
+    def refresh(self) -> None:
+        """(Re)locate the cgroup directories whose limits apply to this process."""
+        self._v2_dirs: list[str] = []
+        self._v2_base = self.cgroup_root
+        self._v1_dir: Optional[str] = None
+        try:
+            with open(self.proc_cgroup) as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return
+        for line in lines:
+            parts = line.split(":", 2)
+            if len(parts) != 3:
+                continue
+            hier, controllers, path = parts
+            if hier == "0" and controllers == "":
+                # v2 (unified) — mounted at the root, or at ./unified in hybrid setups
+                for base in (self.cgroup_root, os.path.join(self.cgroup_root, "unified")):
+                    if os.path.exists(os.path.join(base, "cgroup.controllers")):
+                        self._v2_dirs = self._ancestors(base, path, "memory.max")
+                        self._v2_base = base
+                        break
+            elif "memory" in controllers.split(","):
+                d = os.path.join(self.cgroup_root, "memory", path.lstrip("/"))
+                if os.path.exists(os.path.join(d, "memory.usage_in_bytes")):
+                    self._v1_dir = d
+
+    @staticmethod
+    def _ancestors(base: str, path: str, marker: str) -> list[str]:
+        """Cgroup dirs from ``base/path`` up to (not including) ``base`` that hold ``marker``."""
+        out = []
+        rel = path.strip("/")
+        while rel:
+            d = os.path.join(base, rel)
+            if os.path.exists(os.path.join(d, marker)):
+                out.append(d)
+            rel = os.path.dirname(rel)
+        return out
+
+    # -- reading -------------------------------------------------------------------------
+    @staticmethod
+    def _read_int(path: str) -> Optional[int]:
+        try:
+            with open(path) as f:
+                s = f.read().strip()
+        except OSError:
+            return None
+        if s == "max":
+            return None
+        try:
+            return int(s)
+        except ValueError:
+            return None
+
+    @staticmethod
+    def _read_stat(path: str) -> dict:
+        out = {}
+        try:
+            with open(path) as f:
+                for line in f:
+                    k, _, v = line.partition(" ")
+                    try:
+                        out[k] = int(v)
+                    except ValueError:
+                        pass
+        except OSError:
+            pass
+        return out
+
+    def _cgroup_headroom(self):
+        """Smallest headroom over the limited cgroups: (bytes, dir, limit, name, limit file) or
+        (None, None, None, None, None)."""
+        best = (None, None, None, None, None)
+        for d in self._v2_dirs:
+            limit = self._read_int(os.path.join(d, "memory.max"))
+            if limit is None or limit >= _UNLIMITED:
+                continue
+            current = self._read_int(os.path.join(d, "memory.current"))
+            if current is None:
+                continue
+            inactive = self._read_stat(os.path.join(d, "memory.stat")).get("inactive_file", 0)
+            head = max(0, limit - max(0, current - inactive))
+            if best[0] is None or head < best[0]:
+                best = (head, d, limit, self._name(d, self._v2_base), "memory.max")
+        if self._v1_dir:
+            d = self._v1_dir
+            stat = self._read_stat(os.path.join(d, "memory.stat"))
+            limit = stat.get("hierarchical_memory_limit")
+            if limit is None:
+                limit = self._read_int(os.path.join(d, "memory.limit_in_bytes"))
+            usage = self._read_int(os.path.join(d, "memory.usage_in_bytes"))
+            if limit is not None and limit < _UNLIMITED and usage is not None:
+                inactive = stat.get("total_inactive_file", stat.get("inactive_file", 0))
+                head = max(0, limit - max(0, usage - inactive))
+                if best[0] is None or head < best[0]:
+                    best = (head, d, limit, self._name(d, os.path.join(self.cgroup_root, "memory")),
+                            "memory.limit_in_bytes")
+        return best
+
+    @staticmethod
+    def _name(d: str, base: str) -> str:
+        rel = os.path.relpath(d, base)
+        return "/" if rel == "." else "/" + rel
+
+    def mem_available(self) -> int:
+        """The kernel's MemAvailable, bytes."""
+        if self._mem_available is not None:
+            return int(self._mem_available())
+        import psutil
+        return int(psutil.virtual_memory().available)
+
+    def sample(self) -> MemorySample:
+        """Read both sources now; see :class:`MemorySample`."""
+        ma = self.mem_available()
+        head, d, limit, name, limit_file = self._cgroup_headroom()
+        if head is not None and head < ma:
+            rel = os.path.relpath(d, self.cgroup_root)
+            return MemorySample(head, ma, head, d, limit, f"cgroup /{rel}", cgroup_path=name,
+                                limit_file=limit_file)
+        return MemorySample(ma, ma, head, d, limit, "MemAvailable", cgroup_path=name,
+                            limit_file=limit_file)
+
+    def available(self) -> int:
+        """Effective available bytes: ``min(MemAvailable, cgroup headroom)``."""
+        return self.sample().available
+
 
 #: Smallest extra amount a shrink frees beyond the deficit, bytes.
 MIN_MARGIN = 64 << 20
+
+
+class MemoryLimitError(MoecacheError):
+    """The arena does not fit in the memory this process may use; the message names the limit,
+    the budget and the fix."""
+
+
+def read_memory_limit(cgroup_root: str = "/sys/fs/cgroup", *, proc_cgroup: str = "/proc/self/cgroup",
+                      mem_available: Optional[Callable[[], int]] = None) -> MemorySample:
+    """What this process may still use: MemAvailable and the memory cgroup limit (cgroup v2
+    ``memory.max`` of its cgroup and every ancestor, v1 ``memory.limit_in_bytes``) with the
+    headroom under it, read now under ``cgroup_root`` (a path, so tests can fake the tree)."""
+    return MemoryProbe(proc_cgroup=proc_cgroup, cgroup_root=cgroup_root,
+                       mem_available=mem_available).sample()
+
+
+def fit_arena(size: int, sample: MemorySample, *, floor: Optional[int] = None, swap_free: int = 0,
+              smallest: int = 0, what: str = "budget") -> int:
+    """The arena bytes to reserve for a planned arena of ``size`` bytes, checked against
+    ``sample`` (:func:`read_memory_limit`) before anything is reserved.
+
+    The arena must fit in the cgroup's headroom and in MemAvailable (plus ``swap_free`` when it
+    is not locked), less :data:`MIN_MARGIN` for the daemon's own memory; an arena past a cgroup
+    limit gets the daemon OOM-killed while it reserves, with nothing in the log. Without a
+    ``floor`` an arena that does not fit raises :class:`MemoryLimitError` (one line: the limit,
+    the budget, the fix). With a ``floor`` the arena is sized down to what fits above the floor
+    (the returned value is then smaller than ``size``); it is refused when that is under
+    ``smallest`` bytes."""
+    margin = MIN_MARGIN
+    fmt = lambda n: format_bytes(n, precision=2)  # noqa: E731
+    head = sample.cgroup_headroom
+    mem_room = sample.mem_available + max(0, int(swap_free)) - margin
+    cg_room = None if head is None else head - margin
+    if floor is not None:
+        avail = sample.mem_available if head is None else min(head, sample.mem_available)
+        room = avail - margin - int(floor)
+        if size <= room:
+            return int(size)
+        if room >= max(1, smallest):
+            return int(room)
+        src = (f"the memory cgroup {sample.cgroup_path} ({sample.limit_file}) has {fmt(avail)} left"
+               if head is not None and head <= sample.mem_available else
+               f"MemAvailable is {fmt(avail)}")
+        raise MemoryLimitError(
+            f"{what} {fmt(size)} does not fit above the floor {fmt(floor)}: {src}, less the floor and "
+            f"{fmt(margin)} the daemon needs besides the arena leaves {fmt(max(room, 0))}, under the "
+            f"smallest arena {fmt(smallest)}; lower --floor, free memory, or raise the memory limit")
+    if cg_room is not None and size > cg_room and cg_room <= mem_room:
+        limit = int(sample.cgroup_limit)
+        fix = ("MemoryMax= (systemctl edit moecached)" if sample.limit_file == "memory.max" else
+               "the cgroup's memory.limit_in_bytes (MemoryLimit= under systemd)")
+        raise MemoryLimitError(
+            f"{what} {fmt(size)} exceeds the memory cgroup limit {fmt(limit)} of {sample.cgroup_path} "
+            f"({sample.limit_file}) minus {fmt(max(0, limit - head))} in use and {fmt(margin)} the daemon "
+            f"needs besides the arena; lower --budget or raise {fix}, or set --floor to start with "
+            f"what fits")
+    if size > mem_room:
+        swap = f" + free swap {fmt(swap_free)}" if swap_free else ""
+        raise MemoryLimitError(
+            f"{what} {fmt(size)} exceeds available memory {fmt(sample.mem_available)} (MemAvailable{swap}) "
+            f"less {fmt(margin)} the daemon needs besides the arena; lower --budget, free memory, or "
+            f"set --floor to start with what fits")
+    return int(size)
 
 
 class MemoryFloor:

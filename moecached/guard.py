@@ -21,7 +21,8 @@ Exit status:
 and, inside a memory-limited cgroup, the cgroup's headroom. Shared memory (tmpfs, /dev/shm,
 the moecached arena) is not reclaimable, so it is never counted as available.
 
-:class:`MemoryProbe` is also what the daemon's :class:`moecached.floor.MemoryFloor` samples.
+:class:`MemoryProbe` lives in :mod:`moecached.floor`, the daemon's core: the daemon's
+:class:`~moecached.floor.MemoryFloor` and its start-up check sample the same figure.
 """
 from __future__ import annotations
 
@@ -32,177 +33,16 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
+from .floor import MemoryProbe, MemorySample
 from .units import SizeError, format_bytes, parse_size
 
 __all__ = ["EXIT_FLOOR", "MemoryProbe", "MemorySample", "GuardResult", "run_guarded", "main"]
 
 #: Exit status when the guard killed the command (or refused to start it) for lack of memory.
 EXIT_FLOOR = 75
-
-#: Limits at or above this are "no limit" (cgroup v1 writes 2**63 - page size for unlimited).
-_UNLIMITED = 1 << 62
-
-
-@dataclass
-class MemorySample:
-    """One reading of available memory, in bytes.
-
-    ``available`` is the effective figure, ``min(mem_available, cgroup_headroom)``;
-    ``source`` says which one it came from ("MemAvailable" or "cgroup <path>").
-    ``cgroup_headroom`` is None outside a memory-limited cgroup.
-    """
-    available: int
-    mem_available: int
-    cgroup_headroom: Optional[int] = None
-    cgroup: Optional[str] = None
-    cgroup_limit: Optional[int] = None
-    source: str = "MemAvailable"
-    details: dict = field(default_factory=dict)
-
-
-class MemoryProbe:
-    """Reads how much memory can still be used before the kernel (or a cgroup) runs out.
-
-    * ``MemAvailable`` from ``psutil.virtual_memory().available`` (or ``mem_available``, a
-      callable returning bytes, for tests).
-    * The cgroup headroom of this process's cgroup and of every ancestor that has a limit:
-      cgroup v2: ``memory.max - (memory.current - inactive_file)`` (``memory.stat``);
-      cgroup v1: ``limit - (memory.usage_in_bytes - total_inactive_file)``, limit being
-      ``hierarchical_memory_limit`` from ``memory.stat`` (or ``memory.limit_in_bytes``).
-      Inactive file pages are subtracted from usage because the kernel reclaims them before
-      it OOM-kills inside the cgroup; shmem is charged and is not reclaimable.
-
-    ``proc_cgroup`` and ``cgroup_root`` are paths (``/proc/self/cgroup``, ``/sys/fs/cgroup``)
-    so tests can point them at a fake tree. The cgroup directories are found once, at
-    construction (``refresh()`` finds them again).
-    """
-
-    def __init__(self, *, proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup",
-                 mem_available: Optional[Callable[[], int]] = None):
-        self.proc_cgroup = proc_cgroup
-        self.cgroup_root = cgroup_root
-        self._mem_available = mem_available
-        self.refresh()
-
-    # -- discovery -----------------------------------------------------------------------
-    def refresh(self) -> None:
-        """(Re)locate the cgroup directories whose limits apply to this process."""
-        self._v2_dirs: list[str] = []
-        self._v1_dir: Optional[str] = None
-        try:
-            with open(self.proc_cgroup) as f:
-                lines = f.read().splitlines()
-        except OSError:
-            return
-        for line in lines:
-            parts = line.split(":", 2)
-            if len(parts) != 3:
-                continue
-            hier, controllers, path = parts
-            if hier == "0" and controllers == "":
-                # v2 (unified) — mounted at the root, or at ./unified in hybrid setups
-                for base in (self.cgroup_root, os.path.join(self.cgroup_root, "unified")):
-                    if os.path.exists(os.path.join(base, "cgroup.controllers")):
-                        self._v2_dirs = self._ancestors(base, path, "memory.max")
-                        break
-            elif "memory" in controllers.split(","):
-                d = os.path.join(self.cgroup_root, "memory", path.lstrip("/"))
-                if os.path.exists(os.path.join(d, "memory.usage_in_bytes")):
-                    self._v1_dir = d
-
-    @staticmethod
-    def _ancestors(base: str, path: str, marker: str) -> list[str]:
-        """Cgroup dirs from ``base/path`` up to (not including) ``base`` that hold ``marker``."""
-        out = []
-        rel = path.strip("/")
-        while rel:
-            d = os.path.join(base, rel)
-            if os.path.exists(os.path.join(d, marker)):
-                out.append(d)
-            rel = os.path.dirname(rel)
-        return out
-
-    # -- reading -------------------------------------------------------------------------
-    @staticmethod
-    def _read_int(path: str) -> Optional[int]:
-        try:
-            with open(path) as f:
-                s = f.read().strip()
-        except OSError:
-            return None
-        if s == "max":
-            return None
-        try:
-            return int(s)
-        except ValueError:
-            return None
-
-    @staticmethod
-    def _read_stat(path: str) -> dict:
-        out = {}
-        try:
-            with open(path) as f:
-                for line in f:
-                    k, _, v = line.partition(" ")
-                    try:
-                        out[k] = int(v)
-                    except ValueError:
-                        pass
-        except OSError:
-            pass
-        return out
-
-    def _cgroup_headroom(self):
-        """Smallest headroom over the limited cgroups: (bytes, dir, limit) or (None, None, None)."""
-        best = (None, None, None)
-        for d in self._v2_dirs:
-            limit = self._read_int(os.path.join(d, "memory.max"))
-            if limit is None or limit >= _UNLIMITED:
-                continue
-            current = self._read_int(os.path.join(d, "memory.current"))
-            if current is None:
-                continue
-            inactive = self._read_stat(os.path.join(d, "memory.stat")).get("inactive_file", 0)
-            head = max(0, limit - max(0, current - inactive))
-            if best[0] is None or head < best[0]:
-                best = (head, d, limit)
-        if self._v1_dir:
-            d = self._v1_dir
-            stat = self._read_stat(os.path.join(d, "memory.stat"))
-            limit = stat.get("hierarchical_memory_limit")
-            if limit is None:
-                limit = self._read_int(os.path.join(d, "memory.limit_in_bytes"))
-            usage = self._read_int(os.path.join(d, "memory.usage_in_bytes"))
-            if limit is not None and limit < _UNLIMITED and usage is not None:
-                inactive = stat.get("total_inactive_file", stat.get("inactive_file", 0))
-                head = max(0, limit - max(0, usage - inactive))
-                if best[0] is None or head < best[0]:
-                    best = (head, d, limit)
-        return best
-
-    def mem_available(self) -> int:
-        """The kernel's MemAvailable, bytes."""
-        if self._mem_available is not None:
-            return int(self._mem_available())
-        import psutil
-        return int(psutil.virtual_memory().available)
-
-    def sample(self) -> MemorySample:
-        """Read both sources now; see :class:`MemorySample`."""
-        ma = self.mem_available()
-        head, d, limit = self._cgroup_headroom()
-        if head is not None and head < ma:
-            rel = os.path.relpath(d, self.cgroup_root)
-            return MemorySample(head, ma, head, d, limit, f"cgroup /{rel}")
-        return MemorySample(ma, ma, head, d, limit, "MemAvailable")
-
-    def available(self) -> int:
-        """Effective available bytes: ``min(MemAvailable, cgroup headroom)``."""
-        return self.sample().available
-
 
 @dataclass
 class GuardResult:

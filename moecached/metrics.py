@@ -66,7 +66,8 @@ class StatsCollector:
     restarts). Families (labels in braces):
 
     * ``up`` 1 if the daemon answered this scrape, else 0 -- and then nothing else is exposed;
-      ``info{version,model,policy}`` 1; ``tracing`` 1 while a routing trace is recorded.
+      ``info{version,model,policy}`` 1; ``tracing`` 1 while a routing trace is recorded;
+      ``model_changed`` 1 while the model file differs from the one indexed.
     * counters: ``hits``, ``prefetch_hits``, ``demand_misses``, ``prefetches``,
       ``prefetches_dropped``, ``wasted_prefetches``, ``evictions``, ``read_bytes``, ``reads``,
       ``read_errors``, ``acquires_queued``, ``leases`` (granted), ``budget_shrinks``,
@@ -92,15 +93,17 @@ class StatsCollector:
 
     Args:
         endpoint: the daemon's ZeroMQ endpoint.
+        source: where the endpoint came from (see ``ctlstats.resolve_endpoint``), named in
+            the line a failed scrape prints.
         timeout: seconds one scrape waits for the daemon (connect or reply).
     Raises:
         MoecacheError: prometheus-client is not installed. Errors reaching the daemon never
         raise: they give ``moecached_up 0`` (and one line on stderr when the error changes).
     """
 
-    def __init__(self, endpoint: str, timeout: float = 2.0):
+    def __init__(self, endpoint: str, timeout: float = 2.0, source: str = "--endpoint"):
         self._core = _prometheus().core
-        self.endpoint, self.timeout = endpoint, timeout
+        self.endpoint, self.timeout, self.source = endpoint, timeout, source
         self._client = None
         self._lock = threading.Lock()  # concurrent scrapes share one connection
         self._last_error = None
@@ -126,8 +129,6 @@ class StatsCollector:
             return None
         try:
             try:
-                if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
-                    raise MoecacheError(f"socket file {self.endpoint[6:]} does not exist")
                 if self._client is None:
                     from moecache_client import Client
                     self._client = Client(self.endpoint, name=CLIENT_NAME, timeout=self.timeout,
@@ -135,7 +136,8 @@ class StatsCollector:
                 st = self._client.stats()
             except Exception as e:  # down, restarted, timed out: reconnect on the next scrape
                 self._drop()
-                msg = f"moecache-ctl metrics: cannot reach moecached at {self.endpoint}: {e}"
+                msg = (f"moecache-ctl metrics: cannot reach moecached at {self.endpoint} "
+                       f"(endpoint from {self.source}): {e}")
                 if msg != self._last_error:
                     print(msg, file=sys.stderr, flush=True)
                 self._last_error = msg
@@ -168,7 +170,9 @@ class StatsCollector:
 
         info = core.InfoMetricFamily("moecached", "the daemon instance")
         info.add_metric([], {k: str(st.get(k, "")) for k in ("version", "model", "policy")})
-        out = [info, single("g", "tracing", "1 while a routing trace is recorded", bool(st.get("tracing")))]
+        out = [info, single("g", "tracing", "1 while a routing trace is recorded", bool(st.get("tracing"))),
+               single("g", "model_changed", "1 while the model file differs from the one indexed "
+                      "(misses fail with model_changed)", bool(st.get("model_changed")))]
         for table, kind in ((COUNTERS, "c"), (GAUGES, "g")):
             for key, (name, help_) in table.items():
                 if key in st:
@@ -331,21 +335,20 @@ def main(argv) -> int:
     Raises:
         MoecacheError: prometheus-client missing, or the listen address cannot be bound.
     """
-    from moecache_client import DEFAULT_ENDPOINT
-
-    from .ctlstats import _positive
+    from .ctlstats import ENDPOINT_HELP, _positive, resolve_endpoint
     p = argparse.ArgumentParser(prog="moecache-ctl metrics",
                                 description="Prometheus exporter: serves the daemon's counters at "
                                             "http://LISTEN/metrics, one stats request per scrape")
-    p.add_argument("--endpoint", "-e", default=DEFAULT_ENDPOINT, help="daemon endpoint (default %(default)s)")
+    p.add_argument("--endpoint", "-e", default=None, help=ENDPOINT_HELP)
     p.add_argument("--listen", type=_listen, default="127.0.0.1:9464",
                    help="HOST:PORT, [V6ADDR]:PORT or :PORT (all IPv4 interfaces) to serve on (default %(default)s)")
     p.add_argument("--timeout", type=_positive, default=2.0, help="seconds per scrape to wait for the daemon")
     p.add_argument("--once", action="store_true", help="print one scrape to stdout and exit")
     a = p.parse_args(argv)
+    a.endpoint, source = resolve_endpoint(a.endpoint)
     pc = _prometheus()
     registry = pc.CollectorRegistry(auto_describe=False)
-    collector = StatsCollector(a.endpoint, a.timeout)
+    collector = StatsCollector(a.endpoint, a.timeout, source)
     registry.register(collector)
     if a.once:
         try:
@@ -359,7 +362,7 @@ def main(argv) -> int:
     except OSError as e:
         raise MoecacheError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     shown = f"[{host}]" if ":" in host else host   # an IPv6 address in a URL takes brackets
-    print(f"moecache-ctl metrics: serving http://{shown}:{port}/metrics for {a.endpoint}",
+    print(f"moecache-ctl metrics: serving http://{shown}:{port}/metrics for {a.endpoint} (from {source})",
           file=sys.stderr, flush=True)
     try:
         while True:

@@ -30,7 +30,7 @@ MAX_BIN_LEN = 0                    # the protocol never carries binary payloads
 UNPACK_LIMITS = dict(raw=False, strict_map_key=True, max_str_len=MAX_STR_LEN, max_bin_len=MAX_BIN_LEN,
                      max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0)
 
-OPS = ("hello", "acquire", "prefetch", "release", "stats", "status", "ping", "bye",
+OPS = ("hello", "acquire", "prefetch", "release", "cancel", "stats", "status", "ping", "bye",
        "trace_start", "trace_stop")
 
 # Error codes (stable strings; docs/protocol.md lists them with meanings).
@@ -44,6 +44,7 @@ E_UNKNOWN_LEASE = "unknown_lease"  # released twice, expired, or never existed
 E_STALE_LEASE = "stale_lease"      # lease id from another daemon instance (before a restart)
 E_NOT_OWNER = "not_owner"          # releasing another client's lease
 E_LOAD_FAILED = "load_failed"      # reading an expert from the model file failed
+E_MODEL_CHANGED = "model_changed"  # the model file changed since it was indexed: no reads until re-indexed
 E_TIMEOUT = "timeout"
 E_UNAVAILABLE = "unavailable"      # cannot be satisfied at the current (shrunk) budget
 E_SHUTDOWN = "shutdown"            # the daemon is stopping

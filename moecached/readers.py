@@ -13,7 +13,8 @@ buffer, then ``memcpy`` to dest (straight into dest when offset, length and dest
 A job's callback runs once, from a reader thread, after every chunk finished or after the first
 failure (once chunks already in flight have finished: no thread writes to dest after the
 callback). ``error`` is None on success, else a :class:`ReadError`; on error dest holds partial
-data that must never be published.
+data that must never be published, unless ``error.dest_written`` is False (the job failed
+before any chunk was handed to a reader: dest still holds what it held before).
 
 Filesystems that refuse O_DIRECT (EINVAL at open or at the first read: ramfs, some overlays,
 FUSE) are read buffered, with one warning per pool through ``log`` and ``POSIX_FADV_DONTNEED``
@@ -37,7 +38,7 @@ import time
 from . import MoecacheError
 from ._io import read_chunk, read_many  # noqa: F401  (read_chunk: tests wrap it)
 
-__all__ = ["ReadError", "ReaderPool", "dio_alignment", "LATENCY_EDGES_S"]
+__all__ = ["ReadError", "ModelChanged", "ReaderPool", "dio_alignment", "LATENCY_EDGES_S"]
 
 # job latency histogram bucket upper edges, seconds (last bucket: > 5 s)
 LATENCY_EDGES_S = [50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3,
@@ -50,6 +51,15 @@ _AT_FDCWD = -100
 
 class ReadError(MoecacheError):
     """A load failed (short read, I/O error, file changed, pool closed); names file and offset."""
+
+
+class ModelChanged(ReadError):
+    """A model file is no longer the one indexed (size, mtime, ctime or inode differ): the load
+    was refused or its bytes withheld. Not an I/O error; every later load fails the same way."""
+
+
+_CHANGED_FIX = ("load refused; restart the daemon (or let on_model_change = \"reload\" re-index "
+                "it) so the index is rebuilt")
 
 
 def dio_alignment(path: str) -> int:
@@ -73,7 +83,7 @@ def dio_alignment(path: str) -> int:
 
 class _Job:
     __slots__ = ("id", "priority", "chunks", "next", "inflight", "done", "error", "callback",
-                 "t0", "nbytes", "finished")
+                 "t0", "nbytes", "finished", "touched")
 
     def __init__(self, jid, priority, chunks, callback, nbytes):
         self.id = jid
@@ -87,6 +97,7 @@ class _Job:
         self.t0 = time.perf_counter()
         self.nbytes = nbytes
         self.finished = False
+        self.touched = False      # a chunk was handed to a reader: dest may have been written
 
 
 class ReaderPool:
@@ -95,7 +106,13 @@ class ReaderPool:
     ``files``: absolute paths, indexed by ``file_id`` in reads. ``threads``: reader threads.
     ``chunk_bytes``: largest chunk (bytes, >= 4096). ``direct``: try O_DIRECT (False: buffered
     reads + DONTNEED). ``file_sizes`` / ``file_mtimes_ns``: what the index saw (default: what
-    fstat sees at open); a difference at open or later fails loads with :class:`ReadError`.
+    fstat sees at open); a difference at open raises :class:`ReadError`. Later, a file whose
+    size, mtime, ctime (taken at open) or inode differs is *changed*: checked before a job's
+    first chunk is read and after its last, and by :meth:`recheck` (the daemon calls it on an
+    inotify event). The first change found is kept in :attr:`model_changed` (logged once, then
+    ``on_change(message)`` is called); from then on every load fails with :class:`ModelChanged`
+    without reading. ctime cannot be set from user space, so a file rewritten in place with its
+    mtime restored (``rsync --inplace -t``, ``cp -p``, ``touch -r``) is caught too.
     ``log``: a ``logging.Logger`` (default ``logging.getLogger("moecached.readers")``).
     ``batch``: most consecutive chunks of one job a thread takes at once (read one after another
     in a single GIL release) when at least ``threads * batch`` chunks are queued; fewer queued
@@ -105,7 +122,7 @@ class ReaderPool:
 
     def __init__(self, files: list[str], *, threads: int = 16, chunk_bytes: int = 256 * 1024,
                  direct: bool = True, file_sizes=None, file_mtimes_ns=None, log=None,
-                 batch: int = 4):
+                 batch: int = 4, on_change=None):
         if threads < 1 or chunk_bytes < 4096:
             raise ReadError(f"threads={threads}, chunk_bytes={chunk_bytes}: need threads >= 1 and "
                             f"chunk_bytes >= 4096")
@@ -117,6 +134,10 @@ class ReaderPool:
         self._align: list[int] = []
         self._warned = False
         self._fallback_lock = threading.Lock()
+        #: why the model is no longer the one indexed (one line), or None while it is
+        self.model_changed: str | None = None
+        self.on_change = on_change
+        self._change_lock = threading.Lock()
         try:
             for i, f in enumerate(self.files):
                 self._open(i, f, direct)
@@ -125,7 +146,7 @@ class ReaderPool:
                 st = os.fstat(fd)
                 size = int(file_sizes[i]) if file_sizes is not None else st.st_size
                 mt = int(file_mtimes_ns[i]) if file_mtimes_ns is not None else st.st_mtime_ns
-                self._expect.append((size, mt))
+                self._expect.append((size, mt, st.st_ctime_ns, st.st_dev, st.st_ino))
             self.check_files()
         except BaseException:
             for fd in self._fds:
@@ -205,14 +226,55 @@ class ReaderPool:
             st2 = os.stat(self.files[fid])
         except OSError as e:
             return f"cannot stat ({e.strerror})"
-        size, mt = self._expect[fid]
-        if st.st_ino != st2.st_ino or st.st_dev != st2.st_dev:
+        size, mt, ct, dev, ino = self._expect[fid]
+        if st.st_ino != st2.st_ino or st.st_dev != st2.st_dev or st.st_ino != ino or st.st_dev != dev:
             return "was replaced (another inode now at the path)"
         if st.st_size != size:
             return f"size changed from {size} to {st.st_size} bytes"
         if st.st_mtime_ns != mt:
             return f"mtime changed from {mt} to {st.st_mtime_ns} ns"
+        if st.st_ctime_ns != ct:
+            return f"was modified (ctime changed from {ct} to {st.st_ctime_ns} ns, mtime unchanged)"
         return None
+
+    def _note_change(self, fid: int, why: str) -> ModelChanged:
+        """Record the first change (log it once, call ``on_change``); the error for this load."""
+        first = False
+        with self._change_lock:
+            if self.model_changed is None:
+                self.model_changed = f"model file {self.files[fid]} {why} since it was indexed"
+                first = True
+            msg = self.model_changed
+        err = ModelChanged(f"{msg}; {_CHANGED_FIX}")
+        if first:
+            if self.on_change is not None:
+                try:
+                    self.on_change(msg)
+                except Exception:
+                    self.log.exception("model change handler raised")
+            else:
+                self.log.error("%s: loads fail with model_changed until the model is re-indexed", msg)
+        return err
+
+    def _check_job_files(self, job) -> ModelChanged | None:
+        if self.model_changed is not None:
+            return ModelChanged(f"{self.model_changed}; {_CHANGED_FIX}")
+        for fid in {c[0] for c in job.chunks if c is not None}:
+            why = self._changed(fid)
+            if why:
+                return self._note_change(fid, why)
+        return None
+
+    def recheck(self) -> str | None:
+        """Compare every file with what was indexed now (the inotify watch calls this); returns
+        :attr:`model_changed` (set by this call or earlier) or None."""
+        if self.model_changed is None:
+            for fid in range(len(self.files)):
+                why = self._changed(fid)
+                if why:
+                    self._note_change(fid, why)
+                    break
+        return self.model_changed
 
     def check_files(self) -> None:
         """Raise :class:`ReadError` if a file's size, mtime or inode differs from the index's view."""
@@ -257,6 +319,8 @@ class ReaderPool:
         """
         if priority not in (0, 1):
             raise ReadError(f"priority {priority!r}: expected 0 (demand) or 1 (prefetch)")
+        if self.model_changed is not None:
+            raise ModelChanged(f"{self.model_changed}; {_CHANGED_FIX}")
         chunks, total = self._split(reads)
         if not chunks:
             chunks = [None]  # empty job: still completes through a reader thread
@@ -287,10 +351,12 @@ class ReaderPool:
             return True
 
     def _take(self):
-        """Next (job, [chunks]) or None when closing. Caller holds self._cond.
+        """Next (job, [chunks], error) or None when closing. Caller holds self._cond.
 
         Takes up to ``batch`` consecutive chunks of the first job when the queue is deep enough
-        (queued chunks >= threads * k), else one."""
+        (queued chunks >= threads * k), else one. Before a job's first chunk is handed out its
+        files are checked: a changed model fails the job (``error``: :class:`ModelChanged`,
+        the rest cancelled) before any byte of dest is written."""
         heap = self._heap
         while True:
             if self._closing:
@@ -302,13 +368,20 @@ class ReaderPool:
                     continue
                 k = min(self._batch, self._queued_chunks // len(self._threads), len(job.chunks) - job.next)
                 k = max(k, 1)
+                pre = self._check_job_files(job) if job.next == 0 else None
                 take = job.chunks[job.next:job.next + k]
                 job.next += k
                 job.inflight += k
                 self._queued_chunks -= k
+                if pre is not None:
+                    job.error = pre
+                    self._queued_chunks -= len(job.chunks) - job.next
+                    job.next = len(job.chunks)  # cancel the rest
+                else:
+                    job.touched = True
                 if job.next >= len(job.chunks):
                     heapq.heappop(heap)
-                return job, take
+                return job, take, pre
             self._cond.wait()
 
     def _read(self, chunks, bounce: int):
@@ -335,8 +408,7 @@ class ReaderPool:
         path = self.files[fid]
         why = self._changed(fid)
         if why:
-            return ReadError(f"model file {path} {why} while reading {n} bytes at offset {off}; "
-                             f"load failed; restart the daemon so the index is rebuilt")
+            return self._note_change(fid, why)
         if got < 0:
             return ReadError(f"read of {n} bytes at offset {off} of {path} failed: "
                              f"{os.strerror(-got)} (errno {-got}); check the disk (dmesg)")
@@ -350,17 +422,20 @@ class ReaderPool:
                 got = self._take()
             if got is None:
                 return
-            job, chunks = got
-            try:
-                ok, err = self._read(chunks, bounce)
-            except Exception as e:  # never let a reader thread die
-                ok, err = 0, ReadError(f"reader crashed on {self.files[chunks[0][0]]} offset "
-                                       f"{chunks[0][1]}: {e!r}")
+            job, chunks, pre = got
+            if pre is not None:
+                ok, err = 0, pre
+            else:
+                try:
+                    ok, err = self._read(chunks, bounce)
+                except Exception as e:  # never let a reader thread die
+                    ok, err = 0, ReadError(f"reader crashed on {self.files[chunks[0][0]]} offset "
+                                           f"{chunks[0][1]}: {e!r}")
             with cond:
                 k = len(chunks)
                 job.inflight -= k
                 job.done += k
-                if chunks[0] is not None:
+                if chunks[0] is not None and pre is None:
                     self._stats["reads"] += ok + (err is not None)
                     self._stats["bytes"] += sum(c[2] for c in chunks[:ok])
                 if err is not None and job.error is None:
@@ -375,27 +450,22 @@ class ReaderPool:
                     self._finish_stats(job, dt)
             if fin:
                 if job.error is None:
-                    # Bytes are published only if the file is still the one indexed: a model
-                    # overwritten in place (same size, new mtime) must not mix old and new bytes.
-                    for fid in {c[0] for c in job.chunks if c is not None}:
-                        why = self._changed(fid)
-                        if why:
-                            job.error = ReadError(f"model file {self.files[fid]} {why} since it was "
-                                                  f"indexed; load failed; restart the daemon so the "
-                                                  f"index is rebuilt")
-                            with cond:
-                                self._stats["errors"] += 1
-                            break
+                    # Bytes are published only if the file is still the one indexed (size,
+                    # mtime, ctime, inode): a model rewritten while this job read it must not
+                    # mix old and new bytes.
+                    job.error = self._check_job_files(job)
                 self._callback(job, dt)
 
     def _finish_stats(self, job: _Job, dt: float) -> None:
         self._stats["jobs"] += 1
-        if job.error is not None:
+        if job.error is not None and not isinstance(job.error, ModelChanged):
             self._stats["errors"] += 1
         self._hist[bisect.bisect_left(LATENCY_EDGES_S, dt)] += 1
         self._recent.append(dt)
 
     def _callback(self, job: _Job, dt: float) -> None:
+        if job.error is not None:
+            job.error.dest_written = job.touched  # False: dest still holds what it held before
         try:
             job.callback(job.id, job.error, job.nbytes, dt)
         except Exception:
@@ -408,6 +478,7 @@ class ReaderPool:
         ``queued_prefetch`` (jobs with no chunk issued yet), ``latency_edges_s`` +
         ``latency_hist`` (job latency counts; last bucket > last edge), ``p50_s`` / ``p99_s``
         (over the last 4096 jobs; None if none), ``direct`` (bool per file), ``align`` (per file).
+        ``errors`` leaves out jobs refused because the model changed (:class:`ModelChanged`).
         """
         with self._cond:
             s = dict(self._stats)

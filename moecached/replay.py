@@ -688,8 +688,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="replay a routing trace against a live daemon as "
                                              "a batch-1 decode engine (see module doc)")
     ap.add_argument("trace", metavar="TRACE", help="routing trace .npz")
-    ap.add_argument("--endpoint", "-e", default=None,
-                    help="daemon endpoint (default ipc:///run/moecached/moecached.sock)")
+    from .ctlstats import ENDPOINT_HELP
+    ap.add_argument("--endpoint", "-e", default=None, help=ENDPOINT_HELP)
     add_engine_args(ap)
     ap.add_argument("--warm-tokens", type=int,
                     help="tokens replayed uncounted first: the last N prompt tokens (default: "
@@ -701,14 +701,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    from moecache_client import Client, DEFAULT_ENDPOINT, Timeout
+    from moecache_client import Client, ClientError
+
+    from .ctlstats import resolve_endpoint
+    endpoint, source = resolve_endpoint(a.endpoint)
     t = load_trace(a.trace)
     t.meta["path"] = a.trace
     try:
-        c = Client(a.endpoint or DEFAULT_ENDPOINT, name="moecache-ctl-replay", timeout=120,
-                   connect_timeout=10)
-    except Timeout as ex:
-        raise ReplayError(str(ex)) from None
+        c = Client(endpoint, name="moecache-ctl-replay", timeout=120, connect_timeout=10)
+    except ClientError as ex:
+        raise ReplayError(f"cannot reach moecached at {endpoint} (endpoint from {source}): {ex}") from None
     try:
         gbps, src = a.gbps, "given"
         if gbps is None and c.info.get("model"):

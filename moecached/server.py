@@ -39,7 +39,8 @@ import zmq
 from . import MoecacheError, __version__
 from . import protocol as P
 from ._serve import FastPath
-from .arena import STATE_SERVING
+from .arena import STATE_MODEL_CHANGED, STATE_SERVING
+from .stats import hit_rate
 
 log = logging.getLogger("moecached.server")
 
@@ -70,12 +71,11 @@ class _Client:
         self.pidfd = None  # pidfd of the client's process when watched (ipc + verified pid)
 
     def summary(self) -> dict:
-        looked = self.hits + self.prefetch_hits + self.misses
         return {"name": self.name, "id": self.ident.hex(), "pid": self.pid, "leases": len(self.leases),
                 "pending": len(self.pending), "requests": self.requests,
                 "acquires": self.acquires, "hits": self.hits,
                 "prefetch_hits": self.prefetch_hits, "demand_misses": self.misses,
-                "hit_rate": (self.hits + self.prefetch_hits) / looked if looked else None,
+                "hit_rate": hit_rate(self.hits, self.prefetch_hits, self.misses),
                 "prefetches": self.prefetches, "errors": self.errors,
                 "stall_s": round(self.stall_s, 6),
                 "watched": "process" if self.pidfd is not None else "heartbeat",
@@ -105,6 +105,46 @@ def _ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
 
 
+def lock_endpoint(endpoint: str) -> int | None:
+    """Take the endpoint's lock (exclusive ``flock`` on ``<socket>.lock``, holding our pid) and
+    return its fd; None for a non-ipc endpoint. The daemon takes it before it indexes or
+    reserves anything, so a second daemon on a live endpoint is refused at once, having touched
+    nothing; :class:`Server` takes it over (``endpoint_lock=``) and releases it in ``close()``.
+    Raises :class:`ServerError` when another daemon holds it or the directory is missing."""
+    ipc = _ipc_path(endpoint)
+    if not ipc:
+        return None
+    d = os.path.dirname(ipc) or "."
+    if not os.path.isdir(d):
+        raise ServerError(f"endpoint {endpoint}: directory {d} does not exist "
+                          "(systemd creates /run/moecached via RuntimeDirectory=; create it or pick another path)")
+    fd = os.open(ipc + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        try:
+            other = os.pread(fd, 32, 0).decode().strip() or "?"
+        except OSError:
+            other = "?"
+        os.close(fd)
+        raise ServerError(f"endpoint {endpoint}: another moecached (pid {other}) is serving it; "
+                          "stop it first or choose another --endpoint")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def unlock_endpoint(endpoint: str, fd: int | None) -> None:
+    """Release a lock from :func:`lock_endpoint` that no Server took over (start-up failed)."""
+    if fd is None:
+        return
+    try:
+        os.unlink(_ipc_path(endpoint) + ".lock")
+    except (FileNotFoundError, TypeError):
+        pass
+    os.close(fd)
+
+
 class Server:
     """Serves one ExpertCache on one ZeroMQ endpoint.
 
@@ -121,6 +161,11 @@ class Server:
             False before ``serve_forever`` to serve everything with :meth:`_handle` (tests
             compare the two).
         extra_stats: optional callable -> dict merged into ``stats`` (the memory floor's).
+        extra_status: optional callable -> dict merged into ``status`` (the arena's health).
+        endpoint_lock: the fd :func:`lock_endpoint` returned, when the caller took it first.
+        on_model_change: optional callable(message) run in the loop thread after
+            :meth:`model_changed` was called (from any thread) with why the model file is no
+            longer the one indexed; the daemon reloads or exits there.
     Raises:
         ServerError: another daemon holds the endpoint, or the endpoint cannot be bound.
     """
@@ -128,7 +173,7 @@ class Server:
     def __init__(self, cache, *, endpoint: str, model_path: str = "", heartbeat_s: float = 5.0,
                  socket_mode: int = 0o660, gid: int | None = None, on_tick=None, tick_s: float = 1.0,
                  max_request_experts: int = P.MAX_ARRAY_LEN, max_message_bytes: int = P.MAX_MESSAGE_BYTES,
-                 acquire_timeout_s: float | None = None):
+                 acquire_timeout_s: float | None = None, endpoint_lock: int | None = None):
         self.cache = cache
         self.index = cache.index
         self.endpoint = endpoint
@@ -157,6 +202,10 @@ class Server:
         self.counters = collections.Counter()
         self.departed = collections.deque(maxlen=32)  # summaries of the last clients that left
         self.extra_stats = None  # optional callable -> dict merged into stats (the floor)
+        self.extra_status = None  # optional callable -> dict merged into status
+        self.on_model_change = None  # optional callable(message), run in the loop thread
+        self._model_change = None    # message waiting for on_model_change
+        self._fast = None
         self._stopping = False
         self._loop_tid = None
         self._hup = False        # SIGHUP seen; the loop runs self._on_hup
@@ -165,6 +214,7 @@ class Server:
         self.fast_path = True  # serve resident acquires / own noreply releases in Cython first
         self._on_hup = None
         self._lock_fd = None
+        self._endpoint_lock = endpoint_lock
         self._ipc = _ipc_path(endpoint)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -192,24 +242,8 @@ class Server:
     # ---- start / stop -------------------------------------------------------------------
     def _bind(self, mode: int, gid: int | None) -> None:
         if self._ipc:
-            d = os.path.dirname(self._ipc) or "."
-            if not os.path.isdir(d):
-                raise ServerError(f"endpoint {self.endpoint}: directory {d} does not exist "
-                                  "(systemd creates /run/moecached via RuntimeDirectory=; create it or pick another path)")
-            lock_path = self._ipc + ".lock"
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                try:
-                    other = os.pread(fd, 32, 0).decode().strip() or "?"
-                except OSError:
-                    other = "?"
-                os.close(fd)
-                raise ServerError(f"endpoint {self.endpoint}: another moecached (pid {other}) is serving it; "
-                                  "stop it first or choose another --endpoint")
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            fd = self._endpoint_lock if self._endpoint_lock is not None else lock_endpoint(self.endpoint)
+            self._endpoint_lock = None
             self._lock_fd = fd
             if os.path.exists(self._ipc):
                 # We hold the lock, so whoever made this socket file is gone: a crash left it.
@@ -310,7 +344,7 @@ class Server:
         next_timer = min(next_tick, next_hb)
         recv = sock.recv_multipart
         handle = self._handle
-        fast = self._fast_handler()
+        self._fast = fast = self._fast_handler()
         if ready:
             ready()
         try:
@@ -333,6 +367,16 @@ class Server:
                                 self._on_hup()
                             except Exception as e:
                                 log.error("reload failed: %s", e)
+                        if self._model_change is not None:
+                            msg, self._model_change = self._model_change, None
+                            # shared-memory pins stop; resident hits go on over the socket
+                            self.cache.arena.set_state(STATE_MODEL_CHANGED)
+                            if self.on_model_change is not None:
+                                try:
+                                    self.on_model_change(msg)
+                                except Exception:
+                                    log.exception("model change handling failed")
+                            fast = self._fast   # a reload starts a new session
                     else:
                         try:
                             served = fast(frames)
@@ -364,6 +408,7 @@ class Server:
                                 self.on_tick(now)
                             except Exception as e:  # never let the floor kill the server
                                 log.error("periodic task failed: %s", e)
+                            fast = self._fast   # the periodic task may have reloaded the model
                     next_timer = min(next_tick, next_hb)
                     want = idle_ms
                     if dl:
@@ -381,6 +426,57 @@ class Server:
             return lambda frames: False
         unpack = functools.partial(msgpack.unpackb, **P.UNPACK_LIMITS)
         return FastPath(self, unpack, _MORE_NB, _NB).handle
+
+    def model_changed(self, message: str) -> None:
+        """The model file changed (any thread): run ``on_model_change(message)`` in the loop."""
+        self._model_change = message
+        self._wake()
+
+    def new_session(self) -> None:
+        """Start a new session: a new ``session`` id in every reply, so clients fail their calls
+        in flight with DaemonRestarted and say hello again (re-mapping the arena). The one
+        place the session changes after start."""
+        self.session = int.from_bytes(os.urandom(8), "little") >> 1 | 1
+        # the arena's control block names the session it serves: leases of any other are void
+        self.cache.arena.set_epoch(self.session, STATE_SERVING)
+        if self._fast is not None:
+            self._fast = self._fast_handler()  # the hot path holds the session and the cache
+
+    def retire_cache(self, code: str, message: str) -> None:
+        """Close the cache being served (loop thread): every pending acquire fails with
+        ``code``/``message``, every lease is forgotten (it dies with the arena; clients learn
+        of it from the next session), a trace being recorded stops. Follow with
+        :meth:`install_cache`."""
+        old = self.cache
+        for c in self.clients.values():
+            for ticket, rid in list(c.pending.items()):
+                if old.cancel(ticket):
+                    del c.pending[ticket]
+                    self._send_error(c.ident, rid, code, message)
+        old.close()   # joins the readers: every callback has run, its result is in self.done
+        while self.done:
+            ident, rid, box, _tag, _result = self.done.popleft()
+            ticket = box[0] if box else None
+            c = self.clients.get(ident)
+            if c is not None and ticket is not None and c.pending.pop(ticket, None) is not None:
+                self._send_error(ident, rid, code, message)
+        self.leases.clear()
+        self.deadlines.clear()
+        for c in self.clients.values():
+            c.leases.clear()
+            c.pending.clear()
+        if self.recorder is not None:
+            path = self._trace_stop()["path"]
+            log.warning("trace %s stopped: the model it recorded is no longer served", path)
+
+    def install_cache(self, cache) -> None:
+        """Serve ``cache`` (after :meth:`retire_cache`) under a new session."""
+        self.cache = cache
+        self.index = cache.index
+        self.checker = P.RequestChecker(self.index.expert_layers, self.index.n_experts,
+                                        max_experts=self.checker.max_experts)
+        self.moe_index = {l: i for i, l in enumerate(self.index.expert_layers)}
+        self.new_session()
 
     def _wake(self) -> None:
         """Wake the loop (any thread, or a signal handler in the loop's thread)."""
@@ -412,12 +508,9 @@ class Server:
         elif len(frames) == 3 and frames[1] == b"":
             ident, envelope, payload = frames[0], b"", frames[2]
         else:
-            self.counters["malformed"] += 1
             if len(frames) >= 1:  # envelope unknown: answered without a delimiter
-                self._send_frame(frames[0], False, P.pack(
-                    {"v": P.PROTOCOL_VERSION, "id": 0, "ok": False, "session": self.session,
-                     "error": {"code": P.E_MALFORMED,
-                               "message": f"request has {len(frames) - 1} frames: expected 1 (or an empty delimiter + 1)"}}))
+                self._send_error(frames[0], 0, P.E_MALFORMED, f"request has {len(frames) - 1} frames: "
+                                 "expected 1 (or an empty delimiter + 1)", delim=False)
             return
         now = time.monotonic()
         c = self.clients.get(ident)
@@ -478,10 +571,16 @@ class Server:
         fields.update(v=P.PROTOCOL_VERSION, id=rid, ok=True, session=self.session)
         return self._send(ident, fields)
 
-    def _send_error(self, ident: bytes, rid: int, code: str, message: str) -> bool:
-        return self._send(ident, {"v": P.PROTOCOL_VERSION, "id": rid, "ok": False,
-                                  "session": self.session,
-                                  "error": {"code": code, "message": message}})
+    def _send_error(self, ident: bytes, rid: int, code: str, message: str, delim: bool | None = None) -> bool:
+        """Send an error reply; every error reply goes through here, so ``malformed`` counts
+        each reply with that code. ``delim``: None = as the client's last request."""
+        if code == P.E_MALFORMED:
+            self.counters["malformed"] += 1
+        msg = {"v": P.PROTOCOL_VERSION, "id": rid, "ok": False, "session": self.session,
+               "error": {"code": code, "message": message}}
+        if delim is None:
+            return self._send(ident, msg)
+        return self._send_frame(ident, delim, P.pack(msg))
 
     # ---- client lifetime --------------------------------------------------------------
     def _drop_client(self, c: _Client, why: str) -> None:
@@ -687,6 +786,19 @@ class Server:
         if not quiet:
             self._reply(c.ident, rid, released=len(ids))
 
+    def _op_cancel(self, c: _Client, rid: int, msg: dict) -> None:
+        """Drop this client's pending acquire whose request id is ``request`` (its caller gave
+        up): its pins go, its reads go on as prefetches, it gets no reply. ``cancelled`` is
+        false when no such acquire is pending (already answered, or never sent)."""
+        quiet = self._noreply(msg)
+        target = P._int(msg, "request", lo=0, hi=2**64 - 1)
+        ticket = next((t for t, r in c.pending.items() if r == target), None)
+        done = ticket is not None and self.cache.cancel(ticket)
+        if done:
+            del c.pending[ticket]
+        if not quiet:
+            self._reply(c.ident, rid, cancelled=done)
+
     def _op_bye(self, c: _Client, rid: int, msg: dict) -> None:
         n = len(c.leases)
         self._reply(c.ident, rid, released=n)
@@ -711,11 +823,12 @@ class Server:
 
     def _op_status(self, c: _Client, rid: int, msg: dict) -> None:
         st = self.cache.stats()
-        looked = st.get("hits", 0) + st.get("prefetch_hits", 0) + st.get("demand_misses", 0)
         budget = st.get("budget", {})
         classes = st.get("classes", [])
-        self._reply(c.ident, rid, status={
-            "state": "serving", "pid": os.getpid(), "version": __version__,
+        changed = getattr(self.cache, "model_changed", None)
+        status = {
+            "state": "model changed" if changed else "serving", "model_changed": changed,
+            "pid": os.getpid(), "version": __version__,
             "uptime_s": round(time.time() - self.started, 3), "model": self.model_path,
             "endpoint": self.endpoint, "clients": len(self.clients), "leases": len(self.leases),
             "budget_configured_bytes": budget.get("configured_bytes"),
@@ -724,8 +837,11 @@ class Server:
             "slots_used": sum(x.get("used", 0) for x in classes),
             "pinned": st.get("pinned"), "hits": st.get("hits"),
             "prefetch_hits": st.get("prefetch_hits"), "demand_misses": st.get("demand_misses"),
-            "hit_rate": (st.get("hits", 0) + st.get("prefetch_hits", 0)) / looked if looked else None,
-            "reads_in_flight": st.get("reads_in_flight")})
+            "hit_rate": hit_rate(st.get("hits", 0), st.get("prefetch_hits", 0), st.get("demand_misses", 0)),
+            "reads_in_flight": st.get("reads_in_flight")}
+        if self.extra_status is not None:
+            status.update(self.extra_status())
+        self._reply(c.ident, rid, status=status)
 
     def _op_trace_start(self, c: _Client, rid: int, msg: dict) -> None:
         path = msg.get("path")
@@ -782,6 +898,7 @@ def _group(items):
 
 def _code_of(e: Exception) -> str:
     name = type(e).__name__
-    return {"LoadError": P.E_LOAD_FAILED, "RequestError": P.E_TOO_LARGE,
+    return {"LoadError": P.E_LOAD_FAILED, "ModelChangedError": P.E_MODEL_CHANGED,
+            "RequestError": P.E_TOO_LARGE,
             "LeaseError": P.E_UNKNOWN_LEASE, "CapacityError": P.E_UNAVAILABLE,
             "TimeoutError": P.E_TIMEOUT, "CacheClosed": P.E_SHUTDOWN}.get(name, getattr(e, "code", P.E_INTERNAL))

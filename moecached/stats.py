@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["LatencyHistogram"]
+__all__ = ["LatencyHistogram", "hit_rate"]
+
+
+def hit_rate(hits: int, prefetch_hits: int, demand_misses: int):
+    """Share of requested experts that needed no read while the client waited:
+    ``(hits + prefetch_hits) / (hits + prefetch_hits + demand_misses)``, None before any."""
+    looked = hits + prefetch_hits + demand_misses
+    return (hits + prefetch_hits) / looked if looked else None
 
 
 class LatencyHistogram:

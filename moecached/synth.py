@@ -265,6 +265,16 @@ def plan_model(layout: Layout, layers=None, experts=None, legacy=False):
     return out, meta, info
 
 
+def model_disk_bytes(layout, layers=None, experts=None, legacy: bool = False, sparse: bool = True) -> int:
+    """Bytes of tensor data :func:`write_model` really writes for these arguments: the expert
+    tensors (plus every other tensor when not ``sparse``; holes take no space). Headers and
+    alignment padding come on top (well under a MiB per file)."""
+    if not isinstance(layout, Layout):
+        layout = load_layout(layout)
+    tensors, _meta, _info = plan_model(layout, layers, experts, legacy)
+    return sum(t.nbytes for t in tensors if not sparse or t.kind != "other")
+
+
 def _shard_bounds(tensors, k: int) -> list[int]:
     """Start index of each of k shards: contiguous runs of about n/k tensors each (as
     ``gguf-split --split-max-tensors``), none empty."""
@@ -445,7 +455,10 @@ def _parse_layers(s: str):
 def main(argv=None) -> int:
     """``moecache-ctl synth --layout LAYOUT --out PATH [--layers N|a,b,..] [--experts E] [--split K]
     [--seed S] [--legacy-experts] [--dense] [--quiet]``"""
-    ap = argparse.ArgumentParser(prog="moecache-ctl synth", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="moecache-ctl synth",
+                                 description="write a real-layout GGUF model (or split set) whose "
+                                             "expert bytes carry stamps that name their block, "
+                                             "part and expert (test fixtures, the demo's model)")
     ap.add_argument("--layout", required=True, help="layout JSON path or embedded layout name")
     ap.add_argument("--out", required=True,
                     help="output .gguf path (shards are named after it; an existing file is "

@@ -14,9 +14,10 @@ or, session-scoped, through the ``model_factory`` fixture of ``tests/conftest.py
         path = model_factory("olmoe-1b-7b-0924-Q4_K_M", layers=2, experts=4, split=3)
 
 ``make_model`` writes each distinct (layout, layers, experts, split, legacy, seed) once per
-session (module-level cache; the files live in the first caller's tmp dir, which pytest keeps
-for the session) and returns the path to open (first shard for split sets). Expert bytes are
-``moecached.synth.expected_expert_bytes(block, part, expert, nbytes, seed)``; use
+session (module-level cache; the files live in the first caller's tmp dir) and returns the path
+to open (first shard for split sets). The models are large (tens to hundreds of MiB each),
+so ``tests/conftest.py`` calls :func:`remove_models` when the session ends, whatever its
+outcome. Expert bytes are ``moecached.synth.expected_expert_bytes(block, part, expert, nbytes, seed)``; use
 ``read_and_verify`` to check every slice of an index.
 
 Layouts: the embedded ``qwen3-30b-a3b-Q4_K_M`` always works; other names come from
@@ -26,6 +27,7 @@ reason) when that directory is absent.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,7 @@ from moecached.layout import DATA_DIR, shared_layouts_dir
 from moecached.synth import verify_expert_bytes, write_model
 
 _CACHE: dict[tuple, str] = {}
+_WRITTEN: list[Path] = []   # directories make_model wrote, removed by remove_models()
 
 
 def layout_path(name: str) -> str:
@@ -74,9 +77,17 @@ def make_model(tmp_path, layout_name: str, layers=4, experts=8, split=None, lega
     tag = f"{Path(lp).name.split('.')[0]}-L{'_'.join(map(str, key[1])) if isinstance(key[1], tuple) else key[1]}" \
           f"-E{experts}-S{split or 1}{'-legacy' if legacy else ''}-seed{seed}"
     out = Path(tmp_path) / "models" / tag / "model.gguf"
+    _WRITTEN.append(out.parent)
     paths = write_model(lp, out, layers=layers, experts=experts, split=split, seed=seed, progress=False, legacy=legacy)
     _CACHE[key] = paths[0]
     return paths[0]
+
+
+def remove_models() -> None:
+    """Delete every model :func:`make_model` wrote this session (and forget them)."""
+    while _WRITTEN:
+        shutil.rmtree(_WRITTEN.pop(), ignore_errors=True)
+    _CACHE.clear()
 
 
 def read_and_verify(idx, seed=0, experts=None) -> list[str]:

@@ -294,7 +294,7 @@ def test_remove_stale_arenas_spares_live_ones(tmp_path):
     from moecached.arena import remove_stale_arenas
     stale = tmp_path / "moecached-999999-deadbeef"
     stale.write_bytes(b"\0" * 4096)
-    live = tmp_path / "moecached-1-cafe"
+    live = tmp_path / "moecached-1-cafecafe"
     live.write_bytes(b"\0" * 4096)
     other = tmp_path / "not-ours"
     other.write_bytes(b"x")

@@ -139,6 +139,7 @@ FILE_ERRORS = [
     ('max_request_experts = 0', f'max_request_experts = 0: expected an integer from 1 to {1 << 24}'),
     ('policy = "lru"', 'policy = "lru": expected "global" or "per-layer"'),
     ('on_pressure = "block"', 'on_pressure = "block": expected "error" or "wait"'),
+    ('on_model_change = "restart"', 'on_model_change = "restart": expected "reload" or "exit"'),
     ('log_level = "loud"', 'log_level = "loud": expected "debug" or "info" or "warning" or "error"'),
     ('hugetlb = "yes"', 'hugetlb = "yes": expected true or false'),
     ('lock_memory = 1', 'lock_memory = 1: expected true or false'),

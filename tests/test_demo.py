@@ -78,3 +78,24 @@ def test_synthetic_locality_near_real():
     assert abs(s["top10"] - 0.374) < 0.06
     assert abs(s["lru_25"] - 0.825) < 0.04
     assert abs(s["lru_50"] - 0.967) < 0.03
+
+
+def test_demo_refuses_to_fill_the_disk(tmp_path, monkeypatch, capsys):
+    """Not enough free space for the model: one line naming the directory, the space needed and
+    available and the fix; nothing written."""
+    import shutil
+    import moecached.synth
+    from moecached.ctl import main as ctl
+
+    def must_not_write(*a, **kw):
+        raise AssertionError("the model was written")
+    monkeypatch.setattr(moecached.synth, "write_model", must_not_write)
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 30))
+    assert ctl(["demo", "--workdir", str(tmp_path), "--layers", "16", "--no-progress"]) == 1
+    from moecached.synth import model_disk_bytes
+    need = (model_disk_bytes("qwen3-30b-a3b-Q4_K_M", layers=16) + (64 << 20)) / 2**30
+    assert capsys.readouterr().err == (
+        f"moecache-ctl demo: error: {tmp_path}: the 16-block model needs {need:.1f} GiB, 1.0 GiB "
+        f"available: pass --workdir DIR on a filesystem with room (or fewer --layers)\n")
+    assert list(tmp_path.iterdir()) == []

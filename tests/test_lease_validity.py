@@ -265,3 +265,11 @@ def test_stale_arena_cleanup_voids_its_epoch(tmp_path, model):
         assert int.from_bytes(os.pread(fd, 8, EPOCH_OFF), "little") == 0
     finally:
         os.close(fd)
+
+
+def test_stale_cleanup_leaves_files_that_are_not_arenas(tmp_path):
+    """A file named like an arena but without the control block's magic is someone else's."""
+    other = tmp_path / "moecached-test-model.gguf"
+    other.write_bytes(b"GGUF" + bytes(100))
+    assert remove_stale_arenas(str(tmp_path)) == []
+    assert other.exists()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from moecached import readers as readers_mod
-from moecached.readers import ReadError, ReaderPool
+from moecached.readers import ModelChanged, ReadError, ReaderPool
 
 
 def per_chunk(fn):
@@ -230,7 +230,9 @@ def test_odirect_refused_at_first_read(files, monkeypatch, caplog):
     assert len([r for r in caplog.records if "O_DIRECT refused" in r.getMessage()]) == 1
 
 
-def test_truncated_mid_run_fails_job_others_fine(files):
+def test_truncated_mid_run_fails_every_later_load(files):
+    """A file shrinks under the running pool: the load fails with ModelChanged (not an I/O
+    error), and from then on every load of the model, of any of its files, is refused."""
     paths, datas = files
     dest = Dest(2 * 2**20)
     w = Waiter()
@@ -239,16 +241,17 @@ def test_truncated_mid_run_fails_job_others_fine(files):
         assert w.wait(jid)[0] is None
         os.truncate(paths[0], 2**20 + 100)  # the file shrinks under the running daemon
         bad = pool.submit([(0, 2**20 - 32, 500_000, dest.addr)], priority=0, callback=w)
-        good = pool.submit([(1, 96, 300_000, dest.addr + 2**20)], priority=0, callback=w)
         err = w.wait(bad)[0]
-        assert isinstance(err, ReadError)
+        assert isinstance(err, ModelChanged)
         msg = str(err)
-        assert paths[0] in msg and "size changed" in msg and "offset" in msg
-        assert w.wait(good)[0] is None
-        assert np.array_equal(dest.arr[2**20:2**20 + 300_000], datas[1][96:300_096])
+        assert paths[0] in msg and "size changed" in msg
+        assert err.dest_written is False  # refused before any chunk was read
+        assert msg.startswith(pool.model_changed)
+        with pytest.raises(ModelChanged, match="size changed"):
+            pool.submit([(1, 96, 300_000, dest.addr + 2**20)], priority=0, callback=w)
         with pytest.raises(ReadError, match="size changed"):
             pool.check_files()
-        assert pool.stats()["errors"] == 1
+        assert pool.stats()["errors"] == 0
     assert w.calls[bad] == 1
 
 
@@ -443,5 +446,67 @@ def test_file_overwritten_in_place_same_size_fails_loads(tmp_path):
         assert ev.wait(10)
         assert isinstance(results[-1], ReadError)
         assert "mtime changed" in str(results[-1]) and "restart the daemon" in str(results[-1])
+    finally:
+        pool.close()
+
+
+def test_rewritten_in_place_with_mtime_restored_fails_loads(tmp_path):
+    """Same size, same inode, mtime put back (rsync --inplace -t, cp -p, touch -r): only the
+    ctime tells; the load is refused with ModelChanged before a byte is read."""
+    import ctypes
+    import threading as _th
+    path = tmp_path / "m.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    st = os.stat(path)
+    pool = ReaderPool([str(path)], threads=2, direct=False)
+    buf = ctypes.create_string_buffer(65536)
+    results = []
+    ev = _th.Event()
+    try:
+        with open(path, "r+b") as f:
+            f.write(os.urandom(1 << 20))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        st2 = os.stat(path)
+        assert (st2.st_size, st2.st_mtime_ns, st2.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino)
+        pool.submit([(0, 4096, 65536, ctypes.addressof(buf))], priority=0,
+                    callback=lambda j, e, n, s: (results.append(e), ev.set()))
+        assert ev.wait(10)
+        assert isinstance(results[-1], ModelChanged) and "ctime changed" in str(results[-1])
+        assert results[-1].dest_written is False
+        assert pool.stats()["errors"] == 0
+    finally:
+        pool.close()
+
+
+def test_load_racing_an_in_place_rewrite_is_withheld(tmp_path, monkeypatch):
+    """The file is rewritten (mtime put back) while a load reads it, after the check before
+    its first chunk: the check after its last chunk sees the ctime and withholds the bytes."""
+    import ctypes
+    import threading as _th
+    path = tmp_path / "m.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    st = os.stat(path)
+    real = readers_mod.read_many
+    done = []
+
+    def rewrite_then_read(*a):
+        if not done:
+            done.append(1)
+            with open(path, "r+b") as f:
+                f.write(os.urandom(1 << 20))
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        return real(*a)
+    monkeypatch.setattr(readers_mod, "read_many", rewrite_then_read)
+    pool = ReaderPool([str(path)], threads=1, direct=False)
+    buf = ctypes.create_string_buffer(65536)
+    results = []
+    ev = _th.Event()
+    try:
+        pool.submit([(0, 4096, 65536, ctypes.addressof(buf))], priority=0,
+                    callback=lambda j, e, n, s: (results.append(e), ev.set()))
+        assert ev.wait(10) and done
+        assert isinstance(results[-1], ModelChanged) and "ctime changed" in str(results[-1])
+        assert results[-1].dest_written is True
+        assert pool.model_changed is not None
     finally:
         pool.close()

@@ -540,3 +540,78 @@ def test_long_client_name_connects_and_is_cut_to_64(daemon):
         c.acquire(daemon.idx.expert_layers[0], [1]).release()
         names = [x["name"] for x in c.stats()["clients"]]
     assert name[:64] in names and not [n for n in names if n != name[:64] and n.startswith("engine-")]
+
+
+def test_every_malformed_reply_is_counted(daemon):
+    """``server.malformed`` counts every reply whose code is ``malformed``, whichever check
+    refused the request (frame count, msgpack decoding, size limit, not a map)."""
+    def malformed():
+        return daemon.server.stats()["server"].get("malformed", 0)
+    before = malformed()
+    sent = 0
+    for payload in (b"\xc1garbage", b"\x93\x01", msgpack.packb([1, 2]), b"\xdd\xff\xff\xff\xff",
+                    msgpack.packb({"v": 1, "id": 3, "op": "ping"}) + b"\x00",   # trailing bytes
+                    b"\x00" * (daemon.server.max_message_bytes + 1)):            # over the limit
+        rep = raw(daemon.endpoint, payload)
+        assert rep["error"]["code"] == "malformed", (payload[:16], rep)
+        sent += 1
+    rep = raw(daemon.endpoint, None, frames=[b"a", b"b", b"c"])
+    assert rep["error"]["code"] == "malformed"
+    sent += 1
+    # other refusals are errors, not malformed
+    assert raw(daemon.endpoint, msgpack.packb({"v": 1, "id": 4, "op": "nope"}))["error"]["code"] != "malformed"
+    assert malformed() - before == sent
+
+
+def test_timed_out_acquire_is_cancelled_in_the_daemon(model_factory, tmp_path):
+    """A client that gives up on an acquire (Timeout) sends ``cancel``: the daemon drops the
+    pending acquire and its pins at once; the reads finish as prefetches; no lease appears."""
+    from moecache_client import Timeout
+    idx = open_index(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8))
+    cache = ExpertCache(idx, slots=32, lock_memory=False, readers=2)
+    held, gate, mu = [], threading.Event(), threading.Lock()
+    submit = cache.readers.submit
+
+    def held_submit(reads, *, priority, callback):   # reads run; their completion waits for the gate
+        def cb(*a):
+            with mu:
+                if not gate.is_set():
+                    held.append((callback, a))
+                    return
+            callback(*a)
+        return submit(reads, priority=priority, callback=cb)
+    cache.readers.submit = held_submit
+    srv = Server(cache, endpoint=f"ipc://{tmp_path}/t.sock")
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+
+    def mine(st):
+        return [x for x in st["clients"] if x["name"] == "giver-up"][0]
+    try:
+        with Client(srv.endpoint, name="giver-up") as c:
+            L = c.expert_layers
+            with pytest.raises(Timeout):
+                c.acquire(L[0], [0, 1, 2, 3], timeout=0.2)
+            st = c.stats()            # answered after the cancel: same connection, in order
+            assert mine(st)["pending"] == 0 and st["leases_open"] == 0 and st["waiting"] == 0
+            assert held                # (the reads are still loading: their slots stay pinned)
+            with mu:
+                gate.set()
+            for cb, a in held:        # the reads complete now, as prefetches
+                cb(*a)
+            st = c.stats()
+            assert st["pinned"] == 0 and st["leases_open"] == 0 and st["leases_held"] == 0
+            assert mine(st)["leases"] == 0 and mine(st)["acquires"] == 0
+            lease = c.acquire(L[0], [0, 1, 2, 3])
+            assert lease.misses == 0 and lease.prefetch_hits == 4
+            lease.release()
+            # the op itself: an acquire that is not pending is not cancelled; bad fields refused
+            rep = raw(srv.endpoint, msgpack.packb({"v": 1, "id": 5, "op": "cancel", "request": 99}))
+            assert rep["ok"] and rep["cancelled"] is False
+            rep = raw(srv.endpoint, msgpack.packb({"v": 1, "id": 6, "op": "cancel", "request": "x"}))
+            assert rep["error"]["code"] == "bad_type"
+        assert cache.pinned_count() == 0 and not srv.leases
+    finally:
+        srv.stop()
+        t.join(10)
+        cache.close()

@@ -10,7 +10,8 @@ The client speaks docs/protocol.md over one ZeroMQ DEALER socket. Calls from any
 are safe: the thread that finds the socket free reads replies for everyone (leader /
 followers), so a single-threaded engine pays no thread hand-off. Every request carries an
 id; a reply that arrives after its caller timed out is never mistaken for a later call's
-(and a late lease is released at once). A background thread pings while idle so the daemon
+(and a late lease is released at once); an acquire given up on is cancelled in the daemon
+(``cancel``), so its pins go at once. A background thread pings while idle so the daemon
 keeps this client's leases. When the daemon restarts (the connection drops or a reply's
 ``session`` changes) the calls in flight fail with ``DaemonRestarted`` and the next call
 says hello again, re-mapping the new arena.
@@ -291,6 +292,8 @@ class Client:
         map_arena: map the arena read-only at hello (default); tools that only read
             counters pass False.
     Raises:
+        ClientError: an ``ipc://`` endpoint whose socket file does not exist (no daemon
+            there): raised at once, without waiting ``connect_timeout``.
         Timeout: the daemon did not answer hello within ``connect_timeout``.
         ServerError: the daemon refused hello (protocol version).
 
@@ -307,6 +310,9 @@ class Client:
                  connect_timeout: float = 10.0, map_arena: bool = True):
         self.endpoint = endpoint
         self._ipc = endpoint.startswith("ipc://")
+        path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+        if path is not None and not os.path.exists(path):
+            raise ClientError(f"no daemon socket at {path}: is moecached running? (systemctl status moecached)")
         self.map_arena = map_arena
         # the daemon keeps 64 characters of a name; a longer one would not fit its limits
         self.name = (name or f"pid{os.getpid()}")[:64]
@@ -355,7 +361,8 @@ class Client:
         """Pin ``experts`` of ``layer`` (GGUF block number), waiting for reads; returns a Lease.
 
         ``layers=[(layer, [experts]), ...]`` acquires several layers in one lease.
-        Raises ServerError (bad layer/expert, too large, load failed), Timeout, DaemonRestarted.
+        Raises ServerError (bad layer/expert, too large, load failed, model_changed: the
+        model file changed and the expert is not resident), Timeout, DaemonRestarted.
         """
         msg = {"op": "acquire"}
         self._requests(msg, layer, experts, layers)
@@ -510,6 +517,8 @@ class Client:
                     # given up: a late reply finds no entry, is dropped, its lease released;
                     # the call ends with this Timeout (waiting on it again raises it at once)
                     fut.set_exception(Timeout(f"{op}: no reply within {timeout}s"))
+                    if op == "acquire":
+                        self._cancel(fut.rid)
                     break
                 while not fut.state:   # the reader took it a moment ago: it is being set
                     fut.wait(0.002)
@@ -522,6 +531,19 @@ class Client:
             else:
                 fut.wait(0.002 if left is None else min(left, 0.002))
         return fut.result()
+
+    def _cancel(self, rid: int) -> None:
+        """Ask the daemon to drop the pending acquire ``rid`` (noreply, best effort): its pins
+        go now rather than when its reads finish. A lease that still arrives is released as a
+        late reply."""
+        with self._lock:
+            if self._closed or self.session is None:  # restarted: the acquire died with it
+                return
+            try:
+                self._send({"v": PROTOCOL_VERSION, "id": next(self._ids), "op": "cancel",
+                            "request": rid, "noreply": True})
+            except zmq.ZMQError:
+                pass
 
     # ---- internals: the socket (call with self._lock held) ---------------------------------
     def _send(self, msg: dict) -> None:
@@ -575,6 +597,9 @@ class Client:
                 raise Timeout(f"no hello from {self.endpoint} within {timeout}s (is moecached running?)")
             self._pump_locked(fut, min(left, 0.1), hello=True)
         rep = fut.result()  # raises ServerError if refused
+        # A disconnect the monitor reports now happened before this hello's connection was
+        # made (the reply came through it): it is the old daemon's, not this session's.
+        self._check_monitor(hello=True)
         # leases of an earlier session keep their own arena object (unmapped when they go)
         self._arena = _Arena(rep["arena"]) if self.map_arena else None
         self.info = rep
