@@ -447,11 +447,25 @@ class Server:
         once."""
         self.rate_limit.rate = max(0.0, float(rate))
         self.rate_limit.burst = max(1.0, float(burst))
+        self._auto_pf = max_prefetch is None   # fair share of max_prefetch_loads (see below)
         if max_prefetch is None:
             max_prefetch = int(getattr(self.cache, "max_prefetch_loads", 0))
         self.client_max_prefetch = int(max_prefetch) or None
         for c in self.clients.values():
             c.pf.limit = self.client_max_prefetch
+
+    #: a client that acquired or prefetched within this many seconds shares the prefetch loads
+    ACTIVE_S = 2.0
+
+    def _fair_prefetch_share(self, c: _Client) -> int:
+        """``client_max_prefetch`` left to the daemon: ``max_prefetch_loads`` split evenly
+        between the engines active now (acquired or prefetched within ``ACTIVE_S``), so a lone
+        engine keeps all of it and a prefetch storm beside a demand-only engine keeps half,
+        leaving it slots and disk time."""
+        now = time.monotonic()
+        active = sum(1 for x in self.clients.values()
+                     if x is not c and (x.acquires or x.prefetches) and now - x.last_seen < self.ACTIVE_S)
+        return max(1, (self.client_max_prefetch or 0) // (1 + active))
 
     def _fast_handler(self):
         """``frames -> bool``: the Cython hot path (``moecached._serve.FastPath``), or a stub
@@ -799,6 +813,8 @@ class Server:
     def _op_prefetch(self, c: _Client, rid: int, msg: dict) -> None:
         quiet = self._noreply(msg)
         reqs = self.checker.requests(msg)
+        if self._auto_pf:
+            c.pf.limit = self._fair_prefetch_share(c)
         n = self.cache.prefetch_many(reqs, c.pf)
         c.prefetches += n
         if not quiet:

@@ -100,6 +100,30 @@ def test_prefetch_flood_beyond_its_cap_is_dropped_and_counted_per_client(model_f
         d.stop()
 
 
+def test_default_prefetch_share_splits_between_active_engines(model_factory, tmp_path, monkeypatch):
+    """Without client_max_prefetch, a lone engine may use every prefetch load, and one that
+    prefetches beside an active demand-only engine gets half: the storm leaves slots and
+    disk time to the other's misses."""
+    d = Daemon(model(model_factory), tmp_path, max_prefetch_loads=8)
+    gate = Gate(readers_mod.read_many)
+    try:
+        L = d.idx.expert_layers
+        with Client(d.endpoint, name="flood") as fl:
+            monkeypatch.setattr(readers_mod, "read_many", gate)   # prefetch loads stay in flight
+            assert fl.prefetch(L[0], [0, 1, 2], wait=True) == 3     # alone: up to all 8
+            assert client_stats(fl, "flood")["prefetch_loads_in_flight"] == 3
+            gate.open()
+            fl.acquire(L[0], [0, 1, 2]).release()
+            with Client(d.endpoint, name="engine") as eng:
+                eng.acquire(L[3], [0, 1]).release()                  # an active demand engine
+                gate.ev.clear()
+                assert fl.prefetch(L[1], list(range(8)), wait=True) == 4   # half of 8
+                assert client_stats(fl, "flood")["prefetches_dropped"] == 4
+    finally:
+        gate.open()
+        d.stop()
+
+
 def raw_socket(endpoint):
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
