@@ -192,6 +192,30 @@ cdef class LRU:
             keys[i] = k
         return keys, items, pf
 
+    def all_present(self, list experts, long base, long ne):
+        """The cache's no-op prefetch check: True when ``experts`` are valid, distinct ids
+        (at most 256) whose keys ``base + expert`` are all present (resident or loading), so a
+        prefetch of them has nothing to do. False otherwise (the caller takes the general
+        path, which also produces any error message). Changes nothing."""
+        cdef Py_ssize_t n = len(experts), i, j
+        cdef long e, k
+        cdef long ks[256]
+        if n == 0 or n > 256:
+            return False
+        for i in range(n):
+            x = experts[i]
+            if type(x) is not int or x < 0 or x >= ne:   # compared as Python ints: no overflow
+                return False
+            e = x
+            k = base + e
+            if k < 0 or k >= self.n_keys or not self.present[k]:
+                return False
+            for j in range(i):
+                if ks[j] == k:
+                    return False
+            ks[i] = k
+        return True
+
     def unpin_keys(self, list keys):
         """Drop one pin of every key in ``keys`` (a lease's release), all or nothing.
 

@@ -2,20 +2,72 @@
 """The server's hot path (Cython core of ``moecached.server``).
 
 A decoding engine sends two requests per layer and token: an ``acquire`` of experts that are
-(mostly) resident, and a ``noreply`` ``release`` of the lease it got. The loop hands every
-request frame to :meth:`FastPath.handle` first; it serves exactly those two shapes and
-returns False for anything else -- a client not seen before, a REQ-style envelope, any other
+(mostly) resident, and a ``noreply`` ``release`` of the lease it got; often also a ``noreply``
+``prefetch`` of the next layer's experts, mostly resident already. The loop hands every
+request frame to :meth:`FastPath.handle` first; it serves exactly those three shapes (a
+prefetch only when it has nothing to do, or when its client is over its rate limit and it is
+dropped) and returns False for anything else -- a client not seen before, a REQ-style envelope, any other
 op or field, a value the general path would refuse, an expert that is absent or loading, a
 trace being recorded. ``Server._handle`` (plain Python, the reference behaviour) then handles
 the request from scratch and produces every error reply, so this path never answers an
 error and changes nothing before it knows it serves the request. Counting is the same on
 both paths (tests/test_server.py checks stats after each).
+
+Per-client request rate: :class:`TokenBucket` (one per client, shared by both paths) with the
+server's :class:`RateLimit`. The hot path only *looks* at the bucket before it knows it serves
+a request and takes the token when it does, so a request it declines is charged once, by the
+general path.
 """
 import zmq
 from time import monotonic
 
 cdef object _ZMQError = zmq.ZMQError
 cdef object _U64 = 1 << 64   # request ids are unsigned 64-bit (a Python int: no C overflow)
+
+
+cdef class RateLimit:
+    """The per-client request rate limit, shared by both paths and changed in place on reload.
+
+    Attributes:
+        rate: tokens (requests) per second added to each client's bucket; 0 turns limiting off.
+        burst: bucket size: requests a client may send at once after being quiet.
+    """
+    cdef public double rate, burst
+
+    def __init__(self, double rate=0.0, double burst=1.0):
+        self.rate = rate
+        self.burst = burst if burst >= 1.0 else 1.0
+
+
+cdef class TokenBucket:
+    """One client's request budget: fills at ``RateLimit.rate`` per second up to ``burst``; each
+    limited request takes one token. Starts full."""
+    cdef public double tokens, t
+
+    def __init__(self, double tokens, double now):
+        self.tokens = tokens
+        self.t = now
+
+    cdef inline double _level(self, double now, RateLimit lim) noexcept:
+        cdef double tok = self.tokens + (now - self.t) * lim.rate
+        return tok if tok < lim.burst else lim.burst
+
+    cpdef bint ready(self, double now, RateLimit lim):
+        """True when a request now would get a token (changes nothing)."""
+        return lim.rate <= 0.0 or self._level(now, lim) >= 1.0
+
+    cpdef bint take(self, double now, RateLimit lim):
+        """Take a token for a request now: True, or False when the client is over its limit."""
+        cdef double tok
+        if lim.rate <= 0.0:
+            return True
+        tok = self._level(now, lim)
+        self.t = now
+        if tok < 1.0:
+            self.tokens = tok
+            return False
+        self.tokens = tok - 1.0
+        return True
 
 
 cdef class FastPath:
@@ -29,7 +81,8 @@ cdef class FastPath:
     """
     cdef object server, clients, leases, counters, send, packb, unpack, acquire_resident, release
     cdef object generations, drain_pins
-    cdef object session
+    cdef object session, prefetch_noop
+    cdef RateLimit limit
     cdef int more_nb, nb
 
     def __init__(self, server, unpack, int more_nb, int nb):
@@ -44,12 +97,19 @@ cdef class FastPath:
         self.release = server.cache.release
         self.generations = server.cache.lease_generations
         self.drain_pins = server.cache.drain_pins
+        self.prefetch_noop = server.cache.prefetch_noop
+        self.limit = server.rate_limit
         self.session = server.session
         self.more_nb = more_nb
         self.nb = nb
 
     cdef inline void _seen(self, c) except *:
         c.last_seen = monotonic()
+        c.requests += 1
+        self.counters["requests"] += 1
+
+    cdef inline void _seen_at(self, c, double now) except *:
+        c.last_seen = now
         c.requests += 1
         self.counters["requests"] += 1
 
@@ -73,9 +133,14 @@ cdef class FastPath:
             msg = self.unpack(payload)
         except Exception:
             return False
-        if type(msg) is not dict or len(<dict>msg) != 5:
+        if type(msg) is not dict:
             return False
         d = <dict>msg
+        if len(d) == 6:
+            if d.get("op") != "prefetch":
+                return False
+        elif len(d) != 5:
+            return False
         rid = d.get("id")
         if type(rid) is not int or rid < 0 or rid >= _U64:
             return False
@@ -89,7 +154,35 @@ cdef class FastPath:
             return self._release(c, ident, d)
         if op == "acquire":
             return self._acquire(c, ident, rid, d)
+        if op == "prefetch":
+            return self._prefetch(c, d)
         return False
+
+    cdef bint _prefetch(self, c, dict d) except -1:
+        """A noreply prefetch: dropped and counted when the client is over its rate limit (as
+        the general path does for any noreply request), served as a no-op when every expert is
+        already present; anything else (work to queue, any doubt) goes to the general path."""
+        if d.get("noreply") is not True:
+            return False
+        layer = d.get("layer")
+        experts = d.get("experts")
+        if type(layer) is not int or type(experts) is not list:
+            return False
+        if len(<list>experts) > self.server.checker.max_experts:
+            return False
+        cdef double now = monotonic()
+        cdef TokenBucket bucket = <TokenBucket>c.bucket
+        if not bucket.ready(now, self.limit):
+            self._seen_at(c, now)
+            bucket.take(now, self.limit)
+            c.rate_limited += 1
+            self.counters["rate_limited"] += 1
+            return True
+        if not self.prefetch_noop(layer, experts):
+            return False
+        self._seen_at(c, now)
+        bucket.take(now, self.limit)
+        return True
 
     cdef bint _release(self, c, ident, dict d) except -1:
         if d.get("noreply") is not True:
@@ -113,10 +206,15 @@ cdef class FastPath:
             return False
         if len(<list>experts) > self.server.checker.max_experts or self.server.recorder is not None:
             return False
+        cdef double now = monotonic()
+        cdef TokenBucket bucket = <TokenBucket>c.bucket
+        if not bucket.ready(now, self.limit):
+            return False   # over its rate limit: the general path refuses it
         lease = self.acquire_resident(layer, experts)
         if lease is None:
             return False
-        self._seen(c)
+        bucket.take(now, self.limit)
+        self._seen_at(c, now)
         lid = lease.id
         hits = lease.hits
         pf = lease.prefetch_hits

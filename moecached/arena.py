@@ -15,7 +15,7 @@ Layout (bytes, all offsets relative to the start of the arena file)::
 Part ``p`` of slot ``i`` of a class lives at ``part_off[p] + i * part_bytes[p]``: each part is one
 packed array in ggml's expert-tensor layout (``[ne0, ne1, n_slots]``), so an engine can run
 ``MUL_MAT_ID`` over the slots directly. ``Arena.descriptor()`` is a JSON-able description of all
-of this; another process maps the file read-only with :func:`map_readonly`.
+of this; another process maps the file read-only (the client does; docs/protocol.md).
 
 The control block is written by the daemon only. ``epoch`` is the serving daemon's session id
 (0 once it stopped, or when a later daemon found the file left by a crash); ``state`` is 1
@@ -52,7 +52,7 @@ import numpy as np
 
 from . import MoecacheError
 
-__all__ = ["ArenaError", "ClassLayout", "Arena", "map_readonly", "plan_slots", "planned_size"]
+__all__ = ["ArenaError", "ClassLayout", "Arena", "plan_slots", "planned_size"]
 
 DESCRIPTOR_VERSION = 2
 CONTROL_MAGIC = b"MOECTL01"
@@ -673,34 +673,3 @@ def remove_stale_arenas(dir: str = "/dev/shm", log=None) -> list[str]:
         if log is not None:
             log.warning("removed stale arena %s (%.1f MiB) left by a daemon that died", shown, size / 2**20)
     return sorted(removed)
-
-
-def map_readonly(descriptor: dict) -> tuple[mmap.mmap, dict]:
-    """Map an arena read-only from its :meth:`Arena.descriptor` (plain mmap of the file).
-
-    Returns ``(mm, layout)``: ``mm`` a read-only ``mmap`` of ``descriptor["size"]`` bytes;
-    ``layout`` the descriptor with ``classes`` keyed by class id as well (``layout["by_id"]``).
-    Part ``p`` of slot ``i`` of class ``c`` is ``mm[off : off + part_bytes[p]]`` with
-    ``off = by_id[c]["part_off"][p] + i * by_id[c]["part_bytes"][p]``.
-    Raises :class:`ArenaError` if the file is missing, smaller than ``size``, or the version unknown.
-    """
-    if descriptor.get("version") != DESCRIPTOR_VERSION:
-        raise ArenaError(f"arena descriptor version {descriptor.get('version')!r}, expected "
-                         f"{DESCRIPTOR_VERSION}; upgrade the client to match the daemon")
-    path, size = descriptor["path"], int(descriptor["size"])
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as e:
-        raise ArenaError(f"cannot open arena {path}: {e.strerror}; is the daemon running, and is "
-                         f"this user in the arena file's group?") from None
-    try:
-        have = os.fstat(fd).st_size
-        if have < size:
-            raise ArenaError(f"arena {path} is {have} bytes, descriptor says {size}; the daemon "
-                             f"restarted: fetch a fresh descriptor")
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    layout = dict(descriptor)
-    layout["by_id"] = {int(c["id"]): c for c in descriptor["classes"]}
-    return mm, layout

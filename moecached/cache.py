@@ -58,7 +58,8 @@ from .stats import LatencyHistogram
 from ._shm import PinFile, ShmArena
 
 __all__ = ["CacheError", "RequestError", "CapacityError", "LeaseError", "LoadError",
-           "ModelChangedError", "AcquireTimeout", "CacheClosed", "Lease", "ExpertCache"]
+           "ModelChangedError", "AcquireTimeout", "CacheClosed", "Lease", "PrefetchQuota",
+           "ExpertCache"]
 
 
 class CacheError(MoecacheError):
@@ -130,6 +131,26 @@ class Lease:
         return [it[3] for it in self.items]
 
 
+class PrefetchQuota:
+    """One sender's share of the prefetch loads (the server keeps one per client).
+
+    Attributes:
+        limit: most prefetch loads of this sender in flight (queued or reading, not yet
+            demanded); beyond it the sender's new prefetches are dropped. None: no own limit
+            (the cache's ``max_prefetch_loads`` still applies).
+        in_flight: its prefetch loads in flight now (kept by the cache, under its lock; a load
+            stops counting when it lands, fails or a demand takes it over).
+        dropped: its prefetch reads not queued because a limit (its own or the cache's) was
+            reached.
+    """
+    __slots__ = ("limit", "in_flight", "dropped")
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit
+        self.in_flight = 0
+        self.dropped = 0
+
+
 class _Pool:
     """Slots of one size class under one LRU (a whole class, or one layer's share)."""
     __slots__ = ("cid", "lru", "res", "alloc", "loading", "unused", "free", "disabled",
@@ -164,7 +185,7 @@ class _Layer:
 
 class _Load:
     __slots__ = ("pool", "key", "slot", "layer", "expert", "demanded", "prefetched", "waiters",
-                 "job_id", "priority", "fids", "victim")
+                 "job_id", "priority", "fids", "victim", "quota")
 
     def __init__(self, pool, key, slot, layer, expert, demanded, fids, victim=None):
         self.pool, self.key, self.slot, self.layer, self.expert = pool, key, slot, layer, expert
@@ -175,6 +196,7 @@ class _Load:
         self.priority = 0 if demanded else 1
         self.fids = fids
         self.victim = victim    # (key, was_unused) evicted to free the slot, or None
+        self.quota = None   # PrefetchQuota of the prefetch's sender while it counts there
 
 
 class _Req:
@@ -647,6 +669,9 @@ class ExpertCache:
                     if not load.demanded:
                         load.demanded = True
                         self._pf_loading -= 1
+                        if load.quota is not None:
+                            load.quota.in_flight -= 1
+                            load.quota = None
                         lp += 1
                         if load.priority:
                             promotes.append(load)
@@ -813,6 +838,9 @@ class ExpertCache:
         err = None
         if not load.demanded:
             self._pf_loading -= 1
+            if load.quota is not None:
+                load.quota.in_flight -= 1
+                load.quota = None
         self.c_inflight -= 1
         self.c_reads += 1
         self._lat.add(seconds)
@@ -1017,9 +1045,14 @@ class ExpertCache:
         """
         return self.prefetch_many([(layer, experts)])
 
-    def prefetch_many(self, requests) -> int:
-        """:meth:`prefetch` for ``[(layer, [experts]), ...]``; returns reads queued in total."""
+    def prefetch_many(self, requests, quota: PrefetchQuota | None = None) -> int:
+        """:meth:`prefetch` for ``[(layer, [experts]), ...]``; returns reads queued in total.
+
+        ``quota``: the sender's :class:`PrefetchQuota`: its loads count there, and a read that
+        would take it past ``quota.limit`` is dropped (counted in ``quota.dropped`` and in
+        ``prefetches_dropped``), so one sender cannot take every prefetch load."""
         submits = []
+        own = quota.limit if quota is not None and quota.limit is not None else None
         with self._lock:
             if self._closed:
                 raise CacheClosed()
@@ -1039,15 +1072,21 @@ class ExpertCache:
                         raise RequestError(f"layer {layer} expert {e}: out of range 0..{L.ne - 1}")
                     if pool.alloc[L.base + e] >= 0:
                         continue
-                    if self._pf_loading >= self.max_prefetch_loads:
+                    if self._pf_loading >= self.max_prefetch_loads or (
+                            own is not None and quota.in_flight >= own):
                         self.c_pf_dropped += 1
+                        if quota is not None:
+                            quota.dropped += 1
                         continue
                     s, victim = self._take_slot(pool)
                     if s < 0:
                         break
-                    self._start_load(L, e, s, False, submits, victim)
+                    load = self._start_load(L, e, s, False, submits, victim)
                     self._pf_loading += 1
                     self.c_prefetches += 1
+                    if quota is not None:
+                        load.quota = quota
+                        quota.in_flight += 1
         if submits:
             self._after(submits, (), ())
         return len(submits)
@@ -1058,6 +1097,21 @@ class ExpertCache:
         lease is still valid (docs/protocol.md, "Lease validity")."""
         g = self._gens_mv
         return [g[it[2]][it[3]] for it in items]
+
+    def prefetch_noop(self, layer: int, experts: list) -> bool:
+        """True when a prefetch of ``experts`` of ``layer`` has nothing to do: every one is a
+        valid, distinct id already resident or loading (a list of Python ints, at most 256).
+        False when it may have work or the request is bad: the caller then runs
+        :meth:`prefetch_many`, which also raises the precise error. Changes and counts nothing
+        (a prefetch that finds everything present queues no read either way); the check runs in
+        Cython (``LRU.all_present``), so a flood of such prefetches costs little."""
+        L = self._layers.get(layer)
+        if L is None:
+            return False
+        with self._lock:
+            if self._closed:
+                return False
+            return L.pool.lru.all_present(experts, L.base, L.ne)
 
     def own_lease_id(self, lid: int) -> bool:
         """True when ``lid`` lies in this cache instance's id range (issued here, or one it

@@ -68,6 +68,9 @@ class Config:
     chunk: int = 256 * KiB                   # read size, bytes (multiple of 4 KiB)
     policy: str = "global"                   # eviction scope: global | per-layer
     max_prefetch_loads: Optional[int] = None # prefetch loads in flight before dropping (None: auto)
+    client_max_prefetch: Optional[int] = None  # per client prefetch loads in flight (None: auto, 0: no cap)
+    client_rate_limit: float = 40000.0       # requests/s per client (0: off)
+    client_rate_burst: int = 40000           # requests a client may send at once
     floor: Optional[int] = None              # memory floor, bytes; None = off
     floor_hysteresis: int = 1 * GiB          # grow back above floor + this
     floor_interval_s: float = 1.0            # floor sampling period
@@ -126,6 +129,13 @@ def _float_range(lo: float, hi: float, lo_open: bool = False) -> Callable:
             raise _Bad(desc)
         return x
     return v
+
+
+def _rate(x):
+    desc = "a number of requests per second from 0 (off) to 1e9"
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1e9:
+        raise _Bad(desc)
+    return float(x)
 
 
 def _bool(x):
@@ -277,6 +287,17 @@ KEYS: dict[str, Key] = {
                               "prefetch loads in flight before new prefetches are dropped "
                               "(default: 2 x top-k x size classes, at least 16; 0 turns prefetch off)",
                               "N", "int"),
+    "client_max_prefetch": Key(_int_range(0, 1 << 20), "--client-max-prefetch",
+                               "prefetch loads one client may have in flight before its new "
+                               "prefetches are dropped (default: max_prefetch_loads; 0: no "
+                               "per-client cap)", "N", "int"),
+    "client_rate_limit": Key(_rate, "--client-rate-limit",
+                             "requests per second per client before it is refused rate_limited "
+                             "(noreply prefetches dropped); releases never count (default 40000; "
+                             "0 turns it off)", "R", "float"),
+    "client_rate_burst": Key(_int_range(1, 1 << 30), "--client-rate-burst",
+                             "requests a client may send at once above its rate (default 40000)",
+                             "N", "int"),
     "floor": Key(_size(optional_zero=True), "--floor",
                  "shrink the cache when available memory falls under SIZE (default off)", "SIZE", "size"),
     "floor_hysteresis": Key(_size(), "--floor-hysteresis", "grow back above floor + SIZE (default 1GiB)",
@@ -316,7 +337,8 @@ KEYS: dict[str, Key] = {
 RELOADABLE = frozenset({"budget", "slots", "floor", "floor_hysteresis", "floor_interval_s",
                         "floor_min_change_s", "min_budget", "on_pressure", "pressure_timeout_s",
                         "on_model_change",
-                        "heartbeat_s", "log_level", "max_request_experts", "max_message_bytes"})
+                        "heartbeat_s", "log_level", "max_request_experts", "max_message_bytes",
+                        "client_max_prefetch", "client_rate_limit", "client_rate_burst"})
 
 assert set(KEYS) == {f.name for f in dataclasses.fields(Config)} - {"sources", "path"}
 

@@ -99,6 +99,8 @@ def _apply_live(key: str, new: C.Config, server, cache, floor_box: dict):
         server.checker.max_experts = new.max_request_experts
     elif key == "max_message_bytes":
         server.max_message_bytes = new.max_message_bytes
+    elif key in ("client_rate_limit", "client_rate_burst", "client_max_prefetch"):
+        server.set_client_limits(new.client_rate_limit, new.client_rate_burst, new.client_max_prefetch)
     elif key == "on_pressure":
         cache.shrunk_policy = new.on_pressure
         server.acquire_timeout_s = new.pressure_timeout_s if new.on_pressure == "wait" else None
@@ -319,8 +321,11 @@ def _build(cfg: C.Config, held: dict, t0: float):
                         max_request_experts=cfg.max_request_experts,
                         max_message_bytes=cfg.max_message_bytes,
                         acquire_timeout_s=cfg.pressure_timeout_s if cfg.on_pressure == "wait" else None,
-                        endpoint_lock=lock_fd, pin_files=cfg.fast_path,
-                        pin_quota=cfg.fast_path_quota)
+                        endpoint_lock=lock_fd,
+                        client_rate_limit=cfg.client_rate_limit,
+                        client_rate_burst=cfg.client_rate_burst,
+                        client_max_prefetch=cfg.client_max_prefetch,
+                        pin_files=cfg.fast_path, pin_quota=cfg.fast_path_quota)
 
         def extra_stats():
             arena = server.cache.arena

@@ -338,8 +338,6 @@ class MemoryFloor:
         self._last_shrink: Optional[float] = None
         self._above_since: Optional[float] = None     # when available went above floor + hysteresis
         self._lock = threading.RLock()
-        self._thread: Optional[threading.Thread] = None
-        self._stop = threading.Event()
 
     # -- sampling ---------------------------------------------------------------------------
     def _available(self) -> int:
@@ -512,28 +510,3 @@ class MemoryFloor:
                 "reconfigures": self.counts["configure"],
                 "events": [dict(e) for e in self.events],
             }
-
-    # -- thread -----------------------------------------------------------------------------
-    def start(self) -> None:
-        """Tick every ``interval`` seconds in a daemon thread until :meth:`stop`."""
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="moecached-floor", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception:  # noqa: BLE001 - a failing probe must not kill the thread
-                self.log.exception("floor: tick failed")
-            self._stop.wait(self.interval)
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop the thread (if started) and wait up to ``timeout`` seconds for it."""
-        self._stop.set()
-        t = self._thread
-        if t is not None:
-            t.join(timeout)
-        self._thread = None

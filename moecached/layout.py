@@ -24,7 +24,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from . import MoecacheError
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-DEFAULT_LAYOUT = "qwen3-30b-a3b-Q4_K_M"
 
 # metadata keys whose values really are strings in GGUF files (everything else must be a number/bool)
 _STRING_KEY_SUFFIXES = (".rope.scaling.type", "tokenizer.ggml.model", "tokenizer.ggml.pre")
@@ -272,30 +271,3 @@ def load_layout(name_or_path: str | os.PathLike, allow_incomplete: bool = False)
     return Layout(name=stem, source=src, arch=arch, alignment=align, metadata=dict(meta),
                   tensors=tensors, complete=bool(complete), model=str(d.get("model", "")),
                   quant=str(d.get("quant", "")))
-
-
-def layout_to_json(layout: Layout) -> dict:
-    """The minimal JSON form of a layout (what the embedded default holds)."""
-    return {
-        "format": "moecached-layout/1",
-        "model": layout.model,
-        "quant": layout.quant,
-        "arch": layout.arch,
-        "complete": layout.complete,
-        "alignment": layout.alignment,
-        "metadata": layout.metadata,
-        "tensors": [{"name": t.name, "ggml_type": t.ggml_type, "shape": list(t.shape), "nbytes": t.nbytes}
-                    for t in layout.tensors],
-    }
-
-
-def shared_layouts_dir() -> Path | None:
-    """Directory of the project's reference layouts: ``$MOECACHE_SHARED/layouts`` if the env var
-    is set, else ``<repo>/../shared/layouts``; None when absent."""
-    env = os.environ.get("MOECACHE_SHARED")
-    cands = [Path(env) / "layouts", Path(env)] if env else []
-    cands.append(Path(__file__).resolve().parents[1].parent / "shared" / "layouts")
-    for c in cands:
-        if c.is_dir() and any(c.glob("*.json")):
-            return c
-    return None

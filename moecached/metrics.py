@@ -24,7 +24,7 @@ COUNTERS = {
     "prefetch_hits": ("prefetch_hits", "requested experts a prefetch had brought in (or was bringing in)"),
     "demand_misses": ("demand_misses", "requested experts read while the client waited"),
     "prefetches": ("prefetches", "prefetch reads queued"),
-    "prefetches_dropped": ("prefetches_dropped", "prefetches refused: max_prefetch_loads already in flight"),
+    "prefetches_dropped": ("prefetches_dropped", "prefetches not queued: max_prefetch_loads, or the sender's client_max_prefetch, already in flight"),
     "wasted_prefetches": ("wasted_prefetches", "prefetched experts evicted before anyone used them"),
     "evictions": ("evictions", "slots reclaimed for other experts"),
     "bytes_read": ("read_bytes", "bytes read from the model files"),
@@ -43,11 +43,11 @@ GAUGES = {
     "pinned": ("pinned_slots", "slots pinned by open leases now"),
     "uptime_s": ("uptime_seconds", "seconds since the daemon started"),
 }
-SERVER_COUNTERS = ("requests", "errors", "malformed", "undeliverable", "clients_dropped")
+SERVER_COUNTERS = ("requests", "errors", "malformed", "undeliverable", "clients_dropped", "rate_limited")
 CLASS_GAUGES = ("slots", "slots_max", "used", "pinned", "loading", "free")
 CLASS_COUNTERS = LAYER_COUNTERS = ("hits", "demand_misses", "prefetch_hits", "reads")
-CLIENT_COUNTERS = ("requests", "acquires", "hits", "prefetch_hits", "demand_misses", "prefetches", "errors",
-                   "fast_hits", "ring_drops")
+CLIENT_COUNTERS = ("requests", "acquires", "hits", "prefetch_hits", "demand_misses", "prefetches",
+                   "prefetches_dropped", "rate_limited", "errors", "fast_hits", "ring_drops")
 # the shared-memory hit path (stats "fast_path"): key -> (kind, metric name, help)
 FAST_PATH = {
     "fast_hits": ("c", "fast_hits", "hits clients took through shared memory (also in hits/prefetch_hits)"),
@@ -82,7 +82,8 @@ class StatsCollector:
     * counters: ``hits``, ``prefetch_hits``, ``demand_misses``, ``prefetches``,
       ``prefetches_dropped``, ``wasted_prefetches``, ``evictions``, ``read_bytes``, ``reads``,
       ``read_errors``, ``acquires_queued``, ``leases`` (granted), ``budget_shrinks``,
-      ``budget_grows``, ``server_{requests,errors,malformed,undeliverable,clients_dropped}``,
+      ``budget_grows``, ``server_{requests,errors,malformed,undeliverable,clients_dropped,
+      rate_limited}``,
       ``reader_chunk_reads``, ``reader_jobs``; shared-memory hit path: ``fast_hits``,
       ``fast_ring_drops``, ``fast_ring_resets``, ``fast_pins_ignored``, ``fast_evictions_held``.
     * gauges: ``reads_in_flight``, ``prefetch_loads_in_flight``, ``leases_open``,
@@ -98,9 +99,10 @@ class StatsCollector:
     * per layer ``{layer}``: counters ``layer_{hits,demand_misses,prefetch_hits,reads}``.
     * per connected client ``{client,pid}`` (the exporter's own connection left out; clients
       sharing name and pid are summed): counters ``client_{requests,acquires,hits,prefetch_hits,
-      demand_misses,prefetches,errors,fast_hits,ring_drops}``, ``client_stall_seconds``; gauges
-      ``client_leases``, ``client_pins_honoured``,
-      ``client_pending_acquires``, ``client_idle_seconds``; ``clients`` (connected, gauge).
+      demand_misses,prefetches,prefetches_dropped,rate_limited,errors,fast_hits,ring_drops}``,
+      ``client_stall_seconds``; gauges ``client_leases``, ``client_pins_honoured``,
+      ``client_pending_acquires``, ``client_prefetch_loads_in_flight``, ``client_idle_seconds``;
+      ``clients`` (connected, gauge).
     * memory floor, only while it is on: gauges ``floor_bytes``, ``floor_hysteresis_bytes``,
       ``floor_min_budget_bytes``, ``floor_available_bytes``, ``floor_at_min``; counters
       ``floor_{shrinks,grows,errors,reconfigures}`` (reconfigures: budget changes a SIGHUP made).
@@ -303,6 +305,8 @@ class StatsCollector:
                  ("g", "pins_honoured", "moecached_client_pins_honoured", "slots the client's honoured shared-memory pins hold now"),
                  ("g", "leases", "moecached_client_leases", "leases the client holds now"),
                  ("g", "pending", "moecached_client_pending_acquires", "acquires of the client waiting now"),
+                 ("g", "prefetch_loads_in_flight", "moecached_client_prefetch_loads_in_flight",
+                  "prefetch loads of the client in flight now (client_max_prefetch caps them)"),
                  ("g", "idle_s", "moecached_client_idle_seconds", "seconds since the client's last request")]
         out = [n]
         for kind, key, name, help_ in fams:

@@ -15,18 +15,16 @@ Typical use in the daemon::
     on SIGHUP: notify.reloading(); ...; notify.ready()
     on exit:   notify.stopping()
 
-:class:`NotifyReceiver` is the other end, for tests: it binds a socket and collects messages.
 """
 from __future__ import annotations
 
 import os
 import socket
-import tempfile
 import time
 from typing import Optional
 
 __all__ = ["notify", "ready", "status", "reloading", "stopping", "watchdog_ping",
-           "watchdog_interval", "NotifyReceiver"]
+           "watchdog_interval"]
 
 
 def _address(path: str) -> str:
@@ -108,66 +106,3 @@ def watchdog_interval() -> Optional[float]:
     if n <= 0:
         return None
     return n / 1e6 / 2
-
-
-class NotifyReceiver:
-    """A ``NOTIFY_SOCKET`` for tests: binds a datagram socket and collects what is sent.
-
-    ``with NotifyReceiver() as r: env["NOTIFY_SOCKET"] = r.address; ...; r.wait_for("READY=1")``.
-    ``abstract=True`` binds in the abstract namespace (address ``@...``).
-    """
-
-    def __init__(self, abstract: bool = False):
-        self.messages: list[str] = []
-        self._dir = None
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-        if abstract:
-            name = f"moecached-notify-test-{os.getpid()}-{id(self)}"
-            self.sock.bind("\0" + name)
-            self.address = "@" + name
-        else:
-            self._dir = tempfile.mkdtemp(prefix="moecached-notify-")
-            self.address = os.path.join(self._dir, "notify.sock")
-            self.sock.bind(self.address)
-
-    def recv(self, timeout: float = 5.0) -> Optional[str]:
-        """Next message, or None after ``timeout`` seconds."""
-        self.sock.settimeout(timeout)
-        try:
-            data = self.sock.recv(65536)
-        except (socket.timeout, BlockingIOError):
-            return None
-        msg = data.decode("utf-8", "replace")
-        self.messages.append(msg)
-        return msg
-
-    def wait_for(self, line: str, timeout: float = 10.0) -> str:
-        """Receive until a message has ``line`` as one of its lines; return that message.
-        Raises TimeoutError naming what was received instead."""
-        deadline = time.monotonic() + timeout
-        for m in self.messages:
-            if line in m.split("\n"):
-                return m
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no {line!r} within {timeout:g}s; got {self.messages!r}")
-            m = self.recv(left)
-            if m is not None and line in m.split("\n"):
-                return m
-
-    def close(self) -> None:
-        self.sock.close()
-        if self._dir:
-            try:
-                os.unlink(self.address)
-            except OSError:
-                pass
-            os.rmdir(self._dir)
-            self._dir = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -50,6 +50,7 @@ E_UNAVAILABLE = "unavailable"      # cannot be satisfied at the current (shrunk)
 E_SHUTDOWN = "shutdown"            # the daemon is stopping
 E_INVALID_STATE = "invalid_state"  # the op does not apply now (trace_stop with no trace running)
 E_REFUSED = "refused"              # a valid request the daemon will not carry out (unsafe trace path)
+E_RATE_LIMITED = "rate_limited"    # the client is over its request rate limit (client_rate_limit)
 E_INTERNAL = "internal"
 
 

@@ -5,8 +5,12 @@ parts). Each read is cut into the fewest chunks of at most ``chunk_bytes`` (equa
 cuts on the file's direct-I/O alignment, so widening adds < one alignment unit at the ends of a
 read, not per chunk). Chunks of all jobs are shared by all threads: a priority queue of jobs,
 demand (0) before prefetch (1), FIFO within a priority; the first queued job hands out its next
-chunk (or, when many chunks are queued, its next ``batch`` chunks to one thread, read back to
-back in one ``moecached._io.read_many`` call: fewer GIL hand-offs). Each chunk runs without the
+chunk (or, for a demand job when many chunks are queued, its next ``batch`` chunks to one
+thread, read back to back in one ``moecached._io.read_many`` call: fewer GIL hand-offs).
+Prefetch chunks yield to demand at chunk level: they are handed out one at a time, at most
+``prefetch_chunks`` of them are in flight at any time (so a demand job arriving finds at most
+that many prefetch chunks ahead of it in the drive's queue, not one per thread), and at most
+``prefetch_with_demand`` while a demand job is unfinished. Each chunk runs without the
 GIL: an O_DIRECT ``pread`` of the range widened to alignment into the thread's aligned bounce
 buffer, then ``memcpy`` to dest (straight into dest when offset, length and dest are all aligned).
 
@@ -116,13 +120,18 @@ class ReaderPool:
     ``log``: a ``logging.Logger`` (default ``logging.getLogger("moecached.readers")``).
     ``batch``: most consecutive chunks of one job a thread takes at once (read one after another
     in a single GIL release) when at least ``threads * batch`` chunks are queued; fewer queued
-    chunks are spread one per thread so a lone demand load still uses every thread.
+    chunks are spread one per thread so a lone demand load still uses every thread. Prefetch
+    chunks are always taken one at a time.
+    ``prefetch_chunks``: most prefetch chunks in flight (default ``threads // 2``, at least 1);
+    ``prefetch_with_demand``: most while a demand job is unfinished (default ``threads // 8``,
+    at least 1).
     Raises :class:`ReadError` at construction if a file cannot be opened or already differs.
     """
 
     def __init__(self, files: list[str], *, threads: int = 16, chunk_bytes: int = 256 * 1024,
                  direct: bool = True, file_sizes=None, file_mtimes_ns=None, log=None,
-                 batch: int = 4, on_change=None):
+                 batch: int = 4, on_change=None, prefetch_chunks: int | None = None,
+                 prefetch_with_demand: int | None = None):
         if threads < 1 or chunk_bytes < 4096:
             raise ReadError(f"threads={threads}, chunk_bytes={chunk_bytes}: need threads >= 1 and "
                             f"chunk_bytes >= 4096")
@@ -165,6 +174,11 @@ class ReaderPool:
         self._closing = False
         self._batch = max(1, min(int(batch), 64))
         self._queued_chunks = 0
+        self._demand_jobs = 0      # demand-priority jobs not finished (submitted or promoted)
+        self._pf_chunks = 0        # prefetch chunks being read now
+        self._pf_max = max(1, int(prefetch_chunks) if prefetch_chunks is not None else threads // 2)
+        self._pf_with_demand = min(self._pf_max, max(
+            1, int(prefetch_with_demand) if prefetch_with_demand is not None else threads // 8))
         self._stats = {"reads": 0, "bytes": 0, "jobs": 0, "errors": 0}
         self._hist = [0] * (len(LATENCY_EDGES_S) + 1)
         self._recent = collections.deque(maxlen=4096)
@@ -330,9 +344,13 @@ class ReaderPool:
             jid = next(self._ids)
             job = _Job(jid, priority, chunks, callback, total)
             self._jobs[jid] = job
+            if priority == 0:
+                self._demand_jobs += 1
             heapq.heappush(self._heap, (priority, next(self._seq), job))
             self._queued_chunks += len(chunks)
-            self._cond.notify(min(len(chunks), len(self._threads)))
+            # wake only threads that may take a chunk (prefetch: up to its cap), not a herd
+            self._cond.notify(min(len(chunks), len(self._threads) if priority == 0
+                                  else max(0, self._pf_limit() - self._pf_chunks)))
         return jid
 
     def promote(self, job_id: int) -> bool:
@@ -346,17 +364,25 @@ class ReaderPool:
             if job is None or job.priority == 0 or job.error is not None or job.next >= len(job.chunks):
                 return False
             job.priority = 0
+            self._demand_jobs += 1
             heapq.heappush(self._heap, (0, next(self._seq), job))  # old entry goes stale
             self._cond.notify()
             return True
 
-    def _take(self):
-        """Next (job, [chunks], error) or None when closing. Caller holds self._cond.
+    def _pf_limit(self) -> int:
+        """Most prefetch chunks in flight now. Caller holds self._cond."""
+        return self._pf_with_demand if self._demand_jobs else self._pf_max
 
-        Takes up to ``batch`` consecutive chunks of the first job when the queue is deep enough
-        (queued chunks >= threads * k), else one. Before a job's first chunk is handed out its
-        files are checked: a changed model fails the job (``error``: :class:`ModelChanged`,
-        the rest cancelled) before any byte of dest is written."""
+    def _take(self):
+        """Next (job, [chunks], priority taken at, error) or None when closing. Caller holds
+        self._cond.
+
+        Takes up to ``batch`` consecutive chunks of the first job when it is a demand job and
+        the queue is deep enough (queued chunks >= threads * k), else one. Waits instead of
+        taking a prefetch chunk when ``prefetch_chunks`` prefetch chunks are in flight
+        (``prefetch_with_demand`` while a demand job is unfinished). Before a job's first chunk
+        is handed out its files are checked: a changed model fails the job (``error``:
+        :class:`ModelChanged`, the rest cancelled) before any byte of dest is written."""
         heap = self._heap
         while True:
             if self._closing:
@@ -366,8 +392,15 @@ class ReaderPool:
                 if prio != job.priority or job.next >= len(job.chunks) or job.error is not None:
                     heapq.heappop(heap)  # stale (promoted, exhausted, failed)
                     continue
-                k = min(self._batch, self._queued_chunks // len(self._threads), len(job.chunks) - job.next)
-                k = max(k, 1)
+                if prio:
+                    if self._pf_chunks >= self._pf_limit():
+                        break  # leave the drive to demand reads
+                    k = 1
+                    self._pf_chunks += 1
+                else:
+                    k = min(self._batch, self._queued_chunks // len(self._threads),
+                            len(job.chunks) - job.next)
+                    k = max(k, 1)
                 pre = self._check_job_files(job) if job.next == 0 else None
                 take = job.chunks[job.next:job.next + k]
                 job.next += k
@@ -381,7 +414,7 @@ class ReaderPool:
                     job.touched = True
                 if job.next >= len(job.chunks):
                     heapq.heappop(heap)
-                return job, take, pre
+                return job, take, prio, pre
             self._cond.wait()
 
     def _read(self, chunks, bounce: int):
@@ -422,7 +455,7 @@ class ReaderPool:
                 got = self._take()
             if got is None:
                 return
-            job, chunks, pre = got
+            job, chunks, prio, pre = got
             if pre is not None:
                 ok, err = 0, pre
             else:
@@ -433,6 +466,8 @@ class ReaderPool:
                                            f"{chunks[0][1]}: {e!r}")
             with cond:
                 k = len(chunks)
+                if prio:
+                    self._pf_chunks -= k
                 job.inflight -= k
                 job.done += k
                 if chunks[0] is not None and pre is None:
@@ -446,6 +481,10 @@ class ReaderPool:
                 if fin:
                     job.finished = True
                     del self._jobs[job.id]
+                    if job.priority == 0:
+                        self._demand_jobs -= 1
+                        if not self._demand_jobs:  # prefetch chunks held back may go now
+                            cond.notify(max(0, self._pf_max - self._pf_chunks))
                     dt = time.perf_counter() - job.t0
                     self._finish_stats(job, dt)
             if fin:

@@ -38,15 +38,18 @@ import zmq
 
 from . import MoecacheError, __version__
 from . import protocol as P
-from ._serve import FastPath
+from ._serve import FastPath, RateLimit, TokenBucket
 from ._shm import RING_N
 from .arena import STATE_MODEL_CHANGED, STATE_SERVING
+from .cache import PrefetchQuota
 from .stats import hit_rate
 
 log = logging.getLogger("moecached.server")
 
 _MORE_NB = int(zmq.SNDMORE | zmq.NOBLOCK)  # plain ints: enum flag arithmetic per send is slow
 _NB = int(zmq.NOBLOCK)
+#: ops never rate-limited: they give resources back (refusing them would keep pins)
+_UNLIMITED_OPS = frozenset({"release", "bye"})
 
 
 class ServerError(MoecacheError):
@@ -56,9 +59,9 @@ class ServerError(MoecacheError):
 class _Client:
     __slots__ = ("ident", "delim", "name", "pid", "first_seen", "last_seen", "leases", "pending",
                  "requests", "acquires", "hits", "misses", "prefetch_hits", "prefetches",
-                 "errors", "stall_s", "pidfd", "pins", "fast_closed")
+                 "errors", "stall_s", "pidfd", "bucket", "pf", "rate_limited", "pins", "fast_closed")
 
-    def __init__(self, ident: bytes, now: float):
+    def __init__(self, ident: bytes, now: float, burst: float = 1.0, max_prefetch=None):
         self.ident = ident
         self.delim = False  # the client frames requests REQ-style (empty delimiter first)
         self.name = ident.hex()
@@ -70,6 +73,9 @@ class _Client:
         self.prefetch_hits = self.prefetches = self.errors = 0
         self.stall_s = 0.0
         self.pidfd = None  # pidfd of the client's process when watched (ipc + verified pid)
+        self.bucket = TokenBucket(burst, now)    # request rate limit (Server.rate_limit)
+        self.pf = PrefetchQuota(max_prefetch)     # its prefetch loads in flight / dropped
+        self.rate_limited = 0                     # requests refused or dropped: over the rate limit
         self.pins = None   # its pin file (moecached._shm.PinFile) when it uses the fast path
         # counters of its pin files already closed (a new hello, a reload)
         self.fast_closed = dict.fromkeys(("fast_hits", "ring_drops", "ring_resets", "pins_ignored"), 0)
@@ -99,7 +105,9 @@ class _Client:
                 "prefetch_hits": pfh, "demand_misses": self.misses,
                 "hit_rate": hit_rate(hits, pfh, self.misses),
                 "fast_path": pf is not None, **fast,
-                "prefetches": self.prefetches, "errors": self.errors,
+                "prefetches": self.prefetches, "prefetches_dropped": self.pf.dropped,
+                "prefetch_loads_in_flight": self.pf.in_flight, "rate_limited": self.rate_limited,
+                "errors": self.errors,
                 "stall_s": round(self.stall_s, 6),
                 "watched": "process" if self.pidfd is not None else "heartbeat",
                 "idle_s": round(time.monotonic() - self.last_seen, 3)}
@@ -201,6 +209,14 @@ class Server:
         on_model_change: optional callable(message) run in the loop thread after
             :meth:`model_changed` was called (from any thread) with why the model file is no
             longer the one indexed; the daemon reloads or exits there.
+        rate_limit: the per-client request rate limit (``RateLimit``: ``rate`` per second,
+            ``burst``); :meth:`set_client_limits` changes it.
+    Fairness between clients (see docs/operations.md): ``client_rate_limit`` requests/s with
+    bursts of ``client_rate_burst`` per client (0: off); a replied request over the limit is
+    answered ``rate_limited``, a noreply prefetch is dropped, both counted per client;
+    releases and bye are never limited. ``client_max_prefetch``: prefetch loads one client may
+    have in flight (None: the cache's ``max_prefetch_loads``, so a lone client is limited as
+    before; 0: no own cap); its prefetches beyond it are dropped and counted per client.
     Raises:
         ServerError: another daemon holds the endpoint, or the endpoint cannot be bound.
     """
@@ -209,7 +225,9 @@ class Server:
                  socket_mode: int = 0o660, gid: int | None = None, on_tick=None, tick_s: float = 1.0,
                  max_request_experts: int = P.MAX_ARRAY_LEN, max_message_bytes: int = P.MAX_MESSAGE_BYTES,
                  acquire_timeout_s: float | None = None, endpoint_lock: int | None = None,
-                 pin_files: bool = True, pin_quota: int | None = None):
+                 client_rate_limit: float = 0.0, client_rate_burst: float = 1.0,
+                 client_max_prefetch: int | None = None, pin_files: bool = True,
+                 pin_quota: int | None = None):
         self.cache = cache
         self.index = cache.index
         self.endpoint = endpoint
@@ -235,6 +253,9 @@ class Server:
         self.clients: dict[bytes, _Client] = {}
         self._watch = select.poll()           # pidfds of watched clients (POLLIN: exited)
         self._watched: dict[int, _Client] = {}
+        self.rate_limit = RateLimit()
+        self.client_max_prefetch = None
+        self.set_client_limits(client_rate_limit, client_rate_burst, client_max_prefetch)
         self.leases: dict[int, tuple[bytes, object]] = {}
         self.deadlines: list = []  # heap of (t, ticket, ident, rid)
         self.done = collections.deque()
@@ -474,6 +495,33 @@ class Server:
         finally:
             self.close()
 
+    def set_client_limits(self, rate: float, burst: float, max_prefetch: int | None) -> None:
+        """Apply the per-client limits (at start and on reload): ``rate`` requests/s (0: off),
+        ``burst`` requests, ``max_prefetch`` prefetch loads in flight per client (None: the
+        cache's ``max_prefetch_loads``; 0: no own cap). Connected clients get the new values at
+        once."""
+        self.rate_limit.rate = max(0.0, float(rate))
+        self.rate_limit.burst = max(1.0, float(burst))
+        self._auto_pf = max_prefetch is None   # fair share of max_prefetch_loads (see below)
+        if max_prefetch is None:
+            max_prefetch = int(getattr(self.cache, "max_prefetch_loads", 0))
+        self.client_max_prefetch = int(max_prefetch) or None
+        for c in self.clients.values():
+            c.pf.limit = self.client_max_prefetch
+
+    #: a client that acquired or prefetched within this many seconds shares the prefetch loads
+    ACTIVE_S = 2.0
+
+    def _fair_prefetch_share(self, c: _Client) -> int:
+        """``client_max_prefetch`` left to the daemon: ``max_prefetch_loads`` split evenly
+        between the engines active now (acquired or prefetched within ``ACTIVE_S``), so a lone
+        engine keeps all of it and a prefetch storm beside a demand-only engine keeps half,
+        leaving it slots and disk time."""
+        now = time.monotonic()
+        active = sum(1 for x in self.clients.values()
+                     if x is not c and (x.acquires or x.prefetches) and now - x.last_seen < self.ACTIVE_S)
+        return max(1, (self.client_max_prefetch or 0) // (1 + active))
+
     def _fast_handler(self):
         """``frames -> bool``: the Cython hot path (``moecached._serve.FastPath``), or a stub
         that always declines when ``fast_path`` is False (everything then takes ``_handle``)."""
@@ -572,7 +620,8 @@ class Server:
         now = time.monotonic()
         c = self.clients.get(ident)
         if c is None:
-            c = self.clients[ident] = _Client(ident, now)
+            c = self.clients[ident] = _Client(ident, now, self.rate_limit.burst,
+                                              self.client_max_prefetch)
         c.last_seen = now
         c.delim = envelope is not None
         c.requests += 1
@@ -590,6 +639,15 @@ class Server:
                     P.header(msg)  # raises the precise error
             else:
                 P.header(msg)
+            if op not in _UNLIMITED_OPS and not c.bucket.take(now, self.rate_limit):
+                c.rate_limited += 1
+                self.counters["rate_limited"] += 1
+                if msg.get("noreply") is not True:
+                    self._send_error(ident, rid, P.E_RATE_LIMITED,
+                                     f"client {c.name} is over its rate limit of "
+                                     f"{self.rate_limit.rate:g} requests/s (burst "
+                                     f"{self.rate_limit.burst:g}); slow down and retry")
+                return
             fn(c, rid, msg)
         except P.ProtocolError as e:
             c.errors += 1
@@ -826,7 +884,10 @@ class Server:
                     limits={"max_message_bytes": self.max_message_bytes,
                             "max_array_len": P.MAX_ARRAY_LEN, "max_map_len": P.MAX_MAP_LEN,
                             "max_str_len": P.MAX_STR_LEN,
-                            "max_request_experts": self.checker.max_experts})
+                            "max_request_experts": self.checker.max_experts,
+                            "client_rate_limit": self.rate_limit.rate,
+                            "client_rate_burst": self.rate_limit.burst,
+                            "client_max_prefetch": self.client_max_prefetch or 0})
 
     def _op_ping(self, c: _Client, rid: int, msg: dict) -> None:
         self._reply(c.ident, rid, t=time.time())
@@ -855,7 +916,9 @@ class Server:
     def _op_prefetch(self, c: _Client, rid: int, msg: dict) -> None:
         quiet = self._noreply(msg)
         reqs = self.checker.requests(msg)
-        n = self.cache.prefetch_many(reqs)
+        if self._auto_pf:
+            c.pf.limit = self._fair_prefetch_share(c)
+        n = self.cache.prefetch_many(reqs, c.pf)
         c.prefetches += n
         if not quiet:
             self._reply(c.ident, rid, queued=n)

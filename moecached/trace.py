@@ -277,14 +277,6 @@ def save_trace(path, trace: Trace) -> None:
 
 # ----------------------------------------------------------------------------- JSONL form
 
-def _pad(rows, width, fill, dtype):
-    out = np.full((len(rows), width), fill, dtype=dtype)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, :len(r)] = r
-    return out
-
-
 def _build(tokens, n_layers, top_k, n_experts, meta, name="<jsonl>") -> Trace:
     """tokens: list of dicts {prompt, step, layers: {l: (experts, weights|None, predicted|None)}}."""
     T = len(tokens)

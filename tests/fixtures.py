@@ -32,10 +32,22 @@ from pathlib import Path
 
 import pytest
 
-from moecached.layout import DATA_DIR, shared_layouts_dir
+from moecached.layout import DATA_DIR
 from moecached.synth import verify_expert_bytes, write_model
 
 _CACHE: dict[tuple, str] = {}
+
+
+def shared_layouts_dir() -> Path | None:
+    """Directory of the project's reference layouts: ``$MOECACHE_SHARED/layouts`` if the env var
+    is set, else ``<repo>/../shared/layouts``; None when absent."""
+    env = os.environ.get("MOECACHE_SHARED")
+    cands = [Path(env) / "layouts", Path(env)] if env else []
+    cands.append(Path(__file__).resolve().parents[2] / "shared" / "layouts")
+    for c in cands:
+        if c.is_dir() and any(c.glob("*.json")):
+            return c
+    return None
 _WRITTEN: list[Path] = []   # directories make_model wrote, removed by remove_models()
 
 

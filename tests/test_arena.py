@@ -2,6 +2,7 @@
 import contextlib
 import ctypes
 import json
+import mmap
 import shutil
 import os
 import resource
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from moecached.arena import Arena, ArenaError, map_readonly, plan_slots
+from moecached.arena import Arena, ArenaError, plan_slots
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -104,10 +105,13 @@ def test_layout_alignment_views_and_descriptor_roundtrip(tmp_path):
                     want[c.id, s, p] = data
                     assert ar.part_offset(c.id, s, p) == c.part_off[p] + s * c.part_bytes[p]
         desc = json.loads(json.dumps(ar.descriptor()))
-        mm, lay = map_readonly(desc)
+        # what a client does with the descriptor (docs/protocol.md): map read-only, find parts
+        with open(desc["path"], "rb") as f:
+            mm = mmap.mmap(f.fileno(), desc["size"], mmap.MAP_SHARED, mmap.PROT_READ)
+        by_id = {int(c["id"]): c for c in desc["classes"]}
         try:
             for (cid, s, p), data in want.items():
-                cl = lay["by_id"][cid]
+                cl = by_id[cid]
                 off = cl["part_off"][p] + s * cl["part_bytes"][p]
                 assert mm[off:off + cl["part_bytes"][p]] == data.tobytes()
             with pytest.raises(TypeError):

@@ -1,6 +1,5 @@
 """MemoryFloor: shrink under the floor, grow back above the band, no flapping, failures survive."""
 import logging
-import time
 
 import pytest
 
@@ -174,41 +173,6 @@ def test_invalid_arguments():
         MemoryFloor(GiB, 0, GiB, 2 * GiB, lambda b: None)
     with pytest.raises(ValueError):
         MemoryFloor(-1, 0, GiB, 0, lambda b: None)
-
-
-def test_thread_start_stop():
-    probe, cache = FakeProbe(1 * GiB), FakeCache()
-    f = MemoryFloor(8 * GiB, GiB, 12 * GiB, GiB, cache.set_budget, probe=probe, interval=0.02)
-    f.start()
-    deadline = time.monotonic() + 5
-    while f.current_budget > GiB and time.monotonic() < deadline:
-        time.sleep(0.01)
-    f.stop()
-    assert f.current_budget == GiB
-    n = len(cache.calls)
-    time.sleep(0.1)
-    assert len(cache.calls) == n                  # stopped means stopped
-
-
-def test_thread_survives_probe_errors(caplog):
-    calls = {"n": 0}
-
-    def probe():
-        calls["n"] += 1
-        if calls["n"] < 3:
-            raise OSError("meminfo unreadable")
-        return 1 * GiB
-
-    cache = FakeCache()
-    f = MemoryFloor(8 * GiB, GiB, 12 * GiB, GiB, cache.set_budget, probe=probe, interval=0.02)
-    with caplog.at_level(logging.ERROR, logger="moecached.floor"):
-        f.start()
-        deadline = time.monotonic() + 5
-        while not cache.calls and time.monotonic() < deadline:
-            time.sleep(0.01)
-        f.stop()
-    assert cache.calls, "the thread died on the probe error"
-    assert any("tick failed" in r.getMessage() for r in caplog.records)
 
 
 def test_reconfigure_keeps_a_pressure_shrink_and_honours_min_budget():

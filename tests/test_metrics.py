@@ -90,6 +90,10 @@ def test_collector_matches_daemon_stats(model, tmp_path):
     assert m[("moecached_client_requests_total", lab)] == eng_st["requests"]
     assert m[("moecached_client_hits_total", lab)] == eng_st["hits"]
     assert m[("moecached_client_demand_misses_total", lab)] == eng_st["demand_misses"]
+    for key in ("prefetches_dropped", "rate_limited"):
+        assert m[(f"moecached_client_{key}_total", lab)] == eng_st[key]
+    assert m[("moecached_client_prefetch_loads_in_flight", lab)] == eng_st["prefetch_loads_in_flight"]
+    assert m[("moecached_server_rate_limited_total", ())] == st["server"].get("rate_limited", 0)
     assert m[("moecached_floor_bytes", ())] == 1 << 20
     # the exporter leaves its own connection out
     assert not [k for k in m if k[0].startswith("moecached_client_") and ("client", "moecache-metrics") in k[1]]

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from moecached import logs, notify
-from moecached.notify import NotifyReceiver
+from notify_receiver import NotifyReceiver
 
 
 @pytest.mark.parametrize("abstract", [False, True])

@@ -105,7 +105,9 @@ def test_prefetch_oracle_counts(daemon):
         c.close()
     assert "sim" not in r
     assert r["hits"] + r["prefetch_hits"] + r["demand_misses"] == r["accesses"] == 1600
-    assert r["prefetch_hits"] > 0 and r["prefetches"] >= r["prefetch_hits"]
+    # counted over the window: prefetches queued during warm-up for the first counted layers
+    # (lookahead 2 x top-k at most) may be hit inside it, still loading when demanded
+    assert r["prefetch_hits"] > 0 and r["prefetches"] + 2 * t.top_k >= r["prefetch_hits"]
     assert r["tok_s"] <= 1000 / 4.0 * 1.05  # compute time is waited
 
 

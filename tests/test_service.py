@@ -12,7 +12,7 @@ import pytest
 
 from daemon_util import start_daemon, stop_daemon
 from moecache_client import Client
-from moecached.notify import NotifyReceiver
+from notify_receiver import NotifyReceiver
 from moecached.synth import verify_expert_bytes
 
 

@@ -7,7 +7,6 @@ import io
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from daemon_util import start_daemon, stop_daemon
-from moecached import MoecacheError
 from moecached.arena import Arena, remove_stale_arenas
 from moecached.floor import MIN_MARGIN, MemoryLimitError, fit_arena, read_memory_limit
 from moecached.index import open_index

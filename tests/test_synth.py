@@ -8,7 +8,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import quant_shape_to_byte_shape
 
 from fixtures import layout_path, make_model
-from moecached.layout import DATA_DIR, LayoutError, load_layout, shared_layouts_dir
+from fixtures import shared_layouts_dir
+from moecached.layout import DATA_DIR, LayoutError, load_layout
 from moecached.synth import (PAGE, SynthError, decode_stamp, expected_expert_bytes, main as synth_main,
                              plan_model, verify_expert_bytes, write_model)
 

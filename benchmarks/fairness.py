@@ -1,0 +1,405 @@
+"""Fairness between clients: a demand client's acquires alone vs beside another client's
+prefetch storm vs beside a flood of no-op prefetches.
+
+Writes a real-layout fixture larger than the cache budget on disk (``moecached.synth``), starts
+``moecached`` on it (O_DIRECT reads; optionally throttled to ``--read-mbps`` MB/s with a blkio
+cgroup), warms the demand client's working set up, then runs interleaved rounds of three phases of ``--seconds`` each:
+
+* ``alone``: one demand client: a decode loop over every layer, ``--k`` experts per layer drawn
+  from a Zipf distribution over the layer's first ``--hot`` experts (a working set that fits
+  the budget: resident unless another client's loads evicted it), acquire then release;
+* ``storm``: the same, beside a second client sending noreply prefetches of random experts
+  (``--storm-rate`` messages/s, real prefetch reads on the throttled disk);
+* ``noop``: the same, beside a client flooding noreply prefetches of the demand client's
+  hottest experts (``--noop-rate`` messages/s; resident, so each has nothing to do).
+
+Every client is its own process. The table shows the demand client's acquires/s and acquire
+latency p50/p99 per phase (median over rounds) and the ratio to ``alone`` of the same run, and
+``cpu us/msg``: the daemon's CPU time (all threads, from /proc) during the phase, less the
+demand client's share measured alone, per message of the other client -- what one storm or
+no-op prefetch costs the daemon, which on a busy machine is steadier than throughput.
+``--compare PATH`` runs the same phases, in the same rounds, against a daemon started from
+another source tree (e.g. a worktree of an older commit, built with ``build_ext --inplace``).
+
+    python benchmarks/fairness.py                         # -> benchmarks/results/fairness.json
+    python benchmarks/fairness.py --read-mbps 100 --rounds 3 --seconds 4 --compare /tmp/old-tree
+
+Target: the storm costs the demand client <= 10 % of its acquires per second.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "clients"))
+
+CGROUP = "/sys/fs/cgroup/blkio/moecached-bench-fairness"
+
+
+# ---- workers (child processes) -----------------------------------------------------------------
+def _zipf_sets(n_experts, k, n, seed, s=1.1):
+    rng = random.Random(seed)
+    w = [1.0 / (i + 1) ** s for i in range(n_experts)]
+    out = []
+    for _ in range(n):
+        picks = set()
+        while len(picks) < k:
+            picks.add(rng.choices(range(n_experts), w)[0])
+        out.append(sorted(picks))
+    return out
+
+
+def worker(kind: str, endpoint: str, seconds: float, k: int, rate: float, seed: int,
+           hot: int) -> dict:
+    from moecache_client import Client
+    c = Client(endpoint, name="bench-demand" if kind == "demand" else f"bench-{kind}-ctl")
+    try:
+        layers = list(c.expert_layers)
+        ne = c.n_experts
+        end = time.perf_counter() + seconds
+        if kind == "demand":
+            sets = _zipf_sets(min(hot, ne), k, 2048, seed)
+            lat = []
+            i = 0
+            pc = time.perf_counter
+            while pc() < end:
+                for layer in layers:
+                    t0 = pc()
+                    lease = c.acquire(layer, sets[i % len(sets)])
+                    lat.append(pc() - t0)
+                    lease.release()
+                    i += 1
+            lat.sort()
+            st = next((x for x in c.stats()["clients"] if x["name"] == "bench-demand"), {})
+            return {"acquires": len(lat), "seconds": seconds,
+                    "p50_us": lat[len(lat) // 2] * 1e6, "p99_us": lat[int(len(lat) * 0.99)] * 1e6,
+                    "hits": st.get("hits"), "misses": st.get("demand_misses"),
+                    "prefetch_hits": st.get("prefetch_hits"), "rate_limited": st.get("rate_limited")}
+        # the other clients send pre-packed frames on a raw DEALER socket (cheap for the sender,
+        # so the table shows what they cost the daemon, not their own CPU)
+        import msgpack
+        import zmq
+        rng = random.Random(seed)
+        if kind == "noop":   # the demand client's hottest experts: always resident
+            msgs = [(layer, list(range(k))) for layer in layers]
+        else:
+            msgs = [(rng.choice(layers), rng.sample(range(ne), k)) for _ in range(4096)]
+        frames = [msgpack.packb({"v": 1, "id": i + 1, "op": "prefetch", "layer": l, "experts": ex,
+                                 "noreply": True}) for i, (l, ex) in enumerate(msgs)]
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(endpoint)
+        s.send(msgpack.packb({"v": 1, "id": 0, "op": "hello", "client": f"bench-{kind}"}))
+        s.poll(5000)
+        s.recv()
+        send = s.send
+        sent = 0
+        t0 = time.perf_counter()
+        while True:
+            now = time.perf_counter()
+            if now >= end:
+                break
+            due = int((now - t0) * rate) + 1
+            while sent < due:
+                send(frames[sent % len(frames)])
+                sent += 1
+            ahead = (sent / rate) - (time.perf_counter() - t0)
+            if ahead > 0.001:
+                time.sleep(ahead)
+        time.sleep(0.2)   # the flood above is handled by now
+        st = next((x for x in c.stats()["clients"] if x["name"] == f"bench-{kind}"), {})
+        s.send(msgpack.packb({"v": 1, "id": 1 << 40, "op": "bye"}))
+        s.poll(2000)
+        s.close()
+        return {"sent": sent, "seconds": seconds, "prefetches": st.get("prefetches"),
+                "prefetches_dropped": st.get("prefetches_dropped"),
+                "rate_limited": st.get("rate_limited")}
+    finally:
+        c.close()
+
+
+# ---- driver ------------------------------------------------------------------------------------
+def _throttle(pid: int, model: str, mbps: float) -> str | None:
+    """Put ``pid`` in a blkio cgroup reading the model's disk at ``mbps`` MB/s. Returns None
+    when done, else why not."""
+    if not os.path.isdir("/sys/fs/cgroup/blkio"):
+        if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+            return "cgroup v2 only: use io.max (not implemented here)"
+        return "no blkio cgroup controller on this machine"
+    st = os.stat(model)
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    try:
+        os.makedirs(CGROUP, exist_ok=True)
+        with open(os.path.join(CGROUP, "blkio.throttle.read_bps_device"), "w") as f:
+            f.write(f"{dev} {int(mbps * 1e6)}\n")
+        with open(os.path.join(CGROUP, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+    except OSError as e:
+        return f"cannot throttle (device {dev}): {e.strerror}"
+    return None
+
+
+def _start_daemon(tree: str, model: str, sock: str, slots: int, extra: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=f"{tree}:{tree}/clients")
+    cmd = [sys.executable, "-P", "-m", "moecached.daemon", "--model", model, "--endpoint",
+           f"ipc://{sock}", "--slots", str(slots), "--no-lock-memory", "--readers", "16",
+           "--log-level", "warning"] + extra
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    from moecache_client import Client
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if p.poll() is not None:
+            raise RuntimeError(f"daemon exited {p.returncode}: {p.stderr.read()}")
+        if os.path.exists(sock):
+            try:
+                Client(f"ipc://{sock}", connect_timeout=2).close()
+                return p
+            except Exception:
+                pass
+        time.sleep(0.1)
+    p.kill()
+    raise RuntimeError("daemon did not come up")
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) the process has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _run_phase(phase: str, endpoint: str, args, seed: int, pid: int | None = None) -> dict:
+    me = os.path.abspath(__file__)
+    base = [sys.executable, me, "--endpoint", endpoint, "--seconds", str(args.seconds),
+            "--k", str(args.k), "--seed", str(seed), "--hot", str(args.hot)]
+    others = []
+    if phase == "storm":
+        others.append(subprocess.Popen(base + ["--worker", "storm", "--rate", str(args.storm_rate)],
+                                       stdout=subprocess.PIPE, text=True))
+    elif phase == "noop":
+        others.append(subprocess.Popen(base + ["--worker", "noop", "--rate", str(args.noop_rate)],
+                                       stdout=subprocess.PIPE, text=True))
+    if others:
+        time.sleep(0.3)  # the other client is up and sending
+    cpu0 = _cpu_s(pid) if pid else 0.0
+    dem = subprocess.run(base + ["--worker", "demand"], stdout=subprocess.PIPE, text=True, check=True)
+    out = {"demand": json.loads(dem.stdout.strip().splitlines()[-1])}
+    out["daemon_cpu_s"] = (_cpu_s(pid) - cpu0) if pid else None
+    for o in others:
+        so, _ = o.communicate(timeout=60)
+        out["other"] = json.loads(so.strip().splitlines()[-1])
+    return out
+
+
+def micro(model: str, reps: int = 7, n: int = 20000) -> dict:
+    """In-process cost per request of the server's handlers (no sockets: replies go to a stub),
+    interleaved ``reps`` times in ABBA order, microseconds (min and median over reps): a no-op noreply
+    prefetch on the hot path vs the general path, and a resident acquire + noreply release on
+    the hot path with the per-client rate limit on (never reached) vs off."""
+    import types
+    import msgpack
+    from moecached.cache import ExpertCache
+    from moecached.index import open_index
+    from moecached.server import Server, _Client
+    idx = open_index(model)
+    cache = ExpertCache(idx, lock_memory=False, readers=2)
+    d = tempfile.mkdtemp(prefix="moecache-fair-micro-")
+    srv = Server(cache, endpoint=f"ipc://{d}/m.sock", client_rate_limit=1e9, client_rate_burst=1e9)
+    real_sock = srv.sock
+    try:
+        L = idx.expert_layers[0]
+        ex = list(range(min(8, idx.n_experts)))
+        cache.release(cache.acquire(L, ex, timeout=60))
+        srv.sock = types.SimpleNamespace(send=lambda *a: None)   # replies go nowhere
+        ident = b"micro"
+        srv.clients[ident] = _Client(ident, time.monotonic(), 1e9, None)
+        fast = srv._fast_handler()
+        general = srv._handle
+        pf = msgpack.packb({"v": 1, "id": 5, "op": "prefetch", "layer": L, "experts": ex, "noreply": True})
+        acq = msgpack.packb({"v": 1, "id": 6, "op": "acquire", "layer": L, "experts": ex})
+
+        def pf_fast():
+            for _ in range(n):
+                fast([ident, pf])
+
+        def pf_general():
+            for _ in range(n):
+                general([ident, pf])
+
+        def acq_rel():
+            leases = srv.leases
+            for _ in range(n):
+                fast([ident, acq])
+                lid = next(iter(leases))
+                fast([ident, msgpack.packb({"v": 1, "id": 7, "op": "release", "lease": lid,
+                                            "noreply": True})])
+
+        def limit(on):
+            def f():
+                srv.rate_limit.rate = 1e9 if on else 0.0
+                acq_rel()
+            return f
+        cases = {"noop_prefetch_fast_us": pf_fast, "noop_prefetch_general_us": pf_general,
+                 "acquire_release_limit_on_us": limit(True), "acquire_release_limit_off_us": limit(False)}
+        times = {k: [] for k in cases}
+        for r in range(reps):   # order reversed every other rep (ABBA): no order effect
+            for k, f in (list(cases.items()) if r % 2 == 0 else list(cases.items())[::-1]):
+                t = time.perf_counter()
+                f()
+                times[k].append((time.perf_counter() - t) / n * 1e6)
+        return {k: {"min": min(v), "median": _median(v)} for k, v in times.items()}
+    finally:
+        srv.sock = real_sock
+        srv.close()
+        cache.close()
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layout", default="qwen3-30b-a3b-Q4_K_M")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--n-experts", type=int, default=16)
+    ap.add_argument("--slots", type=int, default=112, help="cache size in expert slots (< layers x experts)")
+    ap.add_argument("--k", type=int, default=4, help="experts per acquire / prefetch")
+    ap.add_argument("--hot", type=int, default=9,
+                    help="the demand client draws from the first HOT experts of each layer "
+                         "(HOT x layers fits the budget: its misses come from evictions)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=4.0, help="per phase")
+    ap.add_argument("--storm-rate", type=float, default=2000.0, help="storm prefetch messages/s")
+    ap.add_argument("--noop-rate", type=float, default=9000.0, help="no-op prefetch messages/s")
+    ap.add_argument("--read-mbps", type=float, default=100.0,
+                    help="throttle the daemon's reads to this many MB/s (blkio cgroup; 0: off)")
+    ap.add_argument("--model-dir", default=None, help="where to write the fixture (a real disk)")
+    ap.add_argument("--compare", default=None, metavar="TREE",
+                    help="also run every phase against a daemon from this source tree")
+    ap.add_argument("--daemon-arg", action="append", default=[], help="extra daemon flag (repeatable)")
+    ap.add_argument("--json", default=os.path.join(HERE, "results", "fairness.json"))
+    # worker mode (internal)
+    ap.add_argument("--worker", choices=["demand", "storm", "noop"])
+    ap.add_argument("--endpoint")
+    ap.add_argument("--rate", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.endpoint, args.seconds, args.k, args.rate, args.seed,
+                                args.hot)))
+        return 0
+
+    from moecached.synth import write_model
+    trees = [("this tree", ROOT)] + ([("compare", os.path.abspath(args.compare))] if args.compare else [])
+    phases = ["alone", "storm", "noop"]
+    results = {name: {p: [] for p in phases} for name, _ in trees}
+    notes = []
+    with tempfile.TemporaryDirectory(prefix="moecache-fair-", dir=args.model_dir or "/var/tmp") as d:
+        model = write_model(args.layout, os.path.join(d, "model.gguf"), layers=args.layers,
+                            experts=args.n_experts, progress=False)[0]
+        daemons = {}
+        try:
+            for i, (name, tree) in enumerate(trees):
+                sock = os.path.join(d, f"d{i}.sock")
+                p = _start_daemon(tree, model, sock, args.slots, args.daemon_arg)
+                daemons[name] = (p, f"ipc://{sock}")
+                if args.read_mbps > 0:
+                    why = _throttle(p.pid, model, args.read_mbps)
+                    if why and why not in notes:
+                        notes.append(why)
+            for name, _ in trees:    # warm-up: the demand client's working set resident
+                _run_phase("alone", daemons[name][1], args, seed=99)
+            for r in range(args.rounds):
+                order = phases[r % 3:] + phases[:r % 3]   # interleaved, rotating order
+                for phase in order:
+                    for name, _ in trees:
+                        res = _run_phase(phase, daemons[name][1], args, seed=r,
+                                         pid=daemons[name][0].pid)
+                        results[name][phase].append(res)
+                        dm = res["demand"]
+                        print(f"round {r} {name:9s} {phase:5s}: {dm['acquires'] / dm['seconds']:8.0f} acq/s "
+                              f"p50 {dm['p50_us']:7.0f} us p99 {dm['p99_us']:8.0f} us "
+                              f"misses {dm['misses']} daemon cpu {res['daemon_cpu_s']:.2f} s"
+                              + (f"  other {res['other']}" if "other" in res else ""), flush=True)
+        finally:
+            for p, _ in daemons.values():
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            if os.path.isdir(CGROUP):
+                try:
+                    os.rmdir(CGROUP)
+                except OSError:
+                    pass
+
+        mic = micro(model)
+    print()
+    print("in-process handler cost, us per request (min / median of 7 interleaved reps):")
+    for k, v in mic.items():
+        print(f"  {k:32s} {v['min']:7.2f} {v['median']:7.2f}")
+
+    summary = {}
+    print()
+    print(f"{'daemon':10s} {'phase':6s} {'acq/s':>8s} {'vs alone':>8s} {'p50 us':>8s} {'p99 us':>9s} "
+          f"{'other: sent':>11s} {'prefetches':>10s} {'dropped':>8s} {'cpu us/msg':>10s}")
+    for name, _ in trees:
+        summary[name] = {}
+        for phase in phases:
+            rs = results[name][phase]
+            rate = _median([x["demand"]["acquires"] / x["demand"]["seconds"] for x in rs])
+            s = {"acquires_per_s": rate, "p50_us": _median([x["demand"]["p50_us"] for x in rs]),
+                 "p99_us": _median([x["demand"]["p99_us"] for x in rs])}
+            s["daemon_cpu_s"] = _median([x["daemon_cpu_s"] for x in rs])
+            s["daemon_cpu_us_per_acquire"] = _median(
+                [x["daemon_cpu_s"] / max(1, x["demand"]["acquires"]) * 1e6 for x in rs])
+            if phase != "alone":
+                s["other_sent"] = _median([x["other"]["sent"] for x in rs])
+                s["other_prefetches"] = _median([x["other"].get("prefetches") or 0 for x in rs])
+                s["other_dropped"] = _median([x["other"].get("prefetches_dropped") or 0 for x in rs])
+            summary[name][phase] = s
+        alone = summary[name]["alone"]["acquires_per_s"]
+        per_acq = summary[name]["alone"]["daemon_cpu_us_per_acquire"]
+        for phase in phases[1:]:
+            rs = results[name][phase]
+            # daemon CPU the other client's messages cost: phase CPU less the demand's share
+            summary[name][phase]["daemon_cpu_us_per_other_msg"] = _median(
+                [(x["daemon_cpu_s"] * 1e6 - per_acq * x["demand"]["acquires"]) / max(1, x["other"]["sent"])
+                 for x in rs])
+        for phase in phases:
+            s = summary[name][phase]
+            s["vs_alone"] = s["acquires_per_s"] / alone if alone else None
+            print(f"{name:10s} {phase:6s} {s['acquires_per_s']:8.0f} {s['vs_alone']:8.3f} {s['p50_us']:8.0f} "
+                  f"{s['p99_us']:9.0f} {s.get('other_sent', ''):>11} {s.get('other_prefetches', ''):>10} "
+                  f"{s.get('other_dropped', ''):>8} "
+                  f"{'' if 'daemon_cpu_us_per_other_msg' not in s else format(s['daemon_cpu_us_per_other_msg'], '.1f'):>10}")
+    for n in notes:
+        print("note:", n)
+    out = {"benchmark": "fairness", "argv": sys.argv[1:], "host": platform.node(),
+           "cpus": os.cpu_count(), "throttle_notes": notes,
+           "params": {k: v for k, v in vars(args).items() if k not in ("worker", "endpoint", "rate", "seed")},
+           "summary": summary, "handler_cost_us": mic, "rounds": results}
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
