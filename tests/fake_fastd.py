@@ -22,7 +22,7 @@ EXPERT_LAYERS = [3, 4, 5]          # blocks 0-2 dense; class 0: layers 3 and 5, 
 LAYER_CLASS = {3: 0, 5: 0, 4: 1}
 N_EXPERTS = 8
 CLASSES = [  # id, n_slots, part bytes
-    {"id": 0, "n_slots": 6, "parts": {"gate": 96, "down": 64}},
+    {"id": 0, "n_slots": 10, "parts": {"gate": 96, "down": 64}},
     {"id": 1, "n_slots": 5, "parts": {"gate": 40, "down": 24}},
 ]
 RING_N = 16
@@ -43,6 +43,7 @@ class FakeDaemon:
         self.counts = collections.Counter()
         self.hellos: list[dict] = []
         self.offer_pins = True
+        self.max_request_experts = 64
         self.drain_on_request = True
         n_keys = len(EXPERT_LAYERS) * N_EXPERTS
         total_slots = sum(c["n_slots"] for c in CLASSES)
@@ -198,7 +199,7 @@ class FakeDaemon:
         return {"protocol": 1, "server": "fake", "fingerprint": "f", "model": "fake",
                 "arena": self.desc, "expert_layers": EXPERT_LAYERS, "n_experts": N_EXPERTS, "top_k": 2,
                 "index": {}, "heartbeat_s": 5.0, "lease_watch": "process",
-                "limits": {"max_request_experts": 64},
+                "limits": {"max_request_experts": self.max_request_experts},
                 "pins": ({"path": self.pin_path, "size": self.pin_size, "ring_n": RING_N,
                           "pins_off": self.pins_off, "ring_off": self.ring_off, "quota": 64}
                          if fast else None)}

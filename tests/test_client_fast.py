@@ -253,3 +253,26 @@ def test_threads_share_the_pin_file(fake, client):
         assert len(fake.drained) == 2 * (4 * n - socket_acquires)
     else:
         assert socket_acquires == 4 * n
+
+
+def test_values_the_fast_path_cannot_judge_go_the_socket_way(fake):
+    """numpy ids pin like ints (items are plain ints); a generator, a float, more experts than
+    the daemon's limit: the same outcome as over the socket, and no pin is left behind."""
+    fake.max_request_experts = 3
+    for e in range(4):
+        fake.load(3, e)
+    with Client(fake.endpoint, heartbeat_s=60) as c:
+        with c.acquire(np.int64(3), np.array([2, 0], dtype=np.int32)) as lease:
+            assert lease.items == [[3, 2, 0, fake.resmap()[fake.key(3, 2)] - 1],
+                                   [3, 0, 0, fake.resmap()[fake.key(3, 0)] - 1]]
+            assert all(type(v) is int for row in lease.items for v in row)
+        assert fake.counts["acquire"] == (0 if FAST else 1)
+        with c.acquire(3, (e for e in (1, 3))) as lease:
+            check_bytes(lease, 3, [1, 3])
+        with pytest.raises(moecache_client.ClientError, match="float"):
+            c.acquire(3, [1.0])
+        with pytest.raises(moecache_client.ClientError, match="float"):
+            c.acquire(3.0, [1])
+        with pytest.raises(moecache_client.ClientError, match="at most 3"):
+            c.acquire(3, [0, 1, 2, 3])
+    assert fake.pin_counts.sum() == 0

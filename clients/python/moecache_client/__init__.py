@@ -249,6 +249,22 @@ class Lease:
         self._granted = [(cid, np.array(sl, dtype=np.intp), np.array(gs, dtype=np.uint64))
                          for cid, (sl, gs) in by_cls.items()]
 
+    @classmethod
+    def _pinned(cls, client, session, arena, lid, shm_items) -> "Lease":
+        """A lease pinned without a message (all hits)."""
+        self = cls.__new__(cls)
+        self._client = client
+        self.session = session
+        self._arena = arena
+        self.id = lid
+        self.items = shm_items.rows
+        self.hits = len(self.items)
+        self.prefetch_hits = self.misses = self.stall_us = 0
+        self.released = False
+        self._where_map = None
+        self._shm_items = shm_items
+        return self
+
     def _invalid_because(self) -> str | None:
         if self.released:
             return "it was released"
@@ -435,12 +451,12 @@ class Client:
         Raises ServerError (bad layer/expert, too large, load failed, model_changed: the
         model file changed and the expert is not resident), Timeout, DaemonRestarted.
         """
-        msg = {"op": "acquire"}
-        self._requests(msg, layer, experts, layers)
         if self._fast is not None:
-            lease = self._fast_acquire(msg)
+            lease = self._fast_acquire(layer, experts, layers)
             if lease is not None:
                 return lease
+        msg = {"op": "acquire"}
+        self._requests(msg, layer, experts, layers)
         if tag is not None:
             msg["tag"] = tag
         rep = self._wait(self._submit(msg), self._t(timeout), "acquire")
@@ -452,12 +468,12 @@ class Client:
 
     def acquire_async(self, layer, experts, *, tag=None, layers=None, timeout_ms: int | None = None) -> "LeaseFuture":
         """Non-blocking acquire for pipelining: returns a future; ``.result(timeout)`` -> Lease."""
-        msg = {"op": "acquire"}
-        self._requests(msg, layer, experts, layers)
         if self._fast is not None:
-            lease = self._fast_acquire(msg)
+            lease = self._fast_acquire(layer, experts, layers)
             if lease is not None:
                 return LeaseFuture(self, None, lease)
+        msg = {"op": "acquire"}
+        self._requests(msg, layer, experts, layers)
         if tag is not None:
             msg["tag"] = tag
         if timeout_ms is not None:
@@ -559,14 +575,17 @@ class Client:
                               "per request (split it)")
 
 
-    def _fast_acquire(self, msg: dict) -> Lease | None:
-        """Pin the request's experts without a message (all resident); None: use the socket."""
+    def _fast_acquire(self, layer, experts, layers) -> Lease | None:
+        """Pin the experts without a message (all resident; the extension checks the values and
+        leaves anything doubtful to the socket path); None: use the socket."""
         fast = self._fast
         if fast is None:
             return None
         arena, shm = fast
-        groups = msg["layers"] if "layers" in msg else ((msg["layer"], msg["experts"]),)
-        r = shm.pin(groups)
+        try:
+            r = shm.pin(layer, experts, layers)
+        except (TypeError, ValueError, IndexError):
+            return None      # a malformed request: the socket path says what is wrong
         if type(r) is int:
             if r == _shm.STALE and shm.epoch() != shm.session:
                 # the daemon of this session is gone: void it; the socket call says hello again
@@ -574,9 +593,7 @@ class Client:
                     if self.session == shm.session:
                         self._void_session("the daemon restarted")
             return None
-        items = r.rows(groups)
-        return Lease(self, shm.session, arena, {"lease": next(self._fast_ids), "items": items,
-                                                "hits": len(items)}, r)
+        return Lease._pinned(self, shm.session, arena, next(self._fast_ids), r)
 
     def _t(self, timeout):
         return self.timeout if timeout is ... else timeout
@@ -730,8 +747,12 @@ class Client:
                                   f"cannot map it read-write ({e}); pass fast_path=False to use the socket "
                                   "only") from None
         try:
-            return _shm.Shm(arena.mm, arena.desc, list(rep["expert_layers"]), int(rep["n_experts"]),
-                            rep["session"], pin_mm, pins)
+            shm = _shm.Shm(arena.mm, arena.desc, list(rep["expert_layers"]), int(rep["n_experts"]),
+                           rep["session"], pin_mm, pins)
+            limit = (rep.get("limits") or {}).get("max_request_experts")
+            if limit is not None:
+                shm.max_experts = int(limit)
+            return shm
         except (ValueError, KeyError, TypeError) as e:
             raise ClientError(f"hello reply from {self.endpoint}: {e}") from None
 

@@ -6,6 +6,7 @@ this module only fills its ``mcshm_layout`` from the hello reply and calls ``mcs
 ``mcshm_unpin`` and ``mcshm_valid``. Without this module the client works over the socket only.
 """
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
+from cpython.number cimport PyNumber_Index
 from cpython.pythread cimport (PyThread_type_lock, PyThread_allocate_lock, PyThread_free_lock,
                                PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK)
 from libc.stdint cimport uint32_t, uint64_t, int64_t
@@ -73,10 +74,12 @@ cdef class Shm:
     cdef dict moe          # GGUF layer -> moe layer index
     cdef PyThread_type_lock lock
     cdef readonly object session
+    cdef public Py_ssize_t max_experts   # the daemon's max_request_experts (more: the socket says no)
 
     def __cinit__(self):
         self.have_arena = self.have_pin = False
         self.key_class = NULL
+        self.max_experts = 1 << 20
         self.lock = PyThread_allocate_lock()
         if self.lock == NULL:
             raise MemoryError()
@@ -178,25 +181,28 @@ cdef class Shm:
     def epoch(self):
         return mcshm_epoch(&self.lay)
 
-    def pin(self, groups):
-        """Pin ``groups`` = [(layer, [expert, ...]), ...] (ints, as checked by the client)
-        without a message. Returns :class:`Items` on success, else the mcshm result code
-        (MISS also for a request the socket path must judge: an unknown layer, an expert out
-        of range, a repeated expert)."""
+    def pin(self, layer, experts, groups=None):
+        """Pin ``experts`` of ``layer`` -- or, with ``groups`` = [(layer, [expert, ...]), ...],
+        every group's -- without a message. Returns :class:`Items` on success, else the
+        mcshm result code: MISS also for anything the socket path must judge (a layer without
+        experts, an expert out of range or not an integer, a repeated expert, more experts
+        than ``max_experts``), so the socket gives the daemon's answer."""
         cdef uint32_t stack_keys[STACK_KEYS]
         cdef uint32_t stack_sorted[STACK_KEYS]
         cdef uint32_t *keys = stack_keys
         cdef uint32_t *srt = stack_sorted
-        cdef Py_ssize_t n = 0, j = 0
+        cdef Py_ssize_t n = 0, j = 0, i
         cdef int64_t e
         cdef uint32_t m, ne = self.lay.n_experts
         cdef int rc
         cdef Items it
         if self.lay.pin == NULL:
             return MCSHM_MISS
-        for layer, experts in groups:
-            n += len(experts)
-        if n == 0 or n > 0xFFFFFFF:
+        if groups is None:
+            groups = ((layer, experts),)
+        for g in groups:
+            n += len(g[1])
+        if n == 0 or n > self.max_experts:
             return MCSHM_MISS
         if n > STACK_KEYS:
             keys = <uint32_t *>malloc(2 * n * sizeof(uint32_t))
@@ -204,25 +210,35 @@ cdef class Shm:
                 raise MemoryError()
             srt = keys + n
         try:
-            for layer, experts in groups:
-                mo = self.moe.get(layer)
+            for g in groups:
+                try:
+                    lk = g[0] if type(g[0]) is int else PyNumber_Index(g[0])
+                except TypeError:
+                    return MCSHM_MISS
+                mo = self.moe.get(lk)
                 if mo is None:
                     return MCSHM_MISS
                 m = mo
-                for x in experts:
+                for x in g[1]:
                     try:
-                        e = x
-                    except OverflowError:
+                        e = x if type(x) is int else PyNumber_Index(x)   # no floats, as the socket path
+                    except (OverflowError, TypeError):
                         return MCSHM_MISS
                     if e < 0 or e >= ne:
                         return MCSHM_MISS
                     keys[j] = m * ne + <uint32_t>e
                     j += 1
-            memcpy(srt, keys, n * sizeof(uint32_t))
-            qsort(srt, n, sizeof(uint32_t), _cmp_u32)
-            for j in range(1, n):
-                if srt[j] == srt[j - 1]:
-                    return MCSHM_MISS
+            if n <= 16:                       # a top-k set: compare pairs
+                for j in range(1, n):
+                    for i in range(j):
+                        if keys[i] == keys[j]:
+                            return MCSHM_MISS
+            else:
+                memcpy(srt, keys, n * sizeof(uint32_t))
+                qsort(srt, n, sizeof(uint32_t), _cmp_u32)
+                for j in range(1, n):
+                    if srt[j] == srt[j - 1]:
+                        return MCSHM_MISS
             it = Items.__new__(Items)
             it.alloc(self, n)
             PyThread_acquire_lock(self.lock, WAIT_LOCK)   # one ring producer per pin file
@@ -231,6 +247,13 @@ cdef class Shm:
             if rc != MCSHM_OK:
                 return rc
             it.pinned = True
+            it.rows = []
+            j = 0
+            for g in groups:
+                l = g[0] if type(g[0]) is int else PyNumber_Index(g[0])
+                for i in range(len(g[1])):
+                    it.rows.append([l, keys[j] % ne, it.items[j].cls, it.items[j].slot])
+                    j += 1
             return it
         finally:
             if keys != stack_keys:
@@ -258,6 +281,7 @@ cdef class Items:
     cdef mcshm_item *items
     cdef uint32_t n
     cdef bint pinned      # taken by mcshm_pin: release() unpins
+    cdef public list rows  # pinned: [[layer, expert, class, slot], ...] in request order
 
     def __dealloc__(self):
         free(self.items)
@@ -278,16 +302,6 @@ cdef class Items:
         if self.pinned:
             self.pinned = False
             mcshm_unpin(&self.shm.lay, self.items, self.n)
-
-    def rows(self, groups):
-        """[[layer, expert, class, slot], ...] in request order (the Lease's ``items``)."""
-        cdef uint32_t j = 0
-        out = []
-        for layer, experts in groups:
-            for x in experts:
-                out.append([layer, x, self.items[j].cls, self.items[j].slot])
-                j += 1
-        return out
 
     def gens(self):
         return [self.items[j].gen for j in range(self.n)]
