@@ -2,6 +2,9 @@
 and the client's shared-memory hit path, moecache_client._shm (clients/python/setup.py builds
 the same extension when the client is installed alone).
 
+``clients/c/include`` is on the include path: ``_shm`` compiles ``moecache_shm.h``, the one
+implementation of the shared-memory hit path's rules.
+
 Modules do not cimport each other (one .pyx per concept, each self-contained), so a plain
 `pip install .` needs nothing beyond the build requirements in pyproject.toml.
 """
@@ -16,7 +19,7 @@ exts = [
     Extension(
         "moecached." + os.path.splitext(os.path.basename(p))[0],
         [p],
-        include_dirs=[numpy.get_include()],
+        include_dirs=[numpy.get_include(), "clients/c/include"],
         extra_compile_args=["-O3"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )

@@ -55,6 +55,7 @@ from .arena import arena_bytes
 from .policy import LRU
 from .readers import ModelChanged
 from .stats import LatencyHistogram
+from ._shm import PinFile, ShmArena
 
 __all__ = ["CacheError", "RequestError", "CapacityError", "LeaseError", "LoadError",
            "ModelChangedError", "AcquireTimeout", "CacheClosed", "Lease", "ExpertCache"]
@@ -132,7 +133,7 @@ class Lease:
 class _Pool:
     """Slots of one size class under one LRU (a whole class, or one layer's share)."""
     __slots__ = ("cid", "lru", "res", "alloc", "loading", "unused", "free", "disabled",
-                 "max_cap", "n_keys", "layers")
+                 "max_cap", "n_keys", "layers", "gbase")
 
     def __init__(self, cid: int, layers: list[int], n_experts: int, slots: list[int]):
         self.cid = cid
@@ -146,6 +147,7 @@ class _Pool:
         self.free = list(reversed(slots))  # pop() hands out the lowest slot first
         self.disabled: list[int] = []      # slots given back by set_budget
         self.max_cap = len(slots)
+        self.gbase: list[int] = []         # layer position -> resident-map key of its expert 0
 
     @property
     def cap(self) -> int:
@@ -335,6 +337,14 @@ class ExpertCache:
                     self._layers[int(layer)] = _Layer(int(layer), pool, li * ne, c.id,
                                                       offs.tolist(), fids.tolist(), ne)
         self._pools = [p for _, ps in self._cls.values() for p in ps]
+        # the resident map and the fast-path pin files (rules: clients/c/include/moecache_shm.h)
+        moe = {int(l): i for i, l in enumerate(index.expert_layers)}
+        for pool in self._pools:
+            pool.gbase = [moe[int(l)] * ne for l in pool.layers]
+        self._moe_layers = [int(l) for l in index.expert_layers]
+        self._shm = ShmArena(arena.base_address, ne, arena.n_keys,
+                             [(c.gen_off, c.n_slots) for c in arena.classes], arena.resmap_off)
+        self._held: set = set()   # (pool, key) pinned in the LRU because a fast-path pin holds it
 
     # ------------------------------------------------------------------ helpers (under lock)
     def _reads_for(self, L: _Layer, expert: int, slot: int) -> list:
@@ -348,30 +358,171 @@ class ExpertCache:
 
     def _evict_one(self, pool: _Pool) -> int:
         """Evict the coldest unpinned key of ``pool``; returns its slot or -1."""
-        k = pool.lru.victim()
-        if k < 0:
-            return -1
-        pool.lru.remove(k)
-        s = pool.alloc[k]
-        pool.alloc[k] = -1
-        pool.res[k] = -1
-        self._gens[pool.cid][s] += 1     # the expert leaves the slot: old leases on it go invalid
-        if pool.unused[k]:
-            pool.unused[k] = 0
-            self.c_wasted += 1
-        self.c_evictions += 1
-        return s
+        return self._evict(pool)[0]
+
+    def _evict(self, pool: _Pool) -> tuple:
+        """Evict the coldest unpinned key of ``pool`` that no fast-path pin holds: ``(slot,
+        (key, was_unused))``, or ``(-1, None)``. Hits taken through shared memory are applied
+        first, so the victim is the one the socket path would pick; a victim a fast-path pin
+        holds is pinned in the LRU (released by :meth:`_sweep_held`) and the next one tried."""
+        if self._shm.files:
+            self._drain_locked()
+        lru = pool.lru
+        while True:
+            k = lru.victim()
+            if k < 0:
+                return -1, None
+            s = pool.alloc[k]
+            ne = self.n_experts
+            # clears the resident map and moves the generation (old leases on it go invalid),
+            # unless a pin file holds the slot
+            if not self._shm.try_evict(pool.gbase[k // ne] + k % ne, pool.cid, s):
+                lru.pin(k)
+                self._held.add((pool, k))
+                continue
+            was_unused = pool.unused[k]
+            lru.remove(k)
+            pool.alloc[k] = -1
+            pool.res[k] = -1
+            if was_unused:
+                pool.unused[k] = 0
+                self.c_wasted += 1
+            self.c_evictions += 1
+            return s, (k, was_unused)
 
     def _take_slot(self, pool: _Pool) -> tuple:
         """A slot for a load: ``(slot, victim)``; victim ``(key, was_unused)`` when a resident
         expert was evicted for it (given back if the load fails untouched), slot -1 if none."""
         if pool.free:
             return pool.free.pop(), None
-        k = pool.lru.victim()
-        if k < 0:
-            return -1, None
-        was_unused = pool.unused[k]
-        return self._evict_one(pool), (k, was_unused)
+        return self._evict(pool)
+
+    def _publish(self, pool: _Pool, k: int, slot: int) -> None:
+        """The resident map says ``k`` is in ``slot`` (its bytes are complete)."""
+        ne = self.n_experts
+        self._shm.publish(pool.gbase[k // ne] + k % ne, slot)
+
+    # ------------------------------------------------------------------ shared-memory hits
+    def _drain_locked(self) -> int:
+        """Apply the hits clients took through shared memory (their rings, merged by time) to
+        the LRU and the hit counters, as a socket hit counts; entries naming an expert that is
+        not resident are dropped (counted per client). Under the lock. Returns entries applied."""
+        got = self._shm.drain()
+        if not got:
+            return 0
+        ne = self.n_experts
+        layers, lmap = self._moe_layers, self._layers
+        n = 0
+        for key, f in got:
+            layer = layers[key // ne]
+            L = lmap[layer]
+            pool = L.pool
+            k = L.base + key % ne
+            if pool.res[k] < 0:
+                f.drops += 1
+                continue
+            pool.lru.touch(k)
+            if pool.unused[k]:
+                pool.unused[k] = 0
+                self._l_pf[layer] += 1
+                f.prefetch_hits += 1
+            else:
+                self._l_hits[layer] += 1
+                f.hits += 1
+            n += 1
+        return n
+
+    def _sweep_held(self) -> bool:
+        """Unpin, in the LRU, keys no honoured fast-path pin holds any more. Under the lock.
+        True when some key became evictable."""
+        held = self._shm.sweep()
+        freed = False
+        if self._held:
+            gs = self._shm.global_slot
+            for pool, k in list(self._held):
+                if gs(pool.cid, pool.alloc[k]) not in held:
+                    self._held.discard((pool, k))
+                    pool.lru.unpin(k)
+                    freed = True
+        return freed
+
+    def drain_pins(self) -> None:
+        """Apply the shared-memory hits waiting in the pin files' rings (cheap when none wait);
+        the server calls it before serving any request."""
+        shm = self._shm
+        if not shm.files or not shm.pending():
+            return
+        with self._lock:
+            if not self._closed:
+                self._drain_locked()
+
+    def sweep_pins(self) -> None:
+        """Drain the rings, forget fast-path pins that were released, and let waiting acquires
+        use the slots they held (the server calls it every few milliseconds while pin files
+        are open: a release through shared memory sends no message)."""
+        submits, promotes, done = [], [], []
+        with self._lock:
+            if self._closed:
+                return
+            self._drain_locked()
+            if self._sweep_held() and self._waitq:
+                self._kick(submits, promotes, done)
+        self._after(submits, promotes, done)
+
+    @property
+    def pin_files(self) -> int:
+        """Pin files open now."""
+        return len(self._shm.files)
+
+    def default_pin_quota(self) -> int:
+        """Slots whose fast-path pins are honoured per client when the configuration gives no
+        quota: four tokens' worth of top-k over every MoE layer, at most half the slots."""
+        top_k = max(1, int(getattr(self.index, "top_k", 0) or 8))
+        total = sum(c.n_slots for c in self.arena.classes)
+        return max(1, min(4 * top_k * len(self._moe_layers), total // 2))
+
+    def open_pin_file(self, name: str, epoch: int, quota: int, uid: int | None = None) -> PinFile:
+        """Create the pin file ``name`` beside the arena for one fast-path client (mode 0600,
+        owned by ``uid`` when given, an exclusive ``flock`` held while it lives, so stale
+        cleanup leaves it alone) and honour its pins from now on. OSError when it cannot be
+        made (nothing is left behind)."""
+        import fcntl
+        shm = self._shm
+        path = os.path.join(os.path.dirname(self.arena.path), name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, shm.file_size)
+            os.pwrite(fd, shm.header(epoch, quota), 0)   # magic last seen by cleanup: locked
+            if uid is not None:
+                os.fchown(fd, uid, -1)
+            f = PinFile(path, fd, shm.file_size, quota)
+        except BaseException:
+            os.unlink(path)
+            os.close(fd)
+            raise
+        with self._lock:
+            shm.add(f)
+        return f
+
+    def close_pin_file(self, f: PinFile) -> None:
+        """Stop honouring ``f``'s pins, unlink and unmap it (its client left). Idempotent."""
+        submits, promotes, done = [], [], []
+        with self._lock:
+            self._shm.remove(f)
+            if not self._closed and self._sweep_held() and self._waitq:
+                self._kick(submits, promotes, done)
+        fd, f.fd = f.fd, None
+        if fd is not None:
+            try:
+                st, cur = os.fstat(fd), os.stat(f.path)
+                if (st.st_dev, st.st_ino) == (cur.st_dev, cur.st_ino):
+                    os.unlink(f.path)
+            except OSError:
+                pass
+            os.close(fd)
+        self._after(submits, promotes, done)
 
     def _start_load(self, L: _Layer, expert: int, slot: int, demanded: bool, submits: list,
                     victim=None):
@@ -449,7 +600,12 @@ class ExpertCache:
         return False
 
     def _grant(self, req: _Req, submits: list, promotes: list) -> None:
-        """Pin everything of ``req``, start its missing loads (caller checked _can_grant)."""
+        """Pin everything of ``req``, start its missing loads (caller checked _can_grant).
+        Returns False, granting nothing, when a fast-path pin held a victim the count relied on
+        (the slots already freed stay free)."""
+        taken = self._take_slots(req)
+        if taken is None:
+            return False
         items = []
         misses = []
         hits = pf = miss = 0
@@ -496,9 +652,7 @@ class ExpertCache:
             hits += lh
             pf += lp
             miss += lm
-        for i, L, e in misses:          # second pass: own keys are pinned, evictions are safe
-            s, victim = self._take_slot(L.pool)
-            assert s >= 0, "grant without a slot (bookkeeping bug)"
+        for (i, L, e), (s, victim) in zip(misses, taken):   # slots taken before anything changed
             load = self._start_load(L, e, s, True, submits, victim)
             L.pool.lru.pin(load.key)
             load.waiters.append(req)
@@ -510,6 +664,36 @@ class ExpertCache:
             req.stalled = True
         req.hits, req.pf, req.misses = hits, pf, miss
         req.state = _Req.LOADING
+        return True
+
+    def _take_slots(self, req: _Req) -> list | None:
+        """Slots for every absent expert of ``req``, in request order (own resident keys pinned
+        meanwhile, so none of them is a victim); None, with the slots given back free, when
+        there are too few (a victim held by a fast-path pin)."""
+        need, own = [], []
+        for L, ex in req.groups:
+            pool, base = L.pool, L.base
+            for e in ex:
+                (own if pool.alloc[base + e] >= 0 else need).append((pool, base + e))
+        if not need:
+            return []
+        for pool, k in own:
+            pool.lru.pin(k)
+        taken = []
+        try:
+            for pool, _ in need:
+                s, victim = self._take_slot(pool)
+                if s < 0:
+                    break
+                taken.append((s, victim))
+        finally:
+            for pool, k in own:
+                pool.lru.unpin(k)
+        if len(taken) < len(need):
+            for (pool, _), (s, _v) in reversed(list(zip(need, taken))):
+                pool.free.append(s)
+            return None
+        return taken
 
     def _refuse_reads(self, req: _Req, done: list) -> bool:
         """The model changed and ``req`` needs a read: fail it now (no slot taken). Under lock."""
@@ -559,9 +743,8 @@ class ExpertCache:
                 continue
             if self._refuse_reads(req, done):
                 continue
-            if self._can_grant(req):
+            if self._can_grant(req) and self._grant(req, submits, promotes):
                 self._waitq.remove(req)
-                self._grant(req, submits, promotes)
                 if req.pending == 0:
                     self._finish(req, done)
             else:
@@ -630,6 +813,7 @@ class ExpertCache:
         if error is None:
             self.c_bytes += nbytes
             pool.res[k] = load.slot
+            self._publish(pool, k, load.slot)
             pool.lru.unpin(k)
             if not load.demanded:
                 pool.unused[k] = 1
@@ -665,6 +849,7 @@ class ExpertCache:
                 # the slot still holds the evicted expert's bytes: it gets its place back
                 vk, was_unused = v
                 pool.alloc[vk] = pool.res[vk] = load.slot
+                self._publish(pool, vk, load.slot)
                 pool.unused[vk] = was_unused
                 pool.lru.insert(vk, True)
                 self.c_evictions -= 1
@@ -777,8 +962,7 @@ class ExpertCache:
                 p in q.by_pool for q in self._waitq for p in by_pool)
             if self._refuse_reads(req, done):
                 pass
-            elif not blocked and self._can_grant(req):
-                self._grant(req, submits, promotes)
+            elif not blocked and self._can_grant(req) and self._grant(req, submits, promotes):
                 if req.pending == 0:
                     self._finish(req, done)
             else:
@@ -1050,12 +1234,26 @@ class ExpertCache:
                 "shrink_events": self.c_shrinks, "grow_events": self.c_grows,
                 "policy": self.policy,
                 "model_changed": self.readers.model_changed,
+                "fast_path": self._fast_path_stats(),
             }
         try:
             out["readers"] = self.readers.stats()
         except Exception:
             out["readers"] = {}
         return out
+
+    def _fast_path_stats(self) -> dict:
+        """Counters of the shared-memory hit path (under the lock); see docs/operations.md."""
+        shm = self._shm
+        files = shm.files
+        return {"pin_files": len(files),
+                "fast_hits": shm.fast_hits + sum(f.hits + f.prefetch_hits for f in files),
+                "ring_drops": shm.drops_closed + sum(f.drops for f in files),
+                "ring_resets": shm.resets,
+                "pins_honoured": sum(len(f.honoured) for f in files),
+                "pins_ignored": shm.ignored_closed + sum(f.ignored for f in files),
+                "evictions_held": shm.evictions_held,
+                "held_keys": len(self._held)}
 
     def close(self) -> None:
         """Fail every waiting acquire with CacheClosed("cache closed"), stop the readers, unlink
@@ -1077,7 +1275,10 @@ class ExpertCache:
                 cb(res)
             except Exception:
                 self.log.exception("moecached cache: acquire callback raised")
+        for f in list(self._shm.files):
+            self.close_pin_file(f)
         with self._lock:
+            self._shm.close()
             self._gens = self._gens_mv = {}   # views of the mapping: let it be unmapped
         try:
             self.readers.close()

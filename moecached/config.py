@@ -83,6 +83,8 @@ class Config:
     log_level: str = "info"                  # debug | info | warning | error
     max_request_experts: int = 16384         # experts named in one request, at most
     max_message_bytes: int = 4 * MiB         # largest request message accepted
+    fast_path: bool = True                   # pin files for shared-memory hits (watched clients)
+    fast_path_quota: int = 0                 # slots whose fast-path pins are honoured per client (0: auto)
     # where each value came from: "default", the config file's path, or "command line"
     sources: dict = field(default_factory=dict, repr=False, compare=False)
     path: Optional[str] = field(default=None, compare=False)   # config file read, if any
@@ -303,6 +305,11 @@ KEYS: dict[str, Key] = {
                                "most experts one request may name (default 16384)", "N", "int"),
     "max_message_bytes": Key(_size(lo=4 * KiB, hi=1 * GiB), "--max-message-bytes",
                              "largest request message (default 4MiB)", "SIZE", "size"),
+    "fast_path": Key(_bool, "--fast-path", "offer local clients the shared-memory hit path (default on)",
+                     kind="bool"),
+    "fast_path_quota": Key(_int_range(0, 1 << 24), "--fast-path-quota",
+                           "slots whose shared-memory pins are honoured per client "
+                           "(default 0: 4 x top-k x MoE layers, at most half the slots)", "N", "int"),
 }
 
 #: Keys a SIGHUP can apply to a running daemon; others need a restart.

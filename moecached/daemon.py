@@ -319,7 +319,8 @@ def _build(cfg: C.Config, held: dict, t0: float):
                         max_request_experts=cfg.max_request_experts,
                         max_message_bytes=cfg.max_message_bytes,
                         acquire_timeout_s=cfg.pressure_timeout_s if cfg.on_pressure == "wait" else None,
-                        endpoint_lock=lock_fd)
+                        endpoint_lock=lock_fd, pin_files=cfg.fast_path,
+                        pin_quota=cfg.fast_path_quota)
 
         def extra_stats():
             arena = server.cache.arena

@@ -46,7 +46,18 @@ GAUGES = {
 SERVER_COUNTERS = ("requests", "errors", "malformed", "undeliverable", "clients_dropped")
 CLASS_GAUGES = ("slots", "slots_max", "used", "pinned", "loading", "free")
 CLASS_COUNTERS = LAYER_COUNTERS = ("hits", "demand_misses", "prefetch_hits", "reads")
-CLIENT_COUNTERS = ("requests", "acquires", "hits", "prefetch_hits", "demand_misses", "prefetches", "errors")
+CLIENT_COUNTERS = ("requests", "acquires", "hits", "prefetch_hits", "demand_misses", "prefetches", "errors",
+                   "fast_hits", "ring_drops")
+# the shared-memory hit path (stats "fast_path"): key -> (kind, metric name, help)
+FAST_PATH = {
+    "fast_hits": ("c", "fast_hits", "hits clients took through shared memory (also in hits/prefetch_hits)"),
+    "ring_drops": ("c", "fast_ring_drops", "hit-ring entries dropped: key out of range or not resident"),
+    "ring_resets": ("c", "fast_ring_resets", "hit rings reset because a client wrote an implausible head"),
+    "pins_ignored": ("c", "fast_pins_ignored", "shared-memory pins found past a client's quota (ignored)"),
+    "evictions_held": ("c", "fast_evictions_held", "victims skipped because a shared-memory pin held them"),
+    "pin_files": ("g", "fast_pin_files", "pin files open now (fast-path clients)"),
+    "pins_honoured": ("g", "fast_pins_honoured", "slots held by honoured shared-memory pins now"),
+}
 
 
 def _prometheus():
@@ -72,10 +83,12 @@ class StatsCollector:
       ``prefetches_dropped``, ``wasted_prefetches``, ``evictions``, ``read_bytes``, ``reads``,
       ``read_errors``, ``acquires_queued``, ``leases`` (granted), ``budget_shrinks``,
       ``budget_grows``, ``server_{requests,errors,malformed,undeliverable,clients_dropped}``,
-      ``reader_chunk_reads``, ``reader_jobs``.
+      ``reader_chunk_reads``, ``reader_jobs``; shared-memory hit path: ``fast_hits``,
+      ``fast_ring_drops``, ``fast_ring_resets``, ``fast_pins_ignored``, ``fast_evictions_held``.
     * gauges: ``reads_in_flight``, ``prefetch_loads_in_flight``, ``leases_open``,
       ``acquires_waiting``, ``pinned_slots``, ``uptime_seconds``, ``budget_configured_bytes``,
-      ``budget_current_bytes``, ``reader_queued_jobs{queue=demand|prefetch}``.
+      ``budget_current_bytes``, ``reader_queued_jobs{queue=demand|prefetch}``,
+      ``fast_pin_files``, ``fast_pins_honoured``.
     * ``read_latency_seconds`` summary: ``_count``, ``_sum`` over the run, ``quantile`` 0.5 and
       0.99 over the last 8192 reads (absent before the first read); ``read_latency_max_seconds``.
       ``reader_job_latency_seconds`` histogram (the reader pool's fixed buckets, no ``_sum``).
@@ -85,7 +98,8 @@ class StatsCollector:
     * per layer ``{layer}``: counters ``layer_{hits,demand_misses,prefetch_hits,reads}``.
     * per connected client ``{client,pid}`` (the exporter's own connection left out; clients
       sharing name and pid are summed): counters ``client_{requests,acquires,hits,prefetch_hits,
-      demand_misses,prefetches,errors}``, ``client_stall_seconds``; gauges ``client_leases``,
+      demand_misses,prefetches,errors,fast_hits,ring_drops}``, ``client_stall_seconds``; gauges
+      ``client_leases``, ``client_pins_honoured``,
       ``client_pending_acquires``, ``client_idle_seconds``; ``clients`` (connected, gauge).
     * memory floor, only while it is on: gauges ``floor_bytes``, ``floor_hysteresis_bytes``,
       ``floor_min_budget_bytes``, ``floor_available_bytes``, ``floor_at_min``; counters
@@ -184,6 +198,9 @@ class StatsCollector:
         for key in SERVER_COUNTERS:
             out.append(single("c", f"server_{key}", f"server {key.replace('_', ' ')} (all clients)",
                               server.get(key, 0)))
+        fp = st.get("fast_path") or {}
+        for key, (kind, name, help_) in FAST_PATH.items():
+            out.append(single(kind, name, help_, fp.get(key)))
         out += self._latency(st.get("read_latency") or {}, st.get("readers") or {})
         out += self._classes(st.get("classes") or [])
         out += self._layers(st.get("layers") or {})
@@ -283,6 +300,7 @@ class StatsCollector:
                              if (c.get("name"), str(c.get("pid"))) != (CLIENT_NAME, str(os.getpid()))))
         fams = [("c", k, f"moecached_client_{k}", f"{k.replace('_', ' ')} of the client") for k in CLIENT_COUNTERS]
         fams += [("c", "stall_s", "moecached_client_stall_seconds", "time the client's acquires waited for reads"),
+                 ("g", "pins_honoured", "moecached_client_pins_honoured", "slots the client's honoured shared-memory pins hold now"),
                  ("g", "leases", "moecached_client_leases", "leases the client holds now"),
                  ("g", "pending", "moecached_client_pending_acquires", "acquires of the client waiting now"),
                  ("g", "idle_s", "moecached_client_idle_seconds", "seconds since the client's last request")]

@@ -39,6 +39,7 @@ import zmq
 from . import MoecacheError, __version__
 from . import protocol as P
 from ._serve import FastPath
+from ._shm import RING_N
 from .arena import STATE_MODEL_CHANGED, STATE_SERVING
 from .stats import hit_rate
 
@@ -55,7 +56,7 @@ class ServerError(MoecacheError):
 class _Client:
     __slots__ = ("ident", "delim", "name", "pid", "first_seen", "last_seen", "leases", "pending",
                  "requests", "acquires", "hits", "misses", "prefetch_hits", "prefetches",
-                 "errors", "stall_s", "pidfd")
+                 "errors", "stall_s", "pidfd", "pins")
 
     def __init__(self, ident: bytes, now: float):
         self.ident = ident
@@ -69,13 +70,22 @@ class _Client:
         self.prefetch_hits = self.prefetches = self.errors = 0
         self.stall_s = 0.0
         self.pidfd = None  # pidfd of the client's process when watched (ipc + verified pid)
+        self.pins = None   # its pin file (moecached._shm.PinFile) when it uses the fast path
 
     def summary(self) -> dict:
+        pf = self.pins
+        hits, pfh = self.hits, self.prefetch_hits
+        fast = {"fast_hits": 0, "ring_drops": 0, "ring_resets": 0, "pins_honoured": 0,
+                "pins_ignored": 0} if pf is None else pf.info()
+        if pf is not None:   # hits taken through shared memory count as socket hits would
+            hits += pf.hits
+            pfh += pf.prefetch_hits
         return {"name": self.name, "id": self.ident.hex(), "pid": self.pid, "leases": len(self.leases),
                 "pending": len(self.pending), "requests": self.requests,
-                "acquires": self.acquires, "hits": self.hits,
-                "prefetch_hits": self.prefetch_hits, "demand_misses": self.misses,
-                "hit_rate": hit_rate(self.hits, self.prefetch_hits, self.misses),
+                "acquires": self.acquires, "hits": hits,
+                "prefetch_hits": pfh, "demand_misses": self.misses,
+                "hit_rate": hit_rate(hits, pfh, self.misses),
+                "fast_path": pf is not None, **fast,
                 "prefetches": self.prefetches, "errors": self.errors,
                 "stall_s": round(self.stall_s, 6),
                 "watched": "process" if self.pidfd is not None else "heartbeat",
@@ -92,6 +102,18 @@ def process_start_time(pid: int) -> int | None:
         return int(data[data.rindex(b")") + 2:].split()[19])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _client_uid(pid) -> int | None:
+    """Effective uid of process ``pid`` (``/proc/PID/status``), or None."""
+    try:
+        with open(f"/proc/{int(pid)}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return int(line.split()[2])
+    except (OSError, ValueError, IndexError, TypeError):
+        pass
+    return None
 
 
 def _pidfd_open(pid: int) -> int | None:
@@ -173,7 +195,8 @@ class Server:
     def __init__(self, cache, *, endpoint: str, model_path: str = "", heartbeat_s: float = 5.0,
                  socket_mode: int = 0o660, gid: int | None = None, on_tick=None, tick_s: float = 1.0,
                  max_request_experts: int = P.MAX_ARRAY_LEN, max_message_bytes: int = P.MAX_MESSAGE_BYTES,
-                 acquire_timeout_s: float | None = None, endpoint_lock: int | None = None):
+                 acquire_timeout_s: float | None = None, endpoint_lock: int | None = None,
+                 pin_files: bool = True, pin_quota: int | None = None):
         self.cache = cache
         self.index = cache.index
         self.endpoint = endpoint
@@ -191,6 +214,11 @@ class Server:
         # default deadline of an acquire that gives no timeout_ms (on_pressure = wait gives up)
         self.acquire_timeout_s = acquire_timeout_s
         self.moe_index = {l: i for i, l in enumerate(self.index.expert_layers)}
+        # shared-memory hit path (config fast_path, fast_path_quota): a pin file per watched
+        # client that asks for it in hello; pin_quota None or 0: the cache's default
+        self.pin_files = bool(pin_files)
+        self.pin_quota = pin_quota or None
+        self._pin_seq = 0
         self.clients: dict[bytes, _Client] = {}
         self._watch = select.poll()           # pidfds of watched clients (POLLIN: exited)
         self._watched: dict[int, _Client] = {}
@@ -296,6 +324,7 @@ class Server:
                 pass
         self.leases.clear()
         for c in list(self.clients.values()):
+            self._close_pins(c)
             self._unwatch(c)
         if self.recorder is not None:
             self._trace_stop()
@@ -319,6 +348,8 @@ class Server:
     # ---- the loop ---------------------------------------------------------------------
     #: longest the loop sleeps in recv when no deadline is nearer (timers are checked then)
     IDLE_WAKE_MS = 100
+    #: while pin files are open, their rings are drained (and released pins noticed) this often
+    PIN_DRAIN_MS = 3
 
     def serve_forever(self, ready=None) -> None:
         """Run the event loop until ``stop()``; then ``close()``.
@@ -342,6 +373,7 @@ class Server:
         next_tick = now
         next_hb = now + self.heartbeat_s / 4
         next_timer = min(next_tick, next_hb)
+        next_sweep = now
         recv = sock.recv_multipart
         handle = self._handle
         self._fast = fast = self._fast_handler()
@@ -401,6 +433,12 @@ class Server:
                     if now >= next_hb:
                         self._expire_clients(now)
                         next_hb = now + max(0.05, self.heartbeat_s / 4)
+                    if self.cache.pin_files and now >= next_sweep:
+                        next_sweep = now + self.PIN_DRAIN_MS / 1000
+                        try:
+                            self.cache.sweep_pins()
+                        except Exception:
+                            log.exception("internal error draining the pin files")
                     if now >= next_tick:
                         next_tick = now + self.tick_s
                         if self.on_tick is not None:
@@ -413,6 +451,8 @@ class Server:
                     want = idle_ms
                     if dl:
                         want = max(0, min(idle_ms, int((dl[0][0] - now) * 1000) + 1))
+                    if self.cache.pin_files:
+                        want = min(want, self.PIN_DRAIN_MS)
                     if want != cur_ms:
                         sock.setsockopt(zmq.RCVTIMEO, want)
                         cur_ms = want
@@ -465,6 +505,7 @@ class Server:
         for c in self.clients.values():
             c.leases.clear()
             c.pending.clear()
+            c.pins = None   # closed with the cache: the client says hello again
         if self.recorder is not None:
             path = self._trace_stop()["path"]
             log.warning("trace %s stopped: the model it recorded is no longer served", path)
@@ -512,6 +553,7 @@ class Server:
                 self._send_error(frames[0], 0, P.E_MALFORMED, f"request has {len(frames) - 1} frames: "
                                  "expected 1 (or an empty delimiter + 1)", delim=False)
             return
+        self.cache.drain_pins()   # hits taken through shared memory count first
         now = time.monotonic()
         c = self.clients.get(ident)
         if c is None:
@@ -593,6 +635,7 @@ class Server:
             self.cache.release(lease)
             n += 1
         c.leases.clear()
+        self._close_pins(c)
         self._unwatch(c)
         self.clients.pop(c.ident, None)
         self.counters["clients_dropped"] += 1
@@ -628,6 +671,33 @@ class Server:
         c.pidfd = fd
         self._watched[fd] = c
         self._watch.register(fd, select.POLLIN)
+
+    def _open_pins(self, c: _Client) -> dict | None:
+        """A pin file for watched client ``c`` (its hello asked for the fast path): the
+        ``pins`` field of the hello reply, or None (fast path off, client not watched, or the
+        file could not be made: logged, and everything goes over the socket)."""
+        self._close_pins(c)
+        if not self.pin_files or c.pidfd is None:
+            return None
+        cache = self.cache
+        quota = int(self.pin_quota or cache.default_pin_quota())
+        self._pin_seq += 1
+        name = f"moecached-pins-{self.session:016x}-{self._pin_seq}"
+        try:
+            f = cache.open_pin_file(name, self.session, quota, _client_uid(c.pid) if os.geteuid() == 0 else None)
+        except OSError as e:
+            self.counters["pin_file_errors"] += 1
+            log.warning("cannot create pin file %s for client %s (pid %s): %s; it uses the socket",
+                        name, c.name, c.pid, e.strerror or e)
+            return None
+        c.pins = f
+        return {"path": f.path, "size": f.size, "ring_n": RING_N,
+                "pins_off": cache._shm.pins_off, "ring_off": cache._shm.ring_off, "quota": quota}
+
+    def _close_pins(self, c: _Client) -> None:
+        f, c.pins = c.pins, None
+        if f is not None:
+            self.cache.close_pin_file(f)
 
     def _unwatch(self, c: _Client) -> None:
         fd, c.pidfd = c.pidfd, None
@@ -713,13 +783,19 @@ class Server:
         if isinstance(pid, int) and not isinstance(pid, bool):
             c.pid = pid
         self._watch_client(c, pid, msg.get("pid_start"))
+        fast = msg.get("fast_path", False)
+        if not isinstance(fast, bool):
+            raise P.ProtocolError(P.E_BAD_TYPE, f"field 'fast_path' = {fast!r:.20}: expected true or false")
+        pins = self._open_pins(c) if fast else None
+        if not fast:
+            self._close_pins(c)
         idx = self.index
         self._reply(c.ident, rid, protocol=P.PROTOCOL_VERSION, server=f"moecached {__version__}",
                     fingerprint=idx.fingerprint(), model=self.model_path,
                     arena=self.cache.descriptor(), index=idx.to_json(),
                     expert_layers=list(idx.expert_layers), n_experts=idx.n_experts,
                     top_k=idx.top_k, heartbeat_s=self.heartbeat_s,
-                    lease_watch="process" if c.pidfd is not None else "heartbeat",
+                    lease_watch="process" if c.pidfd is not None else "heartbeat", pins=pins,
                     limits={"max_message_bytes": self.max_message_bytes,
                             "max_array_len": P.MAX_ARRAY_LEN, "max_map_len": P.MAX_MAP_LEN,
                             "max_str_len": P.MAX_STR_LEN,

@@ -168,6 +168,8 @@ FILE_ERRORS = [
     ('group = "no-such-group-moecached-test"', 'group = "no-such-group-moecached-test": expected an existing '
                                                'group (name or gid), or "" for none'),
     ('group = 3.5', 'group = 3.5: expected an existing group (name or gid), or "" for none'),
+    ('fast_path = "yes"', 'fast_path = "yes": expected true or false'),
+    ('fast_path_quota = -1', 'fast_path_quota = -1: expected an integer from 0 to 16777216'),
     ('[server]\nx = 1', '[server] is a table: expected top-level keys only (key = value lines, no '
                         '[section] headers, dotted keys or inline tables)'),
     ('readers = 4\n[section]\nbudget = "8G"', '[section] is a table: expected top-level keys only '

@@ -1,0 +1,323 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The daemon's side of the shared-memory hit path (Cython core of ``moecached.cache``).
+
+Every rule about who writes what, and in which order, lives once in
+``clients/c/include/moecache_shm.h``; this module only calls it: publishing a resident expert
+(``mcshm_publish``), evicting one unless a fast-path pin holds it (``mcshm_try_evict``),
+reading the hit rings (``mcshm_drain``, ``mcshm_ring_reset``). What it adds is bookkeeping
+the header leaves to the daemon: which pin files are open, which of their pins are honoured
+(at most ``quota`` distinct slots per file), and the merge of all rings by time.
+
+Pin files are untrusted input: the daemon never reads their header words back (the layout is
+its own), counts are read as "pinned or not", ring entries are range-checked by the caller.
+All methods but :meth:`ShmArena.pending` run under the cache lock; ``pending`` and the
+opening/closing of pin files run on the server's loop thread only.
+"""
+from libc.stdint cimport uint32_t, uint64_t
+from libc.stdlib cimport malloc, free
+from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
+
+cdef extern from "moecache_shm.h":
+    ctypedef uint64_t mcshm_u64
+    ctypedef struct mcshm_layout:
+        mcshm_u64 *ctl
+        mcshm_u64 *pin
+        uint64_t session
+        uint32_t n_experts
+        uint32_t n_keys
+        uint32_t n_classes
+        uint32_t ring_n
+        const uint32_t *key_class
+        uint64_t gen_word[32]
+        uint32_t slot_base[32]
+        uint32_t n_slots[32]
+        uint64_t resmap_word
+        uint64_t pins_word32
+        uint64_t ring_word
+    enum:
+        MCSHM_MAX_CLASSES
+        MCSHM_PIN_HEADER_BYTES
+    void mcshm_publish(const mcshm_layout *m, uint32_t key, uint32_t slot) nogil
+    uint32_t mcshm_pinned_by(const mcshm_layout *m, mcshm_u64 **pins, uint32_t n, uint32_t gslot) nogil
+    int mcshm_try_evict(const mcshm_layout *m, mcshm_u64 **pins, uint32_t n, uint32_t key,
+                        uint32_t cls, uint32_t slot) nogil
+    uint32_t mcshm_drain(const mcshm_layout *m, mcshm_u64 *pf, uint64_t *keys, uint64_t *ts,
+                         uint32_t max) nogil
+    uint64_t mcshm_ring_pending(const mcshm_layout *m, mcshm_u64 *pf) nogil
+    void mcshm_ring_reset(mcshm_u64 *pf) nogil
+
+cdef extern from *:
+    """
+    /* A head no client following the protocol can write (more than ring_n entries ahead of
+       the tail): the ring is reset. One load of each word, as mcshm_ring_pending does. */
+    static inline int moecached_ring_implausible(const mcshm_layout *m, mcshm_u64 *pf) {
+        uint64_t h = atomic_load_explicit(&pf[MCSHM_PIN_W_HEAD], memory_order_acquire);
+        uint64_t t = atomic_load_explicit(&pf[MCSHM_PIN_W_TAIL], memory_order_relaxed);
+        return h - t > m->ring_n;
+    }
+    """
+    int moecached_ring_implausible(const mcshm_layout *m, mcshm_u64 *pf) nogil
+
+#: Ring entries per pin file (a power of two): 16384 entries of 16 bytes, 256 KiB.
+RING_N = 16384
+MAX_CLASSES = MCSHM_MAX_CLASSES
+PIN_HEADER_BYTES = MCSHM_PIN_HEADER_BYTES
+
+
+cdef class PinFile:
+    """One fast-path client's pin file, mapped read-write by the daemon.
+
+    Attributes: ``path``, ``size``, ``quota`` (distinct slots whose pins are honoured),
+    ``honoured`` (set of global slots whose pins the daemon honours now), counters ``hits``,
+    ``prefetch_hits`` (ring entries applied), ``drops`` (ring entries dropped: key out of range
+    or not resident), ``resets`` (implausible heads), ``ignored`` (pins found past the quota).
+    """
+    cdef mcshm_u64 *p
+    cdef public size_t size
+    cdef public object path, fd
+    cdef public long quota
+    cdef public set honoured
+    cdef public long hits, prefetch_hits, drops, resets, ignored
+
+    def __cinit__(self):
+        self.p = NULL
+
+    def __init__(self, path, int fd, size_t size, long quota):
+        cdef void *a = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+        if a == MAP_FAILED:
+            raise OSError(f"cannot map pin file {path}")
+        self.p = <mcshm_u64 *>a
+        self.path = path
+        self.fd = fd
+        self.size = size
+        self.quota = quota
+        self.honoured = set()
+        self.hits = self.prefetch_hits = self.drops = self.resets = self.ignored = 0
+
+    cpdef void unmap(self):
+        if self.p != NULL:
+            munmap(<void *>self.p, self.size)
+            self.p = NULL
+
+    def __dealloc__(self):
+        if self.p != NULL:
+            munmap(<void *>self.p, self.size)
+
+    def info(self) -> dict:
+        return {"fast_hits": self.hits + self.prefetch_hits, "ring_drops": self.drops,
+                "ring_resets": self.resets, "pins_honoured": len(self.honoured),
+                "pins_ignored": self.ignored}
+
+
+cdef class ShmArena:
+    """The daemon's view of its arena's control block plus the open pin files.
+
+    Args:
+        ctl_address: address of the arena's control block (the daemon's writable mapping).
+        n_experts, n_keys: as in the control block header.
+        classes: ``[(gen_off_bytes, n_slots), ...]`` in class-id order (ids 0..n-1).
+        resmap_off: byte offset of the resident map.
+    Raises ValueError for more than ``MAX_CLASSES`` classes.
+    """
+    cdef mcshm_layout L
+    cdef mcshm_u64 **ptrs
+    cdef uint64_t *kbuf
+    cdef uint64_t *tbuf
+    cdef public list files
+    cdef public uint32_t n_slots_total
+    cdef public uint64_t pins_off, ring_off, file_size
+    cdef public long evictions_held, resets, drops_closed, ignored_closed, fast_hits
+
+    def __cinit__(self):
+        self.ptrs = NULL
+        self.kbuf = NULL
+        self.tbuf = NULL
+
+    def __init__(self, size_t ctl_address, uint32_t n_experts, uint32_t n_keys, list classes,
+                 uint64_t resmap_off):
+        cdef uint32_t i, base = 0
+        if len(classes) > MCSHM_MAX_CLASSES:
+            raise ValueError(f"{len(classes)} size classes, the shared-memory hit path handles "
+                             f"at most {MCSHM_MAX_CLASSES}")
+        self.L.ctl = <mcshm_u64 *>ctl_address
+        self.L.pin = NULL
+        self.L.session = 0
+        self.L.n_experts = n_experts
+        self.L.n_keys = n_keys
+        self.L.n_classes = len(classes)
+        self.L.ring_n = RING_N
+        self.L.key_class = NULL
+        for i in range(len(classes)):
+            gen_off, n = classes[i]
+            self.L.gen_word[i] = gen_off // 8
+            self.L.slot_base[i] = base
+            self.L.n_slots[i] = n
+            base += n
+        self.n_slots_total = base
+        self.L.resmap_word = resmap_off // 8
+        self.pins_off = PIN_HEADER_BYTES
+        self.ring_off = (self.pins_off + 4 * base + 63) // 64 * 64
+        self.L.pins_word32 = self.pins_off // 4
+        self.L.ring_word = self.ring_off // 8
+        self.file_size = (self.ring_off + 16 * RING_N + 4095) // 4096 * 4096
+        self.files = []
+        # counts of pin files already closed (open ones keep their own)
+        self.evictions_held = self.resets = self.drops_closed = self.ignored_closed = 0
+        self.fast_hits = 0
+        self.kbuf = <uint64_t *>malloc(RING_N * sizeof(uint64_t))
+        self.tbuf = <uint64_t *>malloc(RING_N * sizeof(uint64_t))
+        if self.kbuf == NULL or self.tbuf == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        free(self.ptrs)
+        free(self.kbuf)
+        free(self.tbuf)
+
+    cdef void _refresh(self) except *:
+        free(self.ptrs)
+        self.ptrs = <mcshm_u64 **>malloc((len(self.files) + 1) * sizeof(mcshm_u64 *))
+        if self.ptrs == NULL:
+            raise MemoryError()
+
+    def header(self, uint64_t epoch, long quota) -> bytes:
+        """The header words of a new pin file (written before any client sees it)."""
+        words = [0x31304e4950454f4d, epoch, self.n_slots_total, RING_N, self.pins_off,
+                 self.ring_off, quota]
+        return b"".join(w.to_bytes(8, "little") for w in words)
+
+    def add(self, PinFile f):
+        self.files.append(f)
+        self._refresh()
+
+    def remove(self, PinFile f):
+        """Stop honouring ``f``'s pins (its honoured slots go) and unmap it."""
+        if f in self.files:
+            self.files.remove(f)
+            self._refresh()
+            self.fast_hits += f.hits + f.prefetch_hits
+            self.drops_closed += f.drops
+            self.ignored_closed += f.ignored
+        f.honoured = set()
+        f.unmap()
+
+    def close(self):
+        """Unmap every pin file and forget the control block (the arena goes next)."""
+        for f in self.files:
+            (<PinFile>f).unmap()
+        self.files = []
+        self.L.ctl = NULL
+
+    # ---- resident map / eviction ----------------------------------------------------------
+    cpdef void publish(self, uint32_t key, uint32_t slot):
+        """``resmap[key] = slot + 1``: the expert is resident (its load completed)."""
+        if self.L.ctl != NULL and key < self.L.n_keys:
+            mcshm_publish(&self.L, key, slot)
+
+    cpdef bint try_evict(self, uint32_t key, uint32_t cls, uint32_t slot):
+        """Take ``key`` out of ``slot`` of class ``cls`` unless an honoured pin holds it.
+
+        True: the map is cleared and the generation moved (the slot may be refilled). False:
+        a pin holds it (nothing changed); the slot is recorded as honoured for each file that
+        pins it. A file already honouring ``quota`` other slots is not asked (its pins there
+        are ignored and counted)."""
+        cdef uint32_t n = 0, gslot = self.L.slot_base[cls] + slot
+        cdef PinFile f
+        cdef mcshm_u64 *one
+        if self.L.ctl == NULL:
+            return False
+        for f in self.files:
+            if f.p == NULL:
+                continue
+            if gslot in f.honoured or len(f.honoured) < f.quota:
+                self.ptrs[n] = f.p
+                n += 1
+            else:
+                one = f.p
+                if mcshm_pinned_by(&self.L, &one, 1, gslot):
+                    f.ignored += 1
+        if mcshm_try_evict(&self.L, self.ptrs, n, key, cls, slot):
+            return True
+        for f in self.files:
+            if f.p == NULL:
+                continue
+            one = f.p
+            if (gslot in f.honoured or len(f.honoured) < f.quota) and \
+                    mcshm_pinned_by(&self.L, &one, 1, gslot):
+                f.honoured.add(gslot)
+        self.evictions_held += 1
+        return False
+
+    cpdef uint32_t global_slot(self, uint32_t cls, uint32_t slot):
+        return self.L.slot_base[cls] + slot
+
+    def sweep(self) -> set:
+        """Forget honoured slots whose pin count went back to 0; returns the global slots some
+        file still holds (an honoured pin)."""
+        cdef PinFile f
+        cdef mcshm_u64 *one
+        cdef uint32_t g
+        held = set()
+        for f in self.files:
+            if f.p == NULL or not f.honoured:
+                continue
+            one = f.p
+            keep = set()
+            for g in f.honoured:
+                if mcshm_pinned_by(&self.L, &one, 1, g):
+                    keep.add(g)
+            f.honoured = keep
+            held |= keep
+        return held
+
+    # ---- hit rings ------------------------------------------------------------------------
+    cpdef bint pending(self):
+        """True when some ring holds entries not drained yet, or an implausible head."""
+        cdef PinFile f
+        if self.L.ctl == NULL:
+            return False
+        for f in self.files:
+            if f.p != NULL and (mcshm_ring_pending(&self.L, f.p) or
+                                moecached_ring_implausible(&self.L, f.p)):
+                return True
+        return False
+
+    def drain(self):
+        """Every ring's new entries, merged by time over all files: a list of ``(key, file)``
+        (``key`` as the client wrote it, minus 1; out-of-range ones are dropped and counted
+        here); resets rings with an implausible head (counted). None when nothing came."""
+        cdef PinFile f
+        cdef uint32_t got, j
+        cdef uint64_t k1, nk = self.L.n_keys
+        cdef long fi = 0
+        if self.L.ctl == NULL:
+            return None
+        parts = []
+        for f in self.files:
+            fi += 1
+            if f.p == NULL:
+                continue
+            if moecached_ring_implausible(&self.L, f.p):
+                mcshm_ring_reset(f.p)
+                f.resets += 1
+                self.resets += 1
+                continue
+            got = mcshm_drain(&self.L, f.p, self.kbuf, self.tbuf, RING_N)
+            if got == 0:
+                continue
+            one = []
+            for j in range(got):
+                k1 = self.kbuf[j]
+                if k1 == 0 or k1 > nk:
+                    f.drops += 1
+                    continue
+                one.append((self.tbuf[j], fi, j, k1 - 1, f))
+            if one:
+                parts.append(one)
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return [(e[3], e[4]) for e in parts[0]]
+        allp = [e for p in parts for e in p]
+        allp.sort(key=lambda e: (e[0], e[1], e[2]))
+        return [(e[3], e[4]) for e in allp]

@@ -1,0 +1,82 @@
+"""ExpertCache and fast-path pins (no daemon): the resident map follows loads and evictions,
+a victim held by a shared-memory pin is skipped and a request counting on it waits, and a
+release through shared memory (a store, no message) lets it in at the next sweep."""
+import os
+
+import pytest
+
+from fixtures import make_model
+from moecached.cache import ExpertCache
+from moecached.index import open_index
+from shm_shim import OK, Item, lib, map_file, shim_layout
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    # 4 layers x 16 experts; layers 0 and 1 share size class 0 (4 of the 8 slots)
+    return make_model(tmp_path_factory.mktemp("fp-cache"), "olmoe-1b-7b-0924-Q4_K_M", layers=4, experts=16)
+
+
+@pytest.fixture
+def cache(model, tmp_path):
+    c = ExpertCache(open_index(model), slots=8, readers=2, lock_memory=False, arena_dir=str(tmp_path))
+    c.arena.set_epoch(77, 1)
+    yield c
+    c.close()
+
+
+def attach(cache, quota=8):
+    """A pin file on ``cache`` and a shim layout over it: ``(pinfile, h, desc, ctl)``."""
+    f = cache.open_pin_file("moecached-pins-test-1", 77, quota)
+    shm = cache._shm
+    pins = {"path": f.path, "size": f.size, "ring_n": 16384, "pins_off": shm.pins_off,
+            "ring_off": shm.ring_off, "quota": quota}
+    desc = cache.descriptor()
+    ctl = map_file(desc["path"], desc["size"], False)
+    h = shim_layout(desc, pins, 77, ctl, map_file(f.path, f.size, True))
+    return f, h, desc
+
+
+def shm_pin(h, keys):
+    import ctypes
+    arr = (ctypes.c_uint32 * len(keys))(*keys)
+    out = (Item * len(keys))()
+    r = lib().shim_pin(h, arr, len(keys), out)
+    return list(out) if r == OK else r
+
+
+def test_resident_map_follows_loads_and_evictions(cache):
+    L = cache.index.expert_layers
+    resmap = cache.arena.resident_map()
+    cache.release(cache.acquire(L[0], [1, 2], timeout=30))
+    assert resmap[1] and resmap[2] and resmap[1] != resmap[2]
+    cache.release(cache.acquire(L[1], [0, 1, 2, 3], timeout=30))   # evicts both
+    assert resmap[1] == 0 and resmap[2] == 0
+    for e in range(4):
+        assert resmap[16 + e] == cache.acquire_resident(L[1], [e]).items[0][3] + 1
+
+
+def test_request_waits_for_a_slot_held_by_a_fast_pin_then_gets_it(cache):
+    L = cache.index.expert_layers
+    f, h, _ = attach(cache)
+    cache.release(cache.acquire(L[0], [0, 1, 2, 3], timeout=30))
+    items = shm_pin(h, [0, 1, 2, 3])            # every slot pinned through shared memory
+    assert isinstance(items, list)
+    got = []
+    cache.acquire_async([(L[1], [5])], got.append)
+    assert got == [] and cache.stats()["waiting"] == 1, "granted a slot under a fast pin"
+    assert cache.stats()["fast_path"]["evictions_held"] >= 4
+    lib().shim_unpin(h, (Item * 1)(items[2]), 1)   # release one, as a client does: a store
+    cache.sweep_pins()
+    import time
+    t = time.monotonic() + 20
+    while not got and time.monotonic() < t:
+        time.sleep(0.01)
+    assert got and not isinstance(got[0], Exception), got
+    assert got[0].items[0][3] == items[2].slot      # the slot released, and only that one
+    for it in items[:2] + items[3:]:
+        assert cache.arena.generations(it.cls)[it.slot] == it.gen
+    cache.release(got[0])
+    cache.close_pin_file(f)
+    assert cache.stats()["fast_path"]["held_keys"] == 0
+    assert not os.path.exists(f.path)

@@ -1,0 +1,289 @@
+"""The daemon's side of the shared-memory hit path (docs/protocol.md, "Shared-memory hit path").
+
+A real daemon process; the test process is a fast-path client through ``tests/shm_shim.py``
+(the client half of ``moecache_shm.h`` over ctypes), and socket clients churn the cache.
+Every byte read through a pin is checked against the model.
+"""
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from daemon_util import start_daemon, stop_daemon
+from moecache_client import Client
+from moecached.synth import verify_expert_bytes
+from shm_shim import OK, FastClient
+
+N_EXP = 16
+
+
+@pytest.fixture
+def model(model_factory):
+    # 4 blocks x 16 experts of real Qwen3-30B-A3B Q4_K_M sizes (two size classes)
+    return model_factory("qwen3-30b-a3b-Q4_K_M", layers=[0, 6, 7, 8], experts=N_EXP)
+
+
+@pytest.fixture
+def daemon(model, tmp_path):
+    procs = []
+
+    def start(*args):
+        sock = str(tmp_path / f"d{len(procs)}.sock")
+        if "--slots" not in args:
+            args += ("--slots", "64")
+        p = start_daemon(model, sock, "--arena-dir", str(tmp_path), *args)
+        procs.append(p)
+        return f"ipc://{sock}"
+    yield start
+    for p in procs:
+        out = stop_daemon(p)
+        assert "Traceback" not in out, out
+
+
+def churn(endpoint, layers, rounds=2, experts=range(N_EXP)):
+    with Client(endpoint, name="churn") as c:
+        for _ in range(rounds):
+            for layer in layers:
+                for e in experts:
+                    c.acquire(layer, [e]).release()
+
+
+def bytes_right(fc, layer, expert, item):
+    c = next(c for c in fc.arena["classes"] if c["id"] == item.cls)
+    for part in c["parts"]:
+        data = fc.part(item.cls, item.slot, part)
+        assert verify_expert_bytes(data, layer, part, expert, 0) is None, (layer, expert, part)
+    return True
+
+
+def wait_for(cond, what, timeout=10.0):
+    t0 = time.time()
+    while not cond():
+        if time.time() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def pin_resident(fc, layer, experts):
+    """Make ``experts`` resident over the socket, release, then pin them through shared memory."""
+    r = fc.acquire(layer, experts)
+    fc.release(r["lease"])
+    items = fc.pin(layer, experts)
+    assert isinstance(items, list), f"pin returned {items}"
+    return items
+
+
+def pin_file_pins(fc):
+    """Pin file words: head and tail (8, 16)."""
+    w = fc.pin_words()
+    return w[8], w[16]
+
+
+def test_hello_offers_pins_only_to_watched_clients_and_when_enabled(daemon, tmp_path):
+    ep = daemon()
+    fc = FastClient(ep)
+    p = fc.pins
+    assert p is not None and os.path.exists(p["path"])
+    assert set(p) == {"path", "size", "ring_n", "pins_off", "ring_off", "quota"}
+    assert p["ring_n"] & (p["ring_n"] - 1) == 0 and p["quota"] >= 1
+    st = os.stat(p["path"])
+    assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.getuid()
+    assert os.path.basename(p["path"]).startswith("moecached-pins-")
+    w = fc.pin_words()
+    assert w[0].to_bytes(8, "little") == b"MOEPIN01" and w[1] == fc.session and w[6] == p["quota"]
+    assert FastClient(ep, watched=False, name="unwatched").pins is None
+    assert FastClient(ep, fast_path=False, name="plain").pins is None
+    fc.close()
+    wait_for(lambda: not os.path.exists(p["path"]), "pin file removed after bye")
+    ep2 = daemon("--no-fast-path")
+    assert FastClient(ep2).pins is None
+
+
+def test_pinned_slot_is_never_reused_and_keeps_its_bytes(daemon):
+    ep = daemon("--slots", "8")
+    fc = FastClient(ep)
+    L = fc.layers
+    items = pin_resident(fc, L[1], [3, 5])
+    gens = [it.gen for it in items]
+    churn(ep, L, rounds=2)
+    for e, it, g in zip([3, 5], items, gens):
+        assert fc.generation(it.cls, it.slot) == g, "pinned slot's generation moved"
+        assert fc.resident(L[1], e) == it.slot + 1
+        assert bytes_right(fc, L[1], e, it)
+    assert fc.valid(items)
+    fp = fc.stats()["fast_path"]
+    assert fp["evictions_held"] > 0 and fp["pins_honoured"] == 2
+    assert fc.me()["pins_honoured"] == 2
+    fc.unpin(items)
+    churn(ep, L, rounds=2)
+    assert not fc.valid(items), "released slots were never evicted under churn"
+    assert fc.resident(L[1], 3) in (0,) or fc.generation(items[0].cls, items[0].slot) != gens[0]
+    assert fc.me()["pins_honoured"] == 0
+    fc.close()
+
+
+def test_pins_past_the_quota_are_ignored(daemon):
+    ep = daemon("--slots", "8", "--fast-path-quota", "2")
+    fc = FastClient(ep)
+    assert fc.pins["quota"] == 2
+    L = fc.layers
+    items = pin_resident(fc, L[1], [1, 2, 3, 4])
+    churn(ep, L, rounds=2)
+    kept = [fc.generation(it.cls, it.slot) == it.gen for it in items]
+    assert sum(kept) == 2, kept                 # two honoured, the others went
+    assert not fc.valid(items)                  # the holder can tell
+    for e, it, k in zip([1, 2, 3, 4], items, kept):
+        if k:
+            assert bytes_right(fc, L[1], e, it)
+    me = fc.me()
+    assert me["pins_honoured"] == 2 and me["pins_ignored"] > 0
+    fc.unpin(items)
+    fc.close()
+
+
+KILLED = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[2])
+    from shm_shim import FastClient
+    fc = FastClient(sys.argv[1], name="victim")
+    L = fc.layers
+    r = fc.acquire(L[1], [6, 7]); fc.release(r["lease"])
+    items = fc.pin(L[1], [6, 7])
+    print(fc.pins["path"], items[0].cls, items[0].slot, items[0].gen, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_killed_client_pins_stop_counting_and_its_file_goes(daemon):
+    ep = daemon("--slots", "8")
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.Popen([sys.executable, "-c", KILLED, ep, here], stdout=subprocess.PIPE, text=True)
+    try:
+        path, cls, slot, gen = p.stdout.readline().split()
+        cls, slot, gen = int(cls), int(slot), int(gen)
+        fc = FastClient(ep, fast_path=False, name="observer")
+        churn(ep, fc.layers, rounds=1)
+        assert fc.generation(cls, slot) == gen, "pinned slot evicted while its client lives"
+        assert os.path.exists(path)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    wait_for(lambda: not os.path.exists(path), "pin file of a killed client removed")
+    churn(ep, fc.layers, rounds=2)
+    assert fc.generation(cls, slot) != gen, "a dead client's pin still holds the slot"
+    st = fc.stats()
+    assert st["fast_path"]["pin_files"] == 0 and st["fast_path"]["held_keys"] == 0
+    fc.close()
+
+
+def _run_sequence(ep, seq, fast):
+    """Acquire/release ``seq`` [(layer, [experts])]: through shared memory when ``fast`` (the
+    socket when a pin misses), else over the socket only. Returns (stats, client entry)."""
+    fc = FastClient(ep, fast_path=fast, name="seq")
+    for layer, ex in seq:
+        got = fc.pin(layer, ex) if fast else None
+        if isinstance(got, list):
+            fc.unpin(got)
+        else:
+            fc.release(fc.acquire(layer, ex)["lease"])
+    st = fc.stats()
+    me = fc.me(st)
+    resident = {(l, e) for l in fc.layers for e in range(N_EXP) if fc.resident(l, e)}
+    fc.close()
+    return st, me, resident
+
+
+def test_ring_hits_count_like_socket_hits_and_keep_the_eviction_order(daemon):
+    rnd = random.Random(7)
+    layers = None
+    eps = [daemon("--slots", "10"), daemon("--slots", "10")]
+    layers = FastClient(eps[0], fast_path=False, name="peek").layers
+    seq = []
+    for _ in range(300):                        # skewed: many repeats (hits), some misses
+        layer = rnd.choice(layers)
+        seq.append((layer, rnd.sample([0, 1, 2, 3, 4, 5, rnd.randrange(N_EXP)], 2)
+                    if rnd.random() < 0.8 else rnd.sample(range(N_EXP), 2)))
+    seq = [(l, ex) for l, ex in seq if len(set(ex)) == 2]
+    st_s, me_s, res_s = _run_sequence(eps[0], seq, fast=False)
+    st_f, me_f, res_f = _run_sequence(eps[1], seq, fast=True)
+    assert me_f["fast_hits"] > 0
+    for k in ("hits", "prefetch_hits", "demand_misses", "evictions"):
+        assert st_f[k] == st_s[k], (k, st_f[k], st_s[k])
+    assert st_f["layers"] == st_s["layers"]
+    for k in ("hits", "prefetch_hits", "demand_misses"):
+        assert me_f[k] == me_s[k], (k, me_f[k], me_s[k])
+    assert res_f == res_s, "different experts resident: the eviction order differs"
+    assert st_f["fast_path"]["ring_drops"] == 0
+
+
+def test_garbage_in_a_pin_file_never_crashes_or_serves_wrong_bytes(daemon):
+    ep = daemon("--slots", "8", "--fast-path-quota", "3")
+    fc = FastClient(ep)
+    L = fc.layers
+    w = fc.pin_words()
+    n = len(w)
+    rnd = random.Random(3)
+    ring = fc.pins["ring_off"] // 8
+    # out-of-range and absent keys in the ring, then a plausible head
+    for j in range(8):
+        w[ring + 2 * j] = rnd.choice([0, 2**64 - 1, 10**9, len(L) * N_EXP + 1, 1 + j])
+        w[ring + 2 * j + 1] = rnd.getrandbits(64)
+    w[8] = w[16] + 8
+    churn(ep, L, rounds=1)
+    fp = fc.stats()["fast_path"]
+    assert fp["ring_drops"] >= 4
+    w[8] = w[16] + 2**40                        # a huge head
+    churn(ep, L, rounds=1)
+    assert fc.stats()["fast_path"]["ring_resets"] >= 1
+    for _ in range(3):                          # random words everywhere, header included
+        for _ in range(2000):
+            w[rnd.randrange(n)] = rnd.getrandbits(64)
+        with Client(ep, name="check") as c:
+            for layer in L:
+                for e in range(N_EXP):
+                    lease = c.acquire(layer, [e])
+                    for p, v in lease.parts(e, layer).items():
+                        assert verify_expert_bytes(v, layer, p, e, 0) is None
+                    assert lease.valid()
+                    lease.release()
+    st = fc.stats()
+    assert st["fast_path"]["pins_honoured"] <= 3
+    fc.close()
+
+
+def test_fast_path_counters_reach_the_exporter(daemon):
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from moecached.metrics import StatsCollector
+    ep = daemon()
+    fc = FastClient(ep)
+    L = fc.layers
+    items = pin_resident(fc, L[0], [1, 2])
+    fc.unpin(items)
+    items = fc.pin(L[0], [1, 2, 3])             # 3 is not resident: a miss, nothing pinned
+    assert items == 1
+    held = fc.pin(L[0], [2])
+    st = fc.stats()                             # drains the ring first
+    reg = CollectorRegistry(auto_describe=False)
+    col = StatsCollector(ep, timeout=5)
+    reg.register(col)
+    try:
+        m = {(s.name, tuple(sorted(s.labels.items()))): s.value
+             for f in text_string_to_metric_families(generate_latest(reg).decode()) for s in f.samples}
+    finally:
+        col.close()
+    me = fc.me(st)
+    assert st["fast_path"]["fast_hits"] == me["fast_hits"] == 3
+    assert m[("moecached_fast_hits_total", ())] == 3
+    assert m[("moecached_fast_pin_files", ())] == 1
+    lab = (("client", "fast"), ("pid", str(os.getpid())))
+    assert m[("moecached_client_fast_hits_total", lab)] == 3
+    assert m[("moecached_client_hits_total", lab)] == me["hits"]
+    fc.unpin(held)
+    fc.close()
