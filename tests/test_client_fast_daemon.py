@@ -135,3 +135,20 @@ def test_daemon_restart_makes_the_session_stale_and_the_client_says_hello_again(
         check_bytes(again)
         again.release()
         old.release()      # a lease of the old session: dropped quietly
+
+
+def test_a_departed_fast_client_keeps_its_hits_in_the_stats(daemon):
+    """Hits taken through shared memory stay in the client's counters after it leaves, as
+    socket hits do (``departed_clients``)."""
+    ep, _ = daemon()
+    with Client(ep, name="leaver") as c:
+        L = c.expert_layers
+        c.acquire(L[0], [1, 2]).release()
+        for _ in range(5):
+            c.acquire(L[0], [1, 2]).release()
+        before = me(c)
+    assert before["hits"] == 10
+    with Client(ep, name="watcher", fast_path=False) as w:
+        st = w.stats()
+    gone = next(x for x in st["departed_clients"] if x["name"] == "leaver")
+    assert gone["hits"] + gone["prefetch_hits"] == 10

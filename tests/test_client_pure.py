@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-CLIENT_TESTS = ["test_client_fast.py", "test_client_errors.py", "test_lease_validity.py"]
+CLIENT_TESTS = ["test_client_fast.py", "test_client_fast_daemon.py", "test_client_errors.py",
+                "test_lease_validity.py"]
 
 
 @pytest.mark.slow
