@@ -219,6 +219,10 @@ class Lease:
         slots: slot index of each requested expert, in request order.
         hits / prefetch_hits / misses: what the daemon found for this request.
         stall_us: microseconds the daemon waited for reads for this request.
+
+    A lease pinned through shared memory (no message) has a negative ``id``, counts every
+    expert as a hit (the daemon counts it as a hit or a prefetch hit when it drains the ring)
+    and is released by a store.
     """
 
     _shm_items = None   # moecache_client._shm.Items: valid() through mcshm_valid; a fast lease unpins
