@@ -1,4 +1,6 @@
-"""Builds the Cython core: every cython_ext/<name>.pyx becomes the module moecached.<name>.
+"""Builds the Cython core: every cython_ext/<name>.pyx becomes the module moecached.<name>;
+and the client's shared-memory hit path, moecache_client._shm (clients/python/setup.py builds
+the same extension when the client is installed alone).
 
 ``clients/c/include`` is on the include path: ``_shm`` compiles ``moecache_shm.h``, the one
 implementation of the shared-memory hit path's rules.
@@ -23,5 +25,7 @@ exts = [
     )
     for p in sorted(glob.glob("cython_ext/*.pyx"))
 ]
+exts.append(Extension("moecache_client._shm", ["clients/python/moecache_client/_shm.pyx"],
+                      include_dirs=["clients/c/include"], extra_compile_args=["-O2", "-std=gnu11"]))
 setup(ext_modules=cythonize(exts, language_level=3, include_path=["cython_ext"],
                             compiler_directives={"boundscheck": False, "wraparound": False}))

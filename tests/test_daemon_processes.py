@@ -65,7 +65,8 @@ def test_two_clients_share_one_copy(model, tmp_path):
 def test_sigkilled_client_loses_pins(model, tmp_path):
     sock = str(tmp_path / "d.sock")
     d = start_daemon(model, sock, "--slots", "32", "--heartbeat", "1")
-    code = ("import sys,time; from moecache_client import Client; c=Client(sys.argv[1]);"
+    # socket leases (the daemon's "pinned"); a killed fast-path client: test_fast_path_daemon.py
+    code = ("import sys,time; from moecache_client import Client; c=Client(sys.argv[1], fast_path=False);"
             "L=c.expert_layers; ls=[c.acquire(L[i], [1,2,3]) for i in range(len(L))];"
             "print('held', flush=True); time.sleep(60)")
     try:

@@ -460,7 +460,8 @@ def test_fast_path_and_general_path_count_alike(model_factory, tmp_path, fast):
     t.start()
     try:
         L = idx.expert_layers
-        with Client(srv.endpoint, name="seq") as c:
+        # every request over the socket (the client's shared-memory hit path would bypass both)
+        with Client(srv.endpoint, name="seq", fast_path=False) as c:
             c.prefetch(L[2], [6], wait=True)
             deadline = time.time() + 5
             while cache.stats()["reads_in_flight"] and time.time() < deadline:
@@ -588,7 +589,7 @@ def test_timed_out_acquire_is_cancelled_in_the_daemon(model_factory, tmp_path):
     def mine(st):
         return [x for x in st["clients"] if x["name"] == "giver-up"][0]
     try:
-        with Client(srv.endpoint, name="giver-up") as c:
+        with Client(srv.endpoint, name="giver-up", fast_path=False) as c:   # lease counts from the reply
             L = c.expert_layers
             with pytest.raises(Timeout):
                 c.acquire(L[0], [0, 1, 2, 3], timeout=0.2)

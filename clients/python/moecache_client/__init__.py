@@ -21,6 +21,13 @@ cannot watch: tcp) it is revoked after a silence; its holder can always tell:
 ``lease.part()``/``parts()`` raise :class:`LeaseInvalid` once it is not, and
 ``lease.valid()`` -- a few loads from the arena's control block, no message -- says whether
 bytes already read are the granted expert's. Check it after computing with them.
+
+Shared-memory hit path (docs/protocol.md): with the compiled extension ``moecache_client._shm``
+(built by ``pip install``; the rules are those of ``clients/c/include/moecache_shm.h``, compiled
+in), a local client asks for a pin file at hello and pins experts that are already resident
+without a message; such a lease is released by a store. Anything not resident, and every other
+call, goes over the socket. Without the extension, or with ``MOECACHE_CLIENT_PURE=1`` in the
+environment, the same API works over the socket only (``IMPLEMENTATION`` says which).
 """
 from __future__ import annotations
 
@@ -36,8 +43,17 @@ import msgpack
 import numpy as np
 import zmq
 
+if os.environ.get("MOECACHE_CLIENT_PURE", "") not in ("", "0"):
+    _shm = None
+else:
+    try:
+        from . import _shm
+    except ImportError:
+        _shm = None
+IMPLEMENTATION = "python" if _shm is None else "cython"   # "python": socket path only
+
 __all__ = ["Client", "Lease", "ClientError", "ServerError", "DaemonRestarted", "Timeout",
-           "LeaseInvalid", "DEFAULT_ENDPOINT"]
+           "LeaseInvalid", "DEFAULT_ENDPOINT", "IMPLEMENTATION"]
 
 DEFAULT_ENDPOINT = "ipc:///run/moecached/moecached.sock"
 _INT_ONLY = frozenset((int,))
@@ -132,7 +148,11 @@ class _Call:
 
 
 class _Arena:
-    """A read-only mapping of the daemon's arena file plus its layout descriptor."""
+    """A read-only mapping of the daemon's arena file plus its layout descriptor
+    (``Client.arena``): ``address`` (base address of the mapping, for an engine that hands the
+    slot arrays to its kernels), ``size`` (bytes), ``descriptor`` (hello's ``arena`` map)."""
+
+    shm = None   # the session's moecache_client._shm.Shm (compiled client only)
 
     def __init__(self, desc: dict):
         self.desc = desc
@@ -155,6 +175,21 @@ class _Arena:
         self.gens = {cid: self._words[c["gen_off"] // 8: c["gen_off"] // 8 + c["n_slots"]]
                      for cid, c in self.classes.items()}
 
+    @property
+    def descriptor(self) -> dict:
+        """The arena descriptor of the hello reply (docs/protocol.md, "The arena")."""
+        return self.desc
+
+    @property
+    def size(self) -> int:
+        """Bytes mapped."""
+        return int(self.desc["size"])
+
+    @property
+    def address(self) -> int:
+        """Base address of the read-only mapping in this process."""
+        return int(self.buf.__array_interface__["data"][0])
+
     def epoch(self) -> int:
         """Session id of the daemon serving this arena now (0: none)."""
         return int(self._words[self._epoch_i])
@@ -166,6 +201,7 @@ class _Arena:
         return self.buf[off:off + n]
 
     def close(self):
+        self.shm = None
         self.buf = self._words = None
         self.gens = {}
         try:
@@ -183,9 +219,15 @@ class Lease:
         slots: slot index of each requested expert, in request order.
         hits / prefetch_hits / misses: what the daemon found for this request.
         stall_us: microseconds the daemon waited for reads for this request.
+
+    A lease pinned through shared memory (no message) has a negative ``id``, counts every
+    expert as a hit (the daemon counts it as a hit or a prefetch hit when it drains the ring)
+    and is released by a store.
     """
 
-    def __init__(self, client: "Client", session: int, arena: _Arena, reply: dict):
+    _shm_items = None   # moecache_client._shm.Items: valid() through mcshm_valid; a fast lease unpins
+
+    def __init__(self, client: "Client", session: int, arena: _Arena, reply: dict, shm_items=None):
         self._client = client
         self.session = session
         self._arena = arena
@@ -197,6 +239,11 @@ class Lease:
         self.stall_us = reply.get("stall_us", 0)
         self.released = False
         self._where_map = None
+        if shm_items is None and arena is not None and arena.shm is not None:
+            shm_items = arena.shm.items(self.items, reply["gens"])
+        if shm_items is not None:
+            self._shm_items = shm_items
+            return
         # per size class: (slot indices, their generations at grant), checked by valid()
         by_cls: dict = {}
         for (_, _, cid, slot), g in zip(self.items, reply["gens"]):
@@ -206,6 +253,22 @@ class Lease:
         self._granted = [(cid, np.array(sl, dtype=np.intp), np.array(gs, dtype=np.uint64))
                          for cid, (sl, gs) in by_cls.items()]
 
+    @classmethod
+    def _pinned(cls, client, session, arena, lid, shm_items) -> "Lease":
+        """A lease pinned without a message (all hits)."""
+        self = cls.__new__(cls)
+        self._client = client
+        self.session = session
+        self._arena = arena
+        self.id = lid
+        self.items = shm_items.rows
+        self.hits = len(self.items)
+        self.prefetch_hits = self.misses = self.stall_us = 0
+        self.released = False
+        self._where_map = None
+        self._shm_items = shm_items
+        return self
+
     def _invalid_because(self) -> str | None:
         if self.released:
             return "it was released"
@@ -214,6 +277,13 @@ class Lease:
         a = self._arena
         if a is None or a.buf is None:
             return "its arena is no longer mapped"
+        it = self._shm_items
+        if it is not None:
+            if it.valid():
+                return None
+            if a.epoch() != self.session:
+                return "the daemon that granted it no longer serves this arena"
+            return "the daemon revoked it and reused its slots"
         if a.epoch() != self.session:
             return "the daemon that granted it no longer serves this arena"
         for cid, slots, gens in self._granted:
@@ -271,7 +341,10 @@ class Lease:
         """Unpin (idempotent). A lease from before a daemon restart is dropped silently."""
         if not self.released:
             self.released = True
-            self._client._release_lease(self)
+            if self.id < 0:      # pinned without a message: unpin is a store
+                self._shm_items.release()
+            else:
+                self._client._release_lease(self)
 
     def __enter__(self):
         return self
@@ -291,6 +364,9 @@ class Client:
         connect_timeout: seconds to wait for the first hello.
         map_arena: map the arena read-only at hello (default); tools that only read
             counters pass False.
+        fast_path: pin resident experts through shared memory, without a message, when the
+            daemon offers it (default; needs the compiled extension, an ``ipc://`` endpoint
+            and ``map_arena``). False: every acquire goes over the socket.
     Raises:
         ClientError: an ``ipc://`` endpoint whose socket file does not exist (no daemon
             there): raised at once, without waiting ``connect_timeout``.
@@ -307,13 +383,16 @@ class Client:
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, name: str | None = None,
                  timeout: float | None = 30.0, heartbeat_s: float | None = None,
-                 connect_timeout: float = 10.0, map_arena: bool = True):
+                 connect_timeout: float = 10.0, map_arena: bool = True, fast_path: bool = True):
         self.endpoint = endpoint
         self._ipc = endpoint.startswith("ipc://")
         path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
         if path is not None and not os.path.exists(path):
             raise ClientError(f"no daemon socket at {path}: is moecached running? (systemctl status moecached)")
         self.map_arena = map_arena
+        self._want_fast = bool(fast_path) and map_arena and self._ipc and _shm is not None
+        self._fast = None                      # (arena, Shm) while this session can pin in shm
+        self._fast_ids = itertools.count(-1, -1)   # ids of leases taken without a message
         # the daemon keeps 64 characters of a name; a longer one would not fit its limits
         self.name = (name or f"pid{os.getpid()}")[:64]
         self.timeout = timeout
@@ -356,6 +435,18 @@ class Client:
         """Experts the router picks per token and layer (0 when the model file does not say)."""
         return self.info["top_k"]
 
+    @property
+    def arena(self):
+        """This session's arena mapping (None with ``map_arena=False``): ``.address`` (int base
+        address), ``.size`` (bytes), ``.descriptor`` (the hello's ``arena`` map)."""
+        return self._arena
+
+    @property
+    def fast_path(self) -> bool:
+        """True while resident experts are pinned without a message (docs/protocol.md,
+        "Shared-memory hit path")."""
+        return self._fast is not None
+
     def acquire(self, layer: int, experts, *, tag: str | None = None,
                 timeout: float | None = ..., layers=None) -> Lease:
         """Pin ``experts`` of ``layer`` (GGUF block number), waiting for reads; returns a Lease.
@@ -364,6 +455,10 @@ class Client:
         Raises ServerError (bad layer/expert, too large, load failed, model_changed: the
         model file changed and the expert is not resident), Timeout, DaemonRestarted.
         """
+        if self._fast is not None:
+            lease = self._fast_acquire(layer, experts, layers)
+            if lease is not None:
+                return lease
         msg = {"op": "acquire"}
         self._requests(msg, layer, experts, layers)
         if tag is not None:
@@ -377,6 +472,10 @@ class Client:
 
     def acquire_async(self, layer, experts, *, tag=None, layers=None, timeout_ms: int | None = None) -> "LeaseFuture":
         """Non-blocking acquire for pipelining: returns a future; ``.result(timeout)`` -> Lease."""
+        if self._fast is not None:
+            lease = self._fast_acquire(layer, experts, layers)
+            if lease is not None:
+                return LeaseFuture(self, None, lease)
         msg = {"op": "acquire"}
         self._requests(msg, layer, experts, layers)
         if tag is not None:
@@ -480,6 +579,26 @@ class Client:
                               "per request (split it)")
 
 
+    def _fast_acquire(self, layer, experts, layers) -> Lease | None:
+        """Pin the experts without a message (all resident; the extension checks the values and
+        leaves anything doubtful to the socket path); None: use the socket."""
+        fast = self._fast
+        if fast is None:
+            return None
+        arena, shm = fast
+        try:
+            r = shm.pin(layer, experts, layers)
+        except (TypeError, ValueError, IndexError):
+            return None      # a malformed request: the socket path says what is wrong
+        if type(r) is int:
+            if r == _shm.STALE and shm.epoch() != shm.session:
+                # the daemon of this session is gone: void it; the socket call says hello again
+                with self._lock:
+                    if self.session == shm.session:
+                        self._void_session("the daemon restarted")
+            return None
+        return Lease._pinned(self, shm.session, arena, next(self._fast_ids), r)
+
     def _t(self, timeout):
         return self.timeout if timeout is ... else timeout
 
@@ -576,6 +695,7 @@ class Client:
 
     def _void_session(self, why: str):
         """The daemon went away: every call in flight fails; the next call says hello again."""
+        self._fast = None
         self._fail_pending(lambda op: DaemonRestarted(f"{op}: {why}"))
         self.session = None
         self._ping_sent = None
@@ -588,6 +708,8 @@ class Client:
         start = _own_start_time()
         if start is not None:
             hello["pid_start"] = start
+            if self._want_fast:
+                hello["fast_path"] = True
         self._send(hello)
         deadline = time.monotonic() + timeout
         while not fut.done():
@@ -601,10 +723,42 @@ class Client:
         # made (the reply came through it): it is the old daemon's, not this session's.
         self._check_monitor(hello=True)
         # leases of an earlier session keep their own arena object (unmapped when they go)
-        self._arena = _Arena(rep["arena"]) if self.map_arena else None
+        self._fast = None
+        arena = _Arena(rep["arena"]) if self.map_arena else None
+        if arena is not None and _shm is not None:
+            arena.shm = self._shm_session(arena, rep)
+        self._arena = arena
         self.info = rep
         self.session = rep["session"]
+        if arena is not None and arena.shm is not None and arena.shm.fast:
+            self._fast = (arena, arena.shm)
         self._last_rx = time.monotonic()
+
+    def _shm_session(self, arena: _Arena, rep: dict):
+        """The session's mcshm layout: the arena's control block, and the pin file when the
+        hello reply offers one (mapped read-write)."""
+        pins = rep.get("pins") if self._want_fast else None
+        pin_mm = None
+        if pins is not None:
+            try:
+                fd = os.open(pins["path"], os.O_RDWR)
+                try:
+                    pin_mm = mmap.mmap(fd, pins["size"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                finally:
+                    os.close(fd)
+            except (OSError, KeyError, TypeError, ValueError) as e:
+                raise ClientError(f"pin file {pins.get('path') if isinstance(pins, dict) else pins!r}: "
+                                  f"cannot map it read-write ({e}); pass fast_path=False to use the socket "
+                                  "only") from None
+        try:
+            shm = _shm.Shm(arena.mm, arena.desc, list(rep["expert_layers"]), int(rep["n_experts"]),
+                           rep["session"], pin_mm, pins)
+            limit = (rep.get("limits") or {}).get("max_request_experts")
+            if limit is not None:
+                shm.max_experts = int(limit)
+            return shm
+        except (ValueError, KeyError, TypeError) as e:
+            raise ClientError(f"hello reply from {self.endpoint}: {e}") from None
 
     def _pump_locked(self, until: _Call | None, wait: float, hello: bool = False) -> None:
         """Read replies for up to ``wait`` seconds, until ``until`` is done.
@@ -722,16 +876,19 @@ class Client:
 class LeaseFuture:
     """Pending acquire; ``result(timeout)`` returns the Lease (or raises the call's error)."""
 
-    def __init__(self, client: Client, fut: _Call):
+    def __init__(self, client: Client, fut: _Call | None, lease: Lease | None = None):
         self._client = client
         self._fut = fut
+        self._lease = lease      # already granted (pinned without a message)
 
     def done(self) -> bool:
         """True once the reply (lease or error) is in."""
-        return self._fut.done()
+        return self._fut is None or self._fut.done()
 
     def result(self, timeout: float | None = None) -> Lease:
         """Wait up to ``timeout`` seconds (None: forever) for the Lease. Raises ServerError,
         Timeout (a lease arriving later is released by the client), DaemonRestarted."""
+        if self._fut is None:
+            return self._lease
         rep = self._client._wait(self._fut, timeout, "acquire")
         return Lease(self._client, rep["session"], rep["_arena"], rep)
