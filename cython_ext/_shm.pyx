@@ -399,9 +399,9 @@ cdef class ShmArena:
         return False
 
     def drain(self):
-        """Every ring's new entries, merged by time over all files: a list of ``(key, file)``
-        (``key`` as the client wrote it, minus 1; out-of-range ones are dropped and counted
-        here); resets rings with an implausible head (counted). None when nothing came."""
+        """Every ring's new entries, merged by time over all files: a list of ``(key, file, t)``
+        (``key`` as the client wrote it, minus 1; ``t`` its time, the same for every entry of
+        one pin call; out-of-range ones are dropped and counted here); resets rings with an implausible head (counted). None when nothing came."""
         cdef PinFile f
         cdef long got
         cdef uint32_t j
@@ -436,7 +436,7 @@ cdef class ShmArena:
         if not parts:
             return None
         if len(parts) == 1:
-            return [(e[3], e[4]) for e in parts[0]]
+            return [(e[3], e[4], e[0]) for e in parts[0]]
         allp = [e for p in parts for e in p]
         allp.sort(key=lambda e: (e[0], e[1], e[2]))
-        return [(e[3], e[4]) for e in allp]
+        return [(e[3], e[4], e[0]) for e in allp]

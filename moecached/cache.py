@@ -367,6 +367,7 @@ class ExpertCache:
         self._shm = ShmArena(arena.base_address, ne, arena.n_keys,
                              [(c.gen_off, c.n_slots) for c in arena.classes], arena.resmap_off)
         self._held: set = set()   # (pool, key) pinned in the LRU because a fast-path pin holds it
+        self.fast_log = None      # list while shared-memory hits are to be recorded (take_fast_log)
 
     # ------------------------------------------------------------------ helpers (under lock)
     def _reads_for(self, L: _Layer, expert: int, slot: int) -> list:
@@ -435,7 +436,8 @@ class ExpertCache:
         ne = self.n_experts
         layers, lmap = self._moe_layers, self._layers
         n = 0
-        for key, f in got:
+        log = self.fast_log
+        for key, f, t in got:
             layer = layers[key // ne]
             L = lmap[layer]
             pool = L.pool
@@ -443,6 +445,8 @@ class ExpertCache:
             if pool.res[k] < 0:
                 f.drops += 1
                 continue
+            if log is not None:
+                log.append((f, t, layer, key % ne))
             pool.lru.touch(k)
             if pool.unused[k]:
                 pool.unused[k] = 0
@@ -453,6 +457,17 @@ class ExpertCache:
                 f.hits += 1
             n += 1
         return n
+
+    def take_fast_log(self) -> list:
+        """The shared-memory hits applied since the last call, as ``(pin file, t, layer,
+        expert)`` in the order applied (entries of one pin call share ``t``), while
+        ``fast_log`` is a list (the server sets it while a trace is recorded); [] otherwise."""
+        with self._lock:
+            log = self.fast_log
+            if not log:
+                return []
+            self.fast_log = []
+        return log
 
     def _sweep_held(self) -> bool:
         """Unpin, in the LRU, keys no honoured fast-path pin holds any more. Under the lock.

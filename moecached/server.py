@@ -471,6 +471,8 @@ class Server:
                         next_sweep = now + self.PIN_DRAIN_MS / 1000
                         try:
                             self.cache.sweep_pins()
+                            if self.recorder is not None:
+                                self._record_fast_hits()
                             for f in self.cache.take_broken_pin_files():
                                 self._drop_broken_pins(f)
                         except Exception:
@@ -617,6 +619,8 @@ class Server:
                                  "expected 1 (or an empty delimiter + 1)", delim=False)
             return
         self.cache.drain_pins()   # hits taken through shared memory count first
+        if self.recorder is not None:
+            self._record_fast_hits()
         now = time.monotonic()
         c = self.clients.get(ident)
         if c is None:
@@ -1033,11 +1037,40 @@ class Server:
             raise P.ProtocolError(P.E_REFUSED, f"trace path {path}: {e.strerror}")
         from .trace import TraceRecorder
         idx = self.index
+        self.cache.drain_pins()   # hits from before the start are not part of the trace
+        self.cache.take_fast_log()
+        self.cache.fast_log = []
         self.recorder = TraceRecorder(path, len(idx.expert_layers), idx.top_k, idx.n_experts, client=who)
         self.recorder_client = who
         self._reply(c.ident, rid, path=path)
 
+    def _record_fast_hits(self) -> None:
+        """Put the acquires clients took through shared memory into the trace being recorded,
+        in the order the daemon applied them: the entries of one pin call (one time stamp)
+        are one acquire, grouped by layer; recorded as decode (a fast acquire has no tag)."""
+        log = self.cache.take_fast_log()
+        if not log:
+            return
+        names = {id(c.pins): c.name for c in self.clients.values() if getattr(c, "pins", None) is not None}
+        i = 0
+        while i < len(log):
+            f, t = log[i][0], log[i][1]
+            j = i
+            by_layer: dict = {}
+            while j < len(log) and log[j][0] is f and log[j][1] == t:
+                by_layer.setdefault(log[j][2], []).append(log[j][3])
+                j += 1
+            name = names.get(id(f), "?")
+            if self.recorder_client in (None, name):
+                for layer, experts in by_layer.items():
+                    self.recorder.record(self.moe_index[layer], experts, False, name)
+            i = j
+
     def _trace_stop(self) -> dict:
+        self.cache.drain_pins()
+        if self.recorder is not None:
+            self._record_fast_hits()
+        self.cache.fast_log = None
         rec, self.recorder = self.recorder, None
         tr = rec.close() if rec is not None else None
         info = None
