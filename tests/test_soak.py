@@ -1,7 +1,9 @@
-"""Soak: client processes (watched and unwatched) acquire random experts on a small cache under
-heavy eviction while they are stalled past the heartbeat (SIGSTOP/SIGCONT), SIGKILLed and
-replaced, and while the daemon is stalled and restarted. Every byte a client reads through a
-lease that still says ``valid()`` afterwards is checked against the model file.
+"""Soak: client processes -- Python (watched and unwatched) and, when the C client builds, C
+(clients/c/examples/soak.c), all pinning through shared memory when they can -- acquire random
+experts on a small cache under heavy eviction while they are stalled past the heartbeat
+(SIGSTOP/SIGCONT), SIGKILLed and replaced, and while the daemon is stalled and restarted.
+Every byte a client reads through a lease that still says valid afterwards is checked against
+the model file.
 
 Done when: 0 wrong bytes read without an exception, 0 pins left once the clients are gone.
 Bounded: ``MOECACHED_SOAK_S`` seconds (default 40); set it higher for a long run.
@@ -20,7 +22,22 @@ from daemon_util import start_daemon, stop_daemon
 from moecache_client import Client, ClientError
 
 HERE = Path(__file__).resolve().parent
+CDIR = HERE.parent / "clients" / "c"
 SOAK_S = float(os.environ.get("MOECACHED_SOAK_S", "40"))
+
+
+def c_worker(tmp_path, model):
+    """Build the C soak worker and its expectation table; None when the C client cannot be
+    built here (the Python workers still run)."""
+    import shutil
+    if not all(shutil.which(t) for t in ("cc", "make", "pkg-config")):
+        return None
+    r = subprocess.run(["make", "-C", str(CDIR), "build/soak"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return None
+    expect = tmp_path / "expect.txt"
+    subprocess.run([sys.executable, str(CDIR / "tests" / "dump_expect.py"), model, str(expect)], check=True)
+    return str(CDIR / "build" / "soak"), str(expect)
 
 
 @pytest.mark.slow
@@ -33,16 +50,20 @@ def test_soak_stalls_kills_restarts(model_factory, tmp_path):
     rng = random.Random(1)
     outs, procs = [], {}
     seeds = iter(range(10_000))
+    cw = c_worker(tmp_path, model)
 
     def spawn(i):
         seed = next(seeds)
         out = tmp_path / f"client{seed}.txt"
         outs.append(out)
+        if i >= 4:   # C workers
+            procs[i] = subprocess.Popen([cw[0], ep, cw[1], str(out), str(seed)], stderr=subprocess.DEVNULL)
+            return
         extra = ["--unwatched"] if i % 2 else []
         procs[i] = subprocess.Popen([sys.executable, str(HERE / "soak_client.py"), ep, str(out),
                                      str(seed)] + extra, stderr=subprocess.DEVNULL)
 
-    n_clients = 4
+    n_clients = 4 + (2 if cw else 0)
     for i in range(n_clients):
         spawn(i)
     events = {"client_stalls": 0, "client_kills": 0, "daemon_stalls": 0, "daemon_restarts": 0}
@@ -98,7 +119,7 @@ def test_soak_stalls_kills_restarts(model_factory, tmp_path):
                 p.send_signal(signal.SIGCONT)
                 p.kill()
         stop_daemon(d)
-    wrong, verified, invalid = [], 0, 0
+    wrong, verified, invalid, c_verified = [], 0, 0, 0
     import json
     for out in outs:
         if not out.exists():
@@ -110,8 +131,11 @@ def test_soak_stalls_kills_restarts(model_factory, tmp_path):
                 n = json.loads(line[5:])
                 verified += n["verified_parts"]
                 invalid += n["invalid_seen"]
-    print(f"soak {SOAK_S:.0f}s: {events}, {verified} parts verified, {invalid} invalid leases "
-          f"detected, {len(wrong)} wrong")
+                if "fast" in n:
+                    c_verified += n["verified_parts"]
+    print(f"soak {SOAK_S:.0f}s: {events}, {verified} parts verified ({c_verified} by C clients), "
+          f"{invalid} invalid leases detected, {len(wrong)} wrong")
     assert not wrong, wrong[:10]
     assert verified > 100, "the soak read too little to mean anything"
+    assert cw is None or c_verified > 0, "the C workers verified nothing"
     assert events["client_stalls"] and events["client_kills"]
