@@ -278,15 +278,13 @@ def small_trace(path: str, tokens: int):
 
 
 def part2(a, tmp):
-    from moecached.layout import shared_layouts_dir
     from moecached.replay import replay
     from moecached.synth import write_model
     from moecache_client import Client
 
     trace_path = a.trace
-    if trace_path is None:
-        d = shared_layouts_dir()
-        trace_path = str(d.parent / "traces" / "qwen3_30b_a3b_sharegpt_prefill_2050.npz") if d else None
+    if trace_path is None:   # ../shared/traces beside the repository
+        trace_path = os.path.join(ROOT, os.pardir, "shared", "traces", "qwen3_30b_a3b_sharegpt_prefill_2050.npz")
     if trace_path is None or not os.path.exists(trace_path):
         return None, [f"replay overhead skipped: no real trace (--trace; looked for {trace_path})"]
     tr, n_exp = small_trace(trace_path, a.replay_tokens)
