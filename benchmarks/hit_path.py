@@ -14,7 +14,10 @@ microseconds, for:
 * ``C fast path``: ``mcshm_pin`` + ``mcshm_unpin`` from moecache_shm.h, compiled with ``cc``
   (benchmarks/hit_path_c.c), on the scripted daemon side's arena and pin file (the same layout;
   the C program does no hello), its ring consumed between pairs (skipped with a note when there
-  is no C compiler). The C client library's own acquire adds its lease bookkeeping to this.
+  is no C compiler);
+* ``C client library``: libmoecache's ``mc_acquire`` + ``mc_release`` against the daemon
+  (clients/c/examples/hit_bench.c, built with make; the library's whole hit path: the pin, its
+  lease bookkeeping, the release store), when the C client builds here.
 
 All kinds run in interleaved rounds (order rotating each round) in one run, so drift of a
 shared machine hits them alike; the table gives the median over rounds of each round's p50/p99.
@@ -131,6 +134,33 @@ class CFast:
         return int(p50) / 1000.0, int(p99) / 1000.0
 
 
+class CLib:
+    """clients/c/examples/hit_bench.c (libmoecache's own mc_acquire + mc_release) against the
+    daemon, built with make; None-noted when the C client cannot be built here."""
+
+    def __init__(self, endpoint: str, layer: int, experts):
+        self.note = None
+        cdir = os.path.join(ROOT, "clients", "c")
+        if not (shutil.which("make") and shutil.which("cc")):
+            self.note = "no make/cc: C client library row skipped"
+            return
+        r = subprocess.run(["make", "-C", cdir, "build/hit_bench"], capture_output=True, text=True)
+        if r.returncode != 0:
+            self.note = f"C client library row skipped: make failed: {r.stdout.strip().splitlines()[-1:]}"
+            return
+        self.cmd = [os.path.join(cdir, "build", "hit_bench"), endpoint, str(layer)]
+        self.experts = [str(e) for e in experts]
+
+    def run(self, iters: int):
+        r = subprocess.run(self.cmd + [str(iters)] + self.experts, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"hit_bench failed: {r.stdout} {r.stderr}")
+        p50, p99, fast = r.stdout.split()
+        if fast != "1":
+            raise RuntimeError("hit_bench: the C client's acquires did not take the fast path")
+        return int(p50) / 1000.0, int(p99) / 1000.0
+
+
 def part1(a, tmp):
     from moecached.cache import ExpertCache
     from moecached.index import open_index
@@ -180,6 +210,11 @@ def part1(a, tmp):
         if cfast.note:
             notes.append(cfast.note)
             cfast = None
+        # the C library against the real daemon, when it offers the fast path
+        clib = CLib(f"ipc://{sock}", layer, experts) if fast_between is None else None
+        if clib is not None and clib.note:
+            notes.append(clib.note)
+            clib = None
 
         cache = ExpertCache(idx, policy="global", readers=2, lock_memory=False)
         cache.release(cache.acquire(layer, experts, timeout=60))
@@ -216,6 +251,8 @@ def part1(a, tmp):
         per = {k: [] for k in kinds}
         if cfast is not None:
             per["C fast path (moecache_shm.h)"] = []
+        if clib is not None:
+            per["C client library (libmoecache)"] = []
         names = list(per)
         for rnd in range(a.rounds):
             order = names[rnd % len(names):] + names[:rnd % len(names)]
@@ -224,6 +261,8 @@ def part1(a, tmp):
                     fn, between = kinds[k]
                     us = timed(fn, a.iters, between)
                     per[k].append((pct(us, 50), pct(us, 99)))
+                elif k.startswith("C client library"):
+                    per[k].append(clib.run(a.iters))
                 else:
                     per[k].append(cfast.run(a.iters))
         assert fake.counts["acquire"] == 0, "fast path acquires went over the socket"
