@@ -1,0 +1,252 @@
+/* moecache.h -- C client of the moecached expert cache daemon (docs/protocol.md).
+ *
+ *   mc_error err;
+ *   mc_client *c = mc_connect("ipc:///run/moecached/moecached.sock", "engine-0", NULL, &err);
+ *   if (!c) { fprintf(stderr, "%s\n", err.message); ... }
+ *   int experts[] = {5, 17, 42};
+ *   mc_lease *l;
+ *   if (mc_acquire(c, 3, experts, 3, 0, -1, &l, &err) == MC_OK) {
+ *       const void *gate = mc_lease_part(l, 1, "gate");   // expert 17's gate, zero-copy
+ *       ... compute ...
+ *       if (!mc_lease_valid(l)) { ... the bytes read were not (all) the granted experts' ... }
+ *       mc_release(l);
+ *   }
+ *   mc_close(c);
+ *
+ * Includable from C and C++. Every handle is opaque; no atomics are exposed (the
+ * shared-memory rules live in moecache_shm.h, used by the library only).
+ *
+ * THREADS. One mc_client may be shared by any number of threads:
+ *   - socket calls (acquire that misses, prefetch, ping, stats...) are serialised on one mutex
+ *     around the socket; the thread that finds the socket free reads replies for everyone
+ *     (leader/followers), so a single-threaded engine pays no thread hand-off;
+ *   - fast-path pins (no message) are serialised by a second, short mutex (the pin file's hit
+ *     ring has one producer); they never wait for the socket;
+ *   - mc_release of a fast-path lease is lock-free (atomic decrements); of a socket lease it
+ *     sends one `release` (noreply) under the socket mutex;
+ *   - mc_lease_valid / mc_lease_part / the arena accessors are lock-free.
+ *   A lease may be used and released from any thread, but not concurrently with its own
+ *   mc_release. mc_close must not race with other calls on the same client; leases outlive
+ *   it (their mapping stays until the last one is released).
+ *
+ * HEARTBEAT. By default a background thread pings while the client is idle for a third of the
+ * daemon's heartbeat_s (a watched local client keeps its leases without it, an unwatched one
+ * -- tcp, other pid namespace -- would lose them), drains late replies, and notices a dropped
+ * connection. With mc_options.heartbeat_thread = 0 there is no thread: the engine calls
+ * mc_tick(c) at least every heartbeat interval (mc_heartbeat_ms) instead.
+ *
+ * RESTARTS. When the daemon restarts (a reply's session changes, the connection drops, or the
+ * arena's epoch is no longer the session) the calls in flight fail with MC_ERR_RESTARTED and
+ * the next call says hello again and maps the new arena. mc_arena() then describes the new
+ * arena; leases from before stay readable-but-invalid (mc_lease_valid() == 0,
+ * mc_lease_part() == NULL) until released. Layouts are fetched again with mc_arena() after
+ * a restart (the pointer of an earlier call stays valid until mc_close).
+ */
+#ifndef MOECACHE_H
+#define MOECACHE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MC_DEFAULT_ENDPOINT "ipc:///run/moecached/moecached.sock"
+
+/* Error codes. The daemon's error code strings (docs/protocol.md, "Error codes") map to the
+ * MC_ERR_D_* values; a code this library does not know maps to MC_ERR_D_OTHER (the string is
+ * kept in mc_error.daemon_code). */
+typedef enum mc_code {
+    MC_OK = 0,
+    MC_ERR_INVALID_ARG = 1,   /* a bad argument (NULL, layer without experts, too many experts) */
+    MC_ERR_SYSTEM = 2,        /* an OS or ZeroMQ call failed (errno text in the message) */
+    MC_ERR_PROTOCOL = 3,      /* the daemon's reply could not be understood */
+    MC_ERR_TIMEOUT = 4,       /* no reply within the call's timeout (an acquire is cancelled in the
+                                 daemon; a lease arriving anyway is released) */
+    MC_ERR_RESTARTED = 5,     /* the daemon restarted or went away; the next call says hello again */
+    MC_ERR_CLOSED = 6,        /* the client is closed */
+    MC_ERR_UNSUPPORTED = 7,   /* an arena descriptor version or layout this library cannot read */
+    /* the daemon refused the request */
+    MC_ERR_D_MALFORMED = 100,
+    MC_ERR_D_VERSION,
+    MC_ERR_D_UNKNOWN_OP,
+    MC_ERR_D_BAD_TYPE,
+    MC_ERR_D_OUT_OF_RANGE,
+    MC_ERR_D_TOO_LARGE,
+    MC_ERR_D_UNKNOWN_LEASE,
+    MC_ERR_D_STALE_LEASE,
+    MC_ERR_D_NOT_OWNER,
+    MC_ERR_D_LOAD_FAILED,
+    MC_ERR_D_TIMEOUT,         /* the daemon's `timeout`: timeout_ms passed before the reads finished */
+    MC_ERR_D_UNAVAILABLE,
+    MC_ERR_D_SHUTDOWN,
+    MC_ERR_D_INVALID_STATE,
+    MC_ERR_D_REFUSED,
+    MC_ERR_D_INTERNAL,
+    MC_ERR_D_MODEL_CHANGED,
+    MC_ERR_D_RATE_LIMITED,
+    MC_ERR_D_OTHER            /* a code string this library does not know */
+} mc_code;
+
+typedef struct mc_error {
+    int code;                 /* mc_code */
+    char daemon_code[32];     /* the daemon's code string ("" when the error is local) */
+    char message[256];        /* one line: what failed, and the fix when there is one */
+} mc_error;
+
+/* The name of a code ("MC_OK", "MC_ERR_TIMEOUT", ...). */
+const char *mc_code_name(int code);
+/* The daemon's code string -> mc_code (MC_ERR_D_OTHER for an unknown one). */
+int mc_code_from_daemon(const char *code);
+
+typedef struct mc_options {
+    int timeout_ms;           /* default wait for a reply (-1: forever). Default 30000 */
+    int connect_timeout_ms;   /* wait for hello. Default 10000 */
+    int fast_path;            /* ask for the shared-memory hit path (ipc only). Default 1 */
+    int heartbeat_thread;     /* 1: background pings (default); 0: the engine calls mc_tick */
+    int heartbeat_ms;         /* ping period when idle; 0: a third of the daemon's heartbeat_s */
+    int send_pid;             /* send pid + pid_start in hello (be watched). Default 1 */
+} mc_options;
+
+/* Fill *opt with the defaults. */
+void mc_options_init(mc_options *opt);
+
+typedef struct mc_client mc_client;
+typedef struct mc_lease mc_lease;
+
+/* ----------------------------------------------------------------- connection */
+
+/* Connect, say hello (with pid/pid_start, and fast_path when opt->fast_path), map the arena
+ * read-only and, when the daemon offers it, the pin file read-write. NULL on error (*err set;
+ * err may be NULL): an ipc endpoint without a socket file fails at once (MC_ERR_SYSTEM, "no
+ * daemon socket at ..."), a daemon that does not answer after connect_timeout_ms
+ * (MC_ERR_TIMEOUT). opt may be NULL (defaults). name may be NULL ("pid<N>"). */
+mc_client *mc_connect(const char *endpoint, const char *name, const mc_options *opt, mc_error *err);
+
+/* Say bye (the daemon releases this client's leases), stop the heartbeat, close the socket. */
+void mc_close(mc_client *c);
+
+/* Round trip to the daemon; *rtt_us (may be NULL) gets the microseconds. */
+int mc_ping(mc_client *c, double *rtt_us, mc_error *err);
+
+/* Without the heartbeat thread: ping if idle, read late replies, notice a dropped connection.
+ * Call at least every mc_heartbeat_ms(c) milliseconds. Harmless with the thread. */
+int mc_tick(mc_client *c, mc_error *err);
+int mc_heartbeat_ms(const mc_client *c);
+
+/* The daemon's session of the current hello (0 while none: after a restart, before the next
+ * call). */
+uint64_t mc_session(const mc_client *c);
+/* 1 when the daemon watches this process (lease_watch "process"), 1 when the fast path is on. */
+int mc_watched(const mc_client *c);
+int mc_fast_path(const mc_client *c);
+
+/* The daemon's `stats` reply (every counter) as text in msgpack-c's JSON-like rendering
+ * (malloc'd; free() it). NULL on error. */
+char *mc_stats_text(mc_client *c, mc_error *err);
+
+/* ----------------------------------------------------------------- the arena */
+
+typedef struct mc_part {
+    const char *name;         /* "gate", "up", "down", ... */
+    uint64_t part_off;        /* byte offset of slot 0's part in the arena */
+    uint64_t part_bytes;      /* bytes per slot (part p of slot i is at part_off + i*part_bytes) */
+    const char *type;         /* ggml type name ("Q4_K", ...) */
+} mc_part;
+
+typedef struct mc_class {
+    uint32_t id;
+    uint32_t n_layers;
+    const int32_t *layers;    /* GGUF block numbers in this class */
+    uint32_t n_parts;
+    const mc_part *parts;
+    uint32_t n_slots;
+    uint64_t slot_bytes;
+} mc_class;
+
+typedef struct mc_arena {
+    const void *base;         /* the read-only mapping */
+    uint64_t size;
+    uint32_t n_classes;
+    const mc_class *classes;  /* classes[i].id == i */
+    uint32_t n_expert_layers;
+    const int32_t *expert_layers;   /* GGUF block numbers with routed experts */
+    uint32_t n_experts;
+    uint32_t top_k;
+    uint64_t session;
+} mc_arena;
+
+/* The arena of the current hello (says hello first when the last one was voided by a restart;
+ * NULL then on error). The description stays readable until mc_close, even after a restart;
+ * its `base` mapping stays while it is the current arena or a lease granted on it is held
+ * (after MC_ERR_RESTARTED, call mc_arena_get again for the new one). */
+const mc_arena *mc_arena_get(mc_client *c, mc_error *err);
+/* Class id of a GGUF block (-1 when it has no routed experts). */
+int mc_layer_class(const mc_arena *a, int layer);
+
+/* ----------------------------------------------------------------- leases */
+
+typedef struct mc_item {
+    int32_t layer;
+    int32_t expert;
+    uint32_t cls;
+    uint32_t slot;            /* the MUL_MAT_ID expert id within the class's slot arrays */
+} mc_item;
+
+typedef struct mc_request {
+    int layer;
+    const int *experts;
+    uint32_t n;
+} mc_request;
+
+enum {
+    MC_ACQ_NO_FAST = 1,       /* skip the shared-memory hit path, ask the daemon */
+    MC_ACQ_DECODE = 2,        /* tag "decode" (kept in daemon traces) */
+    MC_ACQ_PROMPT = 4         /* tag "prompt" */
+};
+
+/* Pin `experts[0..n)` of `layer` (GGUF block number); *out gets the lease. All or nothing.
+ * First the shared-memory hit path (all resident: no message), else one acquire over the
+ * socket for the whole set. timeout_ms: -1 = the client's default wait (mc_options.timeout_ms);
+ * >= 0 is sent as the daemon's timeout_ms and the client waits one second longer, so the
+ * daemon's answer (MC_ERR_D_TIMEOUT, nothing pinned) wins over a local MC_ERR_TIMEOUT. */
+int mc_acquire(mc_client *c, int layer, const int *experts, uint32_t n, int flags, int timeout_ms,
+               mc_lease **out, mc_error *err);
+/* Several layers in one lease. */
+int mc_acquire_many(mc_client *c, const mc_request *reqs, uint32_t n_reqs, int flags, int timeout_ms,
+                    mc_lease **out, mc_error *err);
+/* Queue reads only (no pins, noreply). */
+int mc_prefetch(mc_client *c, int layer, const int *experts, uint32_t n, mc_error *err);
+int mc_prefetch_many(mc_client *c, const mc_request *reqs, uint32_t n_reqs, mc_error *err);
+
+/* The items in request order (layers in the order given, experts in the order given). */
+uint32_t mc_lease_n(const mc_lease *l);
+const mc_item *mc_lease_items(const mc_lease *l);
+/* Slot of item i (== mc_lease_items(l)[i].slot). */
+uint32_t mc_lease_slot(const mc_lease *l, uint32_t i);
+/* Copies the slot of each item (request order) into out[0..cap); returns the item count. */
+uint32_t mc_lease_slots(const mc_lease *l, uint32_t *out, uint32_t cap);
+/* 1 when the lease came from the shared-memory hit path (no message). */
+int mc_lease_fast(const mc_lease *l);
+/* The daemon's counters for this request (0 for fast-path leases, which are all hits). */
+void mc_lease_counts(const mc_lease *l, uint32_t *hits, uint32_t *prefetch_hits, uint32_t *misses,
+                     uint64_t *stall_us);
+
+/* Zero-copy read-only bytes of part `part` of item idx; *bytes (may be NULL) gets the length.
+ * NULL when the lease is not valid (released, restart, revoked), idx out of range or no such
+ * part. Check mc_lease_valid() again after using the bytes. */
+const void *mc_lease_part(const mc_lease *l, uint32_t idx, const char *part, uint64_t *bytes);
+
+/* 1 while the lease pins its experts: the arena epoch is the granting session and every
+ * slot generation is the one granted. Bytes read before a call that returns 1 were the
+ * granted experts'. A few shared-memory loads, no message, no lock. */
+int mc_lease_valid(const mc_lease *l);
+
+/* Unpin and free the lease (fast path: atomic decrements; socket: a noreply release). */
+void mc_release(mc_lease *l);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOECACHE_H */

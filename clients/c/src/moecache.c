@@ -1,0 +1,1495 @@
+/* moecache.c -- C client of moecached (docs/protocol.md). Public API: include/moecache.h.
+ * The shared-memory rules (pin, validate, unpin) come from include/moecache_shm.h only. */
+#define _GNU_SOURCE
+#include "moecache.h"
+#include "moecache_shm.h"
+#include "moecache_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <msgpack.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#define PROTOCOL_VERSION 1
+#define DESCRIPTOR_VERSION 2
+#define SLICE_MS 100
+
+/* ------------------------------------------------------------------ errors */
+
+static const struct { const char *s; int code; } DAEMON_CODES[] = {
+    {"malformed", MC_ERR_D_MALFORMED}, {"version", MC_ERR_D_VERSION},
+    {"unknown_op", MC_ERR_D_UNKNOWN_OP}, {"bad_type", MC_ERR_D_BAD_TYPE},
+    {"out_of_range", MC_ERR_D_OUT_OF_RANGE}, {"too_large", MC_ERR_D_TOO_LARGE},
+    {"unknown_lease", MC_ERR_D_UNKNOWN_LEASE}, {"stale_lease", MC_ERR_D_STALE_LEASE},
+    {"not_owner", MC_ERR_D_NOT_OWNER}, {"load_failed", MC_ERR_D_LOAD_FAILED},
+    {"timeout", MC_ERR_D_TIMEOUT}, {"unavailable", MC_ERR_D_UNAVAILABLE},
+    {"shutdown", MC_ERR_D_SHUTDOWN}, {"invalid_state", MC_ERR_D_INVALID_STATE},
+    {"refused", MC_ERR_D_REFUSED}, {"internal", MC_ERR_D_INTERNAL},
+    {"model_changed", MC_ERR_D_MODEL_CHANGED}, {"rate_limited", MC_ERR_D_RATE_LIMITED},
+};
+
+int mc_code_from_daemon(const char *code) {
+    for (size_t i = 0; i < sizeof DAEMON_CODES / sizeof DAEMON_CODES[0]; i++)
+        if (code && strcmp(code, DAEMON_CODES[i].s) == 0)
+            return DAEMON_CODES[i].code;
+    return MC_ERR_D_OTHER;
+}
+
+const char *mc_code_name(int code) {
+    switch (code) {
+    case MC_OK: return "MC_OK";
+    case MC_ERR_INVALID_ARG: return "MC_ERR_INVALID_ARG";
+    case MC_ERR_SYSTEM: return "MC_ERR_SYSTEM";
+    case MC_ERR_PROTOCOL: return "MC_ERR_PROTOCOL";
+    case MC_ERR_TIMEOUT: return "MC_ERR_TIMEOUT";
+    case MC_ERR_RESTARTED: return "MC_ERR_RESTARTED";
+    case MC_ERR_CLOSED: return "MC_ERR_CLOSED";
+    case MC_ERR_UNSUPPORTED: return "MC_ERR_UNSUPPORTED";
+    case MC_ERR_D_MALFORMED: return "MC_ERR_D_MALFORMED";
+    case MC_ERR_D_VERSION: return "MC_ERR_D_VERSION";
+    case MC_ERR_D_UNKNOWN_OP: return "MC_ERR_D_UNKNOWN_OP";
+    case MC_ERR_D_BAD_TYPE: return "MC_ERR_D_BAD_TYPE";
+    case MC_ERR_D_OUT_OF_RANGE: return "MC_ERR_D_OUT_OF_RANGE";
+    case MC_ERR_D_TOO_LARGE: return "MC_ERR_D_TOO_LARGE";
+    case MC_ERR_D_UNKNOWN_LEASE: return "MC_ERR_D_UNKNOWN_LEASE";
+    case MC_ERR_D_STALE_LEASE: return "MC_ERR_D_STALE_LEASE";
+    case MC_ERR_D_NOT_OWNER: return "MC_ERR_D_NOT_OWNER";
+    case MC_ERR_D_LOAD_FAILED: return "MC_ERR_D_LOAD_FAILED";
+    case MC_ERR_D_TIMEOUT: return "MC_ERR_D_TIMEOUT";
+    case MC_ERR_D_UNAVAILABLE: return "MC_ERR_D_UNAVAILABLE";
+    case MC_ERR_D_SHUTDOWN: return "MC_ERR_D_SHUTDOWN";
+    case MC_ERR_D_INVALID_STATE: return "MC_ERR_D_INVALID_STATE";
+    case MC_ERR_D_REFUSED: return "MC_ERR_D_REFUSED";
+    case MC_ERR_D_INTERNAL: return "MC_ERR_D_INTERNAL";
+    case MC_ERR_D_MODEL_CHANGED: return "MC_ERR_D_MODEL_CHANGED";
+    case MC_ERR_D_RATE_LIMITED: return "MC_ERR_D_RATE_LIMITED";
+    case MC_ERR_D_OTHER: return "MC_ERR_D_OTHER";
+    default: return "MC_ERR_?";
+    }
+}
+
+static int seterr(mc_error *e, int code, const char *fmt, ...) {
+    if (e) {
+        e->code = code;
+        e->daemon_code[0] = 0;
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(e->message, sizeof e->message, fmt, ap);
+        va_end(ap);
+    }
+    return code;
+}
+
+static int okerr(mc_error *e) {
+    if (e) {
+        e->code = MC_OK;
+        e->daemon_code[0] = 0;
+        e->message[0] = 0;
+    }
+    return MC_OK;
+}
+
+/* ------------------------------------------------------------------ time */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void abstime(struct timespec *ts, double t) {
+    ts->tv_sec = (time_t)t;
+    ts->tv_nsec = (long)((t - (double)ts->tv_sec) * 1e9);
+    if (ts->tv_nsec >= 1000000000L) { ts->tv_sec++; ts->tv_nsec -= 1000000000L; }
+}
+
+/* ------------------------------------------------------------------ msgpack helpers */
+
+static const msgpack_object *mget(const msgpack_object *m, const char *key) {
+    if (!m || m->type != MSGPACK_OBJECT_MAP)
+        return NULL;
+    size_t kl = strlen(key);
+    for (uint32_t i = 0; i < m->via.map.size; i++) {
+        const msgpack_object *k = &m->via.map.ptr[i].key;
+        if (k->type == MSGPACK_OBJECT_STR && k->via.str.size == kl && memcmp(k->via.str.ptr, key, kl) == 0)
+            return &m->via.map.ptr[i].val;
+    }
+    return NULL;
+}
+
+static int mint(const msgpack_object *o, int64_t *v) {
+    if (!o) return 0;
+    if (o->type == MSGPACK_OBJECT_POSITIVE_INTEGER) {
+        if (o->via.u64 > (uint64_t)INT64_MAX) return 0;
+        *v = (int64_t)o->via.u64;
+        return 1;
+    }
+    if (o->type == MSGPACK_OBJECT_NEGATIVE_INTEGER) { *v = o->via.i64; return 1; }
+    return 0;
+}
+
+static int muint(const msgpack_object *o, uint64_t *v) {
+    if (!o || o->type != MSGPACK_OBJECT_POSITIVE_INTEGER) return 0;
+    *v = o->via.u64;
+    return 1;
+}
+
+static int mnum(const msgpack_object *o, double *v) {
+    int64_t i;
+    if (!o) return 0;
+    if (o->type == MSGPACK_OBJECT_FLOAT32 || o->type == MSGPACK_OBJECT_FLOAT64) { *v = o->via.f64; return 1; }
+    if (mint(o, &i)) { *v = (double)i; return 1; }
+    return 0;
+}
+
+static char *mstrdup(const msgpack_object *o) {
+    if (!o || o->type != MSGPACK_OBJECT_STR) return NULL;
+    char *s = malloc(o->via.str.size + 1);
+    if (s) { memcpy(s, o->via.str.ptr, o->via.str.size); s[o->via.str.size] = 0; }
+    return s;
+}
+
+static void mstrcpy(const msgpack_object *o, char *buf, size_t n) {
+    buf[0] = 0;
+    if (o && o->type == MSGPACK_OBJECT_STR && n) {
+        size_t l = o->via.str.size < n - 1 ? o->via.str.size : n - 1;
+        memcpy(buf, o->via.str.ptr, l);
+        buf[l] = 0;
+    }
+}
+
+static int mstreq(const msgpack_object *o, const char *s) {
+    return o && o->type == MSGPACK_OBJECT_STR && o->via.str.size == strlen(s) &&
+           memcmp(o->via.str.ptr, s, o->via.str.size) == 0;
+}
+
+static void pk_str(msgpack_packer *pk, const char *s) {
+    size_t l = strlen(s);
+    msgpack_pack_str(pk, l);
+    msgpack_pack_str_body(pk, s, l);
+}
+
+/* ------------------------------------------------------------------ the arena of one hello */
+
+static void arena_unmap(mc_arena_map *am) {
+    if (am->base) { munmap(am->base, am->size); am->base = NULL; }
+    if (am->pin) { munmap(am->pin, am->pin_size); am->pin = NULL; }
+}
+
+static void arena_free(mc_arena_map *am) {
+    arena_unmap(am);
+    free(am->key_class); free(am->layer_moe); free(am->layer_cls);
+    free(am->classes); free(am->parts); free(am->ints); free(am->expert_layers);
+    for (uint32_t i = 0; i < am->n_strings; i++) free(am->strings[i]);
+    free(am->strings);
+    free(am);
+}
+
+void mc_arena_unref_map(mc_arena_map *am) {
+    if (atomic_fetch_sub(&am->maprefs, 1) == 1)
+        arena_unmap(am);
+}
+
+void mc_arena_unref(mc_arena_map *am) {
+    if (atomic_fetch_sub(&am->refs, 1) == 1)
+        arena_free(am);
+}
+
+static char *keep(mc_arena_map *am, char *s) {
+    if (!s) return NULL;
+    am->strings[am->n_strings++] = s;
+    return s;
+}
+
+static int fail_arena(mc_arena_map *am, mc_error *err, int code, const char *msg) {
+    seterr(err, code, "%s", msg);
+    return code;
+}
+
+/* Build the arena description from the hello reply and map the arena (and the pin file). */
+static int arena_from_hello(const msgpack_object *rep, uint64_t session, mc_arena_map **out, mc_error *err) {
+    char msg[256];
+    const msgpack_object *d = mget(rep, "arena");
+    int64_t ver = 0, n_experts = 0, top_k = 0, size = 0, v;
+    if (!d || d->type != MSGPACK_OBJECT_MAP)
+        return seterr(err, MC_ERR_PROTOCOL, "hello reply: no 'arena' descriptor");
+    if (!mint(mget(d, "version"), &ver) || ver != DESCRIPTOR_VERSION)
+        return seterr(err, MC_ERR_UNSUPPORTED, "arena descriptor version %lld: this client reads version %d; "
+                      "install the client that matches the daemon", (long long)ver, DESCRIPTOR_VERSION);
+    mint(mget(rep, "n_experts"), &n_experts);
+    mint(mget(rep, "top_k"), &top_k);
+    const msgpack_object *el = mget(rep, "expert_layers"), *cl = mget(d, "classes"), *ctl = mget(d, "control");
+    if (!mint(mget(d, "size"), &size) || size <= 0 || !el || el->type != MSGPACK_OBJECT_ARRAY || !cl ||
+        cl->type != MSGPACK_OBJECT_ARRAY || !ctl || n_experts <= 0)
+        return seterr(err, MC_ERR_PROTOCOL, "hello reply: arena descriptor lacks size/classes/control or "
+                      "expert_layers/n_experts");
+    if (cl->via.array.size == 0 || cl->via.array.size > MCSHM_MAX_CLASSES)
+        return seterr(err, MC_ERR_UNSUPPORTED, "arena: %u size classes (this client handles 1..%d)",
+                      cl->via.array.size, MCSHM_MAX_CLASSES);
+    mc_arena_map *am = calloc(1, sizeof *am);
+    if (!am) return seterr(err, MC_ERR_SYSTEM, "out of memory");
+    atomic_init(&am->refs, 1);
+    atomic_init(&am->maprefs, 1);
+    atomic_init(&am->voided, 0);
+    am->session = session;
+    am->size = (size_t)size;
+    uint32_t nc = cl->via.array.size;
+    /* room for strings: path + per part name/type */
+    uint32_t nparts_total = 0, nlayers_total = 0;
+    for (uint32_t i = 0; i < nc; i++) {
+        const msgpack_object *c = &cl->via.array.ptr[i];
+        const msgpack_object *p = mget(c, "parts"), *l = mget(c, "layers");
+        if (!p || p->type != MSGPACK_OBJECT_ARRAY || !l || l->type != MSGPACK_OBJECT_ARRAY) {
+            arena_free(am);
+            return seterr(err, MC_ERR_PROTOCOL, "arena: class %u lacks parts/layers", i);
+        }
+        nparts_total += p->via.array.size;
+        nlayers_total += l->via.array.size;
+    }
+    am->strings = calloc(2 * nparts_total + 4, sizeof(char *));
+    am->classes = calloc(nc, sizeof(mc_class));
+    am->parts = calloc(nparts_total ? nparts_total : 1, sizeof(mc_part));
+    am->ints = calloc(nlayers_total + 1, sizeof(int32_t));
+    am->n_expert_layers = el->via.array.size;
+    am->expert_layers = calloc(am->n_expert_layers + 1, sizeof(int32_t));
+    if (!am->strings || !am->classes || !am->parts || !am->ints || !am->expert_layers) {
+        arena_free(am);
+        return seterr(err, MC_ERR_SYSTEM, "out of memory");
+    }
+    int32_t max_layer = 0;
+    for (uint32_t i = 0; i < am->n_expert_layers; i++) {
+        if (!mint(&el->via.array.ptr[i], &v) || v < 0 || v > 1000000) {
+            arena_free(am);
+            return seterr(err, MC_ERR_PROTOCOL, "hello reply: expert_layers[%u] is not a block number", i);
+        }
+        am->expert_layers[i] = (int32_t)v;
+        if (v > max_layer) max_layer = (int32_t)v;
+    }
+    am->max_layer = max_layer;
+    am->layer_moe = malloc((size_t)(max_layer + 1) * sizeof(int32_t));
+    am->layer_cls = malloc((size_t)(max_layer + 1) * sizeof(int32_t));
+    am->key_class = calloc(am->n_expert_layers + 1, sizeof(uint32_t));
+    if (!am->layer_moe || !am->layer_cls || !am->key_class) {
+        arena_free(am);
+        return seterr(err, MC_ERR_SYSTEM, "out of memory");
+    }
+    for (int32_t i = 0; i <= max_layer; i++) am->layer_moe[i] = am->layer_cls[i] = -1;
+    for (uint32_t i = 0; i < am->n_expert_layers; i++) am->layer_moe[am->expert_layers[i]] = (int32_t)i;
+
+    mcshm_layout *lay = &am->lay;
+    lay->session = session;
+    lay->n_experts = (uint32_t)n_experts;
+    lay->n_classes = nc;
+    uint32_t pi = 0, li = 0, slot_base = 0;
+    int64_t ctl_off = 0, ctl_bytes = 0;
+    mint(mget(ctl, "off"), &ctl_off);
+    mint(mget(ctl, "bytes"), &ctl_bytes);
+    if (ctl_off != 0 || ctl_bytes < MCSHM_CTL_HEADER_BYTES || ctl_bytes > size) {
+        arena_free(am);
+        return seterr(err, MC_ERR_UNSUPPORTED, "arena: control block at %lld (%lld bytes): this client expects "
+                      "it at offset 0", (long long)ctl_off, (long long)ctl_bytes);
+    }
+    for (uint32_t i = 0; i < nc; i++) {
+        const msgpack_object *c = &cl->via.array.ptr[i];
+        int64_t id = -1, ns = 0, sb = 0, go = 0;
+        if (!mint(mget(c, "id"), &id) || id != (int64_t)i || !mint(mget(c, "n_slots"), &ns) || ns < 0 ||
+            !mint(mget(c, "slot_bytes"), &sb) || !mint(mget(c, "gen_off"), &go) || go < 0 || go % 8 ||
+            go + 8 * ns > ctl_bytes) {
+            arena_free(am);
+            return seterr(err, MC_ERR_PROTOCOL, "arena: class %u: id must be %u and n_slots/slot_bytes/gen_off "
+                          "inside the control block", i, i);
+        }
+        mc_class *k = &am->classes[i];
+        k->id = i;
+        k->n_slots = (uint32_t)ns;
+        k->slot_bytes = (uint64_t)sb;
+        lay->gen_word[i] = (uint64_t)go / 8;
+        lay->n_slots[i] = (uint32_t)ns;
+        lay->slot_base[i] = slot_base;
+        slot_base += (uint32_t)ns;
+        const msgpack_object *l = mget(c, "layers"), *p = mget(c, "parts");
+        const msgpack_object *pb = mget(c, "part_bytes"), *po = mget(c, "part_off"), *pt = mget(c, "part_types");
+        k->layers = &am->ints[li];
+        k->n_layers = l->via.array.size;
+        for (uint32_t j = 0; j < l->via.array.size; j++) {
+            if (!mint(&l->via.array.ptr[j], &v) || v < 0 || v > max_layer || am->layer_moe[v] < 0) {
+                arena_free(am);
+                return seterr(err, MC_ERR_PROTOCOL, "arena: class %u lists a layer that is not in expert_layers", i);
+            }
+            am->ints[li++] = (int32_t)v;
+            am->layer_cls[v] = (int32_t)i;
+            am->key_class[am->layer_moe[v]] = i;
+        }
+        k->parts = &am->parts[pi];
+        k->n_parts = p->via.array.size;
+        for (uint32_t j = 0; j < p->via.array.size; j++) {
+            mc_part *q = &am->parts[pi++];
+            char *name = keep(am, mstrdup(&p->via.array.ptr[j]));
+            int64_t b = -1, o = -1;
+            if (!name || !mint(mget(pb, name), &b) || !mint(mget(po, name), &o) || b < 0 || o < ctl_bytes ||
+                (uint64_t)o + (uint64_t)b * (uint64_t)ns > (uint64_t)size) {
+                arena_free(am);
+                return seterr(err, MC_ERR_PROTOCOL, "arena: class %u part %u: part_bytes/part_off missing or "
+                              "outside the arena", i, j);
+            }
+            q->name = name;
+            q->part_off = (uint64_t)o;
+            q->part_bytes = (uint64_t)b;
+            q->type = keep(am, mstrdup(mget(pt, name)));
+            if (!q->type) q->type = "";
+        }
+    }
+    for (uint32_t i = 0; i < am->n_expert_layers; i++)
+        if (am->layer_cls[am->expert_layers[i]] < 0) {
+            arena_free(am);
+            return seterr(err, MC_ERR_PROTOCOL, "arena: expert layer %d is in no size class", am->expert_layers[i]);
+        }
+    lay->key_class = am->key_class;
+    int64_t nk = (int64_t)am->n_expert_layers * n_experts, rmo = -1, dnk = -1;
+    lay->n_keys = (uint32_t)nk;
+    mint(mget(ctl, "n_keys"), &dnk);
+    mint(mget(ctl, "resmap_off"), &rmo);
+    am->has_resmap = dnk == nk && rmo >= MCSHM_CTL_HEADER_BYTES && rmo % 8 == 0 && rmo + 8 * nk <= ctl_bytes;
+    lay->resmap_word = am->has_resmap ? (uint64_t)rmo / 8 : 0;
+
+    /* map the arena read-only */
+    char *path = keep(am, mstrdup(mget(d, "path")));
+    if (!path) { arena_free(am); return seterr(err, MC_ERR_PROTOCOL, "arena: no path"); }
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        snprintf(msg, sizeof msg, "arena %s: open: %s (run the client as a user the daemon's arena is readable by)",
+                 path, strerror(errno));
+        return fail_arena(am, err, MC_ERR_SYSTEM, msg) + (arena_free(am), 0);
+    }
+    void *base = mmap(NULL, am->size, PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    if (base == MAP_FAILED) {
+        snprintf(msg, sizeof msg, "arena %s: mmap %zu bytes: %s", path, am->size, strerror(errno));
+        return fail_arena(am, err, MC_ERR_SYSTEM, msg) + (arena_free(am), 0);
+    }
+    am->base = base;
+    lay->ctl = (mcshm_u64 *)base;
+    if (memcmp(base, "MOECTL01", 8) != 0) {
+        snprintf(msg, sizeof msg, "arena %s: no control block at offset 0 (not a moecached arena, or a newer "
+                 "layout); upgrade the client", path);
+        return fail_arena(am, err, MC_ERR_UNSUPPORTED, msg) + (arena_free(am), 0);
+    }
+
+    /* the pin file, when offered */
+    const msgpack_object *pins = mget(rep, "pins");
+    if (pins && pins->type == MSGPACK_OBJECT_MAP && am->has_resmap) {
+        int64_t psize = 0, ring_n = 0, pins_off = 0, ring_off = 0;
+        char *ppath = keep(am, mstrdup(mget(pins, "path")));
+        if (!ppath || !mint(mget(pins, "size"), &psize) || !mint(mget(pins, "ring_n"), &ring_n) ||
+            !mint(mget(pins, "pins_off"), &pins_off) || !mint(mget(pins, "ring_off"), &ring_off) ||
+            ring_n <= 0 || (ring_n & (ring_n - 1)) || pins_off < MCSHM_PIN_HEADER_BYTES || pins_off % 4 ||
+            ring_off % 8 || pins_off + 4 * (int64_t)slot_base > psize || ring_off + 16 * ring_n > psize) {
+            arena_free(am);
+            return seterr(err, MC_ERR_PROTOCOL, "hello reply: 'pins' descriptor incomplete or inconsistent");
+        }
+        int pfd = open(ppath, O_RDWR | O_CLOEXEC);
+        if (pfd < 0) {
+            snprintf(msg, sizeof msg, "pin file %s: open: %s", ppath, strerror(errno));
+            return fail_arena(am, err, MC_ERR_SYSTEM, msg) + (arena_free(am), 0);
+        }
+        void *pb = mmap(NULL, (size_t)psize, PROT_READ | PROT_WRITE, MAP_SHARED, pfd, 0);
+        close(pfd);
+        if (pb == MAP_FAILED) {
+            snprintf(msg, sizeof msg, "pin file %s: mmap: %s", ppath, strerror(errno));
+            return fail_arena(am, err, MC_ERR_SYSTEM, msg) + (arena_free(am), 0);
+        }
+        am->pin = pb;
+        am->pin_size = (size_t)psize;
+        mcshm_u64 *pw = (mcshm_u64 *)pb;
+        if (atomic_load(&pw[MCSHM_PIN_W_MAGIC]) != MCSHM_PIN_MAGIC ||
+            atomic_load(&pw[MCSHM_PIN_W_NSLOTS]) != slot_base) {
+            arena_free(am);
+            return seterr(err, MC_ERR_PROTOCOL, "pin file %s: bad magic or slot count", ppath);
+        }
+        lay->pin = pw;
+        lay->ring_n = (uint32_t)ring_n;
+        lay->pins_word32 = (uint64_t)pins_off / 4;
+        lay->ring_word = (uint64_t)ring_off / 8;
+    }
+
+    am->pub.base = am->base;
+    am->pub.size = am->size;
+    am->pub.n_classes = nc;
+    am->pub.classes = am->classes;
+    am->pub.n_expert_layers = am->n_expert_layers;
+    am->pub.expert_layers = am->expert_layers;
+    am->pub.n_experts = (uint32_t)n_experts;
+    am->pub.top_k = top_k > 0 ? (uint32_t)top_k : 0;
+    am->pub.session = session;
+    *out = am;
+    return MC_OK;
+}
+
+int mc_layer_class(const mc_arena *a, int layer) {
+    const mc_arena_map *am = (const mc_arena_map *)((const char *)a - offsetof(mc_arena_map, pub));
+    if (layer < 0 || layer > am->max_layer) return -1;
+    return am->layer_cls[layer];
+}
+
+/* ------------------------------------------------------------------ the client */
+
+typedef struct call {
+    uint64_t id;
+    const char *op;
+    int state;                 /* 0 waiting, 1 reply in rep, 2 error in err */
+    msgpack_unpacked rep;
+    mc_error err;
+    struct call *next;
+} call;
+
+struct mc_client {
+    char *endpoint;
+    char name[65];
+    mc_options opt;
+    int ipc;
+    pthread_mutex_t mu;        /* socket, pending, session, cur */
+    pthread_cond_t cv;
+    pthread_mutex_t pin_mu;    /* fast-path pins (one ring producer); cur is read under it */
+    void *ctx, *sock, *mon;
+    int wakefd;
+    int sock_busy, sock_want, hello_busy;
+    call *pending;
+    uint64_t next_id;
+    _Atomic uint64_t session;  /* written under mu; read without it by the accessors */
+    mc_arena_map *cur;
+    mc_arena_map *all;         /* every arena since connect (metadata kept until close) */
+    _Atomic int watched, fast, hb_ms;
+    _Atomic uint32_t max_request_experts;
+    double last_tx, last_rx, ping_t;
+    uint64_t ping_id;
+    uint64_t *relq;            /* socket releases waiting for the socket */
+    uint32_t relq_n, relq_cap;
+    pthread_t hb;
+    int hb_started, closed;
+    pthread_cond_t hb_cv;
+    int mon_seq;
+};
+
+static int read_pid_start(uint64_t *out) {
+    char buf[1024];
+    int fd = open("/proc/self/stat", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    if (!p) return 0;
+    p += 2;   /* field 3 (state) */
+    for (int f = 3; f < 22; f++) {
+        p = strchr(p, ' ');
+        if (!p) return 0;
+        p++;
+    }
+    *out = strtoull(p, NULL, 10);
+    return 1;
+}
+
+void mc_options_init(mc_options *opt) {
+    opt->timeout_ms = 30000;
+    opt->connect_timeout_ms = 10000;
+    opt->fast_path = 1;
+    opt->heartbeat_thread = 1;
+    opt->heartbeat_ms = 0;
+    opt->send_pid = 1;
+}
+
+static int new_socket(mc_client *c, mc_error *err) {
+    char addr[64];
+    c->sock = zmq_socket(c->ctx, ZMQ_DEALER);
+    if (!c->sock) return seterr(err, MC_ERR_SYSTEM, "zmq_socket: %s", zmq_strerror(zmq_errno()));
+    int zero = 0, ivl = 100, ivlmax = 1000;
+    zmq_setsockopt(c->sock, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_setsockopt(c->sock, ZMQ_RECONNECT_IVL, &ivl, sizeof ivl);
+    zmq_setsockopt(c->sock, ZMQ_RECONNECT_IVL_MAX, &ivlmax, sizeof ivlmax);
+    snprintf(addr, sizeof addr, "inproc://moecache-mon-%p-%d", (void *)c, c->mon_seq++);
+    if (zmq_socket_monitor(c->sock, addr, ZMQ_EVENT_DISCONNECTED) != 0) {
+        zmq_close(c->sock);
+        return seterr(err, MC_ERR_SYSTEM, "zmq_socket_monitor: %s", zmq_strerror(zmq_errno()));
+    }
+    c->mon = zmq_socket(c->ctx, ZMQ_PAIR);
+    zmq_setsockopt(c->mon, ZMQ_LINGER, &zero, sizeof zero);
+    if (!c->mon || zmq_connect(c->mon, addr) != 0 || zmq_connect(c->sock, c->endpoint) != 0) {
+        int e = zmq_errno();
+        if (c->mon) zmq_close(c->mon);
+        zmq_close(c->sock);
+        c->sock = c->mon = NULL;
+        return seterr(err, MC_ERR_SYSTEM, "connect %s: %s", c->endpoint, zmq_strerror(e));
+    }
+    return MC_OK;
+}
+
+static void close_socket(mc_client *c) {
+    if (c->sock) {
+        zmq_socket_monitor(c->sock, NULL, 0);
+        zmq_close(c->sock);
+    }
+    if (c->mon) zmq_close(c->mon);
+    c->sock = c->mon = NULL;
+}
+
+/* Wake a reader blocked in zmq_poll (someone wants the socket). */
+static void wake_reader(mc_client *c) {
+    uint64_t one = 1;
+    ssize_t r = write(c->wakefd, &one, sizeof one);
+    (void)r;
+}
+
+/* With c->mu held: wait until no reader holds the socket; then the caller may use it while it
+ * keeps c->mu. */
+static void sock_wait_locked(mc_client *c) {
+    while (c->sock_busy) {
+        c->sock_want++;
+        wake_reader(c);
+        pthread_cond_wait(&c->cv, &c->mu);
+        c->sock_want--;
+    }
+}
+
+static int send_locked(mc_client *c, msgpack_sbuffer *sb, const char *op, mc_error *err) {
+    sock_wait_locked(c);
+    if (!c->sock) return seterr(err, MC_ERR_CLOSED, "%s: client is closed", op);
+    if (zmq_send(c->sock, sb->data, sb->size, 0) < 0)
+        return seterr(err, MC_ERR_SYSTEM, "%s: send failed: %s", op, zmq_strerror(zmq_errno()));
+    c->last_tx = now_s();
+    return MC_OK;
+}
+
+static void send_release_locked(mc_client *c, const uint64_t *ids, uint32_t n) {
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 5);
+    pk_str(&pk, "v"); msgpack_pack_int(&pk, PROTOCOL_VERSION);
+    pk_str(&pk, "id"); msgpack_pack_uint64(&pk, c->next_id++);
+    pk_str(&pk, "op"); pk_str(&pk, "release");
+    if (n == 1) {
+        pk_str(&pk, "lease"); msgpack_pack_uint64(&pk, ids[0]);
+    } else {
+        pk_str(&pk, "leases");
+        msgpack_pack_array(&pk, n);
+        for (uint32_t i = 0; i < n; i++) msgpack_pack_uint64(&pk, ids[i]);
+    }
+    pk_str(&pk, "noreply"); msgpack_pack_true(&pk);
+    if (c->sock && zmq_send(c->sock, sb.data, sb.size, 0) >= 0)
+        c->last_tx = now_s();
+    msgpack_sbuffer_destroy(&sb);
+}
+
+/* An acquire its caller gave up on: the daemon drops it (its pins go now rather than when its
+ * reads finish); a lease that still comes is released as a late reply. Best effort, noreply. */
+static void send_cancel_locked(mc_client *c, uint64_t rid) {
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 5);
+    pk_str(&pk, "v"); msgpack_pack_int(&pk, PROTOCOL_VERSION);
+    pk_str(&pk, "id"); msgpack_pack_uint64(&pk, c->next_id++);
+    pk_str(&pk, "op"); pk_str(&pk, "cancel");
+    pk_str(&pk, "request"); msgpack_pack_uint64(&pk, rid);
+    pk_str(&pk, "noreply"); msgpack_pack_true(&pk);
+    send_locked(c, &sb, "cancel", NULL);
+    msgpack_sbuffer_destroy(&sb);
+}
+
+/* The socket's owner sends the releases queued while it was busy. */
+static void flush_releases_locked(mc_client *c) {
+    uint32_t i = 0;
+    while (i < c->relq_n) {
+        uint32_t k = c->relq_n - i > 4096 ? 4096 : c->relq_n - i;
+        send_release_locked(c, c->relq + i, k);
+        i += k;
+    }
+    c->relq_n = 0;
+}
+
+static void fail_pending_locked(mc_client *c, int code, const char *why) {
+    for (call *k = c->pending; k; k = k->next) {
+        if (k->state == 0) {
+            seterr(&k->err, code, "%s: %s", k->op, why);
+            k->state = 2;
+        }
+    }
+    c->pending = NULL;
+    pthread_cond_broadcast(&c->cv);
+}
+
+/* The daemon went away: every call in flight fails; the next call says hello again. */
+static void void_session_locked(mc_client *c, const char *why) {
+    fail_pending_locked(c, MC_ERR_RESTARTED, why);
+    pthread_mutex_lock(&c->pin_mu);
+    if (c->cur) {
+        atomic_store(&c->cur->voided, 1);
+        mc_arena_unref_map(c->cur);
+        c->cur = NULL;
+    }
+    pthread_mutex_unlock(&c->pin_mu);
+    c->session = 0;
+    c->ping_id = 0;
+    c->relq_n = 0;   /* releases of a daemon that is gone */
+}
+
+static call *take_pending_locked(mc_client *c, uint64_t id) {
+    for (call **p = &c->pending; *p; p = &(*p)->next)
+        if ((*p)->id == id) {
+            call *k = *p;
+            *p = k->next;
+            return k;
+        }
+    return NULL;
+}
+
+/* One reply frame; the caller owns the socket and holds c->mu. */
+static void dispatch_locked(mc_client *c, const char *frame, size_t len, int hello) {
+    c->last_rx = now_s();
+    /* msgpack-c's strings point into the buffer they were unpacked from, and the frame goes
+     * away when it is closed: unpack a copy that the reply's zone owns */
+    char *data = malloc(len ? len : 1);
+    if (!data) return;
+    memcpy(data, frame, len);
+    msgpack_unpacked u;
+    msgpack_unpacked_init(&u);
+    size_t off = 0;
+    if (msgpack_unpack_next(&u, data, len, &off) != MSGPACK_UNPACK_SUCCESS || u.data.type != MSGPACK_OBJECT_MAP ||
+        !u.zone || !msgpack_zone_push_finalizer(u.zone, free, data)) {
+        msgpack_unpacked_destroy(&u);
+        free(data);
+        return;
+    }
+    const msgpack_object *rep = &u.data;
+    uint64_t rid = 0, session = 0;
+    if (!muint(mget(rep, "id"), &rid)) {
+        msgpack_unpacked_destroy(&u);
+        return;
+    }
+    int has_session = muint(mget(rep, "session"), &session);
+    const msgpack_object *okv = mget(rep, "ok");
+    int ok = okv && okv->type == MSGPACK_OBJECT_BOOLEAN && okv->via.boolean;
+    call *k = take_pending_locked(c, rid);
+    if (rid && rid == c->ping_id) c->ping_id = 0;
+    if (k && strcmp(k->op, "hello") == 0) {
+        if (ok) {
+            k->rep = u;
+            k->state = 1;
+        } else {
+            const msgpack_object *e = mget(rep, "error");
+            char code[32], m[200];
+            mstrcpy(mget(e, "code"), code, sizeof code);
+            mstrcpy(mget(e, "message"), m, sizeof m);
+            seterr(&k->err, mc_code_from_daemon(code), "hello: %s: %s", code, m);
+            snprintf(k->err.daemon_code, sizeof k->err.daemon_code, "%s", code);
+            k->state = 2;
+            msgpack_unpacked_destroy(&u);
+        }
+        pthread_cond_broadcast(&c->cv);
+        return;
+    }
+    if (c->session == 0 || (has_session && session != c->session)) {
+        /* an answer from a daemon other than the one we said hello to */
+        if (k) {
+            seterr(&k->err, MC_ERR_RESTARTED, "%s: the daemon restarted", k->op);
+            k->state = 2;
+        }
+        if (c->session != 0) void_session_locked(c, "the daemon restarted");
+        pthread_cond_broadcast(&c->cv);
+        msgpack_unpacked_destroy(&u);
+        (void)hello;
+        return;
+    }
+    if (!k) {
+        /* a late reply to a call that gave up: never hand it to anyone; give back its lease */
+        uint64_t lid;
+        if (ok && muint(mget(rep, "lease"), &lid))
+            send_release_locked(c, &lid, 1);
+        msgpack_unpacked_destroy(&u);
+        return;
+    }
+    if (ok) {
+        k->rep = u;
+        k->state = 1;
+    } else {
+        const msgpack_object *e = mget(rep, "error");
+        char code[32], m[200];
+        mstrcpy(mget(e, "code"), code, sizeof code);
+        mstrcpy(mget(e, "message"), m, sizeof m);
+        seterr(&k->err, mc_code_from_daemon(code), "%s: %s: %s", k->op, code, m);
+        snprintf(k->err.daemon_code, sizeof k->err.daemon_code, "%s", code);
+        k->state = 2;
+        msgpack_unpacked_destroy(&u);
+    }
+    pthread_cond_broadcast(&c->cv);
+}
+
+static void check_monitor_locked(mc_client *c, int hello) {
+    for (;;) {
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        if (zmq_msg_recv(&m, c->mon, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&m);
+            return;
+        }
+        uint16_t ev = 0;
+        if (zmq_msg_size(&m) >= 2) memcpy(&ev, zmq_msg_data(&m), 2);
+        int more = zmq_msg_more(&m);
+        zmq_msg_close(&m);
+        while (more) {   /* the endpoint frame */
+            zmq_msg_init(&m);
+            if (zmq_msg_recv(&m, c->mon, ZMQ_DONTWAIT) < 0) { zmq_msg_close(&m); break; }
+            more = zmq_msg_more(&m);
+            zmq_msg_close(&m);
+        }
+        if (ev == ZMQ_EVENT_DISCONNECTED && !hello && c->session != 0)
+            void_session_locked(c, "connection to the daemon dropped");
+    }
+}
+
+/* Read what is queued (no wait); the caller owns the socket and holds c->mu. */
+static void drain_locked(mc_client *c, int hello) {
+    for (;;) {
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        int r = zmq_msg_recv(&m, c->sock, ZMQ_DONTWAIT);
+        if (r < 0) { zmq_msg_close(&m); break; }
+        int more = zmq_msg_more(&m);
+        if (zmq_msg_size(&m) == 0 && more) {   /* an empty delimiter frame: take the payload */
+            zmq_msg_close(&m);
+            zmq_msg_init(&m);
+            if (zmq_msg_recv(&m, c->sock, ZMQ_DONTWAIT) < 0) { zmq_msg_close(&m); break; }
+            more = zmq_msg_more(&m);
+        }
+        if (!more)
+            dispatch_locked(c, zmq_msg_data(&m), zmq_msg_size(&m), hello);
+        zmq_msg_close(&m);
+        while (more) {  /* unexpected extra frames */
+            zmq_msg_init(&m);
+            if (zmq_msg_recv(&m, c->sock, ZMQ_DONTWAIT) < 0) { zmq_msg_close(&m); break; }
+            more = zmq_msg_more(&m);
+            zmq_msg_close(&m);
+        }
+    }
+    check_monitor_locked(c, hello);
+}
+
+/* Become the reader for up to `wait_s` seconds (or until `k` is done / someone wants the
+ * socket). Called with c->mu held and the socket free; returns with c->mu held. */
+static void read_slice_locked(mc_client *c, call *k, double wait_s, int hello) {
+    c->sock_busy = 1;
+    flush_releases_locked(c);
+    drain_locked(c, hello);
+    if ((k == NULL || k->state == 0) && wait_s > 0 && c->sock && c->sock_want == 0) {
+        zmq_pollitem_t it[3] = {{c->sock, 0, ZMQ_POLLIN, 0}, {c->mon, 0, ZMQ_POLLIN, 0},
+                                {NULL, c->wakefd, ZMQ_POLLIN, 0}};
+        long ms = (long)(wait_s * 1000) + 1;
+        if (ms > SLICE_MS) ms = SLICE_MS;
+        pthread_mutex_unlock(&c->mu);
+        zmq_poll(it, 3, ms);
+        if (it[2].revents) {
+            uint64_t v;
+            ssize_t r = read(c->wakefd, &v, sizeof v);
+            (void)r;
+        }
+        pthread_mutex_lock(&c->mu);
+        drain_locked(c, hello);
+    }
+    c->sock_busy = 0;
+    pthread_cond_broadcast(&c->cv);
+}
+
+/* Wait for k's outcome (reading the socket while nobody else does). deadline < 0: forever.
+ * Returns with k off the pending list (done or given up). */
+static void wait_call_locked(mc_client *c, call *k, double deadline, int hello) {
+    while (k->state == 0) {
+        double left = deadline < 0 ? SLICE_MS / 1000.0 : deadline - now_s();
+        if (left <= 0) {
+            if (take_pending_locked(c, k->id) != NULL) {
+                seterr(&k->err, MC_ERR_TIMEOUT, "%s: no reply within the timeout%s", k->op,
+                       hello ? " (is moecached running?)" : "");
+                k->state = 2;
+            }
+            break;
+        }
+        if (!c->sock_busy && c->sock_want == 0 && c->sock) {
+            read_slice_locked(c, k, left, hello);
+        } else if (!c->sock) {
+            take_pending_locked(c, k->id);
+            seterr(&k->err, MC_ERR_CLOSED, "%s: client is closed", k->op);
+            k->state = 2;
+        } else {
+            struct timespec ts;
+            abstime(&ts, now_s() + (left < 0.05 ? left : 0.05));
+            pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+        }
+    }
+}
+
+static void call_init(call *k, const char *op, uint64_t id) {
+    memset(k, 0, sizeof *k);
+    k->op = op;
+    k->id = id;
+    msgpack_unpacked_init(&k->rep);
+}
+
+static int hello_locked(mc_client *c, mc_error *err) {
+    call k;
+    call_init(&k, "hello", c->next_id++);
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    uint64_t start = 0;
+    int have_start = c->opt.send_pid && read_pid_start(&start);
+    int fast = c->opt.fast_path && c->ipc && c->opt.send_pid && have_start;
+    msgpack_pack_map(&pk, 4 + (c->opt.send_pid ? 1 : 0) + (have_start ? 1 : 0) + (fast ? 1 : 0));
+    pk_str(&pk, "v"); msgpack_pack_int(&pk, PROTOCOL_VERSION);
+    pk_str(&pk, "id"); msgpack_pack_uint64(&pk, k.id);
+    pk_str(&pk, "op"); pk_str(&pk, "hello");
+    pk_str(&pk, "client"); pk_str(&pk, c->name);
+    if (c->opt.send_pid) { pk_str(&pk, "pid"); msgpack_pack_int64(&pk, getpid()); }
+    if (have_start) { pk_str(&pk, "pid_start"); msgpack_pack_uint64(&pk, start); }
+    if (fast) { pk_str(&pk, "fast_path"); msgpack_pack_true(&pk); }
+    k.next = c->pending;
+    c->pending = &k;
+    int r = send_locked(c, &sb, "hello", err);
+    msgpack_sbuffer_destroy(&sb);
+    if (r != MC_OK) {
+        take_pending_locked(c, k.id);
+        return r;
+    }
+    double deadline = c->opt.connect_timeout_ms < 0 ? -1 : now_s() + c->opt.connect_timeout_ms / 1000.0;
+    wait_call_locked(c, &k, deadline, 1);
+    if (k.state != 1) {
+        if (err) *err = k.err;
+        if (k.err.code == MC_ERR_TIMEOUT)
+            seterr(err, MC_ERR_TIMEOUT, "no hello from %s within %d ms (is moecached running?)", c->endpoint,
+                   c->opt.connect_timeout_ms);
+        return k.err.code;
+    }
+    /* a disconnect the monitor reports now happened before this hello's connection was made
+     * (the reply came through it): it is the old daemon's, not this session's */
+    sock_wait_locked(c);
+    if (c->mon) check_monitor_locked(c, 1);
+    const msgpack_object *rep = &k.rep.data;
+    uint64_t session = 0;
+    if (!muint(mget(rep, "session"), &session) || session == 0) {
+        msgpack_unpacked_destroy(&k.rep);
+        return seterr(err, MC_ERR_PROTOCOL, "hello reply without a session");
+    }
+    mc_arena_map *am = NULL;
+    r = arena_from_hello(rep, session, &am, err);
+    if (r != MC_OK) {
+        msgpack_unpacked_destroy(&k.rep);
+        return r;
+    }
+    double hb = 5.0;
+    mnum(mget(rep, "heartbeat_s"), &hb);
+    c->hb_ms = c->opt.heartbeat_ms > 0 ? c->opt.heartbeat_ms : (int)(hb * 1000 / 3);
+    if (c->hb_ms < 10) c->hb_ms = 10;
+    c->watched = mstreq(mget(rep, "lease_watch"), "process");
+    uint64_t mre = 0;
+    c->max_request_experts = muint(mget(mget(rep, "limits"), "max_request_experts"), &mre) ? (uint32_t)mre : 0;
+    msgpack_unpacked_destroy(&k.rep);
+    am->client_next = c->all;
+    c->all = am;
+    pthread_mutex_lock(&c->pin_mu);
+    c->cur = am;
+    c->fast = am->lay.pin != NULL;
+    pthread_mutex_unlock(&c->pin_mu);
+    c->session = session;
+    c->last_rx = now_s();
+    pthread_cond_broadcast(&c->cv);
+    return okerr(err);
+}
+
+static int ensure_session_locked(mc_client *c, mc_error *err) {
+    while (c->hello_busy)
+        pthread_cond_wait(&c->cv, &c->mu);
+    if (c->closed) return seterr(err, MC_ERR_CLOSED, "client is closed");
+    if (c->session) return MC_OK;
+    c->hello_busy = 1;
+    int r = hello_locked(c, err);
+    c->hello_busy = 0;
+    pthread_cond_broadcast(&c->cv);
+    return r;
+}
+
+/* Send a request built by `fill` and wait for its reply. On MC_OK *rep holds the reply
+ * (msgpack_unpacked_destroy it). timeout_ms < 0: the client's default. expect_reply 0:
+ * fire and forget (noreply). */
+typedef void (*fill_fn)(msgpack_packer *pk, void *arg);
+
+static int do_call(mc_client *c, const char *op, int n_fields, fill_fn fill, void *arg, int timeout_ms,
+                   int expect_reply, msgpack_unpacked *rep, uint64_t *session_out, mc_error *err) {
+    if (!c) return seterr(err, MC_ERR_INVALID_ARG, "%s: client is NULL", op);
+    pthread_mutex_lock(&c->mu);
+    int r = ensure_session_locked(c, err);
+    if (r != MC_OK) {
+        pthread_mutex_unlock(&c->mu);
+        return r;
+    }
+    call k;
+    call_init(&k, op, c->next_id++);
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 3 + n_fields);
+    pk_str(&pk, "v"); msgpack_pack_int(&pk, PROTOCOL_VERSION);
+    pk_str(&pk, "id"); msgpack_pack_uint64(&pk, k.id);
+    pk_str(&pk, "op"); pk_str(&pk, op);
+    if (fill) fill(&pk, arg);
+    if (expect_reply) {
+        k.next = c->pending;
+        c->pending = &k;
+    }
+    r = send_locked(c, &sb, op, err);
+    msgpack_sbuffer_destroy(&sb);
+    if (r != MC_OK || !expect_reply) {
+        if (expect_reply) take_pending_locked(c, k.id);
+        pthread_mutex_unlock(&c->mu);
+        return r == MC_OK ? okerr(err) : r;
+    }
+    int tmo = timeout_ms >= 0 ? timeout_ms : c->opt.timeout_ms;
+    uint64_t sent_session = c->session;
+    wait_call_locked(c, &k, tmo < 0 ? -1 : now_s() + tmo / 1000.0, 0);
+    uint64_t sess = c->session;
+    if (k.state == 2 && k.err.code == MC_ERR_TIMEOUT && strcmp(op, "acquire") == 0 && sess == sent_session &&
+        sess != 0)
+        send_cancel_locked(c, k.id);
+    pthread_mutex_unlock(&c->mu);
+    if (k.state != 1) {
+        if (err) *err = k.err;
+        return k.err.code;
+    }
+    if (session_out) *session_out = sess;
+    *rep = k.rep;
+    return okerr(err);
+}
+
+mc_client *mc_connect(const char *endpoint, const char *name, const mc_options *opt, mc_error *err) {
+    mc_client *c = calloc(1, sizeof *c);
+    if (!c) { seterr(err, MC_ERR_SYSTEM, "out of memory"); return NULL; }
+    if (opt) c->opt = *opt; else mc_options_init(&c->opt);
+    if (!endpoint) endpoint = MC_DEFAULT_ENDPOINT;
+    struct stat st;
+    if (strncmp(endpoint, "ipc://", 6) == 0 && stat(endpoint + 6, &st) != 0 && errno == ENOENT) {
+        seterr(err, MC_ERR_SYSTEM, "no daemon socket at %s: is moecached running? (systemctl status moecached)",
+               endpoint + 6);
+        free(c);
+        return NULL;
+    }
+    c->endpoint = strdup(endpoint);
+    c->ipc = strncmp(endpoint, "ipc://", 6) == 0;
+    if (name && *name) snprintf(c->name, sizeof c->name, "%s", name);
+    else snprintf(c->name, sizeof c->name, "pid%d", (int)getpid());
+    c->next_id = 1;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_mutex_init(&c->pin_mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&c->cv, &ca);
+    pthread_cond_init(&c->hb_cv, &ca);
+    pthread_condattr_destroy(&ca);
+    c->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    c->ctx = zmq_ctx_new();
+    c->last_tx = c->last_rx = now_s();
+    if (c->wakefd < 0 || !c->ctx) {
+        seterr(err, MC_ERR_SYSTEM, "eventfd/zmq_ctx_new: %s", strerror(errno));
+        mc_close(c);
+        return NULL;
+    }
+    if (new_socket(c, err) != MC_OK) {
+        mc_close(c);
+        return NULL;
+    }
+    pthread_mutex_lock(&c->mu);
+    int r = ensure_session_locked(c, err);
+    pthread_mutex_unlock(&c->mu);
+    if (r != MC_OK) {
+        c->session = 0;   /* no bye */
+        mc_close(c);
+        return NULL;
+    }
+    if (c->opt.heartbeat_thread) {
+        extern void *mc__heartbeat_main(void *);
+        if (pthread_create(&c->hb, NULL, mc__heartbeat_main, c) == 0)
+            c->hb_started = 1;
+    }
+    okerr(err);
+    return c;
+}
+
+static void tick_locked(mc_client *c) {
+    if (c->closed || !c->sock) return;
+    double now = now_s(), hb = c->hb_ms / 1000.0;
+    /* while a reader is active it reads the replies and watches the monitor; only a ping due
+     * (a long acquire wait sends nothing) makes this thread take the socket from it */
+    int ping_due = c->session != 0 && c->ping_id == 0 && now - c->last_tx >= hb * 0.9;
+    if (c->sock_busy && !ping_due) return;
+    sock_wait_locked(c);
+    if (c->closed || !c->sock) return;
+    read_slice_locked(c, NULL, 0, 0);
+    if (c->session == 0) return;
+    if (c->ping_id == 0 && now - c->last_tx >= hb * 0.9) {
+        msgpack_sbuffer sb;
+        msgpack_packer pk;
+        msgpack_sbuffer_init(&sb);
+        msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+        uint64_t id = c->next_id++;
+        msgpack_pack_map(&pk, 3);
+        pk_str(&pk, "v"); msgpack_pack_int(&pk, PROTOCOL_VERSION);
+        pk_str(&pk, "id"); msgpack_pack_uint64(&pk, id);
+        pk_str(&pk, "op"); pk_str(&pk, "ping");
+        if (send_locked(c, &sb, "ping", NULL) == MC_OK) {
+            c->ping_id = id;
+            c->ping_t = now;
+        }
+        msgpack_sbuffer_destroy(&sb);
+    } else if (c->ping_id != 0 && !c->ipc && now - c->ping_t > 3 * hb && now - c->last_rx > 3 * hb) {
+        /* tcp: no answer for a while, the daemon or the host is gone; start afresh (over ipc a
+         * daemon that went away drops the connection, which the monitor sees) */
+        void_session_locked(c, "daemon not answering");
+        close_socket(c);
+        new_socket(c, NULL);
+    }
+}
+
+int mc_tick(mc_client *c, mc_error *err) {
+    if (!c) return seterr(err, MC_ERR_INVALID_ARG, "mc_tick: client is NULL");
+    pthread_mutex_lock(&c->mu);
+    tick_locked(c);
+    int closed = c->closed;
+    pthread_mutex_unlock(&c->mu);
+    return closed ? seterr(err, MC_ERR_CLOSED, "client is closed") : okerr(err);
+}
+
+void *mc__heartbeat_main(void *arg) {
+    mc_client *c = arg;
+    pthread_mutex_lock(&c->mu);
+    while (!c->closed) {
+        struct timespec ts;
+        abstime(&ts, now_s() + c->hb_ms / 1000.0);
+        pthread_cond_timedwait(&c->hb_cv, &c->mu, &ts);
+        if (c->closed) break;
+        tick_locked(c);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+int mc_heartbeat_ms(const mc_client *c) { return c ? c->hb_ms : 0; }
+uint64_t mc_session(const mc_client *c) { return c ? c->session : 0; }
+int mc_watched(const mc_client *c) { return c ? c->watched : 0; }
+int mc_fast_path(const mc_client *c) { return c ? c->fast : 0; }
+
+void mc_close(mc_client *c) {
+    if (!c) return;
+    if (c->session && c->sock && !c->closed) {
+        msgpack_unpacked rep;
+        mc_error e;
+        if (do_call(c, "bye", 0, NULL, NULL, 1000, 1, &rep, NULL, &e) == MC_OK)
+            msgpack_unpacked_destroy(&rep);
+    }
+    pthread_mutex_lock(&c->mu);
+    c->closed = 1;
+    pthread_cond_broadcast(&c->hb_cv);
+    pthread_mutex_unlock(&c->mu);
+    if (c->hb_started) pthread_join(c->hb, NULL);
+    pthread_mutex_lock(&c->mu);
+    fail_pending_locked(c, MC_ERR_CLOSED, "client closed");
+    while (c->sock_busy) pthread_cond_wait(&c->cv, &c->mu);
+    close_socket(c);
+    pthread_mutex_lock(&c->pin_mu);
+    if (c->cur) {
+        mc_arena_unref_map(c->cur);
+        c->cur = NULL;
+    }
+    pthread_mutex_unlock(&c->pin_mu);
+    pthread_mutex_unlock(&c->mu);
+    for (mc_arena_map *am = c->all, *nx; am; am = nx) {
+        nx = am->client_next;
+        atomic_store(&am->closed, 1);
+        mc_arena_unref(am);
+    }
+    if (c->ctx) zmq_ctx_term(c->ctx);
+    if (c->wakefd >= 0) close(c->wakefd);
+    pthread_mutex_destroy(&c->mu);
+    pthread_mutex_destroy(&c->pin_mu);
+    pthread_cond_destroy(&c->cv);
+    pthread_cond_destroy(&c->hb_cv);
+    free(c->relq);
+    free(c->endpoint);
+    free(c);
+}
+
+/* ------------------------------------------------------------------ calls */
+
+int mc_ping(mc_client *c, double *rtt_us, mc_error *err) {
+    double t = now_s();
+    msgpack_unpacked rep;
+    int r = do_call(c, "ping", 0, NULL, NULL, -1, 1, &rep, NULL, err);
+    if (r != MC_OK) return r;
+    msgpack_unpacked_destroy(&rep);
+    if (rtt_us) *rtt_us = (now_s() - t) * 1e6;
+    return MC_OK;
+}
+
+char *mc_stats_text(mc_client *c, mc_error *err) {
+    msgpack_unpacked rep;
+    if (do_call(c, "stats", 0, NULL, NULL, -1, 1, &rep, NULL, err) != MC_OK) return NULL;
+    const msgpack_object *s = mget(&rep.data, "stats");
+    char *out = NULL;
+    if (s) {
+        size_t cap = 1 << 16;
+        for (;;) {
+            char *b = malloc(cap);
+            if (!b) break;
+            int n = msgpack_object_print_buffer(b, cap, *s);
+            if (n >= 0 && (size_t)n < cap - 1) { out = b; break; }
+            free(b);
+            if (cap > (64u << 20)) break;
+            cap *= 4;
+        }
+    }
+    msgpack_unpacked_destroy(&rep);
+    if (!out) seterr(err, MC_ERR_PROTOCOL, "stats: no 'stats' map in the reply");
+    return out;
+}
+
+const mc_arena *mc_arena_get(mc_client *c, mc_error *err) {
+    if (!c) { seterr(err, MC_ERR_INVALID_ARG, "client is NULL"); return NULL; }
+    pthread_mutex_lock(&c->mu);
+    const mc_arena *a = NULL;
+    if (ensure_session_locked(c, err) == MC_OK && c->cur)
+        a = &c->cur->pub;
+    pthread_mutex_unlock(&c->mu);
+    return a;
+}
+
+/* ------------------------------------------------------------------ leases */
+
+typedef struct req_arg {
+    const mc_request *reqs;
+    uint32_t n;
+    int flags;
+    int timeout_ms;
+    int noreply;
+} req_arg;
+
+static void fill_requests(msgpack_packer *pk, void *p) {
+    req_arg *a = p;
+    if (a->n == 1) {
+        pk_str(pk, "layer"); msgpack_pack_int(pk, a->reqs[0].layer);
+        pk_str(pk, "experts");
+        msgpack_pack_array(pk, a->reqs[0].n);
+        for (uint32_t j = 0; j < a->reqs[0].n; j++) msgpack_pack_int(pk, a->reqs[0].experts[j]);
+    } else {
+        pk_str(pk, "layers");
+        msgpack_pack_array(pk, a->n);
+        for (uint32_t i = 0; i < a->n; i++) {
+            msgpack_pack_array(pk, 2);
+            msgpack_pack_int(pk, a->reqs[i].layer);
+            msgpack_pack_array(pk, a->reqs[i].n);
+            for (uint32_t j = 0; j < a->reqs[i].n; j++) msgpack_pack_int(pk, a->reqs[i].experts[j]);
+        }
+    }
+    if (a->flags & (MC_ACQ_DECODE | MC_ACQ_PROMPT)) {
+        pk_str(pk, "tag");
+        pk_str(pk, (a->flags & MC_ACQ_DECODE) ? "decode" : "prompt");
+    }
+    if (a->timeout_ms >= 0) { pk_str(pk, "timeout_ms"); msgpack_pack_int(pk, a->timeout_ms); }
+    if (a->noreply) { pk_str(pk, "noreply"); msgpack_pack_true(pk); }
+}
+
+static int n_fields(const req_arg *a) {
+    return 2 - (a->n != 1) + ((a->flags & (MC_ACQ_DECODE | MC_ACQ_PROMPT)) != 0) + (a->timeout_ms >= 0) +
+           (a->noreply != 0);
+}
+
+static int check_requests(mc_client *c, const mc_request *reqs, uint32_t n, uint32_t *total, mc_error *err) {
+    if (!c) return seterr(err, MC_ERR_INVALID_ARG, "client is NULL");
+    if (!reqs || n == 0) return seterr(err, MC_ERR_INVALID_ARG, "no layers requested");
+    uint64_t t = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (reqs[i].n && !reqs[i].experts)
+            return seterr(err, MC_ERR_INVALID_ARG, "layer %d: experts is NULL", reqs[i].layer);
+        t += reqs[i].n;
+    }
+    if (t == 0) return seterr(err, MC_ERR_INVALID_ARG, "no experts requested");
+    if (c->max_request_experts && t > c->max_request_experts)
+        return seterr(err, MC_ERR_INVALID_ARG, "request names %llu experts: the daemon accepts at most %u per "
+                      "request (split it)", (unsigned long long)t, c->max_request_experts);
+    *total = (uint32_t)t;
+    return MC_OK;
+}
+
+static mc_lease *lease_new(uint32_t n) {
+    mc_lease *l = calloc(1, sizeof *l);
+    if (!l) return NULL;
+    l->items = calloc(n, sizeof(mc_item));
+    l->mi = calloc(n, sizeof(mcshm_item));
+    if (!l->items || !l->mi) { free(l->items); free(l->mi); free(l); return NULL; }
+    l->n = n;
+    return l;
+}
+
+static void lease_free(mc_lease *l) {
+    free(l->items);
+    free(l->mi);
+    free(l);
+}
+
+int mc__pin_lease(mc_arena_map *am, const mc_request *reqs, uint32_t n, mc_lease **out) {
+    uint32_t total = 0;
+    for (uint32_t i = 0; i < n; i++) total += reqs[i].n;
+    if (!am->lay.pin || total == 0) return MCSHM_MISS;
+    uint32_t kbuf[256];
+    uint32_t *keys = total <= 256 ? kbuf : malloc(total * sizeof(uint32_t));
+    if (!keys) return MCSHM_MISS;
+    int s = MCSHM_MISS;
+    mc_lease *l = NULL;
+    uint32_t q = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        int layer = reqs[i].layer;
+        if (layer < 0 || layer > am->max_layer || am->layer_moe[layer] < 0) goto done;   /* the daemon says why */
+        for (uint32_t j = 0; j < reqs[i].n; j++) {
+            int e = reqs[i].experts[j];
+            if (e < 0 || (uint32_t)e >= am->lay.n_experts) goto done;
+            keys[q++] = (uint32_t)am->layer_moe[layer] * am->lay.n_experts + (uint32_t)e;
+        }
+    }
+    l = lease_new(total);
+    if (!l) goto done;
+    s = mcshm_pin(&am->lay, keys, total, l->mi);
+    if (s == MCSHM_OK) {
+        atomic_fetch_add(&am->refs, 1);
+        atomic_fetch_add(&am->maprefs, 1);
+        l->am = am;
+        l->session = am->session;
+        l->fast = 1;
+        q = 0;
+        for (uint32_t i = 0; i < n; i++)
+            for (uint32_t j = 0; j < reqs[i].n; j++, q++) {
+                l->items[q].layer = reqs[i].layer;
+                l->items[q].expert = reqs[i].experts[j];
+                l->items[q].cls = l->mi[q].cls;
+                l->items[q].slot = l->mi[q].slot;
+            }
+        *out = l;
+        l = NULL;
+    }
+done:
+    if (l) lease_free(l);
+    if (keys != kbuf) free(keys);
+    return s;
+}
+
+/* The shared-memory hit path: MC_OK with *out, MC_ERR_RESTARTED, or MC_ERR_D_OTHER meaning
+ * "use the socket". */
+static int try_fast(mc_client *c, const mc_request *reqs, uint32_t n, mc_lease **out, mc_error *err) {
+    int r = MC_ERR_D_OTHER;
+    uint64_t sess = 0;
+    pthread_mutex_lock(&c->pin_mu);
+    mc_arena_map *am = c->cur;
+    if (am && am->lay.pin && !atomic_load(&am->voided)) {
+        int s = mc__pin_lease(am, reqs, n, out);
+        if (s == MCSHM_OK)
+            r = MC_OK;
+        else if (s == MCSHM_STALE && mcshm_epoch(&am->lay) != am->session) {
+            r = MC_ERR_RESTARTED;
+            sess = am->session;
+        }
+    }
+    pthread_mutex_unlock(&c->pin_mu);
+    if (r == MC_ERR_RESTARTED) {
+        pthread_mutex_lock(&c->mu);
+        if (c->session == sess) void_session_locked(c, "the daemon restarted (arena epoch changed)");
+        pthread_mutex_unlock(&c->mu);
+        seterr(err, MC_ERR_RESTARTED, "acquire: the daemon restarted (the arena's epoch is not this session); "
+               "the next call says hello again");
+    }
+    return r;
+}
+
+static int lease_from_reply(mc_client *c, const msgpack_object *rep, uint64_t sess, const mc_request *reqs,
+                            uint32_t n, uint32_t total, mc_lease **out, mc_error *err) {
+    const msgpack_object *items = mget(rep, "items"), *gens = mget(rep, "gens");
+    uint64_t lid = 0;
+    if (!muint(mget(rep, "lease"), &lid))
+        return seterr(err, MC_ERR_PROTOCOL, "acquire reply: no lease id");
+    mc_lease *l = lease_new(total);
+    if (!l) return seterr(err, MC_ERR_SYSTEM, "out of memory");
+    l->id = lid;
+    pthread_mutex_lock(&c->mu);
+    mc_arena_map *am = c->cur;
+    if (!am || c->session != sess || am->session != sess) {
+        pthread_mutex_unlock(&c->mu);
+        lease_free(l);
+        return seterr(err, MC_ERR_RESTARTED, "acquire: the daemon restarted");
+    }
+    if (!items || items->type != MSGPACK_OBJECT_ARRAY || items->via.array.size != total || !gens ||
+        gens->type != MSGPACK_OBJECT_ARRAY || gens->via.array.size != total) {
+        send_release_locked(c, &lid, 1);   /* give back what we cannot use */
+        pthread_mutex_unlock(&c->mu);
+        lease_free(l);
+        return seterr(err, MC_ERR_PROTOCOL, "acquire reply: items/gens missing or not one per requested expert");
+    }
+    atomic_fetch_add(&am->refs, 1);
+    atomic_fetch_add(&am->maprefs, 1);
+    pthread_mutex_unlock(&c->mu);
+    l->am = am;
+    l->c = c;
+    l->session = sess;
+    uint64_t v;
+    muint(mget(rep, "hits"), &v) ? (void)(l->hits = (uint32_t)v) : (void)0;
+    muint(mget(rep, "prefetch_hits"), &v) ? (void)(l->prefetch_hits = (uint32_t)v) : (void)0;
+    muint(mget(rep, "misses"), &v) ? (void)(l->misses = (uint32_t)v) : (void)0;
+    muint(mget(rep, "stall_us"), &v) ? (void)(l->stall_us = v) : (void)0;
+    uint32_t q = 0;
+    for (uint32_t i = 0; i < n; i++)
+        for (uint32_t j = 0; j < reqs[i].n; j++, q++) {
+            const msgpack_object *it = &items->via.array.ptr[q];
+            int64_t ly, ex, cl, sl;
+            uint64_t g;
+            if (it->type != MSGPACK_OBJECT_ARRAY || it->via.array.size != 4 || !mint(&it->via.array.ptr[0], &ly) ||
+                !mint(&it->via.array.ptr[1], &ex) || !mint(&it->via.array.ptr[2], &cl) ||
+                !mint(&it->via.array.ptr[3], &sl) || !muint(&gens->via.array.ptr[q], &g) ||
+                ly != reqs[i].layer || ex != reqs[i].experts[j] || cl < 0 || (uint64_t)cl >= am->lay.n_classes ||
+                sl < 0 || (uint64_t)sl >= am->lay.n_slots[cl]) {
+                mc_release(l);
+                return seterr(err, MC_ERR_PROTOCOL, "acquire reply: item %u is not (layer %d, expert %d, class, "
+                              "slot) inside the arena", q, reqs[i].layer, reqs[i].experts[j]);
+            }
+            l->items[q] = (mc_item){(int32_t)ly, (int32_t)ex, (uint32_t)cl, (uint32_t)sl};
+            l->mi[q] = (mcshm_item){(uint32_t)cl, (uint32_t)sl, g};
+        }
+    *out = l;
+    return okerr(err);
+}
+
+int mc_acquire_many(mc_client *c, const mc_request *reqs, uint32_t n, int flags, int timeout_ms, mc_lease **out,
+                    mc_error *err) {
+    uint32_t total;
+    if (!out) return seterr(err, MC_ERR_INVALID_ARG, "acquire: out is NULL");
+    *out = NULL;
+    int r = check_requests(c, reqs, n, &total, err);
+    if (r != MC_OK) return r;
+    if (!(flags & MC_ACQ_NO_FAST) && c->fast) {
+        r = try_fast(c, reqs, n, out, err);
+        if (r == MC_OK) return okerr(err);
+        if (r == MC_ERR_RESTARTED) return r;
+    }
+    req_arg a = {reqs, n, flags, timeout_ms, 0};
+    msgpack_unpacked rep;
+    uint64_t sess = 0;
+    /* the client waits a little longer than the daemon's own timeout, so the daemon's answer wins */
+    int wait_ms = timeout_ms >= 0 ? timeout_ms + 1000 : -1;
+    r = do_call(c, "acquire", n_fields(&a), fill_requests, &a, wait_ms, 1, &rep, &sess, err);
+    if (r != MC_OK) return r;
+    r = lease_from_reply(c, &rep.data, sess, reqs, n, total, out, err);
+    msgpack_unpacked_destroy(&rep);
+    return r;
+}
+
+int mc_acquire(mc_client *c, int layer, const int *experts, uint32_t n, int flags, int timeout_ms, mc_lease **out,
+               mc_error *err) {
+    mc_request r = {layer, experts, n};
+    return mc_acquire_many(c, &r, 1, flags, timeout_ms, out, err);
+}
+
+int mc_prefetch_many(mc_client *c, const mc_request *reqs, uint32_t n, mc_error *err) {
+    uint32_t total;
+    int r = check_requests(c, reqs, n, &total, err);
+    if (r != MC_OK) return r;
+    req_arg a = {reqs, n, 0, -1, 1};
+    return do_call(c, "prefetch", n_fields(&a), fill_requests, &a, -1, 0, NULL, NULL, err);
+}
+
+int mc_prefetch(mc_client *c, int layer, const int *experts, uint32_t n, mc_error *err) {
+    mc_request r = {layer, experts, n};
+    return mc_prefetch_many(c, &r, 1, err);
+}
+
+uint32_t mc_lease_n(const mc_lease *l) { return l ? l->n : 0; }
+const mc_item *mc_lease_items(const mc_lease *l) { return l ? l->items : NULL; }
+uint32_t mc_lease_slot(const mc_lease *l, uint32_t i) { return l && i < l->n ? l->items[i].slot : UINT32_MAX; }
+int mc_lease_fast(const mc_lease *l) { return l ? l->fast : 0; }
+
+uint32_t mc_lease_slots(const mc_lease *l, uint32_t *out, uint32_t cap) {
+    uint32_t n = l ? l->n : 0;
+    for (uint32_t i = 0; i < n && i < cap; i++) out[i] = l->items[i].slot;
+    return n;
+}
+
+void mc_lease_counts(const mc_lease *l, uint32_t *hits, uint32_t *prefetch_hits, uint32_t *misses,
+                     uint64_t *stall_us) {
+    if (hits) *hits = l ? (l->fast ? l->n : l->hits) : 0;
+    if (prefetch_hits) *prefetch_hits = l ? l->prefetch_hits : 0;
+    if (misses) *misses = l ? l->misses : 0;
+    if (stall_us) *stall_us = l ? l->stall_us : 0;
+}
+
+int mc_lease_valid(const mc_lease *l) {
+    if (!l || !l->am || atomic_load_explicit(&l->am->voided, memory_order_acquire))
+        return 0;
+    return mcshm_valid(&l->am->lay, l->session, l->mi, l->n);
+}
+
+const void *mc_lease_part(const mc_lease *l, uint32_t idx, const char *part, uint64_t *bytes) {
+    if (bytes) *bytes = 0;
+    if (!l || idx >= l->n || !part || !mc_lease_valid(l)) return NULL;
+    const mc_class *k = &l->am->classes[l->items[idx].cls];
+    for (uint32_t p = 0; p < k->n_parts; p++)
+        if (strcmp(k->parts[p].name, part) == 0) {
+            if (bytes) *bytes = k->parts[p].part_bytes;
+            return (const char *)l->am->base + k->parts[p].part_off + (uint64_t)l->items[idx].slot * k->parts[p].part_bytes;
+        }
+    return NULL;
+}
+
+void mc_release(mc_lease *l) {
+    if (!l) return;
+    mc_arena_map *am = l->am;
+    if (am) {
+        if (l->fast) {
+            mcshm_unpin(&am->lay, l->mi, l->n);   /* lock-free; harmless on a gone daemon's pin file */
+        } else if (l->c && !atomic_load(&am->closed) && !atomic_load(&am->voided)) {
+            mc_client *c = l->c;
+            pthread_mutex_lock(&c->mu);
+            if (c->session == l->session && c->sock) {
+                if (!c->sock_busy) {
+                    send_release_locked(c, &l->id, 1);
+                } else {
+                    if (c->relq_n == c->relq_cap) {
+                        uint32_t cap = c->relq_cap ? 2 * c->relq_cap : 64;
+                        uint64_t *q = realloc(c->relq, cap * sizeof(uint64_t));
+                        if (q) { c->relq = q; c->relq_cap = cap; }
+                    }
+                    if (c->relq_n < c->relq_cap) c->relq[c->relq_n++] = l->id;
+                    wake_reader(c);
+                }
+            }
+            pthread_mutex_unlock(&c->mu);
+        }
+        mc_arena_unref_map(am);
+        mc_arena_unref(am);
+    }
+    lease_free(l);
+}

@@ -1,0 +1,341 @@
+/* The library against a real moecached: spawned by this test (python -m moecached.daemon),
+ * every byte of every leased expert compared with the model file.
+ *
+ * Environment (set by tests/run_daemon_tests.py): MC_PYTHON, MC_MODEL, MC_EXPECT (see
+ * dump_expect.py), MC_DIR (a scratch directory for sockets and logs). */
+#define _GNU_SOURCE
+#include "moecache.h"
+#include "../examples/expect.h"
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static int g_failures;
+#define CHECK(cond, ...) do { if (!(cond)) { g_failures++; fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+    fprintf(stderr, __VA_ARGS__); fputc('\n', stderr); } } while (0)
+#define REQUIRE(cond, ...) do { if (!(cond)) { fprintf(stderr, "FATAL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+    fprintf(stderr, __VA_ARGS__); fputc('\n', stderr); stop_all(); exit(1); } } while (0)
+
+static const char *PY, *MODEL, *DIR_;
+static ex_table *EX;
+static pthread_mutex_t ex_mu = PTHREAD_MUTEX_INITIALIZER;
+static char SOCK[512], ENDPOINT[600];
+static pid_t daemon_pid;
+
+static void stop_daemon(int sig) {
+    if (daemon_pid > 0) {
+        kill(daemon_pid, sig);
+        int st;
+        waitpid(daemon_pid, &st, 0);
+        daemon_pid = 0;
+    }
+}
+static void stop_all(void) { stop_daemon(SIGTERM); }
+
+static void sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* Start a daemon on SOCK; returns once the socket file exists (clients then wait in hello). */
+static void start_daemon(const char *slots, const char *heartbeat) {
+    char log[600];
+    snprintf(log, sizeof log, "%s/daemon.log", DIR_);
+    fflush(stdout);
+    fflush(stderr);
+    pid_t p = fork();
+    REQUIRE(p >= 0, "fork: %s", strerror(errno));
+    if (p == 0) {
+        FILE *f = freopen(log, "a", stdout);
+        (void)f;
+        dup2(1, 2);
+        execlp(PY, PY, "-P", "-m", "moecached.daemon", "--model", MODEL, "--endpoint", ENDPOINT,
+               "--no-lock-memory", "--slots", slots, "--heartbeat", heartbeat, (char *)NULL);
+        _exit(127);
+    }
+    daemon_pid = p;
+    for (int i = 0; i < 600; i++) {
+        struct stat st;
+        int status;
+        if (waitpid(p, &status, WNOHANG) == p) {
+            daemon_pid = 0;
+            REQUIRE(0, "daemon exited at start (see %s)", log);
+        }
+        if (stat(SOCK, &st) == 0) return;
+        sleep_ms(50);
+    }
+    REQUIRE(0, "daemon socket %s did not appear (see %s)", SOCK, log);
+}
+
+static mc_client *connect_client(const char *name, int send_pid, int hb_thread) {
+    mc_options o;
+    mc_options_init(&o);
+    o.connect_timeout_ms = 30000;
+    o.send_pid = send_pid;
+    o.heartbeat_thread = hb_thread;
+    mc_error e;
+    mc_client *c = mc_connect(ENDPOINT, name, &o, &e);
+    REQUIRE(c, "connect: %s", e.message);
+    return c;
+}
+
+/* Every part of every item equals the model file's bytes. Returns the number of wrong parts. */
+static int verify_lease(mc_client *c, const mc_lease *l) {
+    const mc_arena *a = mc_arena_get(c, NULL);
+    int bad = 0;
+    const mc_item *it = mc_lease_items(l);
+    for (uint32_t i = 0; i < mc_lease_n(l); i++) {
+        const mc_class *k = &a->classes[it[i].cls];
+        for (uint32_t p = 0; p < k->n_parts; p++) {
+            uint64_t nb;
+            const void *b = mc_lease_part(l, i, k->parts[p].name, &nb);
+            pthread_mutex_lock(&ex_mu);
+            int ok = b && ex_check(EX, it[i].layer, it[i].expert, k->parts[p].name, b, nb);
+            pthread_mutex_unlock(&ex_mu);
+            if (!ok) {
+                fprintf(stderr, "wrong bytes: layer %d expert %d part %s slot %u\n", it[i].layer, it[i].expert,
+                        k->parts[p].name, it[i].slot);
+                bad++;
+            }
+        }
+    }
+    if (!mc_lease_valid(l)) bad++;
+    return bad;
+}
+
+static void test_basic(mc_client *c) {
+    mc_error e;
+    const mc_arena *a = mc_arena_get(c, &e);
+    REQUIRE(a, "arena: %s", e.message);
+    CHECK(a->n_experts == 8 && a->n_expert_layers == 4 && a->expert_layers[0] == 0, "model shape");
+    CHECK(a->n_classes == 1 && a->classes[0].n_parts == 3 && strcmp(a->classes[0].parts[0].name, "gate") == 0 &&
+          strcmp(a->classes[0].parts[0].type, "Q4_K") == 0, "class parts");
+    CHECK(mc_layer_class(a, 2) == 0 && mc_layer_class(a, 7) == -1, "layer class map");
+    CHECK(a->session == mc_session(c) && a->session != 0, "session");
+    CHECK(mc_watched(c) == 1, "a local client with pid/pid_start is watched");
+    double rtt;
+    CHECK(mc_ping(c, &rtt, &e) == MC_OK && rtt > 0, "ping: %s", e.message);
+
+    int ex[] = {3, 0, 5};
+    mc_lease *l;
+    int r = mc_acquire(c, 1, ex, 3, MC_ACQ_DECODE, -1, &l, &e);
+    REQUIRE(r == MC_OK, "acquire: %s", e.message);
+    uint32_t hits, ph, misses;
+    uint64_t stall;
+    mc_lease_counts(l, &hits, &ph, &misses, &stall);
+    CHECK(misses == 3 && hits == 0 && !mc_lease_fast(l), "first acquire misses (hits %u misses %u)", hits, misses);
+    const mc_item *it = mc_lease_items(l);
+    CHECK(it[0].expert == 3 && it[1].expert == 0 && it[2].expert == 5 && it[0].layer == 1, "request order");
+    CHECK(verify_lease(c, l) == 0, "bytes of the first lease");
+    mc_release(l);
+    r = mc_acquire(c, 1, ex, 3, 0, -1, &l, &e);
+    REQUIRE(r == MC_OK, "acquire again: %s", e.message);
+    mc_lease_counts(l, &hits, &ph, &misses, &stall);
+    CHECK(misses == 0 && (hits == 3), "second acquire hits (hits %u misses %u fast %d)", hits, misses, mc_lease_fast(l));
+    CHECK(verify_lease(c, l) == 0, "bytes of the second lease");
+    mc_release(l);
+
+    int ex0[] = {1, 2}, ex3[] = {7, 6, 4};
+    mc_request rq[2] = {{0, ex0, 2}, {3, ex3, 3}};
+    r = mc_acquire_many(c, rq, 2, MC_ACQ_PROMPT, 20000, &l, &e);
+    REQUIRE(r == MC_OK, "acquire_many: %s", e.message);
+    CHECK(mc_lease_n(l) == 5 && mc_lease_items(l)[2].layer == 3 && mc_lease_items(l)[2].expert == 7, "many items");
+    CHECK(verify_lease(c, l) == 0, "bytes of a two-layer lease");
+    mc_release(l);
+
+    int pf[] = {6, 7};
+    CHECK(mc_prefetch(c, 2, pf, 2, &e) == MC_OK, "prefetch: %s", e.message);
+    r = mc_acquire(c, 2, pf, 2, 0, -1, &l, &e);
+    REQUIRE(r == MC_OK, "acquire after prefetch: %s", e.message);
+    mc_lease_counts(l, &hits, &ph, &misses, &stall);
+    CHECK(hits + ph + misses == 2, "counts add up (hits %u prefetch_hits %u misses %u)", hits, ph, misses);
+    CHECK(verify_lease(c, l) == 0, "bytes after prefetch");
+    mc_release(l);
+
+    char *s = mc_stats_text(c, &e);
+    CHECK(s && strstr(s, "hits"), "stats: %s", s ? "no hits counter" : e.message);
+    free(s);
+}
+
+static void test_errors(mc_client *c) {
+    mc_error e;
+    mc_lease *l = NULL;
+    int bad[] = {8};
+    CHECK(mc_acquire(c, 1, bad, 1, 0, -1, &l, &e) == MC_ERR_D_OUT_OF_RANGE && !l, "expert 8: %s", e.message);
+    CHECK(strcmp(e.daemon_code, "out_of_range") == 0 && strlen(e.message) > 10, "code string and message");
+    int one[] = {0};
+    CHECK(mc_acquire(c, 77, one, 1, 0, -1, &l, &e) == MC_ERR_D_OUT_OF_RANGE, "layer 77: %s", e.message);
+    int dup[] = {2, 2};
+    CHECK(mc_acquire(c, 1, dup, 2, 0, -1, &l, &e) == MC_ERR_D_BAD_TYPE, "repeated expert: %s", e.message);
+    CHECK(mc_acquire(c, 1, NULL, 0, 0, -1, &l, &e) == MC_ERR_INVALID_ARG, "no experts: %s", e.message);
+    CHECK(mc_prefetch(c, 1, bad, 1, &e) == MC_OK, "a bad noreply prefetch is only sent");
+    double rtt;
+    CHECK(mc_ping(c, &rtt, &e) == MC_OK, "the client still works after an error reply to a noreply request");
+    CHECK(mc_code_from_daemon("rate_limited") == MC_ERR_D_RATE_LIMITED &&
+          mc_code_from_daemon("model_changed") == MC_ERR_D_MODEL_CHANGED &&
+          mc_code_from_daemon("whatever") == MC_ERR_D_OTHER, "code map");
+}
+
+static _Atomic int thread_bad, thread_ok;
+
+static void *worker(void *arg) {
+    mc_client *c = arg;
+    unsigned s = (unsigned)(uintptr_t)pthread_self();
+    for (int i = 0; i < 60; i++) {
+        int n = 1 + rand_r(&s) % 4, ex[4];
+        for (int j = 0; j < n; j++) {
+        again:
+            ex[j] = rand_r(&s) % 8;
+            for (int q = 0; q < j; q++) if (ex[q] == ex[j]) goto again;
+        }
+        mc_lease *l;
+        mc_error e;
+        int layer = rand_r(&s) % 4;
+        if (mc_acquire(c, layer, ex, (uint32_t)n, 0, -1, &l, &e) != MC_OK) {
+            fprintf(stderr, "thread acquire: %s\n", e.message);
+            thread_bad++;
+            continue;
+        }
+        if (verify_lease(c, l)) thread_bad++; else thread_ok++;
+        mc_release(l);
+    }
+    return NULL;
+}
+
+static void test_threads(mc_client *c) {
+    pthread_t t[4];
+    for (int i = 0; i < 4; i++) pthread_create(&t[i], NULL, worker, c);
+    for (int i = 0; i < 4; i++) pthread_join(t[i], NULL);
+    CHECK(thread_bad == 0 && thread_ok == 240, "threads: %d ok, %d bad", (int)thread_ok, (int)thread_bad);
+}
+
+static void test_fast(mc_client *c) {
+    if (!mc_fast_path(c)) {
+        printf("test_daemon: the daemon offers no pin file (hello 'pins' is null): fast path not tested here\n");
+        return;
+    }
+    int ex[] = {4, 1};
+    mc_lease *l;
+    mc_error e;
+    REQUIRE(mc_acquire(c, 2, ex, 2, 0, -1, &l, &e) == MC_OK, "acquire: %s", e.message);
+    mc_release(l);
+    REQUIRE(mc_acquire(c, 2, ex, 2, 0, -1, &l, &e) == MC_OK, "acquire: %s", e.message);
+    CHECK(mc_lease_fast(l), "a resident set is pinned without a message");
+    CHECK(verify_lease(c, l) == 0, "fast-path bytes");
+    mc_release(l);
+    REQUIRE(mc_acquire(c, 2, ex, 2, MC_ACQ_NO_FAST, -1, &l, &e) == MC_OK, "acquire: %s", e.message);
+    CHECK(!mc_lease_fast(l), "MC_ACQ_NO_FAST takes the socket");
+    mc_release(l);
+}
+
+/* leases_held in the daemon's stats (text form: "leases_held"=>N) */
+static long leases_held(mc_client *c) {
+    char *s = mc_stats_text(c, NULL);
+    long v = -1;
+    char *p = s ? strstr(s, "\"leases_held\"=>") : NULL;
+    if (p) v = strtol(p + strlen("\"leases_held\"=>"), NULL, 10);
+    free(s);
+    return v;
+}
+
+/* An unwatched client (no pid) keeps its lease through silence only with its heartbeat. The
+ * daemon runs with --heartbeat 1. */
+static void test_heartbeat(mc_client *watcher) {
+    int ex[] = {0};
+    mc_error e;
+    for (int hb = 1; hb >= 0; hb--) {
+        mc_client *c = connect_client(hb ? "unwatched-hb" : "unwatched-silent", 0, hb);
+        CHECK(!mc_watched(c), "no pid: not watched");
+        mc_lease *l;
+        REQUIRE(mc_acquire(c, 0, ex, 1, 0, -1, &l, &e) == MC_OK, "acquire: %s", e.message);
+        CHECK(leases_held(watcher) == 1, "one lease held");
+        sleep_ms(2500);   /* > heartbeat_s (1 s) of silence from the engine */
+        long held = leases_held(watcher);
+        if (hb) CHECK(held == 1, "with the heartbeat thread the lease is kept (held %ld)", held);
+        else CHECK(held == 0, "without heartbeat or mc_tick the daemon drops the silent client (held %ld)", held);
+        mc_release(l);
+        mc_close(c);
+    }
+}
+
+static void test_restart(mc_client *c) {
+    int ex[] = {2, 3};
+    mc_lease *l;
+    mc_error e;
+    REQUIRE(mc_acquire(c, 3, ex, 2, 0, -1, &l, &e) == MC_OK, "acquire: %s", e.message);
+    uint64_t s1 = mc_session(c);
+    CHECK(mc_lease_valid(l), "valid before the stop");
+    stop_daemon(SIGTERM);
+    CHECK(!mc_lease_valid(l), "a clean stop clears the epoch: the lease reads invalid");
+    CHECK(mc_lease_part(l, 0, "gate", NULL) == NULL, "no views after the stop");
+    start_daemon("24", "1");
+    mc_lease *l2 = NULL;
+    int r = mc_acquire(c, 3, ex, 2, 0, -1, &l2, &e);
+    if (r == MC_ERR_RESTARTED) {   /* the call that noticed the restart fails; the next says hello */
+        r = mc_acquire(c, 3, ex, 2, 0, -1, &l2, &e);
+    }
+    REQUIRE(r == MC_OK, "acquire after the restart: %s (%s)", e.message, mc_code_name(r));
+    CHECK(mc_session(c) != s1 && mc_session(c) != 0, "new session after the restart");
+    CHECK(verify_lease(c, l2) == 0, "bytes from the new arena");
+    CHECK(mc_arena_get(c, NULL)->session == mc_session(c), "the arena is the new one");
+    mc_release(l);   /* of the old daemon: nothing to send */
+    CHECK(mc_lease_valid(l2), "the new lease is untouched by releasing the old one");
+    mc_release(l2);
+
+    /* a crash (SIGKILL) leaves the epoch in the old arena: the dropped connection tells */
+    REQUIRE(mc_acquire(c, 3, ex, 2, 0, -1, &l, &e) == MC_OK, "acquire: %s", e.message);
+    stop_daemon(SIGKILL);
+    int noticed = 0;
+    for (int i = 0; i < 200 && !noticed; i++) {   /* the heartbeat thread watches the connection */
+        noticed = !mc_lease_valid(l);
+        if (!noticed) sleep_ms(50);
+    }
+    CHECK(noticed, "a lease of a killed daemon reads invalid once the connection dropped");
+    mc_release(l);
+    start_daemon("24", "1");
+    r = mc_acquire(c, 3, ex, 2, 0, -1, &l, &e);
+    if (r == MC_ERR_RESTARTED) r = mc_acquire(c, 3, ex, 2, 0, -1, &l, &e);
+    REQUIRE(r == MC_OK, "acquire after the crash: %s", e.message);
+    CHECK(verify_lease(c, l) == 0, "bytes after the crash and restart");
+    mc_release(l);
+}
+
+int main(void) {
+    PY = getenv("MC_PYTHON");
+    MODEL = getenv("MC_MODEL");
+    DIR_ = getenv("MC_DIR");
+    const char *exp = getenv("MC_EXPECT");
+    if (!PY || !MODEL || !DIR_ || !exp) {
+        fprintf(stderr, "test_daemon: set MC_PYTHON, MC_MODEL, MC_EXPECT and MC_DIR (run tests/run_daemon_tests.py)\n");
+        return 2;
+    }
+    EX = ex_load(exp);
+    REQUIRE(EX && EX->n > 0, "expect table %s", exp);
+    snprintf(SOCK, sizeof SOCK, "%s/d.sock", DIR_);
+    snprintf(ENDPOINT, sizeof ENDPOINT, "ipc://%s", SOCK);
+    atexit(stop_all);
+    start_daemon("24", "1");
+    mc_client *c = connect_client("c-test", 1, 1);
+    test_basic(c);
+    test_errors(c);
+    test_threads(c);
+    test_fast(c);
+    test_heartbeat(c);
+    test_restart(c);
+    mc_close(c);
+    stop_daemon(SIGTERM);
+    ex_free(EX);
+    if (g_failures) {
+        fprintf(stderr, "test_daemon: %d failure(s)\n", g_failures);
+        return 1;
+    }
+    printf("test_daemon: ok\n");
+    return 0;
+}

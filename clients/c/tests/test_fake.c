@@ -1,0 +1,109 @@
+/* The client against tests/fake_daemon.py (which starts this program and checks what it sent):
+ * client-side timeout and the late lease, an error code, a reply from another session, the
+ * hello after it, and an arena descriptor version the library does not read. */
+#define _GNU_SOURCE
+#include "moecache.h"
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+static int g_failures;
+#define CHECK(cond, ...) do { if (!(cond)) { g_failures++; fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+    fprintf(stderr, __VA_ARGS__); fputc('\n', stderr); } } while (0)
+
+static const uint64_t S1 = 0x111122223333ull, S2 = 0x444455556666ull;
+
+int main(int argc, char **argv) {
+    if (argc < 2) return 2;
+    mc_options o;
+    mc_options_init(&o);
+    o.timeout_ms = 400;
+    o.heartbeat_thread = 0;
+    mc_error e;
+    mc_client *c = mc_connect(argv[1], "fake", &o, &e);
+    if (!c) { fprintf(stderr, "connect: %s\n", e.message); return 1; }
+    CHECK(mc_session(c) == S1, "session");
+    CHECK(!mc_fast_path(c), "pins null: no fast path");
+    const mc_arena *a = mc_arena_get(c, &e);
+    CHECK(a && a->n_experts == 4 && a->top_k == 2 && a->classes[0].n_slots == 4 &&
+          strcmp(a->classes[0].parts[0].type, "Q8_0") == 0, "arena description");
+
+    int ex12[] = {1, 2}, ex2[] = {2}, ex3[] = {3}, ex0[] = {0};
+    mc_lease *l1 = NULL, *l = NULL;
+    CHECK(mc_acquire(c, 1, ex12, 2, 0, -1, &l1, &e) == MC_OK, "acquire: %s", e.message);
+    CHECK(l1 && mc_lease_valid(l1), "valid lease");
+    if (l1) {
+        uint64_t n;
+        const unsigned char *b = mc_lease_part(l1, 1, "gate", &n);
+        CHECK(b && n == 64 && b[0] == 3 && b[63] == 3, "slot 2's bytes");
+    }
+
+    int r = mc_acquire(c, 1, ex2, 1, 0, -1, &l, &e);
+    CHECK(r == MC_ERR_TIMEOUT && l == NULL, "client-side timeout: %s", mc_code_name(r));
+    struct timespec ts = {0, 900 * 1000000L};
+    nanosleep(&ts, NULL);   /* the late reply arrives; the next call reads it and releases its lease */
+    CHECK(mc_ping(c, NULL, &e) == MC_OK, "ping: %s", e.message);
+    CHECK(mc_ping(c, NULL, &e) == MC_OK, "ping: %s", e.message);
+
+    r = mc_acquire(c, 1, ex3, 1, 0, -1, &l, &e);
+    CHECK(r == MC_ERR_D_RATE_LIMITED && strcmp(e.daemon_code, "rate_limited") == 0 && strstr(e.message, "slow down"),
+          "error code mapped: %s %s", mc_code_name(r), e.message);
+
+    r = mc_acquire(c, 0, ex0, 1, 0, -1, &l, &e);
+    CHECK(r == MC_ERR_RESTARTED && l == NULL, "a reply from another session: %s", mc_code_name(r));
+    CHECK(mc_session(c) == 0, "session voided");
+    CHECK(l1 && !mc_lease_valid(l1) && !mc_lease_part(l1, 0, "gate", NULL), "old lease invalid after the restart");
+    CHECK(mc_ping(c, NULL, &e) == MC_OK, "ping says hello again: %s", e.message);
+    CHECK(mc_session(c) == S2, "new session");
+    a = mc_arena_get(c, &e);
+    CHECK(a && a->session == S2, "new arena");
+    mc_release(l1);   /* of the old session: nothing sent */
+    mc_close(c);
+
+    c = mc_connect(argv[1], "v3", &o, &e);
+    CHECK(c == NULL && e.code == MC_ERR_UNSUPPORTED && strstr(e.message, "version 3"), "descriptor v3: %s",
+          e.message);
+    if (c) mc_close(c);
+
+    /* the fast path: the fake offers a pin file and has expert 2 of block 1 resident in slot 3 */
+    c = mc_connect(argv[1], "fastc", &o, &e);
+    if (!c) { fprintf(stderr, "connect fastc: %s\n", e.message); return 1; }
+    CHECK(mc_fast_path(c), "pins offered: fast path on");
+    r = mc_acquire(c, 1, ex2, 1, 0, -1, &l, &e);
+    CHECK(r == MC_OK && l && mc_lease_fast(l) && mc_lease_slot(l, 0) == 3, "fast pin: %s", e.message);
+    if (l) {
+        const unsigned char *b = mc_lease_part(l, 0, "gate", NULL);
+        CHECK(b && b[0] == 4 && b[63] == 4, "slot 3's bytes through a fast lease");
+        CHECK(mc_lease_valid(l), "fast lease valid");
+    }
+    CHECK(mc_ping(c, NULL, &e) == MC_OK, "ping 1 (the fake checks the pin count and the ring)");
+    mc_release(l);
+    int ex23[] = {2, 3};
+    l = NULL;
+    r = mc_acquire(c, 1, ex23, 2, 0, -1, &l, &e);
+    CHECK(r == MC_OK && l && !mc_lease_fast(l), "expert 3 not resident: the whole set over the socket: %s", e.message);
+    mc_release(l);
+    CHECK(mc_ping(c, NULL, &e) == MC_OK, "ping 2 (the fake checks the pins are gone, then clears the epoch)");
+    l = NULL;
+    r = mc_acquire(c, 1, ex2, 1, 0, -1, &l, &e);
+    CHECK(r == MC_ERR_RESTARTED && !l, "epoch cleared: the fast path says restarted: %s", mc_code_name(r));
+    CHECK(mc_session(c) == 0, "session voided by the fast path");
+    mc_close(c);
+
+    /* an unwatched client keeps pinging while one of its acquires waits (the fake answers the
+     * acquire after 1.5 s and counts the pings meanwhile) */
+    o.heartbeat_thread = 1;
+    o.heartbeat_ms = 100;
+    o.timeout_ms = 5000;
+    c = mc_connect(argv[1], "hbwait", &o, &e);
+    if (!c) { fprintf(stderr, "connect hbwait: %s\n", e.message); return 1; }
+    int ex1[] = {1};
+    l = NULL;
+    r = mc_acquire(c, 0, ex1, 1, 0, -1, &l, &e);
+    CHECK(r == MC_OK && l, "the slow acquire: %s", e.message);
+    mc_release(l);
+    mc_close(c);
+    if (g_failures) return 1;
+    printf("test_fake: ok\n");
+    return 0;
+}
