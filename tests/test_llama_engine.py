@@ -9,6 +9,7 @@ from __future__ import annotations
 import filecmp
 import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -170,6 +171,37 @@ def test_daemon_restart_mid_decode_is_an_error_or_a_correct_continuation(models,
         # whatever was written before the error matches the resident run
         got = (tmp_path / "out.bin").read_bytes()
         assert reference[quant].read_bytes().startswith(got)
+
+
+def test_daemon_crash_while_a_lease_is_held_discards_the_batch_and_continues(models, reference, tmp_path):
+    # every block keeps its lease 3 s (LLAMA_MOECACHED_HOLD_US, a slow compute); the daemon is
+    # killed meanwhile and a new one started (it zeroes the dead arena's epoch): the lease
+    # reads invalid, or the next acquire finds no daemon; llama_decode fails and rolls the batch
+    # back; the retry runs on the new daemon and the logits are still the resident run's
+    quant, steps = "f32", 2
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(models[quant], sock, "--slots", "32")
+    cmd = [str(BIN / "mc-decode"), "-m", models[quant], "-p", PROMPT, "-n", str(steps), "-t", "2",
+           "--dump", str(tmp_path / "out.bin"), "--moecached", f"ipc://{sock}", "--retries", "60"]
+    eng = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=dict(os.environ, LLAMA_MOECACHED_HOLD_US="3000000"))
+    p2 = None
+    try:
+        time.sleep(2.0)
+        assert eng.poll() is None, "the engine finished before the crash"
+        stop_daemon(p, sig=signal.SIGKILL)
+        p2 = start_daemon(models[quant], sock, "--slots", "32")
+        out, err = eng.communicate(timeout=600)
+    finally:
+        if eng.poll() is None:
+            eng.kill()
+        if p2:
+            stop_daemon(p2)
+    assert eng.returncode == 0, err[-2000:]
+    assert "moecached error:" in err, err[-2000:]          # a batch was discarded, then retried
+    row = (tmp_path / "out.bin").read_bytes()
+    assert len(row) > 0 and reference[quant].read_bytes().startswith(row), "wrong logits after a crash"
+    assert stats_of(subprocess.CompletedProcess([], 0, out, err))["restarts"] >= 1
 
 
 def test_refused_layout_mismatch_is_one_line(models, tmp_path):
