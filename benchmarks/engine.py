@@ -18,9 +18,7 @@ import argparse
 import filecmp
 import json
 import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "clients"), str(ROOT / "tests")]
 
 from daemon_util import start_daemon, stop_daemon  # noqa: E402
+from moecached import engine_llama  # noqa: E402
 from moecached.index import open_index  # noqa: E402
 from moecached.synth_runnable import write_runnable  # noqa: E402
 
@@ -38,24 +37,19 @@ PROMPT = ("Mixture-of-experts models keep most of their weights in routed expert
 
 
 def find_bin(arg):
-    for c in (arg, os.environ.get("MOECACHED_LLAMA_BIN"), os.path.expanduser("~/.cache/moecached-llama/bin")):
-        if c and os.access(os.path.join(c, "mc-decode"), os.X_OK):
-            return Path(c)
-    sys.exit("benchmarks/engine.py: no mc-decode: run clients/llama.cpp/build.sh or give --bin DIR")
+    if arg:
+        return Path(arg)
+    b = engine_llama.llama_bin()
+    if b is None:
+        sys.exit(f"benchmarks/engine.py: no patched llama.cpp: {engine_llama.BUILD_HINT}")
+    return b
 
 
 def run(bin_dir, model, dump, steps, threads, endpoint=None):
-    cmd = [str(bin_dir / "mc-decode"), "-m", model, "-p", PROMPT, "-n", str(steps), "-t", str(threads),
-           "--dump", str(dump)]
-    if endpoint:
-        cmd += ["--moecached", endpoint]
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    r = engine_llama.decode(bin_dir, model, str(dump), prompt=PROMPT, steps=steps, threads=threads, endpoint=endpoint)
     if r.returncode != 0:
         raise RuntimeError(f"mc-decode failed: {r.stderr[-1500:]}")
-    m = re.search(r"timing prompt_tokens=(\d+) prompt_s=([\d.]+) decode_tokens=(\d+) decode_s=([\d.]+)", r.stdout)
-    st = re.search(r"^moecached (.*)$", r.stdout, re.M).group(1)
-    return {"prompt_tps": int(m.group(1)) / float(m.group(2)), "decode_tps": int(m.group(3)) / float(m.group(4)),
-            "stats": st}
+    return engine_llama.parse_timing(r.stdout) | {"stats": engine_llama.parse_stats(r.stdout)}
 
 
 def main(argv=None):

@@ -13,28 +13,15 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from daemon_util import start_daemon, stop_daemon
+from moecached import engine_llama
 from moecached.index import open_index
 from moecached.synth_runnable import write_runnable
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def llama_bin() -> Path | None:
-    cands = [os.environ.get("MOECACHED_LLAMA_BIN"),
-             os.path.join(os.environ.get("MOECACHED_LLAMA_CACHE", ""), "bin") if os.environ.get("MOECACHED_LLAMA_CACHE") else None,
-             os.path.expanduser("~/.cache/moecached-llama/bin")]
-    for c in cands:
-        if c and os.access(os.path.join(c, "mc-decode"), os.X_OK):
-            return Path(c)
-    return None
-
-
-BIN = llama_bin()
+BIN = engine_llama.llama_bin()
 pytestmark = pytest.mark.skipif(BIN is None, reason="patched llama.cpp not built: run clients/llama.cpp/build.sh "
                                                     "(or set MOECACHED_LLAMA_BIN to its bin directory)")
 PROMPT = "Experts in shared memory, served to every engine."
@@ -56,20 +43,17 @@ def models(tmp_path_factory):
 
 
 def decode(model, dump, *extra, endpoint=None, check=True, timeout=300):
-    cmd = [str(BIN / "mc-decode"), "-m", model, "-p", PROMPT, "-n", str(STEPS), "-t", "2", "--dump", str(dump)]
-    if endpoint:
-        cmd += ["--moecached", endpoint]
-    cmd += list(extra)
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+    r = engine_llama.decode(BIN, model, str(dump), prompt=PROMPT, steps=STEPS, endpoint=endpoint,
+                            extra=extra, timeout=timeout)
     if check:
         assert r.returncode == 0, f"mc-decode failed ({r.returncode}): {r.stderr[-2000:]}"
     return r
 
 
 def stats_of(r) -> dict:
-    m = re.search(r"^moecached (acquires=.*)$", r.stdout, re.M)
-    assert m, r.stdout
-    return {k: int(v) for k, v in (kv.split("=") for kv in m.group(1).split())}
+    st = engine_llama.parse_stats(r.stdout)
+    assert st, r.stdout
+    return st
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +199,12 @@ def test_refused_layout_mismatch_is_one_line(models, tmp_path):
     assert r.returncode != 0
     lines = [l for l in r.stderr.splitlines() if l.startswith("moecached:")]
     assert lines and "ffn_" in lines[0] and "another model file" in lines[0], r.stderr[-2000:]
+
+
+def test_demo_engine_step_decodes_bit_identical(tmp_path):
+    import argparse
+    from moecached.demo import engine_step
+    lines = []
+    res = engine_step(argparse.Namespace(workdir=str(tmp_path), keep=False), lines.append)
+    assert res["built"] and res["identical"] and res["stats"]["misses"] > 0, res
+    assert len(lines) == 1 and "bit-identical" in lines[0]
