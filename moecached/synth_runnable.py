@@ -126,34 +126,52 @@ def write_runnable(out: str, *, arch: str = "qwen3moe", blocks: int = 2, geometr
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
 
-    def add(name, arr, quantizable=True):
-        if q == "q8_0" and quantizable and arr.ndim >= 2:
-            w.add_tensor(name, quantize(arr, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(name, arr)
+    # tensors are made one at a time while writing (real geometries do not fit in memory at once)
+    plan = []   # (name, shape as numpy (reversed ggml), maker, quantized)
 
+    def add(name, shape, maker, quantizable=True):
+        plan.append((name, shape, maker, q == "q8_0" and quantizable and len(shape) >= 2))
+
+    def mat_maker(shape, fan_in, scale=1.0):
+        def make():
+            if len(shape) == 3:   # per expert, so the generator's stream does not depend on chunking
+                return np.stack([mat(*shape[1:], fan_in=fan_in) * np.float32(scale) for _ in range(shape[0])])
+            return mat(*shape, fan_in=fan_in) * np.float32(scale)
+        return make
+
+    ones = lambda n: (lambda: np.ones(n, np.float32))
     # numpy shapes are reversed ggml shapes: (ne1, ne0) / (ne2, ne1, ne0)
-    add("token_embd.weight", rng.standard_normal((N_VOCAB, H), dtype=np.float32))
+    add("token_embd.weight", (N_VOCAB, H), lambda: rng.standard_normal((N_VOCAB, H), dtype=np.float32))
     for b in range(blocks):
         p = f"blk.{b}."
-        add(p + "attn_norm.weight", np.ones(H, np.float32), False)
-        add(p + "attn_q.weight", mat(nh * hd, H, fan_in=H))
-        add(p + "attn_k.weight", mat(nkv * hd, H, fan_in=H))
-        add(p + "attn_v.weight", mat(nkv * hd, H, fan_in=H))
-        add(p + "attn_output.weight", mat(H, nh * hd, fan_in=nh * hd))
-        add(p + "attn_q_norm.weight", np.ones(hd, np.float32), False)
-        add(p + "attn_k_norm.weight", np.ones(hd, np.float32), False)
-        add(p + "ffn_norm.weight", np.ones(H, np.float32), False)
+        add(p + "attn_norm.weight", (H,), ones(H), False)
+        add(p + "attn_q.weight", (nh * hd, H), mat_maker((nh * hd, H), H))
+        add(p + "attn_k.weight", (nkv * hd, H), mat_maker((nkv * hd, H), H))
+        add(p + "attn_v.weight", (nkv * hd, H), mat_maker((nkv * hd, H), H))
+        add(p + "attn_output.weight", (H, nh * hd), mat_maker((H, nh * hd), nh * hd))
+        add(p + "attn_q_norm.weight", (hd,), ones(hd), False)
+        add(p + "attn_k_norm.weight", (hd,), ones(hd), False)
+        add(p + "ffn_norm.weight", (H,), ones(H), False)
         # the router stays F32 (as real conversions keep it at high precision)
-        add(p + "ffn_gate_inp.weight", mat(E, H, fan_in=H) * np.float32(4.0), False)
-        add(p + "ffn_gate_exps.weight", mat(E, F, H, fan_in=H))
-        add(p + "ffn_up_exps.weight", mat(E, F, H, fan_in=H))
-        add(p + "ffn_down_exps.weight", mat(E, H, F, fan_in=F))
-    add("output_norm.weight", np.ones(H, np.float32), False)
-    add("output.weight", mat(N_VOCAB, H, fan_in=H))
+        add(p + "ffn_gate_inp.weight", (E, H), mat_maker((E, H), H, 4.0), False)
+        add(p + "ffn_gate_exps.weight", (E, F, H), mat_maker((E, F, H), H))
+        add(p + "ffn_up_exps.weight", (E, F, H), mat_maker((E, F, H), H))
+        add(p + "ffn_down_exps.weight", (E, H, F), mat_maker((E, H, F), F))
+    add("output_norm.weight", (H,), ones(H), False)
+    add("output.weight", (N_VOCAB, H), mat_maker((N_VOCAB, H), H))
+    q8 = GGMLQuantizationType.Q8_0
+    for name, shape, _, quant_it in plan:
+        if quant_it:
+            bshape = tuple(shape[:-1]) + (shape[-1] // 32 * 34,)
+            w.add_tensor_info(name, bshape, np.dtype(np.uint8), int(np.prod(bshape)), raw_dtype=q8)
+        else:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for name, shape, make, quant_it in plan:
+        arr = make()
+        w.write_tensor_data(quantize(arr, q8) if quant_it else arr)
     w.close()
     return out
 
