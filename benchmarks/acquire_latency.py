@@ -10,7 +10,7 @@ JSON.
     python benchmarks/acquire_latency.py                       # -> benchmarks/results/acquire_latency.json
     python benchmarks/acquire_latency.py --iters 200000 --json /tmp/lat.json
 
-Target (issue 3): p50 <= 20 us for 8 experts.
+Target: p50 <= 20 us for 8 experts.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 
 Counts every access the kernel replays (warm-up included), takes the best of ``--repeat`` runs
 of ``_policy.replay`` (stream building and policy construction excluded), and prints a table
-of M accesses/s per policy and trace. Targets (issue 6): >= 2 M/s for the LRU family,
+of M accesses/s per policy and trace. Targets: >= 2 M/s for the LRU family,
 >= 0.5 M/s for the Belady policies (opt, g-opt).
 """
 import argparse

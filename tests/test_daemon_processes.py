@@ -1,4 +1,4 @@
-"""Issue 4 "done when": real daemon and client processes."""
+"""Real daemon and client processes: sharing, killed clients, restarts, SIGTERM, SIGHUP."""
 import json
 import os
 import signal

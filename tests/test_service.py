@@ -1,4 +1,4 @@
-"""Issue 5 "done when" against a real daemon process: READY=1 to a test NOTIFY_SOCKET, the
+"""The service contract against a real daemon process: READY=1 to a test NOTIFY_SOCKET, the
 memory floor shrinking the arena for real (Shmem falls) and growing back, and access control
 by group with a second user."""
 import grp

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -51,6 +52,9 @@ def main(build: str) -> int:
                               f"ipc://{sock}", "--no-lock-memory", "--slots", "16"], env=env,
                              stdout=open(os.path.join(d, "replay-daemon.log"), "w"), stderr=subprocess.STDOUT)
         try:
+            deadline = time.time() + 60
+            while not os.path.exists(sock) and p.poll() is None and time.time() < deadline:
+                time.sleep(0.05)   # a client refuses an ipc endpoint without a socket file
             print("== replay", flush=True)
             r = subprocess.call([os.path.join(build, "replay"), f"ipc://{sock}", trace, expect], env=env)
         finally:
