@@ -464,7 +464,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="moecache-ctl synth",
                                  description="write a real-layout GGUF model (or split set) whose "
                                              "expert bytes carry stamps that name their block, "
-                                             "part and expert (test fixtures, the demo's model)")
+                                             "part and expert (test fixtures, the demo's model); "
+                                             "with --runnable, a small model llama.cpp runs (see "
+                                             "moecache-ctl synth --runnable --help)")
     ap.add_argument("--layout", required=True, help="layout JSON path or embedded layout name")
     ap.add_argument("--out", required=True,
                     help="output .gguf path (shards are named after it; an existing file is "
