@@ -7,7 +7,7 @@
 # sha256 below). Everything goes under DIR (default $MOECACHED_LLAMA_CACHE, else
 # $HOME/.cache/moecached-llama), never inside the clone:
 #   DIR/dl/            the sdist (pip download; or put the file there yourself)
-#   DIR/src-KEY/       the extracted tree with the patch applied (KEY: hash of the patch + driver)
+#   DIR/src/           the extracted tree with the patch applied (redone when the patch changes)
 #   DIR/build-BACKEND/ the CMake build, reused (incremental) on the next run
 #   DIR/bin -> DIR/build-BACKEND/bin
 # Targets: mc-decode (the checking/benchmark driver) and llama-quantize; --tools adds
@@ -62,18 +62,20 @@ if [ "$got" != "$PIN_SHA256" ]; then
     exit 1
 fi
 
-# 2. the patched tree (a new one whenever the patch or the driver changes)
+# 2. the patched tree: re-extracted whenever the patch or the driver changes (the archive's
+#    mtimes are kept, so the next build only recompiles what the patch touches)
 KEY=$(cat "$HERE/patch/moecached.patch" "$HERE/driver/mc-decode.cpp" "$HERE/driver/CMakeLists.txt" | sha256sum | cut -c1-12)
-SRC="$CACHE/src-$KEY"
-if [ ! -f "$SRC/.patched" ]; then
+SRC="$CACHE/src"
+if [ "$(cat "$SRC/.moecached-patch" 2>/dev/null)" != "$KEY" ]; then
     rm -rf "$SRC" "$SRC.tmp"
     mkdir -p "$SRC.tmp"
     tar -xzf "$CACHE/dl/$SDIST" -C "$SRC.tmp" --strip-components=3 "llama_cpp_python-$PIN_VERSION/vendor/llama.cpp"
     rm -f "$SRC.tmp/.git"
-    (cd "$SRC.tmp" && patch -p1 --quiet --forward < "$HERE/patch/moecached.patch")
+    (cd "$SRC.tmp" && patch -p1 --quiet --forward < "$HERE/patch/moecached.patch") \
+        || { echo "build.sh: patch/moecached.patch does not apply to llama-cpp-python $PIN_VERSION" >&2; exit 1; }
     mkdir -p "$SRC.tmp/examples/mc-decode"
     cp "$HERE/driver/mc-decode.cpp" "$HERE/driver/CMakeLists.txt" "$SRC.tmp/examples/mc-decode/"
-    touch "$SRC.tmp/.patched"
+    echo "$KEY" > "$SRC.tmp/.moecached-patch"
     mv "$SRC.tmp" "$SRC"
 fi
 
@@ -85,6 +87,9 @@ cp "$ROOT/clients/c/include/moecache.h" "$ROOT/clients/c/include/moecache_shm.h"
 
 # 4. CMake build (reused)
 BUILD="$CACHE/build-$BACKEND"
+if [ -f "$BUILD/CMakeCache.txt" ] && ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$SRC" "$BUILD/CMakeCache.txt"; then
+    rm -rf "$BUILD"   # configured for another source tree
+fi
 TARGETS=(mc-decode llama-quantize)
 [ "$TOOLS" = 1 ] && TARGETS+=(llama-completion llama-cli)
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF \
