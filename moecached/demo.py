@@ -334,18 +334,52 @@ def build_parser():
     return ap
 
 
+def engine_step(a, say) -> dict:
+    """llama.cpp decoding through a daemon (small runnable model, tight cache), checked
+    bit-identical to the resident model; one line saying how to build it when it is not."""
+    from . import engine_llama
+    b = engine_llama.llama_bin()
+    if b is None:
+        say(f"engine: llama.cpp through moecached is not built here; {engine_llama.BUILD_HINT}")
+        return {"built": False}
+    from .synth_runnable import write_runnable
+    workdir = tempfile.mkdtemp(prefix="moecache-demo-engine-", dir=a.workdir or None)
+    d = None
+    try:
+        model = write_runnable(os.path.join(workdir, "engine.gguf"), blocks=2, experts=16, top_k=4,
+                               quant="q8_0", hidden=64, expert_ff=64)
+        d = Daemon(model, workdir, slots=12, name="engine")
+        d.connect().close()
+        r = engine_llama.checked_decode(b, model, d.endpoint, workdir)
+    finally:
+        if d is not None:
+            d.stop()
+        if not a.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    st = r["stats"]
+    say(f"engine: llama.cpp decoded {r['steps']} tokens through moecached (2 blocks x 16 experts, "
+        f"12 slots: {st.get('misses', 0)} misses, {st.get('hits', 0)} hits): logits "
+        f"{'bit-identical to' if r['identical'] else 'DIFFERENT FROM'} the resident model's")
+    if not r["identical"]:
+        raise DemoError("llama.cpp through moecached gave other logits than the resident model")
+    return {"built": True, **r}
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     if a.tokens is not None and a.tokens < 1:
         raise DemoError(f"--tokens: found {a.tokens}, expected >= 1")
     res = run_demo(a)
     if a.json:
+        res["engine"] = engine_step(a, lambda *x: print(*x, file=sys.stderr, flush=True))
         js = {k: v for k, v in res.items() if k != "table"}
         json.dump(js, sys.stdout, indent=1, default=float)
         print()
     else:
         print()
         print(res["table"])
+        print()
+        res["engine"] = engine_step(a, print)
     return 0
 
 

@@ -454,11 +454,19 @@ def _parse_layers(s: str):
 
 def main(argv=None) -> int:
     """``moecache-ctl synth --layout LAYOUT --out PATH [--layers N|a,b,..] [--experts E] [--split K]
-    [--seed S] [--legacy-experts] [--dense] [--quiet]``"""
+    [--seed S] [--legacy-experts] [--dense] [--quiet]``; with ``--runnable``, a model llama.cpp
+    runs (:mod:`moecached.synth_runnable`)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--runnable" in args:
+        from .synth_runnable import main as runnable_main
+        args.remove("--runnable")
+        return runnable_main(args)
     ap = argparse.ArgumentParser(prog="moecache-ctl synth",
                                  description="write a real-layout GGUF model (or split set) whose "
                                              "expert bytes carry stamps that name their block, "
-                                             "part and expert (test fixtures, the demo's model)")
+                                             "part and expert (test fixtures, the demo's model); "
+                                             "with --runnable, a small model llama.cpp runs (see "
+                                             "moecache-ctl synth --runnable --help)")
     ap.add_argument("--layout", required=True, help="layout JSON path or embedded layout name")
     ap.add_argument("--out", required=True,
                     help="output .gguf path (shards are named after it; an existing file is "
@@ -471,7 +479,7 @@ def main(argv=None) -> int:
     ap.add_argument("--legacy-experts", action="store_true", help="per-expert 2-D tensors (old Mixtral files)")
     ap.add_argument("--dense", action="store_true", help="write zeros for non-expert tensors instead of holes")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    a = ap.parse_args(argv)
+    a = ap.parse_args(args)
     if a.split is not None and a.split < 1:
         raise SynthError(f"--split {a.split}: expected an integer >= 1 (1 = no split)")
     st = {}

@@ -99,3 +99,13 @@ def test_demo_refuses_to_fill_the_disk(tmp_path, monkeypatch, capsys):
         f"moecache-ctl demo: error: {tmp_path}: the 16-block model needs {need:.1f} GiB, 1.0 GiB "
         f"available: pass --workdir DIR on a filesystem with room (or fewer --layers)\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_engine_step_says_how_to_build_it(monkeypatch, tmp_path):
+    import argparse
+    from moecached import engine_llama
+    from moecached.demo import engine_step
+    monkeypatch.setattr(engine_llama, "llama_bin", lambda: None)
+    lines = []
+    assert engine_step(argparse.Namespace(workdir=str(tmp_path), keep=False), lines.append) == {"built": False}
+    assert len(lines) == 1 and "clients/llama.cpp/build.sh" in lines[0]

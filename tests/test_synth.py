@@ -304,3 +304,22 @@ def test_cli_split_one_is_one_file(tmp_path, capsys):
     rc, out, _ = _synth_ctl(["--out", str(tmp_path / "m.gguf"), "--split", "1"], capsys)
     assert rc == 0 and out.strip() == str(tmp_path / "m.gguf")
     assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
+
+
+def test_synth_runnable_is_indexed_and_refuses_bad_shapes(tmp_path):
+    from moecached.ctl import main as ctl_main
+    from moecached.index import open_index
+    from moecached.synth_runnable import RunnableError, write_runnable
+    out = str(tmp_path / "r.gguf")
+    assert ctl_main(["synth", "--runnable", "--out", out, "--blocks", "3", "--experts", "8", "--top-k", "2",
+                     "--quant", "q8_0"]) == 0
+    idx = open_index(out).to_json()
+    assert idx["arch"] == "qwen3moe" and idx["expert_layers"] == [0, 1, 2]
+    assert idx["n_experts"] == 8 and idx["top_k"] == 2
+    (sc,) = idx["size_classes"]
+    assert sc["part_types"] == {"gate": "Q8_0", "up": "Q8_0", "down": "Q8_0"}
+    assert sc["part_shapes"]["down"] == [64, 64]
+    with pytest.raises(RunnableError, match="--hidden 48: Q8_0 needs a multiple of 32"):
+        write_runnable(out, hidden=48, quant="q8_0")
+    with pytest.raises(RunnableError, match="needs --llama-quantize"):
+        write_runnable(out, quant="Q4_K_M")

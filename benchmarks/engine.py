@@ -1,0 +1,134 @@
+"""llama.cpp through moecached vs the resident model: decode and prompt tokens/s.
+
+    python benchmarks/engine.py [--model PATH | --blocks N --quant q8_0] [--rounds 5]
+                                [--steps 64] [--threads 2] [--cached 1.0,0.75,0.5,0.25]
+
+Needs the patched build (clients/llama.cpp/build.sh; --bin or MOECACHED_LLAMA_BIN or
+~/.cache/moecached-llama/bin). Without --model it writes a runnable model with the expert
+geometry of Qwen3-30B-A3B (hidden 2048, expert FFN 768, 128 experts, top-8) and --blocks
+blocks. One daemon per cached fraction (slots = fraction x all experts), started before the
+rounds; each round runs the resident model and then every fraction, interleaved, with the
+same prompt and greedy steps (mc-decode); the first round is a warm-up (not counted). Every
+run's logits are checked against the resident run's (bit-identical or the run is reported
+as wrong). Prints a table and writes JSON (--json).
+"""
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "clients"), str(ROOT / "tests")]
+
+from daemon_util import start_daemon, stop_daemon  # noqa: E402
+from moecached import engine_llama  # noqa: E402
+from moecached.index import open_index  # noqa: E402
+from moecached.synth_runnable import write_runnable  # noqa: E402
+
+PROMPT = ("Mixture-of-experts models keep most of their weights in routed experts; a shared "
+          "daemon caches them for every engine on the machine.")
+
+
+def find_bin(arg):
+    if arg:
+        return Path(arg)
+    b = engine_llama.llama_bin()
+    if b is None:
+        sys.exit(f"benchmarks/engine.py: no patched llama.cpp: {engine_llama.BUILD_HINT}")
+    return b
+
+
+def run(bin_dir, model, dump, steps, threads, endpoint=None):
+    r = engine_llama.decode(bin_dir, model, str(dump), prompt=PROMPT, steps=steps, threads=threads, endpoint=endpoint)
+    if r.returncode != 0:
+        raise RuntimeError(f"mc-decode failed: {r.stderr[-1500:]}")
+    return engine_llama.parse_timing(r.stdout) | {"stats": engine_llama.parse_stats(r.stdout)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bin", help="directory of the patched build's binaries")
+    ap.add_argument("--model", help="a runnable MoE GGUF (default: write one)")
+    ap.add_argument("--blocks", type=int, default=2)
+    ap.add_argument("--quant", default="q8_0")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cached", default="1.0,0.75,0.5,0.25", help="cached fractions of all experts")
+    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "engine.json"))
+    a = ap.parse_args(argv)
+    bin_dir = find_bin(a.bin)
+    fracs = [float(x) for x in a.cached.split(",")]
+    with tempfile.TemporaryDirectory(prefix="moecache-engine-") as td:
+        td = Path(td)
+        model = a.model
+        if not model:
+            model = str(td / "model.gguf")
+            q = str(bin_dir / "llama-quantize") if a.quant.lower() not in ("f32", "q8_0") else None
+            write_runnable(model, geometry="qwen3-30b-a3b", blocks=a.blocks, quant=a.quant, quantize_bin=q)
+        idx = open_index(model).to_json()
+        n_all = len(idx["expert_layers"]) * idx["n_experts"]
+        daemons = {}
+        try:
+            for f in fracs:
+                sock = str(td / f"d{f}.sock")
+                slots = max(int(round(f * n_all)), idx["top_k"] * len(idx["size_classes"]) * 2)
+                daemons[f] = (start_daemon(model, sock, "--slots", str(slots)), f"ipc://{sock}", slots)
+            rows = {"resident": []} | {f: [] for f in fracs}
+            wrong = []
+            for rnd in range(a.rounds + 1):
+                ref = td / "ref.bin"
+                r0 = run(bin_dir, model, ref, a.steps, a.threads)
+                res = {"resident": r0}
+                for f in fracs:
+                    out = td / f"out{f}.bin"
+                    res[f] = run(bin_dir, model, out, a.steps, a.threads, daemons[f][1])
+                    if not filecmp.cmp(ref, out, shallow=False):
+                        wrong.append((rnd, f))
+                if rnd == 0:
+                    continue   # warm-up: page cache, the 100 % daemon's arena filled
+                for k, v in res.items():
+                    rows[k].append(v)
+                print(f"round {rnd}: resident {r0['decode_tps']:.1f} tok/s; " +
+                      ", ".join(f"{int(f*100)}% {res[f]['decode_tps']:.1f}" for f in fracs), file=sys.stderr)
+        finally:
+            for p, _, _ in daemons.values():
+                stop_daemon(p)
+    med = lambda xs: statistics.median(xs)
+    base_d = med([r["decode_tps"] for r in rows["resident"]])
+    base_p = med([r["prompt_tps"] for r in rows["resident"]])
+    table = []
+    for k in ["resident"] + fracs:
+        d = med([r["decode_tps"] for r in rows[k]])
+        p = med([r["prompt_tps"] for r in rows[k]])
+        ratios = [x["decode_tps"] / y["decode_tps"] for x, y in zip(rows[k], rows["resident"])]
+        table.append({"run": k if k == "resident" else f"{int(k * 100)}% cached",
+                      "slots": None if k == "resident" else daemons[k][2],
+                      "decode_tps": d, "decode_ratio": d / base_d, "paired_ratio_median": med(ratios),
+                      "prompt_tps": p, "prompt_ratio": p / base_p,
+                      "last_stats": rows[k][-1]["stats"]})
+    print(f"\nmodel {os.path.basename(model)}: {len(idx['expert_layers'])} MoE blocks x {idx['n_experts']} experts, "
+          f"top-{idx['top_k']}, {a.steps} steps, prompt {len(PROMPT)} bytes, {a.threads} threads, {a.rounds} rounds")
+    print("| run | slots | decode tok/s | vs resident | paired median | prompt tok/s | vs resident |")
+    print("|---|---|---|---|---|---|---|")
+    for t in table:
+        print(f"| {t['run']} | {t['slots'] or '-'} | {t['decode_tps']:.2f} | {t['decode_ratio']:.3f} | "
+              f"{t['paired_ratio_median']:.3f} | {t['prompt_tps']:.1f} | {t['prompt_ratio']:.3f} |")
+    print(f"logits bit-identical to the resident run: {'all runs' if not wrong else f'NO: {wrong}'}")
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps({"model": idx["arch"], "blocks": len(idx["expert_layers"]),
+                                        "experts": idx["n_experts"], "top_k": idx["top_k"], "steps": a.steps,
+                                        "threads": a.threads, "rounds": a.rounds, "table": table,
+                                        "wrong": wrong, "time": time.time()}, indent=1))
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

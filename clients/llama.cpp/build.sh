@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Build llama.cpp with the moecached patch (experts served by the daemon).
+#
+#   clients/llama.cpp/build.sh [--cache DIR] [--backend cpu|vulkan|cuda] [--jobs N] [--tools]
+#
+# The llama.cpp tree is the one vendored by the llama-cpp-python sdist (pinned version and
+# sha256 below). Everything goes under DIR (default $MOECACHED_LLAMA_CACHE, else
+# $HOME/.cache/moecached-llama), never inside the clone:
+#   DIR/dl/            the sdist (pip download; or put the file there yourself)
+#   DIR/src/           the extracted tree with the patch applied (redone when the patch changes)
+#   DIR/build-BACKEND/ the CMake build, reused (incremental) on the next run
+#   DIR/bin -> DIR/build-BACKEND/bin
+# Targets: mc-decode (the checking/benchmark driver) and llama-quantize; --tools adds
+# llama-completion and llama-cli (which take --moecached ENDPOINT).
+# The last line printed is the bin directory.
+set -euo pipefail
+
+PIN_VERSION=0.3.36
+PIN_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+SDIST=llama_cpp_python-${PIN_VERSION}.tar.gz
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+CACHE=${MOECACHED_LLAMA_CACHE:-$HOME/.cache/moecached-llama}
+BACKEND=cpu
+JOBS=$(( $(nproc 2>/dev/null || echo 2) ))
+TOOLS=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --cache) CACHE=$2; shift 2 ;;
+        --backend) BACKEND=$2; shift 2 ;;
+        --jobs|-j) JOBS=$2; shift 2 ;;
+        --tools) TOOLS=1; shift ;;
+        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        *) echo "build.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+case "$BACKEND" in
+    cpu) CMAKE_BACKEND=() ;;
+    vulkan) CMAKE_BACKEND=(-DGGML_VULKAN=ON) ;;
+    cuda) CMAKE_BACKEND=(-DGGML_CUDA=ON) ;;
+    *) echo "build.sh: --backend $BACKEND: expected cpu, vulkan or cuda" >&2; exit 2 ;;
+esac
+mkdir -p "$CACHE"
+CACHE=$(cd "$CACHE" && pwd)
+case "$CACHE/" in
+    "$ROOT"/*) echo "build.sh: --cache $CACHE is inside the clone ($ROOT); give a directory outside it" >&2; exit 2 ;;
+esac
+for tool in cmake make cc c++ tar sha256sum patch; do
+    command -v "$tool" >/dev/null || { echo "build.sh: $tool not found; install it" >&2; exit 2; }
+done
+
+# 1. the pinned sdist
+mkdir -p "$CACHE/dl"
+if [ ! -f "$CACHE/dl/$SDIST" ]; then
+    echo "build.sh: downloading llama-cpp-python==$PIN_VERSION (sdist, ~77 MB) into $CACHE/dl" >&2
+    python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$PIN_VERSION" -d "$CACHE/dl" >&2
+fi
+got=$(sha256sum "$CACHE/dl/$SDIST" | cut -d' ' -f1)
+if [ "$got" != "$PIN_SHA256" ]; then
+    echo "build.sh: $CACHE/dl/$SDIST: sha256 $got, expected $PIN_SHA256; delete the file and run again" >&2
+    exit 1
+fi
+
+# 2. the patched tree: re-extracted whenever the patch or the driver changes (the archive's
+#    mtimes are kept, so the next build only recompiles what the patch touches)
+KEY=$(cat "$HERE/patch/moecached.patch" "$HERE/driver/mc-decode.cpp" "$HERE/driver/CMakeLists.txt" | sha256sum | cut -c1-12)
+SRC="$CACHE/src"
+if [ "$(cat "$SRC/.moecached-patch" 2>/dev/null)" != "$KEY" ]; then
+    rm -rf "$SRC" "$SRC.tmp"
+    mkdir -p "$SRC.tmp"
+    tar -xzf "$CACHE/dl/$SDIST" -C "$SRC.tmp" --strip-components=3 "llama_cpp_python-$PIN_VERSION/vendor/llama.cpp"
+    rm -f "$SRC.tmp/.git"
+    (cd "$SRC.tmp" && patch -p1 --quiet --forward < "$HERE/patch/moecached.patch") \
+        || { echo "build.sh: patch/moecached.patch does not apply to llama-cpp-python $PIN_VERSION" >&2; exit 1; }
+    mkdir -p "$SRC.tmp/examples/mc-decode"
+    cp "$HERE/driver/mc-decode.cpp" "$HERE/driver/CMakeLists.txt" "$SRC.tmp/examples/mc-decode/"
+    echo "$KEY" > "$SRC.tmp/.moecached-patch"
+    mv "$SRC.tmp" "$SRC"
+fi
+
+# 3. libmoecache (a copy under the cache, so the build does not depend on the clone's path)
+MC="$CACHE/moecache-c"
+make -s -C "$ROOT/clients/c" B="$MC/build" "$MC/build/libmoecache.a" >&2
+mkdir -p "$MC/include"
+cp "$ROOT/clients/c/include/moecache.h" "$ROOT/clients/c/include/moecache_shm.h" "$MC/include/"
+
+# 4. CMake build (reused)
+BUILD="$CACHE/build-$BACKEND"
+if [ -f "$BUILD/CMakeCache.txt" ] && ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$SRC" "$BUILD/CMakeCache.txt"; then
+    rm -rf "$BUILD"   # configured for another source tree
+fi
+TARGETS=(mc-decode llama-quantize)
+[ "$TOOLS" = 1 ] && TARGETS+=(llama-completion llama-cli)
+cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    -DLLAMA_MOECACHED_DIR="$MC" "${CMAKE_BACKEND[@]}" >"$CACHE/cmake-$BACKEND.log" 2>&1 \
+    || { echo "build.sh: cmake configure failed; see $CACHE/cmake-$BACKEND.log" >&2; exit 1; }
+cmake --build "$BUILD" -j "$JOBS" --target "${TARGETS[@]}" >"$CACHE/build-$BACKEND.log" 2>&1 \
+    || { tail -20 "$CACHE/build-$BACKEND.log" >&2; echo "build.sh: build failed; see $CACHE/build-$BACKEND.log" >&2; exit 1; }
+ln -sfn "$BUILD/bin" "$CACHE/bin"
+echo "$BUILD/bin"

@@ -1,0 +1,127 @@
+// mc-decode: greedy decode with llama.cpp, dumping every logits row, for checking a decode
+// through moecached against the resident model (bit-identical) and for timing both.
+//
+//   mc-decode -m MODEL [--moecached ENDPOINT] [-p PROMPT] [-n STEPS] [-t THREADS]
+//             [--ubatch N] [--dump FILE] [--step-delay-ms MS] [--retries N] [--rounds N]
+//
+// Prints one line per step ("step I token T") and a final "timing" line:
+//   timing prompt_tokens=P prompt_s=S decode_tokens=N decode_s=S
+// --dump writes the float32 logits of the prompt's last token and of each step, in order.
+// A decode that fails on the daemon's side (restart, invalid lease) prints
+//   "moecached error: ..." and is retried up to --retries times (default 0: exit 3).
+// Expert tensors are never repacked (use_extra_bufts = false), with and without --moecached,
+// so both runs use the same kernels over the same bytes.
+#include "llama.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+static double now_s() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+int main(int argc, char ** argv) {
+    std::string model_path, endpoint, prompt = "The quick brown fox jumps over the lazy dog.", dump;
+    int n_steps = 32, n_threads = 2, n_ubatch = 512, delay_ms = 0, retries = 0, rounds = 1;
+    for (int i = 1; i < argc; ++i) {
+        std::string a = argv[i];
+        auto next = [&]() -> const char * {
+            if (i + 1 >= argc) { fprintf(stderr, "mc-decode: %s needs a value\n", a.c_str()); exit(2); }
+            return argv[++i];
+        };
+        if (a == "-m") model_path = next();
+        else if (a == "--moecached") endpoint = next();
+        else if (a == "-p") prompt = next();
+        else if (a == "-n") n_steps = atoi(next());
+        else if (a == "-t") n_threads = atoi(next());
+        else if (a == "--ubatch") n_ubatch = atoi(next());
+        else if (a == "--dump") dump = next();
+        else if (a == "--step-delay-ms") delay_ms = atoi(next());
+        else if (a == "--retries") retries = atoi(next());
+        else if (a == "--rounds") rounds = atoi(next());
+        else { fprintf(stderr, "mc-decode: unknown argument %s\n", a.c_str()); return 2; }
+    }
+    if (model_path.empty()) { fprintf(stderr, "mc-decode: -m MODEL is required\n"); return 2; }
+
+    llama_log_set([](ggml_log_level level, const char * text, void *) {
+        if (level >= GGML_LOG_LEVEL_WARN || strstr(text, "moecached")) fputs(text, stderr);
+    }, nullptr);
+    llama_backend_init();
+    if (!endpoint.empty() && llama_moecached_set_endpoint(endpoint.c_str()) != 0) {
+        fprintf(stderr, "mc-decode: this llama.cpp has no libmoecache\n");
+        return 2;
+    }
+    llama_model_params mp = llama_model_default_params();
+    mp.use_extra_bufts = false;
+    llama_model * model = llama_model_load_from_file(model_path.c_str(), mp);
+    if (!model) { fprintf(stderr, "mc-decode: cannot load %s\n", model_path.c_str()); return 1; }
+    const llama_vocab * vocab = llama_model_get_vocab(model);
+    const int n_vocab = llama_vocab_n_tokens(vocab);
+
+    const int n_prompt = -llama_tokenize(vocab, prompt.c_str(), prompt.size(), NULL, 0, true, true);
+    std::vector<llama_token> toks(n_prompt);
+    llama_tokenize(vocab, prompt.c_str(), prompt.size(), toks.data(), toks.size(), true, true);
+
+    FILE * fd = dump.empty() ? nullptr : fopen(dump.c_str(), "wb");
+    if (!dump.empty() && !fd) { fprintf(stderr, "mc-decode: cannot write %s\n", dump.c_str()); return 1; }
+
+    double t_prompt = 0, t_decode = 0;
+    int n_decoded = 0;
+    for (int round = 0; round < rounds; ++round) {
+        llama_context_params cp = llama_context_default_params();
+        cp.n_ctx = n_prompt + n_steps + 8;
+        cp.n_batch = n_prompt;
+        cp.n_ubatch = std::min(n_ubatch, n_prompt);
+        cp.n_threads = n_threads;
+        cp.n_threads_batch = n_threads;
+        cp.no_perf = true;
+        llama_context * ctx = llama_init_from_model(model, cp);
+        if (!ctx) { fprintf(stderr, "mc-decode: cannot create a context\n"); return 1; }
+
+        auto decode = [&](llama_batch b) -> bool {
+            for (int attempt = 0;; ++attempt) {
+                const int rc = llama_decode(ctx, b);
+                if (rc == 0) return true;
+                const char * e = llama_moecached_error();
+                fprintf(stderr, "moecached error: %s (llama_decode returned %d)\n", e ? e : "none", rc);
+                if (!e || attempt >= retries) return false;
+                std::this_thread::sleep_for(std::chrono::milliseconds(500));
+            }
+        };
+        auto emit = [&](int step, const float * logits) -> llama_token {
+            llama_token best = 0;
+            for (int v = 1; v < n_vocab; ++v) if (logits[v] > logits[best]) best = v;
+            if (fd && round == 0) fwrite(logits, sizeof(float), n_vocab, fd);
+            if (round == 0) printf("step %d token %d\n", step, best);
+            return best;
+        };
+
+        double t0 = now_s();
+        if (!decode(llama_batch_get_one(toks.data(), n_prompt))) return 3;
+        t_prompt += now_s() - t0;
+        llama_token tok = emit(0, llama_get_logits_ith(ctx, -1));
+        for (int s = 1; s <= n_steps; ++s) {
+            if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+            t0 = now_s();
+            if (!decode(llama_batch_get_one(&tok, 1))) return 3;
+            t_decode += now_s() - t0;
+            n_decoded++;
+            tok = emit(s, llama_get_logits_ith(ctx, -1));
+        }
+        llama_free(ctx);
+    }
+    if (fd) fclose(fd);
+    char st[256];
+    llama_moecached_stats(st, sizeof st);
+    printf("timing prompt_tokens=%d prompt_s=%.6f decode_tokens=%d decode_s=%.6f rounds=%d\n",
+           n_prompt * rounds, t_prompt, n_decoded, t_decode, rounds);
+    printf("moecached %s\n", endpoint.empty() ? "off" : st);
+    fflush(stdout);
+    llama_model_free(model);
+    return 0;
+}

@@ -1,0 +1,210 @@
+"""llama.cpp decoding through moecached: logits bit-identical to the resident model.
+
+Needs the patched llama.cpp (clients/llama.cpp/build.sh); skipped with one line when it is
+not built. The driver (mc-decode) dumps the float32 logits of the prompt's last token and of
+every greedy step; a run through the daemon must write the same bytes as the resident run.
+"""
+from __future__ import annotations
+
+import filecmp
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from daemon_util import start_daemon, stop_daemon
+from moecached import engine_llama
+from moecached.index import open_index
+from moecached.synth_runnable import write_runnable
+
+BIN = engine_llama.llama_bin()
+pytestmark = pytest.mark.skipif(BIN is None, reason="patched llama.cpp not built: run clients/llama.cpp/build.sh "
+                                                    "(or set MOECACHED_LLAMA_BIN to its bin directory)")
+PROMPT = "Experts in shared memory, served to every engine."
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama-models")
+    out = {
+        "f32": write_runnable(str(d / "f32.gguf"), blocks=2, experts=16, top_k=4, quant="f32", seed=1),
+        "q8_0": write_runnable(str(d / "q8.gguf"), blocks=3, experts=16, top_k=4, quant="q8_0", seed=2),
+    }
+    q = BIN / "llama-quantize"
+    if q.exists():
+        out["q4_k_m"] = write_runnable(str(d / "q4km.gguf"), blocks=4, experts=16, top_k=4, hidden=256,
+                                       expert_ff=256, quant="Q4_K_M", quantize_bin=str(q), seed=3)
+    return out
+
+
+def decode(model, dump, *extra, endpoint=None, check=True, timeout=300):
+    r = engine_llama.decode(BIN, model, str(dump), prompt=PROMPT, steps=STEPS, endpoint=endpoint,
+                            extra=extra, timeout=timeout)
+    if check:
+        assert r.returncode == 0, f"mc-decode failed ({r.returncode}): {r.stderr[-2000:]}"
+    return r
+
+
+def stats_of(r) -> dict:
+    st = engine_llama.parse_stats(r.stdout)
+    assert st, r.stdout
+    return st
+
+
+@pytest.fixture(scope="module")
+def reference(models, tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama-ref")
+    ref = {}
+    for name, path in models.items():
+        dump = d / f"{name}.bin"
+        r = decode(path, dump)
+        toks = re.findall(r"^step \d+ token (\d+)$", r.stdout, re.M)
+        assert len(toks) == STEPS + 1
+        assert len(set(toks)) > 1, f"{name}: greedy decode is degenerate ({toks[:5]}...)"
+        ref[name] = dump
+    return ref
+
+
+def test_runnable_model_is_indexed(models):
+    idx = open_index(models["q8_0"]).to_json()
+    assert idx["arch"] == "qwen3moe" and idx["n_experts"] == 16 and idx["top_k"] == 4
+    assert idx["expert_layers"] == [0, 1, 2]
+    if "q4_k_m" in models:
+        # Q4_K_M keeps some down projections at Q6_K: two size classes
+        assert len(open_index(models["q4_k_m"]).to_json()["size_classes"]) == 2
+
+
+@pytest.mark.parametrize("quant", ["f32", "q8_0", "q4_k_m"])
+@pytest.mark.parametrize("budget", ["all", "half", "tight"])
+def test_daemon_served_logits_are_bit_identical(models, reference, tmp_path, quant, budget):
+    if quant not in models:
+        pytest.skip("no llama-quantize in the build")
+    idx = open_index(models[quant]).to_json()
+    n_blocks, n_exp, k = len(idx["expert_layers"]), idx["n_experts"], idx["top_k"]
+    n_classes = len(idx["size_classes"])
+    slots = {"all": n_blocks * n_exp, "half": n_blocks * n_exp // 2, "tight": (k + 2) * n_classes}[budget]
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(models[quant], sock, "--slots", str(slots))
+    try:
+        r = decode(models[quant], tmp_path / "out.bin", endpoint=f"ipc://{sock}")
+    finally:
+        log = stop_daemon(p)
+    assert filecmp.cmp(reference[quant], tmp_path / "out.bin", shallow=False), \
+        f"{quant}/{budget}: logits differ from the resident run\n{r.stdout[-1500:]}\n{log[-1500:]}"
+    st = stats_of(r)
+    assert st["acquires"] >= n_blocks * STEPS
+    if budget == "tight":
+        assert st["misses"] > 2 * n_blocks * k, st          # experts evicted and read again
+        assert st["waves"] > 0, st                          # the prompt ran in waves
+    if budget == "all":
+        assert st["misses"] <= n_blocks * n_exp, st         # each expert read at most once
+
+
+def test_two_engines_through_one_daemon(models, reference, tmp_path):
+    quant = "q8_0"
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(models[quant], sock, "--slots", "20", "--on-pressure", "wait")
+    results = {}
+    try:
+        def run(i):
+            results[i] = decode(models[quant], tmp_path / f"out{i}.bin", endpoint=f"ipc://{sock}")
+        ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    finally:
+        stop_daemon(p)
+    for i in range(2):
+        assert i in results
+        assert filecmp.cmp(reference[quant], tmp_path / f"out{i}.bin", shallow=False), f"engine {i}: logits differ"
+        assert stats_of(results[i])["misses"] > 0
+
+
+def test_daemon_restart_mid_decode_is_an_error_or_a_correct_continuation(models, reference, tmp_path):
+    quant = "f32"
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(models[quant], sock, "--slots", "12")
+    cmd = [str(BIN / "mc-decode"), "-m", models[quant], "-p", PROMPT, "-n", str(STEPS), "-t", "2",
+           "--dump", str(tmp_path / "out.bin"), "--moecached", f"ipc://{sock}",
+           "--step-delay-ms", "50", "--retries", "40"]
+    eng = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p2 = None
+    try:
+        time.sleep(1.0)
+        assert eng.poll() is None, "the engine finished before the restart: make the decode longer"
+        stop_daemon(p)
+        p2 = start_daemon(models[quant], sock, "--slots", "12")
+        out, err = eng.communicate(timeout=300)
+    finally:
+        if eng.poll() is None:
+            eng.kill()
+        if p2:
+            stop_daemon(p2)
+    if eng.returncode == 0:
+        # a correct continuation: every logits row equals the resident run's
+        assert filecmp.cmp(reference[quant], tmp_path / "out.bin", shallow=False), "wrong logits after a restart"
+        assert stats_of(subprocess.CompletedProcess([], 0, out, err))["restarts"] >= 1, out
+    else:
+        assert "moecached error:" in err, err[-2000:]
+        # whatever was written before the error matches the resident run
+        got = (tmp_path / "out.bin").read_bytes()
+        assert reference[quant].read_bytes().startswith(got)
+
+
+def test_daemon_crash_while_a_lease_is_held_discards_the_batch_and_continues(models, reference, tmp_path):
+    # every block keeps its lease 3 s (LLAMA_MOECACHED_HOLD_US, a slow compute); the daemon is
+    # killed meanwhile and a new one started (it zeroes the dead arena's epoch): the lease
+    # reads invalid, or the next acquire finds no daemon; llama_decode fails and rolls the batch
+    # back; the retry runs on the new daemon and the logits are still the resident run's
+    quant, steps = "f32", 2
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(models[quant], sock, "--slots", "32")
+    cmd = [str(BIN / "mc-decode"), "-m", models[quant], "-p", PROMPT, "-n", str(steps), "-t", "2",
+           "--dump", str(tmp_path / "out.bin"), "--moecached", f"ipc://{sock}", "--retries", "60"]
+    eng = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=dict(os.environ, LLAMA_MOECACHED_HOLD_US="3000000"))
+    p2 = None
+    try:
+        time.sleep(2.0)
+        assert eng.poll() is None, "the engine finished before the crash"
+        stop_daemon(p, sig=signal.SIGKILL)
+        p2 = start_daemon(models[quant], sock, "--slots", "32")
+        out, err = eng.communicate(timeout=600)
+    finally:
+        if eng.poll() is None:
+            eng.kill()
+        if p2:
+            stop_daemon(p2)
+    assert eng.returncode == 0, err[-2000:]
+    assert "moecached error:" in err, err[-2000:]          # a batch was discarded, then retried
+    row = (tmp_path / "out.bin").read_bytes()
+    assert len(row) > 0 and reference[quant].read_bytes().startswith(row), "wrong logits after a crash"
+    assert stats_of(subprocess.CompletedProcess([], 0, out, err))["restarts"] >= 1
+
+
+def test_refused_layout_mismatch_is_one_line(models, tmp_path):
+    # the daemon serves another model file: the engine refuses at start, naming the tensor
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(models["q8_0"], sock, "--slots", "48")
+    try:
+        r = decode(models["f32"], tmp_path / "out.bin", endpoint=f"ipc://{sock}", check=False)
+    finally:
+        stop_daemon(p)
+    assert r.returncode != 0
+    lines = [l for l in r.stderr.splitlines() if l.startswith("moecached:")]
+    assert lines and "ffn_" in lines[0] and "another model file" in lines[0], r.stderr[-2000:]
+
+
+def test_demo_engine_step_decodes_bit_identical(tmp_path):
+    import argparse
+    from moecached.demo import engine_step
+    lines = []
+    res = engine_step(argparse.Namespace(workdir=str(tmp_path), keep=False), lines.append)
+    assert res["built"] and res["identical"] and res["stats"]["misses"] > 0, res
+    assert len(lines) == 1 and "bit-identical" in lines[0]
