@@ -6,7 +6,7 @@
 # The llama.cpp tree is the one vendored by the llama-cpp-python sdist (pinned version and
 # sha256 below). Everything goes under DIR (default $MOECACHED_LLAMA_CACHE, else
 # $HOME/.cache/moecached-llama), never inside the clone:
-#   DIR/dl/            the sdist (pip download; or put the file there yourself)
+#   DIR/dl/            the sdist (from PyPI's simple index; or put the file there yourself)
 #   DIR/src/           the extracted tree with the patch applied (redone when the patch changes)
 #   DIR/build-BACKEND/ the CMake build, reused (incremental) on the next run
 #   DIR/bin -> DIR/build-BACKEND/bin
@@ -54,7 +54,19 @@ done
 mkdir -p "$CACHE/dl"
 if [ ! -f "$CACHE/dl/$SDIST" ]; then
     echo "build.sh: downloading llama-cpp-python==$PIN_VERSION (sdist, ~77 MB) into $CACHE/dl" >&2
-    python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$PIN_VERSION" -d "$CACHE/dl" >&2
+    # The file itself, found in PyPI's simple index (PEP 691 JSON): `pip download` of an sdist
+    # would first build its backend's dependencies from source (cmake among them).
+    python3 - "$SDIST" "$CACHE/dl" <<'PY' >&2
+import json, os, sys, urllib.request
+name, dest = sys.argv[1], sys.argv[2]
+index = os.environ.get("MOECACHED_PYPI_SIMPLE", "https://pypi.org/simple")
+req = urllib.request.Request(f"{index}/llama-cpp-python/",
+                             headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+files = json.load(urllib.request.urlopen(req, timeout=60))["files"]
+url = next(f["url"] for f in files if f["filename"] == name)
+urllib.request.urlretrieve(url, os.path.join(dest, name + ".part"))
+os.replace(os.path.join(dest, name + ".part"), os.path.join(dest, name))
+PY
 fi
 got=$(sha256sum "$CACHE/dl/$SDIST" | cut -d' ' -f1)
 if [ "$got" != "$PIN_SHA256" ]; then
