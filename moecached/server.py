@@ -105,7 +105,7 @@ def process_start_time(pid: int) -> int | None:
 def _pidfd_open(pid: int) -> int | None:
     try:
         return os.pidfd_open(pid)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, OverflowError):   # OverflowError: no pid_t holds it
         return None
 
 
