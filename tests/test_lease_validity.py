@@ -188,6 +188,67 @@ def test_released_lease_is_not_readable(model, tmp_path):
         stop_daemon(d)
 
 
+def test_lease_of_a_closed_client_is_not_readable(model, tmp_path):
+    """``close()`` says bye, and the daemon releases every lease of the client with it: those
+    leases no longer pin, so ``valid()`` is False and ``part()`` raises, as after release."""
+    sock = str(tmp_path / "d.sock")
+    d = start_daemon(model, sock, "--slots", "24")
+    try:
+        c = Client(f"ipc://{sock}")
+        L = c.expert_layers
+        lease = c.acquire(L[2], [0, 1])
+        assert bytes_ok(lease, L[2], [0, 1])
+        c.close()
+        with Client(f"ipc://{sock}") as other:
+            assert other.stats()["pinned"] == 0      # the bye released it
+        assert not lease.valid()
+        with pytest.raises(LeaseInvalid, match="closed"):
+            lease.part(0, "up")
+        lease.release()                              # still harmless
+    finally:
+        stop_daemon(d)
+
+
+def test_client_used_in_a_forked_child_fails_at_once(model, tmp_path):
+    """A ZeroMQ socket cannot be used across ``fork()``: a child that calls the parent's
+    Client gets a ClientError at once (it used to hang for ever in ``recv``), its
+    ``lease.release()`` does not touch the parent's lease, and ``close()`` returns."""
+    sock = str(tmp_path / "d.sock")
+    d = start_daemon(model, sock, "--slots", "24")
+    try:
+        c = Client(f"ipc://{sock}")
+        L = c.expert_layers
+        lease = c.acquire(L[1], [3, 4])
+        pid = os.fork()
+        if pid == 0:                      # the child: exit status says what happened
+            code = 3
+            try:
+                lease.release()
+                try:
+                    c.ping()
+                except moecache_client.ClientError as e:
+                    code = 0 if "fork" in str(e) else 4
+                c.close()
+            finally:
+                os._exit(code)
+        for _ in range(300):              # a child that hangs fails the test, not the suite
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child hung in the parent's Client")
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert lease.valid() and c.stats()["pinned"] == 2   # the parent's lease is untouched
+        assert bytes_ok(lease, L[1], [3, 4])
+        lease.release()
+        c.close()
+    finally:
+        stop_daemon(d)
+
+
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
 def test_lease_from_before_a_restart_is_not_readable(model, tmp_path, how):
     """After the daemon stops (cleanly or killed) and a new one starts, a lease of the old
