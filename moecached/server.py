@@ -137,9 +137,31 @@ def lock_endpoint(endpoint: str) -> int | None:
         os.close(fd)
         raise ServerError(f"endpoint {endpoint}: another moecached (pid {other}) is serving it; "
                           "stop it first or choose another --endpoint")
+    if _listening(ipc):
+        # the lock is ours only because someone removed the lock file of a live daemon
+        os.close(fd)
+        raise ServerError(f"endpoint {endpoint}: a process is listening on {ipc} although its lock "
+                          f"file {ipc}.lock was removed (another moecached?); stop it first or "
+                          "choose another --endpoint")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def _listening(path: str) -> bool:
+    """True when something accepts connections on the unix socket ``path`` (not a stale file)."""
+    import socket
+    if not os.path.exists(path):
+        return False
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
 
 
 def unlock_endpoint(endpoint: str, fd: int | None) -> None:

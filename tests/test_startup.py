@@ -253,6 +253,29 @@ def test_second_daemon_refuses_before_touching_an_arena(model, tmp_path):
     assert d.returncode == 0, out
 
 
+def test_second_daemon_refused_when_the_lock_file_was_removed(model, tmp_path):
+    """Someone removed the live daemon's ``<socket>.lock`` (a clean-up of /run, ``rm *.lock``):
+    a second daemon must still not take the endpoint. It used to take a fresh lock, remove the
+    live socket as "stale" and bind: two arenas, the first daemon unreachable for new clients."""
+    sock = str(tmp_path / "d.sock")
+    d = start_daemon(model, sock, "--slots", "16")
+    try:
+        os.unlink(sock + ".lock")
+        p = subprocess.run([sys.executable, "-P", "-m", "moecached.daemon", "--model", model,
+                            "--slots", "16", "--endpoint", f"ipc://{sock}", "--no-lock-memory",
+                            "--arena-dir", str(tmp_path)],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 1, p.stderr
+        err = [l for l in p.stderr.splitlines() if "ERROR" in l]
+        assert len(err) == 1 and "is listening on" in err[0] and sock in err[0], p.stderr
+        assert "indexing" not in p.stderr, p.stderr
+        with Client(f"ipc://{sock}") as c:      # new clients still reach the first daemon
+            assert c.status()["pid"] == d.pid
+    finally:
+        out = stop_daemon(d)
+    assert d.returncode == 0, out
+
+
 # -- the arena survives a client that unlinks it ---------------------------------------------
 
 def test_arena_opened_with_shared_memory_stays_reachable(model, tmp_path):
