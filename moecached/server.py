@@ -257,6 +257,7 @@ class Server:
         self.fast_path = True  # serve resident acquires / own noreply releases in Cython first
         self._on_hup = None
         self._lock_fd = None
+        self._bound = None     # (mode, gid) of the ipc socket file once bound
         self._endpoint_lock = endpoint_lock
         self._ipc = _ipc_path(endpoint)
         self.ctx = zmq.Context.instance()
@@ -292,19 +293,41 @@ class Server:
                 # We hold the lock, so whoever made this socket file is gone: a crash left it.
                 log.warning("removing stale socket %s left by a previous daemon", self._ipc)
                 os.unlink(self._ipc)
-            old = os.umask(0o777 & ~mode)
-            try:
-                self.sock.bind(self.endpoint)
-            finally:
-                os.umask(old)
-            os.chmod(self._ipc, mode)
-            if gid is not None:
-                os.chown(self._ipc, -1, gid)
+            self._bind_ipc(mode, gid)
         else:
             try:
                 self.sock.bind(self.endpoint)
             except zmq.ZMQError as e:
                 raise ServerError(f"endpoint {self.endpoint}: cannot bind: {e}")
+
+    def _bind_ipc(self, mode: int, gid: int | None) -> None:
+        old = os.umask(0o777 & ~mode)
+        try:
+            self.sock.bind(self.endpoint)
+        finally:
+            os.umask(old)
+        os.chmod(self._ipc, mode)
+        if gid is not None:
+            os.chown(self._ipc, -1, gid)
+        self._bound = (mode, gid)
+
+    def _check_socket_file(self) -> None:
+        """Bind the ipc path again when some process removed the socket file (connected
+        clients keep their connections; new ones could not reach the daemon otherwise)."""
+        if not self._ipc or self._bound is None or os.path.lexists(self._ipc):
+            return
+        log.warning("socket %s was removed by some process; bound it again (new clients could "
+                    "not connect meanwhile)", self._ipc)
+        self.counters["socket_rebinds"] += 1
+        try:
+            self.sock.unbind(self.endpoint)
+        except zmq.ZMQError:
+            pass
+        try:
+            self._bind_ipc(*self._bound)
+        except (zmq.ZMQError, OSError) as e:
+            log.error("cannot bind %s again: %s; restart the daemon", self.endpoint, e)
+            self._bound = None   # said once
 
     def stop(self) -> None:
         """Ask the loop to stop (thread- and signal-safe)."""
@@ -446,6 +469,7 @@ class Server:
                         next_hb = now + max(0.05, self.heartbeat_s / 4)
                     if now >= next_tick:
                         next_tick = now + self.tick_s
+                        self._check_socket_file()
                         if self.on_tick is not None:
                             try:
                                 self.on_tick(now)

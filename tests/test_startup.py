@@ -276,6 +276,34 @@ def test_second_daemon_refused_when_the_lock_file_was_removed(model, tmp_path):
     assert d.returncode == 0, out
 
 
+def test_removed_socket_file_is_bound_again(model, tmp_path):
+    """Someone removed the live daemon's socket file (``rm /run/moecached/*``): it used to go on
+    saying ``serving`` while no new client could reach it. It binds the path again at its next
+    tick (one warning, ``server.socket_rebinds``); connected clients never notice."""
+    sock = str(tmp_path / "d.sock")
+    d = start_daemon(model, sock, "--slots", "16")
+    try:
+        with Client(f"ipc://{sock}") as old:
+            os.unlink(sock)
+            deadline = time.time() + 15
+            while not os.path.exists(sock) and time.time() < deadline:
+                time.sleep(0.1)
+            assert os.path.exists(sock), "the daemon did not bind its removed socket again"
+            assert oct(os.stat(sock).st_mode & 0o777) == oct(0o660)
+            with Client(f"ipc://{sock}") as new:
+                assert new.status()["pid"] == d.pid
+                L = new.expert_layers[1]
+                with new.acquire(L, [2]) as lease:
+                    for part, view in lease.parts(2).items():
+                        assert verify_expert_bytes(view, L, part, 2) is None
+            st = old.stats()
+            assert st["server"]["socket_rebinds"] == 1
+    finally:
+        out = stop_daemon(d)
+    assert d.returncode == 0, out
+    assert len(re.findall(r"socket .* was removed", out)) == 1, out
+
+
 # -- the arena survives a client that unlinks it ---------------------------------------------
 
 def test_arena_opened_with_shared_memory_stays_reachable(model, tmp_path):
