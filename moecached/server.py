@@ -687,9 +687,16 @@ class Server:
         return self._send_frame(ident, delim, P.pack(msg))
 
     # ---- client lifetime --------------------------------------------------------------
-    def _drop_client(self, c: _Client, why: str) -> None:
-        for ticket in list(c.pending):
+    def _drop_client(self, c: _Client, why: str, tell: bool = False) -> None:
+        """Release ``c``'s leases and pending acquires and forget it. ``tell``: the client may
+        still be there (it was only silent): answer each pending acquire with an error rather
+        than leave it waiting for a reply that would never come."""
+        for ticket, rid in list(c.pending.items()):
             self.cache.cancel(ticket)
+            if tell:
+                self._send_error(c.ident, rid, P.E_TIMEOUT,
+                                 f"client {c.name} was {why} (heartbeat_s {self.heartbeat_s:g}): its "
+                                 "pending acquires and leases were released; ping while idle, retry")
         c.pending.clear()
         n = 0
         for lid in list(c.leases):
@@ -716,7 +723,7 @@ class Server:
                     self._drop_client(c, "process exited")
         for c in list(self.clients.values()):
             if c.pidfd is None and now - c.last_seen > self.heartbeat_s:
-                self._drop_client(c, f"silent for {now - c.last_seen:.1f}s")
+                self._drop_client(c, f"silent for {now - c.last_seen:.1f}s", tell=True)
 
     def _watch_client(self, c: _Client, pid, pid_start) -> None:
         """Watch ``c``'s process when it is local and its pid is verified by its start time."""

@@ -168,6 +168,35 @@ def test_unwatched_client_is_revoked_and_knows(model, tmp_path, monkeypatch):
         stop_daemon(d)
 
 
+def test_silent_client_is_told_its_pending_acquire_was_dropped(model, tmp_path, monkeypatch):
+    """An unwatched client silent past the heartbeat while its acquire waits (for a slot here;
+    a SIGSTOP, a GC pause) is dropped with its pending acquire: that acquire must be answered
+    with an error, not left without a reply (a client waiting with timeout=None hung for ever)."""
+    sock = str(tmp_path / "d.sock")
+    d = start_daemon(model, sock, "--slots", "24", "--heartbeat", "1", "--on-pressure", "wait",
+                     "--pressure-timeout", "60")
+    try:
+        with Client(f"ipc://{sock}", name="pinner") as b:
+            cls = b.info["arena"]["classes"][0]
+            n, layer = cls["n_slots"], cls["layers"][0]
+            assert n < 16
+            held = b.acquire(layer, list(range(n)))          # every slot of the class pinned
+            monkeypatch.setattr(moecache_client, "_own_start_time", lambda: None)
+            a = Client(f"ipc://{sock}", name="silent", heartbeat_s=100)   # never pings
+            assert a.info["lease_watch"] == "heartbeat"
+            fut = a.acquire_async(layer, [15])
+            with pytest.raises(moecache_client.ServerError) as ei:
+                fut.result(20)
+            assert ei.value.code == "timeout" and "silent" in str(ei.value), ei.value
+            assert any(x["name"] == "silent" and x["left"].startswith("silent")
+                       for x in b.stats()["departed_clients"])
+            held.release()
+            a.acquire(layer, [15]).release()                 # it can go on (hello-less is fine)
+            a.close()
+    finally:
+        stop_daemon(d)
+
+
 def test_released_lease_is_not_readable(model, tmp_path):
     sock = str(tmp_path / "d.sock")
     d = start_daemon(model, sock, "--slots", "24")
