@@ -319,11 +319,7 @@ class Server:
         log.warning("socket %s was removed by some process; bound it again (new clients could "
                     "not connect meanwhile)", self._ipc)
         self.counters["socket_rebinds"] += 1
-        try:
-            self.sock.unbind(self.endpoint)
-        except zmq.ZMQError:
-            pass
-        try:
+        try:   # a second bind (no unbind: that would drop every connection accepted on it)
             self._bind_ipc(*self._bound)
         except (zmq.ZMQError, OSError) as e:
             log.error("cannot bind %s again: %s; restart the daemon", self.endpoint, e)

@@ -283,7 +283,8 @@ def test_removed_socket_file_is_bound_again(model, tmp_path):
     sock = str(tmp_path / "d.sock")
     d = start_daemon(model, sock, "--slots", "16")
     try:
-        with Client(f"ipc://{sock}") as old:
+        with Client(f"ipc://{sock}", name="old") as old:
+            held = old.acquire(old.expert_layers[0], [1])
             os.unlink(sock)
             deadline = time.time() + 15
             while not os.path.exists(sock) and time.time() < deadline:
@@ -296,8 +297,12 @@ def test_removed_socket_file_is_bound_again(model, tmp_path):
                 with new.acquire(L, [2]) as lease:
                     for part, view in lease.parts(2).items():
                         assert verify_expert_bytes(view, L, part, 2) is None
-            st = old.stats()
+            st = old.stats()     # the old connection was never dropped: same session, lease held
             assert st["server"]["socket_rebinds"] == 1
+            assert held.valid() and st["pinned"] == 1
+            # one connection of "old" (a dropped one would have come back as a second client)
+            assert sum(x["name"].split("#")[0] == "old" for x in st["clients"]) == 1, st["clients"]
+            held.release()
     finally:
         out = stop_daemon(d)
     assert d.returncode == 0, out
