@@ -631,7 +631,8 @@ def remove_stale_arenas(dir: str = "/dev/shm", log=None) -> list[str]:
     and its private ``.moecached-*`` (:class:`Arena`); both go, and a private name whose public
     one a client unlinked goes too. Returns one path per arena removed (its public name, or the
     private one when that was all that was left); files that cannot be opened or locked are
-    left alone, and so are files that are not ours (no arena or pin-file magic and not an
+    left alone, and so are empty ones (a daemon between creating and locking its arena: it
+    holds no memory), and so are files that are not ours (no arena or pin-file magic and not an
     arena name of older versions) whatever their names. One log line per arena.
     """
     removed = []
@@ -655,6 +656,8 @@ def remove_stale_arenas(dir: str = "/dev/shm", log=None) -> list[str]:
             magic = os.pread(fd, 8, 0)
             if magic not in (CONTROL_MAGIC, PIN_MAGIC) and not _OLD_ARENA_NAME.fullmatch(name):
                 continue  # not a file of ours, whatever its name says
+            if st.st_size == 0:
+                continue  # a daemon created it and locks it next (nothing reserved yet)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:

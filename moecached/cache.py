@@ -276,12 +276,13 @@ class ExpertCache:
             self._file_names = files
             sizes = getattr(index, "file_sizes", None)
             mtimes = getattr(index, "file_mtimes_ns", None)
+            ident = getattr(index, "file_identity", None) or None
             if not sizes or not mtimes:  # duck-typed index: what the files are now
                 sts = [os.stat(f) for f in files]
                 sizes, mtimes = [st.st_size for st in sts], [st.st_mtime_ns for st in sts]
             self.readers = ReaderPool(files, threads=readers, chunk_bytes=chunk_bytes,
                                       direct=direct_io, file_sizes=sizes, file_mtimes_ns=mtimes,
-                                      log=self.log)
+                                      file_identity=ident, log=self.log)
         except BaseException:
             self.arena.close(unlink=True)
             raise

@@ -201,7 +201,8 @@ class ExpertIndex:
     """Index of a model's routed experts (see module docstring).
 
     Attributes: ``files`` (absolute paths, shard order), ``file_sizes`` (bytes),
-    ``file_mtimes_ns``, ``arch``, ``alignment``, ``n_layers`` (block_count),
+    ``file_mtimes_ns``, ``file_identity`` (``(ctime_ns, dev, ino)`` of each file as indexed:
+    the readers compare with it, so a change before they open the files is seen), ``arch``, ``alignment``, ``n_layers`` (block_count),
     ``expert_layers`` (ascending block numbers with routed experts), ``n_experts``, ``top_k``
     (0 when the file does not say), ``n_shared_experts``, ``size_classes``, ``layer_class``
     (block -> size class id), ``routed_expert_bytes`` (all routed-expert bytes: sum over expert
@@ -213,6 +214,7 @@ class ExpertIndex:
         self.files: list[str] = []
         self.file_sizes: list[int] = []
         self.file_mtimes_ns: list[int] = []
+        self.file_identity: list[tuple[int, int, int]] = []   # (ctime_ns, dev, ino) per file
         self.arch = ""
         self.alignment = 32
         self.n_layers = 0
@@ -358,14 +360,19 @@ def open_index(path: str) -> ExpertIndex:
     tensors or with ``{arch}.expert_count``, and files without routed experts.
     """
     files, count, prefix = _resolve_set(path)
-    readers = [_read_header(f) for f in files]
-    first = files[0]
     idx = ExpertIndex()
-    for f in files:
-        st = os.stat(f)
+    for f in files:   # before the headers are read: a change after this is a change
+        try:
+            st = os.stat(f)
+        except OSError:
+            _read_header(f)   # raises the one-line refusal (no such file, permissions)
+            raise
         idx.files.append(f)
         idx.file_sizes.append(st.st_size)
         idx.file_mtimes_ns.append(st.st_mtime_ns)
+        idx.file_identity.append((st.st_ctime_ns, st.st_dev, st.st_ino))
+    readers = [_read_header(f) for f in files]
+    first = files[0]
 
     # split-set consistency
     if count is None:

@@ -43,7 +43,8 @@ GAUGES = {
     "pinned": ("pinned_slots", "slots pinned by open leases now"),
     "uptime_s": ("uptime_seconds", "seconds since the daemon started"),
 }
-SERVER_COUNTERS = ("requests", "errors", "malformed", "undeliverable", "clients_dropped", "rate_limited")
+SERVER_COUNTERS = ("requests", "errors", "malformed", "undeliverable", "clients_dropped", "rate_limited",
+                   "socket_rebinds")
 CLASS_GAUGES = ("slots", "slots_max", "used", "pinned", "loading", "free")
 CLASS_COUNTERS = LAYER_COUNTERS = ("hits", "demand_misses", "prefetch_hits", "reads")
 CLIENT_COUNTERS = ("requests", "acquires", "hits", "prefetch_hits", "demand_misses", "prefetches",
@@ -83,7 +84,7 @@ class StatsCollector:
       ``prefetches_dropped``, ``wasted_prefetches``, ``evictions``, ``read_bytes``, ``reads``,
       ``read_errors``, ``acquires_queued``, ``leases`` (granted), ``budget_shrinks``,
       ``budget_grows``, ``server_{requests,errors,malformed,undeliverable,clients_dropped,
-      rate_limited}``,
+      rate_limited,socket_rebinds}``,
       ``reader_chunk_reads``, ``reader_jobs``; shared-memory hit path: ``fast_hits``,
       ``fast_ring_drops``, ``fast_ring_resets``, ``fast_pins_ignored``, ``fast_evictions_held``.
     * gauges: ``reads_in_flight``, ``prefetch_loads_in_flight``, ``leases_open``,

@@ -109,9 +109,10 @@ class ReaderPool:
 
     ``files``: absolute paths, indexed by ``file_id`` in reads. ``threads``: reader threads.
     ``chunk_bytes``: largest chunk (bytes, >= 4096). ``direct``: try O_DIRECT (False: buffered
-    reads + DONTNEED). ``file_sizes`` / ``file_mtimes_ns``: what the index saw (default: what
-    fstat sees at open); a difference at open raises :class:`ReadError`. Later, a file whose
-    size, mtime, ctime (taken at open) or inode differs is *changed*: checked before a job's
+    reads + DONTNEED). ``file_sizes`` / ``file_mtimes_ns`` / ``file_identity`` (``(ctime_ns,
+    dev, ino)`` per file): what the index saw (default: what fstat sees at open); a difference
+    at open raises :class:`ReadError`. Later, a file whose size, mtime, ctime or inode differs
+    is *changed*: checked before a job's
     first chunk is read and after its last, and by :meth:`recheck` (the daemon calls it on an
     inotify event). The first change found is kept in :attr:`model_changed` (logged once, then
     ``on_change(message)`` is called); from then on every load fails with :class:`ModelChanged`
@@ -129,7 +130,8 @@ class ReaderPool:
     """
 
     def __init__(self, files: list[str], *, threads: int = 16, chunk_bytes: int = 256 * 1024,
-                 direct: bool = True, file_sizes=None, file_mtimes_ns=None, log=None,
+                 direct: bool = True, file_sizes=None, file_mtimes_ns=None, file_identity=None,
+                 log=None,
                  batch: int = 4, on_change=None, prefetch_chunks: int | None = None,
                  prefetch_with_demand: int | None = None):
         if threads < 1 or chunk_bytes < 4096:
@@ -155,7 +157,9 @@ class ReaderPool:
                 st = os.fstat(fd)
                 size = int(file_sizes[i]) if file_sizes is not None else st.st_size
                 mt = int(file_mtimes_ns[i]) if file_mtimes_ns is not None else st.st_mtime_ns
-                self._expect.append((size, mt, st.st_ctime_ns, st.st_dev, st.st_ino))
+                ct, dev, ino = (file_identity[i] if file_identity is not None
+                                else (st.st_ctime_ns, st.st_dev, st.st_ino))
+                self._expect.append((size, mt, int(ct), int(dev), int(ino)))
             self.check_files()
         except BaseException:
             for fd in self._fds:

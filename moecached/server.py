@@ -140,7 +140,7 @@ def _client_uid(pid) -> int | None:
 def _pidfd_open(pid: int) -> int | None:
     try:
         return os.pidfd_open(pid)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, OverflowError):   # OverflowError: no pid_t holds it
         return None
 
 
@@ -172,9 +172,31 @@ def lock_endpoint(endpoint: str) -> int | None:
         os.close(fd)
         raise ServerError(f"endpoint {endpoint}: another moecached (pid {other}) is serving it; "
                           "stop it first or choose another --endpoint")
+    if _listening(ipc):
+        # the lock is ours only because someone removed the lock file of a live daemon
+        os.close(fd)
+        raise ServerError(f"endpoint {endpoint}: a process is listening on {ipc} although its lock "
+                          f"file {ipc}.lock was removed (another moecached?); stop it first or "
+                          "choose another --endpoint")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def _listening(path: str) -> bool:
+    """True when something accepts connections on the unix socket ``path`` (not a stale file)."""
+    import socket
+    if not os.path.exists(path):
+        return False
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
 
 
 def unlock_endpoint(endpoint: str, fd: int | None) -> None:
@@ -276,6 +298,7 @@ class Server:
         self.fast_path = True  # serve resident acquires / own noreply releases in Cython first
         self._on_hup = None
         self._lock_fd = None
+        self._bound = None     # (mode, gid) of the ipc socket file once bound
         self._endpoint_lock = endpoint_lock
         self._ipc = _ipc_path(endpoint)
         self.ctx = zmq.Context.instance()
@@ -311,19 +334,37 @@ class Server:
                 # We hold the lock, so whoever made this socket file is gone: a crash left it.
                 log.warning("removing stale socket %s left by a previous daemon", self._ipc)
                 os.unlink(self._ipc)
-            old = os.umask(0o777 & ~mode)
-            try:
-                self.sock.bind(self.endpoint)
-            finally:
-                os.umask(old)
-            os.chmod(self._ipc, mode)
-            if gid is not None:
-                os.chown(self._ipc, -1, gid)
+            self._bind_ipc(mode, gid)
         else:
             try:
                 self.sock.bind(self.endpoint)
             except zmq.ZMQError as e:
                 raise ServerError(f"endpoint {self.endpoint}: cannot bind: {e}")
+
+    def _bind_ipc(self, mode: int, gid: int | None) -> None:
+        old = os.umask(0o777 & ~mode)
+        try:
+            self.sock.bind(self.endpoint)
+        finally:
+            os.umask(old)
+        os.chmod(self._ipc, mode)
+        if gid is not None:
+            os.chown(self._ipc, -1, gid)
+        self._bound = (mode, gid)
+
+    def _check_socket_file(self) -> None:
+        """Bind the ipc path again when some process removed the socket file (connected
+        clients keep their connections; new ones could not reach the daemon otherwise)."""
+        if not self._ipc or self._bound is None or os.path.lexists(self._ipc):
+            return
+        log.warning("socket %s was removed by some process; bound it again (new clients could "
+                    "not connect meanwhile)", self._ipc)
+        self.counters["socket_rebinds"] += 1
+        try:   # a second bind (no unbind: that would drop every connection accepted on it)
+            self._bind_ipc(*self._bound)
+        except (zmq.ZMQError, OSError) as e:
+            log.error("cannot bind %s again: %s; restart the daemon", self.endpoint, e)
+            self._bound = None   # said once
 
     def stop(self) -> None:
         """Ask the loop to stop (thread- and signal-safe)."""
@@ -479,6 +520,7 @@ class Server:
                             log.exception("internal error draining the pin files")
                     if now >= next_tick:
                         next_tick = now + self.tick_s
+                        self._check_socket_file()
                         if self.on_tick is not None:
                             try:
                                 self.on_tick(now)
@@ -702,9 +744,16 @@ class Server:
         return self._send_frame(ident, delim, P.pack(msg))
 
     # ---- client lifetime --------------------------------------------------------------
-    def _drop_client(self, c: _Client, why: str) -> None:
-        for ticket in list(c.pending):
+    def _drop_client(self, c: _Client, why: str, tell: bool = False) -> None:
+        """Release ``c``'s leases and pending acquires and forget it. ``tell``: the client may
+        still be there (it was only silent): answer each pending acquire with an error rather
+        than leave it waiting for a reply that would never come."""
+        for ticket, rid in list(c.pending.items()):
             self.cache.cancel(ticket)
+            if tell:
+                self._send_error(c.ident, rid, P.E_TIMEOUT,
+                                 f"client {c.name} was {why} (heartbeat_s {self.heartbeat_s:g}): its "
+                                 "pending acquires and leases were released; ping while idle, retry")
         c.pending.clear()
         n = 0
         for lid in list(c.leases):
@@ -732,7 +781,7 @@ class Server:
                     self._drop_client(c, "process exited")
         for c in list(self.clients.values()):
             if c.pidfd is None and now - c.last_seen > self.heartbeat_s:
-                self._drop_client(c, f"silent for {now - c.last_seen:.1f}s")
+                self._drop_client(c, f"silent for {now - c.last_seen:.1f}s", tell=True)
 
     def _watch_client(self, c: _Client, pid, pid_start) -> None:
         """Watch ``c``'s process when it is local and its pid is verified by its start time."""

@@ -292,6 +292,17 @@ def test_plan_matches_exhaustive_search():
             assert plan_slots(idx, budget_bytes=budget) == best
 
 
+def test_remove_stale_arenas_spares_an_arena_being_created(tmp_path):
+    """A daemon creates its arena file (O_EXCL) and flocks it a moment later: a cleanup in
+    another daemon starting at that moment found an empty, unlocked file with an arena's name
+    and removed it, leaving the new daemon serving an arena no client could open."""
+    from moecached.arena import remove_stale_arenas
+    new = tmp_path / f"moecached-{os.getpid()}-0badcafe"
+    os.close(os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o640))   # created, not yet locked
+    assert remove_stale_arenas(str(tmp_path)) == []
+    assert new.exists()
+
+
 def test_remove_stale_arenas_spares_live_ones(tmp_path):
     """A moecached-* file nobody flocks is stale and removed; a live arena is kept."""
     import fcntl

@@ -168,6 +168,35 @@ def test_unwatched_client_is_revoked_and_knows(model, tmp_path, monkeypatch):
         stop_daemon(d)
 
 
+def test_silent_client_is_told_its_pending_acquire_was_dropped(model, tmp_path, monkeypatch):
+    """An unwatched client silent past the heartbeat while its acquire waits (for a slot here;
+    a SIGSTOP, a GC pause) is dropped with its pending acquire: that acquire must be answered
+    with an error, not left without a reply (a client waiting with timeout=None hung for ever)."""
+    sock = str(tmp_path / "d.sock")
+    d = start_daemon(model, sock, "--slots", "24", "--heartbeat", "1", "--on-pressure", "wait",
+                     "--pressure-timeout", "60")
+    try:
+        with Client(f"ipc://{sock}", name="pinner") as b:
+            cls = b.info["arena"]["classes"][0]
+            n, layer = cls["n_slots"], cls["layers"][0]
+            assert n < 16
+            held = b.acquire(layer, list(range(n)))          # every slot of the class pinned
+            monkeypatch.setattr(moecache_client, "_own_start_time", lambda: None)
+            a = Client(f"ipc://{sock}", name="silent", heartbeat_s=100)   # never pings
+            assert a.info["lease_watch"] == "heartbeat"
+            fut = a.acquire_async(layer, [15])
+            with pytest.raises(moecache_client.ServerError) as ei:
+                fut.result(20)
+            assert ei.value.code == "timeout" and "silent" in str(ei.value), ei.value
+            assert any(x["name"] == "silent" and x["left"].startswith("silent")
+                       for x in b.stats()["departed_clients"])
+            held.release()
+            a.acquire(layer, [15]).release()                 # it can go on (hello-less is fine)
+            a.close()
+    finally:
+        stop_daemon(d)
+
+
 def test_released_lease_is_not_readable(model, tmp_path):
     sock = str(tmp_path / "d.sock")
     d = start_daemon(model, sock, "--slots", "24")
@@ -184,6 +213,67 @@ def test_released_lease_is_not_readable(model, tmp_path):
                 pass
             with pytest.raises(LeaseInvalid):
                 other.parts(3)
+    finally:
+        stop_daemon(d)
+
+
+def test_lease_of_a_closed_client_is_not_readable(model, tmp_path):
+    """``close()`` says bye, and the daemon releases every lease of the client with it: those
+    leases no longer pin, so ``valid()`` is False and ``part()`` raises, as after release."""
+    sock = str(tmp_path / "d.sock")
+    d = start_daemon(model, sock, "--slots", "24")
+    try:
+        c = Client(f"ipc://{sock}")
+        L = c.expert_layers
+        lease = c.acquire(L[2], [0, 1])
+        assert bytes_ok(lease, L[2], [0, 1])
+        c.close()
+        with Client(f"ipc://{sock}") as other:
+            assert other.stats()["pinned"] == 0      # the bye released it
+        assert not lease.valid()
+        with pytest.raises(LeaseInvalid, match="closed"):
+            lease.part(0, "up")
+        lease.release()                              # still harmless
+    finally:
+        stop_daemon(d)
+
+
+def test_client_used_in_a_forked_child_fails_at_once(model, tmp_path):
+    """A ZeroMQ socket cannot be used across ``fork()``: a child that calls the parent's
+    Client gets a ClientError at once (it used to hang for ever in ``recv``), its
+    ``lease.release()`` does not touch the parent's lease, and ``close()`` returns."""
+    sock = str(tmp_path / "d.sock")
+    d = start_daemon(model, sock, "--slots", "24")
+    try:
+        c = Client(f"ipc://{sock}")
+        L = c.expert_layers
+        lease = c.acquire(L[1], [3, 4])
+        pid = os.fork()
+        if pid == 0:                      # the child: exit status says what happened
+            code = 3
+            try:
+                lease.release()
+                try:
+                    c.ping()
+                except moecache_client.ClientError as e:
+                    code = 0 if "fork" in str(e) else 4
+                c.close()
+            finally:
+                os._exit(code)
+        for _ in range(300):              # a child that hangs fails the test, not the suite
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child hung in the parent's Client")
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert lease.valid() and c.stats()["pinned"] == 2   # the parent's lease is untouched
+        assert bytes_ok(lease, L[1], [3, 4])
+        lease.release()
+        c.close()
     finally:
         stop_daemon(d)
 

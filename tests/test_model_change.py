@@ -213,6 +213,36 @@ def test_reload_mode_serves_the_new_file(models, tmp_path, how):
     assert "reloaded" in out, out
 
 
+@pytest.mark.parametrize("how", ["in_place", "rename"])
+def test_change_while_the_arena_is_reserved_is_noticed(models, tmp_path, how):
+    """The file changes after it was indexed but before the readers open it (the daemon is
+    reserving and locking the arena, which takes minutes for a big one), with size and mtime
+    kept (``rsync --inplace -t``, ``cp -p`` + ``mv``): the readers must compare with what was
+    indexed, not adopt the new file's identity and serve its bytes as the indexed model's."""
+    from moecached.cache import ExpertCache, ModelChangedError
+    from moecached.readers import ReadError
+    path, other = models
+    idx = open_index(path)
+    st = os.stat(path)
+    (rewrite_in_place_keep_mtime if how == "in_place" else replace_by_rename)(path, other)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    try:
+        cache = ExpertCache(idx, slots=16, lock_memory=False, readers=2, arena_dir=str(tmp_path))
+    except ReadError as e:     # refused at start, naming the change: as good
+        assert "since it was indexed" in str(e), e
+        return
+    try:
+        L = idx.expert_layers[1]
+        with pytest.raises(ModelChangedError):
+            lease = cache.acquire(L, [0, 1])
+            bad = [verify_expert_bytes(cache.arena.view(cid, slot, sp.part), l, sp.part, e, 0)
+                   for l, e, cid, slot in lease.items for sp in idx.parts(l, e)]
+            raise AssertionError(f"served after the change; seed-0 mismatches: {[b for b in bad if b]}")
+        assert cache.readers.model_changed
+    finally:
+        cache.close()
+
+
 def test_failing_load_does_not_evict(model_factory, tmp_path):
     from moecached.cache import ExpertCache, LoadError
     src = model_factory(LAYOUT, layers=LAYERS, experts=16, seed=0)

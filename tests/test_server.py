@@ -108,6 +108,18 @@ def test_structured_errors(daemon, msg, code):
     assert raw(daemon.endpoint, msgpack.packb({"v": 1, "id": 8, "op": "ping"}))["ok"]
 
 
+@pytest.mark.parametrize("pid,pid_start", [
+    (2**63, 1), (2**64 - 1, 2**64 - 1), (-2**63, -1), (True, 1), (1.5, 2.0), ("1", "x"), ([1], {}),
+])
+def test_hello_with_a_pid_no_process_can_have_is_unwatched(daemon, pid, pid_start):
+    """A hello whose pid is no possible process id (beyond pid_t, negative, not an integer) is
+    served like one without a pid: heartbeat expiry, never an ``internal`` error."""
+    rep = raw(daemon.endpoint, msgpack.packb({"v": 1, "id": 7, "op": "hello", "pid": pid,
+                                              "pid_start": pid_start}))
+    assert rep["ok"] is True and rep["lease_watch"] == "heartbeat", rep.get("error")
+    assert daemon.server.counters.get("errors", 0) == 0
+
+
 def test_malformed_and_huge_declared_array(daemon):
     for payload in (b"\xc1garbage", b"\x93\x01", msgpack.packb([1, 2]),
                     b"\xdd\xff\xff\xff\xff",                    # array32 declaring 4G entries

@@ -253,6 +253,62 @@ def test_second_daemon_refuses_before_touching_an_arena(model, tmp_path):
     assert d.returncode == 0, out
 
 
+def test_second_daemon_refused_when_the_lock_file_was_removed(model, tmp_path):
+    """Someone removed the live daemon's ``<socket>.lock`` (a clean-up of /run, ``rm *.lock``):
+    a second daemon must still not take the endpoint. It used to take a fresh lock, remove the
+    live socket as "stale" and bind: two arenas, the first daemon unreachable for new clients."""
+    sock = str(tmp_path / "d.sock")
+    d = start_daemon(model, sock, "--slots", "16")
+    try:
+        os.unlink(sock + ".lock")
+        p = subprocess.run([sys.executable, "-P", "-m", "moecached.daemon", "--model", model,
+                            "--slots", "16", "--endpoint", f"ipc://{sock}", "--no-lock-memory",
+                            "--arena-dir", str(tmp_path)],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 1, p.stderr
+        err = [l for l in p.stderr.splitlines() if "ERROR" in l]
+        assert len(err) == 1 and "is listening on" in err[0] and sock in err[0], p.stderr
+        assert "indexing" not in p.stderr, p.stderr
+        with Client(f"ipc://{sock}") as c:      # new clients still reach the first daemon
+            assert c.status()["pid"] == d.pid
+    finally:
+        out = stop_daemon(d)
+    assert d.returncode == 0, out
+
+
+def test_removed_socket_file_is_bound_again(model, tmp_path):
+    """Someone removed the live daemon's socket file (``rm /run/moecached/*``): it used to go on
+    saying ``serving`` while no new client could reach it. It binds the path again at its next
+    tick (one warning, ``server.socket_rebinds``); connected clients never notice."""
+    sock = str(tmp_path / "d.sock")
+    d = start_daemon(model, sock, "--slots", "16")
+    try:
+        with Client(f"ipc://{sock}", name="old") as old:
+            held = old.acquire(old.expert_layers[0], [1])
+            os.unlink(sock)
+            deadline = time.time() + 15
+            while not os.path.exists(sock) and time.time() < deadline:
+                time.sleep(0.1)
+            assert os.path.exists(sock), "the daemon did not bind its removed socket again"
+            assert oct(os.stat(sock).st_mode & 0o777) == oct(0o660)
+            with Client(f"ipc://{sock}") as new:
+                assert new.status()["pid"] == d.pid
+                L = new.expert_layers[1]
+                with new.acquire(L, [2]) as lease:
+                    for part, view in lease.parts(2).items():
+                        assert verify_expert_bytes(view, L, part, 2) is None
+            st = old.stats()     # the old connection was never dropped: same session, lease held
+            assert st["server"]["socket_rebinds"] == 1
+            assert held.valid() and st["pinned"] == 1
+            # one connection of "old" (a dropped one would have come back as a second client)
+            assert sum(x["name"].split("#")[0] == "old" for x in st["clients"]) == 1, st["clients"]
+            held.release()
+    finally:
+        out = stop_daemon(d)
+    assert d.returncode == 0, out
+    assert len(re.findall(r"socket .* was removed", out)) == 1, out
+
+
 # -- the arena survives a client that unlinks it ---------------------------------------------
 
 def test_arena_opened_with_shared_memory_stays_reachable(model, tmp_path):

@@ -16,7 +16,7 @@ keeps this client's leases. When the daemon restarts (the connection drops or a 
 ``session`` changes) the calls in flight fail with ``DaemonRestarted`` and the next call
 says hello again, re-mapping the new arena.
 
-A lease is valid until it is released, or the daemon restarts, or (for a client the daemon
+A lease is valid until it is released (or its client closed), or the daemon restarts, or (for a client the daemon
 cannot watch: tcp) it is revoked after a silence; its holder can always tell:
 ``lease.part()``/``parts()`` raise :class:`LeaseInvalid` once it is not, and
 ``lease.valid()`` -- a few loads from the arena's control block, no message -- says whether
@@ -272,6 +272,8 @@ class Lease:
     def _invalid_because(self) -> str | None:
         if self.released:
             return "it was released"
+        if self._client._closed:
+            return "its client was closed (its bye released it)"
         if self._client.session != self.session:
             return "the daemon that granted it restarted or went away"
         a = self._arena
@@ -379,6 +381,9 @@ class Client:
     hand-off per call, and many threads can share one Client. A small background thread
     pings while the client is idle, notices a vanished daemon, and releases leases that
     arrive after their caller timed out.
+
+    Fork: a Client belongs to the process that created it (a ZeroMQ socket cannot cross a
+    ``fork()``); in a child every call raises ClientError at once: create a new Client there.
     """
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, name: str | None = None,
@@ -399,6 +404,7 @@ class Client:
         self.connect_timeout = connect_timeout
         self._hb = heartbeat_s
         self._ids = itertools.count(1)
+        self._pid = os.getpid()                # a ZeroMQ socket is unusable in a forked child
         self._lock = threading.Lock()          # owns the socket, _pending and the session
         self._pending: dict[int, _Call] = {}
         self._closed = False
@@ -529,6 +535,9 @@ class Client:
         """Say bye (the daemon releases this client's leases) and close the socket."""
         if self._closed:
             return
+        if os.getpid() != self._pid:
+            self._closed = True   # a forked child: the socket is the parent's; leave it alone
+            return
         try:
             if self.session is not None:
                 self._call({"op": "bye"}, timeout=1.0)
@@ -583,8 +592,8 @@ class Client:
         """Pin the experts without a message (all resident; the extension checks the values and
         leaves anything doubtful to the socket path); None: use the socket."""
         fast = self._fast
-        if fast is None:
-            return None
+        if fast is None or os.getpid() != self._pid:
+            return None      # (a forked child: the socket path raises the error)
         arena, shm = fast
         try:
             r = shm.pin(layer, experts, layers)
@@ -609,6 +618,10 @@ class Client:
     def _submit(self, msg: dict, expect_reply: bool = True) -> _Call | None:
         if self._closed:
             raise ClientError("client is closed")
+        if os.getpid() != self._pid:
+            raise ClientError(f"{msg['op']}: this Client was created in process {self._pid}, before "
+                              "a fork(); a ZeroMQ socket cannot be used across fork: create a new "
+                              "Client in the child")
         rid = next(self._ids)
         fut = _Call(rid, msg["op"]) if expect_reply else None
         msg["v"] = PROTOCOL_VERSION
