@@ -95,10 +95,8 @@ def _apply_live(key: str, new: C.Config, server, cache, floor_box: dict):
         logging.getLogger().setLevel(new.log_level.upper())
     elif key == "heartbeat_s":
         server.heartbeat_s = new.heartbeat_s
-    elif key == "max_request_experts":
-        server.checker.max_experts = new.max_request_experts
-    elif key == "max_message_bytes":
-        server.max_message_bytes = new.max_message_bytes
+    elif key in ("max_request_experts", "max_message_bytes"):
+        server.set_request_limits(new.max_request_experts, new.max_message_bytes)
     elif key in ("client_rate_limit", "client_rate_burst", "client_max_prefetch"):
         server.set_client_limits(new.client_rate_limit, new.client_rate_burst, new.client_max_prefetch)
     elif key == "on_pressure":
