@@ -54,7 +54,7 @@ from . import MoecacheError
 from .arena import arena_bytes
 from .policy import LRU
 from .readers import ModelChanged
-from .stats import CACHE_STATS, LatencyHistogram
+from .stats import CACHE_STATS
 from ._shm import PinFile, ShmArena
 
 __all__ = ["CacheError", "RequestError", "CapacityError", "LeaseError", "LoadError",
@@ -316,7 +316,6 @@ class ExpertCache:
         self.c_waits = 0
         self.c_shrinks = 0
         self.c_grows = 0
-        self._lat = LatencyHistogram()
 
     # ------------------------------------------------------------------ construction
     def _build(self, index, ne):
@@ -858,7 +857,6 @@ class ExpertCache:
                 load.quota = None
         self.c_inflight -= 1
         self.c_reads += 1
-        self._lat.add(seconds)
         del pool.loading[k]
         if error is None:
             self.c_bytes += nbytes
@@ -1298,7 +1296,6 @@ class ExpertCache:
             out = {s.key: (getattr(self, s.value) if isinstance(s.value, str) else s.value(self))
                    for s in CACHE_STATS if s.value is not None}
             out.update({
-                "read_latency": self._lat.to_dict(),
                 "classes": classes, "layers": layers,
                 "budget": {"configured_bytes": self._max_bytes, "current_bytes": cur},
                 "policy": self.policy,
@@ -1309,6 +1306,7 @@ class ExpertCache:
             out["readers"] = self.readers.stats()
         except Exception:
             out["readers"] = {}
+        out["read_latency"] = self.readers.latency()   # measured by the reader pool
         return out
 
     def _fast_path_stats(self) -> dict:

@@ -7,11 +7,15 @@ checked against them (tests/test_metrics.py).
 
 ``LatencyHistogram`` keeps (a) power-of-two microsecond buckets over the whole run and (b) a ring
 of the last ``window`` samples, from which p50/p99 are computed exactly (numpy) on demand. Adding
-a sample is O(1) and allocation-free; it is called under the cache lock from reader callbacks.
+a sample is O(1) and allocation-free; the reader pool calls it under its lock as each read job
+finishes (the one read-latency measurement: ``ExpertCache.stats()["read_latency"]`` and the
+pool's ``latency_hist`` are views of it).
 """
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Union
+
+import bisect
 
 import numpy as np
 
@@ -90,10 +94,15 @@ class LatencyHistogram:
     Args:
         n_buckets: number of buckets (default 32: up to ~71 minutes).
         window: samples kept for exact percentiles (default 8192).
+        edges: optional fixed bucket upper edges in seconds, counted as well (``edge_counts``:
+            ``len(edges) + 1`` counts, the last one above the last edge), for a Prometheus
+            histogram.
     """
 
-    def __init__(self, n_buckets: int = 32, window: int = 8192):
+    def __init__(self, n_buckets: int = 32, window: int = 8192, edges=()):
         self.counts = [0] * n_buckets
+        self.edges = list(edges)
+        self.edge_counts = [0] * (len(self.edges) + 1)
         self.n = 0
         self.sum_s = 0.0
         self.max_s = 0.0
@@ -107,6 +116,8 @@ class LatencyHistogram:
         if b >= len(self.counts):
             b = len(self.counts) - 1
         self.counts[b] += 1
+        if self.edges:
+            self.edge_counts[bisect.bisect_left(self.edges, seconds)] += 1
         self._ring[self.n % self._w] = seconds
         self.n += 1
         self.sum_s += seconds
