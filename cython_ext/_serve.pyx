@@ -13,6 +13,12 @@ the request from scratch and produces every error reply, so this path never answ
 error and changes nothing before it knows it serves the request. Counting is the same on
 both paths (tests/test_server.py checks stats after each).
 
+The contract with the server is :class:`ServerHooks`: everything this module may use of it,
+built by the server (``Server._fast_handler``) and kept current by it. FastPath reads and
+updates the server's state only through those hooks; a lease is registered by the server's
+own function (``hooks.register``), the protocol version and the request shapes it serves come
+from ``moecached.protocol`` (``PROTOCOL_VERSION``, ``HOT_PATH_FIELDS``).
+
 Per-client request rate: :class:`TokenBucket` (one per client, shared by both paths) with the
 server's :class:`RateLimit`. The hot path only *looks* at the bucket before it knows it serves
 a request and takes the token when it does, so a request it declines is charged once, by the
@@ -70,38 +76,104 @@ cdef class TokenBucket:
         return True
 
 
-cdef class FastPath:
-    """Serves resident acquires and own-lease noreply releases of a ``Server`` (see module doc).
+cdef class ServerHooks:
+    """What the hot path gets from a server, and all it gets (the server builds one per session
+    and keeps the fields marked *live* current; FastPath reaches for nothing else).
 
-    Args:
-        server: the ``moecached.server.Server`` (its clients, leases, counters, socket, cache).
-        unpack: ``payload bytes -> object`` decoding with the protocol's limits; raises on bad
-            input (``moecached.protocol.unpack``).
+    Shared state (the server's own objects, read and changed in place):
+        clients: dict routing id -> client record; the hot path reads ``delim``, ``bucket``
+            (a :class:`TokenBucket`) and ``leases`` (set of lease ids) and counts into
+            ``last_seen``, ``requests``, ``acquires``, ``hits``, ``prefetch_hits``,
+            ``rate_limited``.
+        leases: dict lease id -> (routing id, lease) of every delivered lease.
+        counters: the server's counters (``collections.Counter``); the hot path counts
+            ``requests`` and ``rate_limited``.
+        limit: the per-client :class:`RateLimit`.
+    Functions:
+        send(frame, flags): send one frame on the server's socket (raises ``zmq.ZMQError``).
+        packb(obj) -> bytes: encode a reply.
+        unpack(payload) -> object: decode a request with the protocol's limits; raises on bad
+            input.
+        register(client, lease): record a delivered lease as the client's (the one place a
+            lease is registered: ``Server._register``).
+        undelivered(client, lease, error): a lease could not be sent (``error`` the
+            ``zmq.ZMQError``): roll it back.
+        acquire_resident(layer, experts) -> lease or None; release(lease);
+        generations(items) -> list; drain_pins(); prefetch_noop(layer, experts) -> bool: the
+            cache's (``moecached.cache.ExpertCache``).
+    Values:
+        version: the protocol version requests carry and replies give
+            (``moecached.protocol.PROTOCOL_VERSION``).
+        fields: op -> the exact field set of a request of that op the hot path may serve
+            (``moecached.protocol.HOT_PATH_FIELDS``).
+        session: the session id replies carry (a new session builds new hooks).
+        max_message_bytes, max_experts: the request limits (*live*).
+        tracing: True while a trace is being recorded; acquires then take the general path
+            (*live*).
         more_nb, nb: the zmq flag ints for "more frames follow, don't block" and "don't block".
     """
-    cdef object server, clients, leases, counters, send, packb, unpack, acquire_resident, release
-    cdef object generations, drain_pins
-    cdef object session, prefetch_noop
-    cdef RateLimit limit
-    cdef int more_nb, nb
+    cdef public object clients, leases, counters, send, packb, unpack, register, undelivered
+    cdef public object acquire_resident, release, generations, drain_pins, prefetch_noop
+    cdef public object version, fields, session
+    cdef public RateLimit limit
+    cdef public Py_ssize_t max_message_bytes, max_experts
+    cdef public bint tracing
+    cdef public int more_nb, nb
 
-    def __init__(self, server, unpack, int more_nb, int nb):
-        self.server = server
-        self.clients = server.clients
-        self.leases = server.leases
-        self.counters = server.counters
-        self.send = server.sock.send
-        self.packb = server._packb
+    def __init__(self, *, clients, leases, counters, RateLimit limit, send, packb, unpack,
+                 register, undelivered, acquire_resident, release, generations, drain_pins,
+                 prefetch_noop, version, fields, session, Py_ssize_t max_message_bytes,
+                 Py_ssize_t max_experts, bint tracing, int more_nb, int nb):
+        self.clients = clients
+        self.leases = leases
+        self.counters = counters
+        self.limit = limit
+        self.send = send
+        self.packb = packb
         self.unpack = unpack
-        self.acquire_resident = server.cache.acquire_resident
-        self.release = server.cache.release
-        self.generations = server.cache.lease_generations
-        self.drain_pins = server.cache.drain_pins
-        self.prefetch_noop = server.cache.prefetch_noop
-        self.limit = server.rate_limit
-        self.session = server.session
+        self.register = register
+        self.undelivered = undelivered
+        self.acquire_resident = acquire_resident
+        self.release = release
+        self.generations = generations
+        self.drain_pins = drain_pins
+        self.prefetch_noop = prefetch_noop
+        self.version = version
+        self.fields = dict(fields)
+        self.session = session
+        self.max_message_bytes = max_message_bytes
+        self.max_experts = max_experts
+        self.tracing = tracing
         self.more_nb = more_nb
         self.nb = nb
+
+
+cdef class FastPath:
+    """Serves resident acquires, own-lease noreply releases and no-op noreply prefetches of a
+    server, through its :class:`ServerHooks` (see module doc)."""
+    cdef ServerHooks h
+    cdef object clients, leases, counters, send, packb, unpack, acquire_resident, release
+    cdef object generations, drain_pins, prefetch_noop, register, version, fields
+    cdef RateLimit limit
+
+    def __init__(self, ServerHooks hooks not None):
+        self.h = hooks
+        # the hooks that never change, held here for speed
+        self.clients = hooks.clients
+        self.leases = hooks.leases
+        self.counters = hooks.counters
+        self.send = hooks.send
+        self.packb = hooks.packb
+        self.unpack = hooks.unpack
+        self.acquire_resident = hooks.acquire_resident
+        self.release = hooks.release
+        self.generations = hooks.generations
+        self.drain_pins = hooks.drain_pins
+        self.prefetch_noop = hooks.prefetch_noop
+        self.register = hooks.register
+        self.version = hooks.version
+        self.fields = hooks.fields
+        self.limit = hooks.limit
 
     cdef inline void _seen(self, c) except *:
         c.last_seen = monotonic()
@@ -127,7 +199,7 @@ cdef class FastPath:
         c = self.clients.get(ident)
         if c is None or c.delim:
             return False
-        if type(payload) is not bytes or len(<bytes>payload) > self.server.max_message_bytes:
+        if type(payload) is not bytes or len(<bytes>payload) > self.h.max_message_bytes:
             return False
         try:
             msg = self.unpack(payload)
@@ -136,39 +208,35 @@ cdef class FastPath:
         if type(msg) is not dict:
             return False
         d = <dict>msg
-        if len(d) == 6:
-            if d.get("op") != "prefetch":
-                return False
-        elif len(d) != 5:
-            return False
-        rid = d.get("id")
-        if type(rid) is not int or rid < 0 or rid >= _U64:
-            return False
-        v = d.get("v")
-        if type(v) is not int or v != 1:
-            return False
         op = d.get("op")
         if type(op) is not str:
+            return False
+        fields = (<dict>self.fields).get(op)
+        if fields is None or len(d) != len(<frozenset>fields) or d.keys() != fields:
+            return False
+        rid = d["id"]
+        if type(rid) is not int or rid < 0 or rid >= _U64:
+            return False
+        v = d["v"]
+        if type(v) is not int or v != self.version:
             return False
         if op == "release":
             return self._release(c, ident, d)
         if op == "acquire":
             return self._acquire(c, ident, rid, d)
-        if op == "prefetch":
-            return self._prefetch(c, d)
-        return False
+        return self._prefetch(c, d)
 
     cdef bint _prefetch(self, c, dict d) except -1:
         """A noreply prefetch: dropped and counted when the client is over its rate limit (as
         the general path does for any noreply request), served as a no-op when every expert is
         already present; anything else (work to queue, any doubt) goes to the general path."""
-        if d.get("noreply") is not True:
+        if d["noreply"] is not True:
             return False
-        layer = d.get("layer")
-        experts = d.get("experts")
+        layer = d["layer"]
+        experts = d["experts"]
         if type(layer) is not int or type(experts) is not list:
             return False
-        if len(<list>experts) > self.server.checker.max_experts:
+        if len(<list>experts) > self.h.max_experts:
             return False
         cdef double now = monotonic()
         cdef TokenBucket bucket = <TokenBucket>c.bucket
@@ -185,9 +253,9 @@ cdef class FastPath:
         return True
 
     cdef bint _release(self, c, ident, dict d) except -1:
-        if d.get("noreply") is not True:
+        if d["noreply"] is not True:
             return False
-        lid = d.get("lease")
+        lid = d["lease"]
         if type(lid) is not int:
             return False
         owner = self.leases.get(lid)
@@ -200,11 +268,11 @@ cdef class FastPath:
         return True
 
     cdef bint _acquire(self, c, ident, rid, dict d) except -1:
-        layer = d.get("layer")
-        experts = d.get("experts")
+        layer = d["layer"]
+        experts = d["experts"]
         if type(layer) is not int or type(experts) is not list:
             return False
-        if len(<list>experts) > self.server.checker.max_experts or self.server.recorder is not None:
+        if len(<list>experts) > self.h.max_experts or self.h.tracing:
             return False
         cdef double now = monotonic()
         cdef TokenBucket bucket = <TokenBucket>c.bucket
@@ -215,23 +283,20 @@ cdef class FastPath:
             return False
         bucket.take(now, self.limit)
         self._seen_at(c, now)
-        lid = lease.id
         hits = lease.hits
         pf = lease.prefetch_hits
         c.acquires += 1
         c.hits += hits
         c.prefetch_hits += pf
-        reply = self.packb({"v": 1, "id": rid, "ok": True, "session": self.session,
-                            "lease": lid, "items": lease.items,
+        reply = self.packb({"v": self.version, "id": rid, "ok": True, "session": self.h.session,
+                            "lease": lease.id, "items": lease.items,
                             "gens": self.generations(lease.items), "hits": hits,
                             "prefetch_hits": pf, "misses": 0, "stall_us": 0})
         try:
-            self.send(ident, self.more_nb)
-            self.send(reply, self.nb)
+            self.send(ident, self.h.more_nb)
+            self.send(reply, self.h.nb)
         except _ZMQError as e:
-            self.server._undelivered(c, lease, e)
+            self.h.undelivered(c, lease, e)
             return True
-        # Server._register, inlined (no trace is being recorded: checked above)
-        self.leases[lid] = (ident, lease)
-        c.leases.add(lid)
+        self.register(c, lease)
         return True

@@ -54,7 +54,7 @@ from . import MoecacheError
 from .arena import arena_bytes
 from .policy import LRU
 from .readers import ModelChanged
-from .stats import LatencyHistogram
+from .stats import CACHE_STATS
 from ._shm import PinFile, ShmArena
 
 __all__ = ["CacheError", "RequestError", "CapacityError", "LeaseError", "LoadError",
@@ -317,7 +317,6 @@ class ExpertCache:
         self.c_waits = 0
         self.c_shrinks = 0
         self.c_grows = 0
-        self._lat = LatencyHistogram()
 
     # ------------------------------------------------------------------ construction
     def _build(self, index, ne):
@@ -859,7 +858,6 @@ class ExpertCache:
                 load.quota = None
         self.c_inflight -= 1
         self.c_reads += 1
-        self._lat.add(seconds)
         del pool.loading[k]
         if error is None:
             self.c_bytes += nbytes
@@ -1260,7 +1258,8 @@ class ExpertCache:
         return d
 
     def stats(self) -> dict:
-        """Counters (ints unless noted; bytes in bytes, times in microseconds):
+        """Counters (ints unless noted; bytes in bytes, times in microseconds); the top-level
+        counters and gauges are declared in ``moecached.stats.CACHE_STATS``:
 
         ``hits``, ``demand_misses``, ``prefetch_hits`` (per requested expert, see module doc),
         ``prefetches`` (prefetch reads queued), ``wasted_prefetches`` (evicted unused),
@@ -1295,28 +1294,20 @@ class ExpertCache:
             for p in self._pools:
                 caps[p.cid] += p.cap
             cur = arena_bytes(self.index, caps, self.arena.page_size)
-            out = {
-                "hits": sum(self._l_hits), "demand_misses": sum(self._l_miss),
-                "prefetch_hits": sum(self._l_pf), "prefetches": self.c_prefetches,
-                "prefetches_dropped": self.c_pf_dropped, "prefetch_loads_in_flight": self._pf_loading,
-                "wasted_prefetches": self.c_wasted, "evictions": self.c_evictions,
-                "bytes_read": self.c_bytes, "reads": self.c_reads,
-                "read_errors": self.c_read_errors, "reads_in_flight": self.c_inflight,
-                "read_latency": self._lat.to_dict(), "leases": self.c_leases,
-                "leases_open": len(self._leases), "waiting": len(self._waitq),
-                "acquires_queued": self.c_waits,
-                "pinned": sum(p.lru.pinned for p in self._pools),
+            out = {s.key: (getattr(self, s.value) if isinstance(s.value, str) else s.value(self))
+                   for s in CACHE_STATS if s.value is not None}
+            out.update({
                 "classes": classes, "layers": layers,
                 "budget": {"configured_bytes": self._max_bytes, "current_bytes": cur},
-                "shrink_events": self.c_shrinks, "grow_events": self.c_grows,
                 "policy": self.policy,
                 "model_changed": self.readers.model_changed,
                 "fast_path": self._fast_path_stats(),
-            }
+            })
         try:
             out["readers"] = self.readers.stats()
         except Exception:
             out["readers"] = {}
+        out["read_latency"] = self.readers.latency()   # measured by the reader pool
         return out
 
     def _fast_path_stats(self) -> dict:

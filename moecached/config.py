@@ -259,20 +259,71 @@ def _log_level(x):
     return _choice("debug", "info", "warning", "error")(x)
 
 
+# -- live reload: what a SIGHUP does for each key that can change while the daemon runs ----------
+# ``reload(new_cfg, server, cache, floor_box)`` applies the key's new value to the running
+# daemon (``floor_box["floor"]``: the running MemoryFloor or None); it returns None when
+# applied, or a string saying why not (the key then needs a restart). Several keys may share
+# one function (it applies their values together).
+
+def _live_log_level(new, server, cache, floor_box):
+    import logging
+    logging.getLogger().setLevel(new.log_level.upper())
+
+
+def _live_heartbeat(new, server, cache, floor_box):
+    server.heartbeat_s = new.heartbeat_s
+
+
+def _live_request_limits(new, server, cache, floor_box):
+    server.set_request_limits(new.max_request_experts, new.max_message_bytes)
+
+
+def _live_client_limits(new, server, cache, floor_box):
+    server.set_client_limits(new.client_rate_limit, new.client_rate_burst, new.client_max_prefetch)
+
+
+def _live_on_pressure(new, server, cache, floor_box):
+    cache.shrunk_policy = new.on_pressure
+    server.acquire_timeout_s = new.pressure_timeout_s if new.on_pressure == "wait" else None
+
+
+def _live_pressure_timeout(new, server, cache, floor_box):
+    if new.on_pressure == "wait":
+        server.acquire_timeout_s = new.pressure_timeout_s
+
+
+def _live_read_when_used(new, server, cache, floor_box):
+    """Nothing to do: the daemon reads the value when it needs it."""
+
+
+def _live_budget(new, server, cache, floor_box):
+    from .daemon import apply_budget
+    return apply_budget(new, cache, floor_box)
+
+
+def _live_floor(new, server, cache, floor_box):
+    from .daemon import apply_floor
+    return apply_floor(new, server, cache, floor_box)
+
+
 @dataclass(frozen=True)
 class Key:
-    """One configuration key: its validator, CLI flag, metavar and help."""
+    """One configuration key: its validator, CLI flag, metavar, help, and ``reload``: None when
+    a change needs a restart, else the function a SIGHUP applies it with (see above)."""
     check: Callable
     flag: str
     help: str
     metavar: Optional[str] = None
     kind: str = "str"    # str | int | float | bool | size | mode (how CLI strings are read)
+    reload: Optional[Callable] = None
 
 
 KEYS: dict[str, Key] = {
     "model": Key(_model, "--model", "GGUF model file (first file of a split set)", "PATH"),
-    "budget": Key(_size(lo=1), "--budget", "cache size, e.g. 16GiB (or give --slots)", "SIZE", "size"),
-    "slots": Key(_int_range(1, 1 << 24), "--slots", "cache size in expert slots (or give --budget)", "N", "int"),
+    "budget": Key(_size(lo=1), "--budget", "cache size, e.g. 16GiB (or give --slots)", "SIZE", "size",
+        reload=_live_budget),
+    "slots": Key(_int_range(1, 1 << 24), "--slots", "cache size in expert slots (or give --budget)", "N", "int",
+        reload=_live_budget),
     "endpoint": Key(_endpoint, "--endpoint", f"ZeroMQ endpoint (default {DEFAULT_ENDPOINT})", "URL"),
     "allow_tcp": Key(_bool, "--allow-tcp", "permit a tcp:// endpoint (it has no access control)", kind="bool"),
     "arena_dir": Key(_abs_path, "--arena-dir", "directory of the arena file (default /dev/shm)", "DIR"),
@@ -290,42 +341,57 @@ KEYS: dict[str, Key] = {
     "client_max_prefetch": Key(_int_range(0, 1 << 20), "--client-max-prefetch",
                                "prefetch loads one client may have in flight before its new "
                                "prefetches are dropped (default: max_prefetch_loads; 0: no "
-                               "per-client cap)", "N", "int"),
+                               "per-client cap)", "N", "int",
+        reload=_live_client_limits),
     "client_rate_limit": Key(_rate, "--client-rate-limit",
                              "requests per second per client before it is refused rate_limited "
                              "(noreply prefetches dropped); releases never count (default 40000; "
-                             "0 turns it off)", "R", "float"),
+                             "0 turns it off)", "R", "float",
+        reload=_live_client_limits),
     "client_rate_burst": Key(_int_range(1, 1 << 30), "--client-rate-burst",
                              "requests a client may send at once above its rate (default 40000)",
-                             "N", "int"),
+                             "N", "int",
+        reload=_live_client_limits),
     "floor": Key(_size(optional_zero=True), "--floor",
-                 "shrink the cache when available memory falls under SIZE (default off)", "SIZE", "size"),
+                 "shrink the cache when available memory falls under SIZE (default off)", "SIZE", "size",
+        reload=_live_floor),
     "floor_hysteresis": Key(_size(), "--floor-hysteresis", "grow back above floor + SIZE (default 1GiB)",
-                            "SIZE", "size"),
+                            "SIZE", "size",
+        reload=_live_floor),
     "floor_interval_s": Key(_float_range(0, 60, lo_open=True), "--floor-interval",
-                            "seconds between memory samples (default 1)", "S", "float"),
+                            "seconds between memory samples (default 1)", "S", "float",
+        reload=_live_floor),
     "floor_min_change_s": Key(_float_range(0, 3600), "--floor-min-change",
-                              "seconds a surplus must last before growing back (default 5)", "S", "float"),
-    "min_budget": Key(_size(), "--min-budget", "the floor never shrinks the cache below SIZE", "SIZE", "size"),
+                              "seconds a surplus must last before growing back (default 5)", "S", "float",
+        reload=_live_floor),
+    "min_budget": Key(_size(), "--min-budget", "the floor never shrinks the cache below SIZE", "SIZE", "size",
+        reload=_live_floor),
     "on_pressure": Key(_choice("error", "wait"), "--on-pressure",
-                       "an acquire that cannot fit: error (default) or wait", "MODE"),
+                       "an acquire that cannot fit: error (default) or wait", "MODE",
+        reload=_live_on_pressure),
     "pressure_timeout_s": Key(_float_range(0, 3600), "--pressure-timeout",
-                              "with on_pressure=wait, give up after S seconds (default 30)", "S", "float"),
+                              "with on_pressure=wait, give up after S seconds (default 30)", "S", "float",
+        reload=_live_pressure_timeout),
     "on_model_change": Key(_choice("reload", "exit"), "--on-model-change",
                            "the model file changed under the daemon: reload (default: re-index "
                            "it once quiet, new session) or exit (non-zero: the service manager "
-                           "restarts it)", "MODE"),
+                           "restarts it)", "MODE",
+        reload=_live_read_when_used),
     "heartbeat_s": Key(_float_range(0, 3600, lo_open=True), "--heartbeat",
-                       "client heartbeat period, seconds (default 5)", "S", "float"),
+                       "client heartbeat period, seconds (default 5)", "S", "float",
+        reload=_live_heartbeat),
     "socket_mode": Key(_mode, "--socket-mode", "mode of the socket file (default 0660)", "MODE", "mode"),
     "arena_mode": Key(_mode, "--arena-mode", "mode of the arena file (default 0640)", "MODE", "mode"),
     "group": Key(_group, "--group", 'group owning socket and arena (default "moecached" if it exists; "" for none)',
                  "GROUP"),
-    "log_level": Key(_log_level, "--log-level", "debug, info (default), warning or error", "LEVEL"),
+    "log_level": Key(_log_level, "--log-level", "debug, info (default), warning or error", "LEVEL",
+        reload=_live_log_level),
     "max_request_experts": Key(_int_range(1, 1 << 24), "--max-request-experts",
-                               "most experts one request may name (default 16384)", "N", "int"),
+                               "most experts one request may name (default 16384)", "N", "int",
+        reload=_live_request_limits),
     "max_message_bytes": Key(_size(lo=4 * KiB, hi=1 * GiB), "--max-message-bytes",
-                             "largest request message (default 4MiB)", "SIZE", "size"),
+                             "largest request message (default 4MiB)", "SIZE", "size",
+        reload=_live_request_limits),
     "fast_path": Key(_bool, "--fast-path", "offer local clients the shared-memory hit path (default on)",
                      kind="bool"),
     "fast_path_quota": Key(_int_range(0, 1 << 24), "--fast-path-quota",
@@ -333,12 +399,9 @@ KEYS: dict[str, Key] = {
                            "(default 0: 4 x top-k x MoE layers, at most half the slots)", "N", "int"),
 }
 
-#: Keys a SIGHUP can apply to a running daemon; others need a restart.
-RELOADABLE = frozenset({"budget", "slots", "floor", "floor_hysteresis", "floor_interval_s",
-                        "floor_min_change_s", "min_budget", "on_pressure", "pressure_timeout_s",
-                        "on_model_change",
-                        "heartbeat_s", "log_level", "max_request_experts", "max_message_bytes",
-                        "client_max_prefetch", "client_rate_limit", "client_rate_burst"})
+#: Keys a SIGHUP can apply to a running daemon (those with a ``reload`` function); others need
+#: a restart.
+RELOADABLE = frozenset(k for k, key in KEYS.items() if key.reload is not None)
 
 assert set(KEYS) == {f.name for f in dataclasses.fields(Config)} - {"sources", "path"}
 

@@ -85,71 +85,64 @@ def _make_floor(cfg: C.Config, cache, configured_budget: int):
 
 
 def _apply_live(key: str, new: C.Config, server, cache, floor_box: dict):
-    """Apply one changed key to the running daemon. True when applied, else why not.
-
-    ``floor_box["floor"]`` is the running MemoryFloor or None; turning the floor on creates
-    one (the server's periodic task drives it), turning it off drops it and gives the cache
-    back its configured budget."""
-    floor = floor_box["floor"]
-    if key == "log_level":
-        logging.getLogger().setLevel(new.log_level.upper())
-    elif key == "heartbeat_s":
-        server.heartbeat_s = new.heartbeat_s
-    elif key == "max_request_experts":
-        server.checker.max_experts = new.max_request_experts
-    elif key == "max_message_bytes":
-        server.max_message_bytes = new.max_message_bytes
-    elif key in ("client_rate_limit", "client_rate_burst", "client_max_prefetch"):
-        server.set_client_limits(new.client_rate_limit, new.client_rate_burst, new.client_max_prefetch)
-    elif key == "on_pressure":
-        cache.shrunk_policy = new.on_pressure
-        server.acquire_timeout_s = new.pressure_timeout_s if new.on_pressure == "wait" else None
-    elif key == "pressure_timeout_s":
-        if new.on_pressure == "wait":
-            server.acquire_timeout_s = new.pressure_timeout_s
-    elif key == "on_model_change":
-        pass   # read when a change happens
-    elif key in ("budget", "slots"):
-        want = _budget_bytes(new, cache)
-        if want is None:
-            return "neither budget nor slots set"
-        if want > cache.arena.size:
-            return f"larger than the {cache.arena.size} bytes the arena was created with"
-        from .arena import smallest_budget
-        if want < smallest_budget(cache.index):
-            return (f"{want} bytes is under the smallest arena this model runs with "
-                    f"({smallest_budget(cache.index)} bytes: one slot per size class)")
-        if floor is not None:   # the floor owns the budget while it is on
-            floor.reconfigure(configured_budget=want,
-                              min_budget=_floor_min_budget(new, cache, want))
-        else:
-            cache.set_budget(want)
-    elif key in ("floor", "floor_hysteresis", "min_budget", "floor_interval_s", "floor_min_change_s"):
-        configured = _budget_bytes(new, cache) or cache.arena.size
-        if new.floor is None:
-            if floor is not None:  # off: the budget the floor took goes back to the cache
-                floor_box["floor"], floor_box["off"] = None, floor  # kept: its counts go on
-                cache.set_budget(configured)
-                log.info("memory floor off; budget back to %d bytes",
-                         cache.stats()["budget"]["current_bytes"])
-            return True
-        server.tick_s = min(1.0, new.floor_interval_s)
-        if floor is None:      # on: starts with the next periodic tick
-            floor = floor_box.pop("off", None)
-            if floor is None:
-                floor = _make_floor(new, cache, configured)
-            else:              # the one turned off earlier: counters go on where they were
-                floor.resume(configured)
-            floor_box["floor"] = floor
-            log.info("memory floor on at %d bytes available", new.floor)
-        floor.reconfigure(floor_bytes=new.floor, hysteresis_bytes=new.floor_hysteresis,
-                          configured_budget=configured,
-                          min_budget=_floor_min_budget(new, cache, configured))
-        floor.interval = new.floor_interval_s
-        floor.min_change_interval = new.floor_min_change_s
-    else:
+    """Apply one changed key to the running daemon with its ``reload`` function (its row in
+    ``config.KEYS``). True when applied, else why not."""
+    apply = C.KEYS[key].reload
+    if apply is None:
         return "not changeable live"
-    return True
+    why = apply(new, server, cache, floor_box)
+    return True if why is None else why
+
+
+def apply_budget(new: C.Config, cache, floor_box: dict):
+    """SIGHUP changed ``budget`` or ``slots``: None when applied, else why not. While the
+    memory floor is on it owns the budget: it gets the new configured budget."""
+    want = _budget_bytes(new, cache)
+    if want is None:
+        return "neither budget nor slots set"
+    if want > cache.arena.size:
+        return f"larger than the {cache.arena.size} bytes the arena was created with"
+    from .arena import smallest_budget
+    if want < smallest_budget(cache.index):
+        return (f"{want} bytes is under the smallest arena this model runs with "
+                f"({smallest_budget(cache.index)} bytes: one slot per size class)")
+    floor = floor_box["floor"]
+    if floor is not None:   # the floor owns the budget while it is on
+        floor.reconfigure(configured_budget=want,
+                          min_budget=_floor_min_budget(new, cache, want))
+    else:
+        cache.set_budget(want)
+    return None
+
+
+def apply_floor(new: C.Config, server, cache, floor_box: dict):
+    """SIGHUP changed a memory-floor key. ``floor_box["floor"]`` is the running MemoryFloor or
+    None; turning the floor on creates one (the server's periodic task drives it), turning it
+    off drops it and gives the cache back its configured budget."""
+    floor = floor_box["floor"]
+    configured = _budget_bytes(new, cache) or cache.arena.size
+    if new.floor is None:
+        if floor is not None:  # off: the budget the floor took goes back to the cache
+            floor_box["floor"], floor_box["off"] = None, floor  # kept: its counts go on
+            cache.set_budget(configured)
+            log.info("memory floor off; budget back to %d bytes",
+                     cache.stats()["budget"]["current_bytes"])
+        return None
+    server.tick_s = min(1.0, new.floor_interval_s)
+    if floor is None:      # on: starts with the next periodic tick
+        floor = floor_box.pop("off", None)
+        if floor is None:
+            floor = _make_floor(new, cache, configured)
+        else:              # the one turned off earlier: counters go on where they were
+            floor.resume(configured)
+        floor_box["floor"] = floor
+        log.info("memory floor on at %d bytes available", new.floor)
+    floor.reconfigure(floor_bytes=new.floor, hysteresis_bytes=new.floor_hysteresis,
+                      configured_budget=configured,
+                      min_budget=_floor_min_budget(new, cache, configured))
+    floor.interval = new.floor_interval_s
+    floor.min_change_interval = new.floor_min_change_s
+    return None
 
 
 def min_budget_for(index, cache) -> int:

@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from . import MoecacheError
-from .trace import Trace, load_trace
+from .trace import load_trace
 
 __all__ = ["DemoError", "main", "run_demo"]
 
@@ -73,12 +73,6 @@ def _check_free_space(where: str, workdir: str, n_layers: int) -> None:
         raise DemoError(f"{where}: the {n_layers}-block model needs {need / 2**30:.1f} GiB, "
                         f"{free / 2**30:.1f} GiB available: pass --workdir DIR on a filesystem "
                         f"with room (or fewer --layers)")
-
-
-def _slice_layers(t: Trace, n: int) -> Trace:
-    return Trace(experts=np.ascontiguousarray(t.experts[:, :n]), is_prompt=t.is_prompt,
-                 predicted=None if t.predicted is None else np.ascontiguousarray(t.predicted[:, :n]),
-                 step=t.step, meta=dict(t.meta, n_moe_layers=n))
 
 
 class Daemon:
@@ -196,7 +190,7 @@ def run_demo(a, out=sys.stdout) -> dict:
             if t.n_layers > L:
                 say(f"workload: REAL trace {a.trace}, its first {L} of {t.n_layers} MoE layers "
                     f"(the model has {L})")
-                t = _slice_layers(t, L)
+                t = t.window(layers=L)
             elif t.n_layers < L:
                 raise DemoError(f"{a.trace}: {t.n_layers} MoE layers, the model has {L} "
                                 "(pass --layers to write a smaller model)")

@@ -15,36 +15,14 @@ import threading
 import time
 
 from . import MoecacheError
+from .stats import CACHE_STATS, SERVER_COUNTERS
 
 CLIENT_NAME = "moecache-metrics"  # how the exporter's own connection shows in the daemon's stats
 
-# stats key -> (metric name without prefix, help). Counters get ``_total`` from prometheus_client.
-COUNTERS = {
-    "hits": ("hits", "requested experts already resident when asked for"),
-    "prefetch_hits": ("prefetch_hits", "requested experts a prefetch had brought in (or was bringing in)"),
-    "demand_misses": ("demand_misses", "requested experts read while the client waited"),
-    "prefetches": ("prefetches", "prefetch reads queued"),
-    "prefetches_dropped": ("prefetches_dropped", "prefetches not queued: max_prefetch_loads, or the sender's client_max_prefetch, already in flight"),
-    "wasted_prefetches": ("wasted_prefetches", "prefetched experts evicted before anyone used them"),
-    "evictions": ("evictions", "slots reclaimed for other experts"),
-    "bytes_read": ("read_bytes", "bytes read from the model files"),
-    "reads": ("reads", "completed expert reads"),
-    "read_errors": ("read_errors", "failed expert reads"),
-    "acquires_queued": ("acquires_queued", "requests that had to wait for a slot"),
-    "leases": ("leases", "leases granted"),
-    "shrink_events": ("budget_shrinks", "times the memory floor shrank the cache budget"),
-    "grow_events": ("budget_grows", "times the memory floor grew the cache budget back"),
-}
-GAUGES = {
-    "reads_in_flight": ("reads_in_flight", "expert reads queued or running now"),
-    "prefetch_loads_in_flight": ("prefetch_loads_in_flight", "prefetch loads in flight now"),
-    "leases_open": ("leases_open", "leases held by clients now"),
-    "waiting": ("acquires_waiting", "requests waiting for a slot now"),
-    "pinned": ("pinned_slots", "slots pinned by open leases now"),
-    "uptime_s": ("uptime_seconds", "seconds since the daemon started"),
-}
-SERVER_COUNTERS = ("requests", "errors", "malformed", "undeliverable", "clients_dropped", "rate_limited",
-                   "socket_rebinds")
+# stats key -> (metric name without prefix, help), generated from the declarations in
+# moecached.stats. Counters get ``_total`` from prometheus_client.
+COUNTERS = {s.key: (s.metric, s.help) for s in CACHE_STATS if s.kind == "counter"}
+GAUGES = {s.key: (s.metric, s.help) for s in CACHE_STATS if s.kind == "gauge"}
 CLASS_GAUGES = ("slots", "slots_max", "used", "pinned", "loading", "free")
 CLASS_COUNTERS = LAYER_COUNTERS = ("hits", "demand_misses", "prefetch_hits", "reads")
 CLIENT_COUNTERS = ("requests", "acquires", "hits", "prefetch_hits", "demand_misses", "prefetches",
@@ -198,9 +176,8 @@ class StatsCollector:
             v = (st.get("budget") or {}).get(f"{key}_bytes")
             out.append(single("g", f"budget_{key}_bytes", f"cache budget, {key}", v))
         server = st.get("server") or {}
-        for key in SERVER_COUNTERS:
-            out.append(single("c", f"server_{key}", f"server {key.replace('_', ' ')} (all clients)",
-                              server.get(key, 0)))
+        for c in SERVER_COUNTERS:
+            out.append(single("c", c.metric, c.help, server.get(c.key, 0)))
         fp = st.get("fast_path") or {}
         for key, (kind, name, help_) in FAST_PATH.items():
             out.append(single(kind, name, help_, fp.get(key)))

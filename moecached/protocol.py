@@ -33,6 +33,16 @@ UNPACK_LIMITS = dict(raw=False, strict_map_key=True, max_str_len=MAX_STR_LEN, ma
 OPS = ("hello", "acquire", "prefetch", "release", "cancel", "stats", "status", "ping", "bye",
        "trace_start", "trace_stop")
 
+#: The request shapes the server's hot path (``moecached._serve.FastPath``) may serve: op ->
+#: its exact field set. A request of that op with any other fields, or any other op, always
+#: takes the general path (``Server._handle``), so these sets only bound what the hot path
+#: looks at; the reply is the same either way.
+HOT_PATH_FIELDS = {
+    "acquire": frozenset({"v", "id", "op", "layer", "experts"}),
+    "release": frozenset({"v", "id", "op", "lease", "noreply"}),
+    "prefetch": frozenset({"v", "id", "op", "layer", "experts", "noreply"}),
+}
+
 # Error codes (stable strings; docs/protocol.md lists them with meanings).
 E_MALFORMED = "malformed"          # not msgpack, not a map, over the size limits
 E_VERSION = "version"              # protocol version not supported

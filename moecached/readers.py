@@ -26,8 +26,6 @@ after each read so the page cache does not keep a second copy of the experts.
 """
 from __future__ import annotations
 
-import bisect
-import collections
 import ctypes
 import ctypes.util
 import errno
@@ -41,6 +39,7 @@ import time
 
 from . import MoecacheError
 from ._io import read_chunk, read_many  # noqa: F401  (read_chunk: tests wrap it)
+from .stats import LatencyHistogram
 
 __all__ = ["ReadError", "ModelChanged", "ReaderPool", "dio_alignment", "LATENCY_EDGES_S"]
 
@@ -184,8 +183,9 @@ class ReaderPool:
         self._pf_with_demand = min(self._pf_max, max(
             1, int(prefetch_with_demand) if prefetch_with_demand is not None else threads // 8))
         self._stats = {"reads": 0, "bytes": 0, "jobs": 0, "errors": 0}
-        self._hist = [0] * (len(LATENCY_EDGES_S) + 1)
-        self._recent = collections.deque(maxlen=4096)
+        # read job latency, submit to completion: the one measurement of read latency; the
+        # cache's ``read_latency`` and this pool's histogram are views of it
+        self._latency = LatencyHistogram(edges=LATENCY_EDGES_S)
         self._bounces = []
         self._threads = []
         for t in range(threads):
@@ -503,8 +503,7 @@ class ReaderPool:
         self._stats["jobs"] += 1
         if job.error is not None and not isinstance(job.error, ModelChanged):
             self._stats["errors"] += 1
-        self._hist[bisect.bisect_left(LATENCY_EDGES_S, dt)] += 1
-        self._recent.append(dt)
+        self._latency.add(dt)
 
     def _callback(self, job: _Job, dt: float) -> None:
         if job.error is not None:
@@ -520,7 +519,7 @@ class ReaderPool:
         ``errors`` (failed jobs), ``in_flight`` (jobs submitted, not finished), ``queued_demand`` /
         ``queued_prefetch`` (jobs with no chunk issued yet), ``latency_edges_s`` +
         ``latency_hist`` (job latency counts; last bucket > last edge), ``p50_s`` / ``p99_s``
-        (over the last 4096 jobs; None if none), ``direct`` (bool per file), ``align`` (per file).
+        (over the last 8192 jobs; None if none; see :meth:`latency`), ``direct`` (bool per file), ``align`` (per file).
         ``errors`` leaves out jobs refused because the model changed (:class:`ModelChanged`).
         """
         with self._cond:
@@ -535,13 +534,19 @@ class ReaderPool:
                         qp += 1
             s["queued_demand"], s["queued_prefetch"] = qd, qp
             s["latency_edges_s"] = list(LATENCY_EDGES_S)
-            s["latency_hist"] = list(self._hist)
-            rec = sorted(self._recent)
-        s["p50_s"] = rec[len(rec) // 2] if rec else None
-        s["p99_s"] = rec[min(len(rec) - 1, int(len(rec) * 0.99))] if rec else None
+            s["latency_hist"] = list(self._latency.edge_counts)
+            lat = self._latency.to_dict()
+        s["p50_s"] = None if lat["p50_us"] is None else lat["p50_us"] / 1e6
+        s["p99_s"] = None if lat["p99_us"] is None else lat["p99_us"] / 1e6
         s["direct"] = list(self._direct)
         s["align"] = list(self._align)
         return s
+
+    def latency(self) -> dict:
+        """Read job latency, submit to completion (``LatencyHistogram.to_dict``: count, mean_us,
+        max_us, p50_us, p99_us, buckets_us): the cache's ``read_latency``."""
+        with self._cond:
+            return self._latency.to_dict()
 
     def close(self) -> None:
         """Stop the threads (after their current chunk); every unfinished job's callback gets

@@ -102,18 +102,9 @@ def plan(trace: Trace, warm_tokens: Optional[int] = None, tokens: Optional[int] 
         sim_warmup = w
         note = (f"trace has no decode tokens (prefill only): tokens after a warm-up prefix of "
                 f"{w} are treated as decode tokens")
-    sub = Trace(experts=t.experts[start:end], is_prompt=t.is_prompt[start:end],
-                weights=None if t.weights is None else t.weights[start:end],
-                predicted=None if t.predicted is None else t.predicted[start:end],
-                step=None if t.step is None else t.step[start:end],
-                meta={k: v for k, v in t.meta.items()
-                      if k not in ("n_tokens", "n_prompt_tokens", "n_decode_tokens")})
+    sub = t.window(start, end)
     n = end - start
-    if sub.step is not None and n:
-        st = np.flatnonzero(np.r_[True, sub.step[1:] != sub.step[:-1]])
-    else:
-        st = np.arange(n)
-    bounds = np.r_[st, n].astype(int)
+    bounds = sub.step_starts()
     steps = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
     if has_decode:
         dec = ~sub.is_prompt

@@ -38,7 +38,7 @@ import zmq
 
 from . import MoecacheError, __version__
 from . import protocol as P
-from ._serve import FastPath, RateLimit, TokenBucket
+from ._serve import FastPath, RateLimit, ServerHooks, TokenBucket
 from ._shm import RING_N
 from .arena import STATE_MODEL_CHANGED, STATE_SERVING
 from .cache import PrefetchQuota
@@ -48,6 +48,9 @@ log = logging.getLogger("moecached.server")
 
 _MORE_NB = int(zmq.SNDMORE | zmq.NOBLOCK)  # plain ints: enum flag arithmetic per send is slow
 _NB = int(zmq.NOBLOCK)
+#: environment variable: "0" starts every Server with ``fast_path`` False (the hot path off;
+#: everything takes the general path). The test suite runs the server-facing tests both ways.
+HOT_PATH_ENV = "MOECACHED_HOT_PATH"
 #: ops never rate-limited: they give resources back (refusing them would keep pins)
 _UNLIMITED_OPS = frozenset({"release", "bye"})
 
@@ -222,9 +225,9 @@ class Server:
         on_tick: optional callable(now) run about every ``tick_s`` seconds in the loop
             (the memory floor hooks in here).
     Attributes:
-        fast_path: True (default) to offer each request to the Cython hot path first; set it
-            False before ``serve_forever`` to serve everything with :meth:`_handle` (tests
-            compare the two).
+        fast_path: True (default; False when the environment has ``MOECACHED_HOT_PATH=0``) to
+            offer each request to the Cython hot path first; set it False before
+            ``serve_forever`` to serve everything with :meth:`_handle` (tests compare the two).
         extra_stats: optional callable -> dict merged into ``stats`` (the memory floor's).
         extra_status: optional callable -> dict merged into ``status`` (the arena's health).
         endpoint_lock: the fd :func:`lock_endpoint` returned, when the caller took it first.
@@ -290,12 +293,14 @@ class Server:
         self.on_model_change = None  # optional callable(message), run in the loop thread
         self._model_change = None    # message waiting for on_model_change
         self._fast = None
+        self._hooks = None   # the hot path's ServerHooks (kept current: see _fast_handler)
         self._stopping = False
         self._loop_tid = None
         self._hup = False        # SIGHUP seen; the loop runs self._on_hup
         self._ops = {op: getattr(self, "_op_" + op) for op in P.OPS}
         self._packb = msgpack.Packer(use_bin_type=True).pack  # reused; the loop thread only
-        self.fast_path = True  # serve resident acquires / own noreply releases in Cython first
+        # serve resident acquires / own noreply releases in Cython first
+        self.fast_path = os.environ.get(HOT_PATH_ENV, "1") != "0"
         self._on_hup = None
         self._lock_fd = None
         self._bound = None     # (mode, gid) of the ipc socket file once bound
@@ -567,12 +572,35 @@ class Server:
         return max(1, (self.client_max_prefetch or 0) // (1 + active))
 
     def _fast_handler(self):
-        """``frames -> bool``: the Cython hot path (``moecached._serve.FastPath``), or a stub
-        that always declines when ``fast_path`` is False (everything then takes ``_handle``)."""
+        """``frames -> bool``: the Cython hot path (``moecached._serve.FastPath``) on this
+        server's :class:`~moecached._serve.ServerHooks` (all it may use of the server), or a
+        stub that always declines when ``fast_path`` is False (everything then takes
+        ``_handle``). Built again for each session; the hooks' live fields (request limits,
+        tracing) are kept current by :meth:`set_request_limits` and the trace ops."""
+        self._hooks = None
         if not self.fast_path:
             return lambda frames: False
-        unpack = functools.partial(msgpack.unpackb, **P.UNPACK_LIMITS)
-        return FastPath(self, unpack, _MORE_NB, _NB).handle
+        cache = self.cache
+        self._hooks = hooks = ServerHooks(
+            clients=self.clients, leases=self.leases, counters=self.counters,
+            limit=self.rate_limit, send=self.sock.send, packb=self._packb,
+            unpack=functools.partial(msgpack.unpackb, **P.UNPACK_LIMITS),
+            register=self._register, undelivered=self._undelivered,
+            acquire_resident=cache.acquire_resident, release=cache.release,
+            generations=cache.lease_generations, drain_pins=cache.drain_pins,
+            prefetch_noop=cache.prefetch_noop, version=P.PROTOCOL_VERSION,
+            fields=P.HOT_PATH_FIELDS, session=self.session,
+            max_message_bytes=self.max_message_bytes, max_experts=self.checker.max_experts,
+            tracing=self.recorder is not None, more_nb=_MORE_NB, nb=_NB)
+        return FastPath(hooks).handle
+
+    def set_request_limits(self, max_request_experts: int, max_message_bytes: int) -> None:
+        """Apply the request limits (at reload): experts per request, bytes per message."""
+        self.checker.max_experts = int(max_request_experts)
+        self.max_message_bytes = int(max_message_bytes)
+        if self._hooks is not None:
+            self._hooks.max_experts = self.checker.max_experts
+            self._hooks.max_message_bytes = self.max_message_bytes
 
     def model_changed(self, message: str) -> None:
         """The model file changed (any thread): run ``on_model_change(message)`` in the loop."""
@@ -1091,6 +1119,8 @@ class Server:
         self.cache.fast_log = []
         self.recorder = TraceRecorder(path, len(idx.expert_layers), idx.top_k, idx.n_experts, client=who)
         self.recorder_client = who
+        if self._hooks is not None:
+            self._hooks.tracing = True
         self._reply(c.ident, rid, path=path)
 
     def _record_fast_hits(self) -> None:
@@ -1121,6 +1151,8 @@ class Server:
             self._record_fast_hits()
         self.cache.fast_log = None
         rec, self.recorder = self.recorder, None
+        if self._hooks is not None:
+            self._hooks.tracing = False
         tr = rec.close() if rec is not None else None
         info = None
         if tr is not None and hasattr(tr, "experts"):

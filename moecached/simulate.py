@@ -101,18 +101,6 @@ def window_end(trace: Trace, warmup: int, tokens: int) -> int:
     return min(T, warmup + tokens)
 
 
-def _head(t: Trace, end: int) -> Trace:
-    """The first ``end`` tokens of ``t`` (meta kept, per-trace counts dropped)."""
-    if end >= t.n_tokens:
-        return t
-    cut = lambda a: None if a is None else a[:end]  # noqa: E731
-    return Trace(experts=t.experts[:end], is_prompt=t.is_prompt[:end], weights=cut(t.weights),
-                 predicted=cut(t.predicted), step=cut(t.step),
-                 meta={k: v for k, v in t.meta.items()
-                       if k not in ("n_tokens", "n_prompt_tokens", "n_decode_tokens")}
-                 | {"n_experts": t.n_experts})
-
-
 def prepare(trace, warmup: Optional[int] = None, tokens: Optional[int] = None) -> Stream:
     """Build the access stream of ``trace`` (a Trace or a path).
 
@@ -133,14 +121,12 @@ def prepare(trace, warmup: Optional[int] = None, tokens: Optional[int] = None) -
         warmup = 0 if has_decode else min(256, T // 4)
     if warmup < 0:
         raise SimulationError(f"warmup: found {warmup}, expected >= 0 tokens")
-    if tokens is not None:
-        t = _head(t, window_end(t, warmup, tokens))
+    end = T if tokens is None else window_end(t, warmup, tokens)
+    if end < T:
+        t = t.window(0, end)
     T, L, E = t.n_tokens, t.n_layers, t.n_experts
-    if t.step is not None and T:
-        starts = np.flatnonzero(np.r_[True, t.step[1:] != t.step[:-1]])
-    else:
-        starts = np.arange(T)
-    step_start = np.r_[starts, T].astype(np.int64)
+    step_start = t.step_starts()
+    starts = step_start[:-1]
     ex = np.ascontiguousarray(t.experts, dtype=np.int16)
     keys, ss, sl, st = _c.build_stream(ex, step_start, E)
     decode = ~t.is_prompt

@@ -92,6 +92,39 @@ class Trace:
     def n_decode(self) -> int:
         return int(self.n_tokens - np.count_nonzero(self.is_prompt))
 
+    def window(self, start: int = 0, end: Optional[int] = None, *, layers: Optional[int] = None) -> "Trace":
+        """Tokens ``[start, end)`` (and, with ``layers``, only the first ``layers`` MoE layers)
+        as a trace of their own: every per-token array sliced alike (contiguous), ``meta``
+        kept but for the per-trace token counts, ``n_experts`` pinned (a window's ids need not
+        reach the largest), ``n_moe_layers`` set when ``layers`` is given. The one way
+        ``simulate``, ``replay`` and ``demo`` cut a trace."""
+        end = self.n_tokens if end is None else min(int(end), self.n_tokens)
+        start = max(0, int(start))
+        lay = slice(None) if layers is None else slice(0, int(layers))
+
+        def cut(a, per_layer=True):
+            if a is None:
+                return None
+            return np.ascontiguousarray(a[start:end, lay] if per_layer else a[start:end])
+        meta = {k: v for k, v in self.meta.items()
+                if k not in ("n_tokens", "n_prompt_tokens", "n_decode_tokens")}
+        meta["n_experts"] = self.n_experts
+        if layers is not None:
+            meta["n_moe_layers"] = int(layers)
+        return Trace(experts=cut(self.experts), is_prompt=cut(self.is_prompt, False),
+                     weights=cut(self.weights), predicted=cut(self.predicted),
+                     step=cut(self.step, False), meta=meta)
+
+    def step_starts(self) -> np.ndarray:
+        """int64 ``[n_steps + 1]``: the first token of every step (one token, or a run of equal
+        ``step`` ids), then ``n_tokens``."""
+        T = self.n_tokens
+        if self.step is not None and T:
+            starts = np.flatnonzero(np.r_[True, self.step[1:] != self.step[:-1]])
+        else:
+            starts = np.arange(T)
+        return np.r_[starts, T].astype(np.int64)
+
     def validate(self, name: str = "<trace>") -> "Trace":
         """Check shapes, dtypes and id ranges; returns self. Raises TraceError (one line)."""
         _validate(self, name)

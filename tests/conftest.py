@@ -27,3 +27,18 @@ def model_factory(tmp_path_factory):
         return make_model(base, layout_name, **kw)
 
     return make
+
+
+@pytest.fixture(scope="module", params=["hot_path_on", "hot_path_off"])
+def hot_path(request):
+    """Runs a module twice: every Server built in it (in-process, or a daemon a test starts,
+    which inherits the environment) with the Cython hot path on, then off
+    (``MOECACHED_HOT_PATH=0``: everything takes ``Server._handle``). The value is True when on.
+    Server-facing modules use it for the whole module::
+
+        pytestmark = pytest.mark.usefixtures("hot_path")
+    """
+    from moecached.server import HOT_PATH_ENV
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(HOT_PATH_ENV, "1" if request.param == "hot_path_on" else "0")
+        yield request.param == "hot_path_on"

@@ -38,11 +38,31 @@ from moecached.synth import verify_expert_bytes, write_model
 _CACHE: dict[tuple, str] = {}
 
 
-def shared_layouts_dir() -> Path | None:
-    """Directory of the project's reference layouts: ``$MOECACHE_SHARED/layouts`` if the env var
-    is set, else ``<repo>/../shared/layouts``; None when absent."""
+def shared_dir() -> Path:
+    """The project's shared data (``layouts/``, ``traces/``): ``$MOECACHE_SHARED`` if set, else
+    ``<repo>/../shared``. It may be absent: use the helpers below, which skip or say so."""
     env = os.environ.get("MOECACHE_SHARED")
-    cands = [Path(env) / "layouts", Path(env)] if env else []
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared"
+
+
+def shared_traces() -> list[Path]:
+    """The shared routing traces (``*.npz`` under ``shared_dir()/traces``), sorted; [] when absent."""
+    return sorted((shared_dir() / "traces").glob("*.npz"))
+
+
+def trace_path(name: str) -> Path:
+    """Path of the shared trace ``name`` (file name); skips the calling test when it is absent."""
+    p = shared_dir() / "traces" / name
+    if not p.is_file():
+        pytest.skip(f"shared trace {name} not found (set MOECACHE_SHARED or provide ../shared/traces)")
+    return p
+
+
+def shared_layouts_dir() -> Path | None:
+    """Directory of the project's reference layouts: ``shared_dir()/layouts`` (or
+    ``$MOECACHE_SHARED`` itself when it holds the layouts); None when absent."""
+    env = os.environ.get("MOECACHE_SHARED")
+    cands = [shared_dir() / "layouts"] + ([Path(env)] if env else [])
     cands.append(Path(__file__).resolve().parents[2] / "shared" / "layouts")
     for c in cands:
         if c.is_dir() and any(c.glob("*.json")):

@@ -314,6 +314,11 @@ def test_counters_exact_on_scripted_sequence(models):
         assert s["layers"][str(L)] == {"hits": 3, "demand_misses": 2, "prefetch_hits": 1, "reads": 4}
         assert s["classes"][0]["hits"] == 3 and s["classes"][0]["slots"] == 2
         assert s["read_latency"]["count"] == 4 and s["read_latency"]["p50_us"] > 0
+        # one measurement (the reader pool's), two views: the cache's summary, the pool's histogram
+        rd = s["readers"]
+        assert s["read_latency"]["count"] == rd["jobs"] == sum(rd["latency_hist"]) == 4
+        assert rd["p50_s"] * 1e6 == pytest.approx(s["read_latency"]["p50_us"])
+        assert rd["p99_s"] * 1e6 == pytest.approx(s["read_latency"]["p99_us"])
         assert s["pinned"] == 0 and s["reads_in_flight"] == 0
     finally:
         cache.close()

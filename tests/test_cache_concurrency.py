@@ -11,17 +11,15 @@ expert ``e`` -> ``e % n_experts`` (duplicates after the fold dropped, order kept
 """
 from __future__ import annotations
 
-import glob
 import os
 import random
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from fixtures import make_model
+from fixtures import make_model, shared_dir, shared_traces
 from moecached.cache import ExpertCache, Lease
 from moecached.index import open_index
 from test_cache import FileTruth, wait_idle
@@ -31,13 +29,7 @@ TIMEOUT_S = 60.0  # an acquire this slow means a deadlock
 
 
 def _traces_dir():
-    d = os.environ.get("MOECACHE_SHARED")
-    cands = [Path(d) / "traces"] if d else []
-    cands.append(Path(__file__).resolve().parents[2] / "shared" / "traces")
-    for c in cands:
-        if c.is_dir() and glob.glob(str(c / "*.npz")):
-            return c
-    return None
+    return shared_dir() / "traces" if shared_traces() else None
 
 
 def load_traces(idx):

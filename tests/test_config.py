@@ -310,3 +310,17 @@ def test_sizes_over_one_eib_are_refused(tmp_path, value):
     carry integers >= 2**64, and broke `stats` and the exporter until the floor was turned off."""
     path, msg = err_file(tmp_path, f"floor = {value}\n")
     assert msg.startswith(f"{path}: floor = ") and msg.endswith("at most 1 EiB"), msg
+
+
+def test_docs_mark_exactly_the_reloadable_keys():
+    """docs/operations.md's configuration table marks *reload* exactly the keys whose row in
+    config.KEYS carries a reload function, and lists every key."""
+    import re
+    from pathlib import Path
+    from moecached.config import KEYS, RELOADABLE
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"(?m)^\| `([a-z_]+)` \| `--[a-z-]+` \|.*$", doc)}
+    assert set(KEYS) <= set(rows), sorted(set(KEYS) - set(rows))
+    marked = {k for k in KEYS if "*reload*" in rows[k]}
+    assert marked == RELOADABLE, (sorted(marked - RELOADABLE), sorted(RELOADABLE - marked))
+    assert RELOADABLE == {k for k, key in KEYS.items() if key.reload is not None}

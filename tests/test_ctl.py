@@ -65,7 +65,7 @@ def test_version(capsys):
 
 @pytest.fixture
 def daemon(model_factory, tmp_path, monkeypatch):
-    from test_server import Daemon
+    from daemon_util import Daemon
     d = Daemon(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8), tmp_path)
     monkeypatch.setenv("MOECACHED_ENDPOINT", d.endpoint)
     yield d

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from daemon_util import start_daemon, stop_daemon
+from fixtures import trace_path
 from moecache_client import Client, ClientError
 
 HERE = Path(__file__).resolve().parent
-SHARED = Path(os.environ.get("MOECACHE_SHARED", HERE.parents[1] / "shared"))
-TRACE = SHARED / "traces" / "qwen3_30b_a3b_sharegpt_prefill_2080.npz"
+TRACE_NAME = "qwen3_30b_a3b_sharegpt_prefill_2080.npz"
 
 
 @pytest.fixture
@@ -24,13 +24,12 @@ def model(model_factory):
 
 
 def test_two_clients_share_one_copy(model, tmp_path):
-    if not TRACE.exists():
-        pytest.skip(f"{TRACE} not found")
+    trace = trace_path(TRACE_NAME)
     sock = str(tmp_path / "d.sock")
     d = start_daemon(model, sock, "--slots", "64")  # everything fits: nothing is evicted
     try:
         procs = [subprocess.Popen([sys.executable, str(HERE / "replay_client.py"), f"ipc://{sock}",
-                                   str(TRACE), f"client{i}", "60", "0"],
+                                   str(trace), f"client{i}", "60", "0"],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for i in range(2)]
         outs = []

@@ -6,23 +6,18 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
-import pytest
 
 from moecached.simulate import simulate
 from moecached.trace import Trace, load_trace
 from moecached.workload import generate, locality_stats
 
+from fixtures import trace_path
 
-def trace_path():
-    env = os.environ.get("MOECACHE_SHARED")
-    d = Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared"
-    p = d / "traces" / "qwen3_30b_a3b_sharegpt_prefill_2080.npz"
-    if not p.is_file():
-        pytest.skip("real traces not found (set MOECACHE_SHARED or provide ../shared/traces)")
-    return p
+
+def qwen_trace_path():
+    return trace_path("qwen3_30b_a3b_sharegpt_prefill_2080.npz")
 
 
 def run_demo(args, tmp_path):
@@ -34,13 +29,13 @@ def run_demo(args, tmp_path):
 
 
 def test_demo_real_trace(tmp_path):
-    out, err = run_demo(["--trace", str(trace_path()), "--layers", "2", "--sizes", "0.25,0.5",
+    out, err = run_demo(["--trace", str(qwen_trace_path()), "--layers", "2", "--sizes", "0.25,0.5",
                          "--warm-tokens", "24", "--tokens", "64"], tmp_path)
     assert "REAL trace" in err and "first 2 of 48 MoE layers" in err
     res = out["results"]
     assert [r["size_fraction"] for r in res] == [0.25, 0.5]
     assert [r["slots"] for r in res] == [64, 128]
-    t = load_trace(trace_path())
+    t = load_trace(qwen_trace_path())
     t2 = Trace(experts=np.ascontiguousarray(t.experts[:, :2]), is_prompt=t.is_prompt,
                meta={"n_experts": t.n_experts})
     for r in res:

@@ -22,6 +22,8 @@ from shm_shim import OK, FastClient
 N_EXP = 16
 
 
+pytestmark = pytest.mark.usefixtures("hot_path")
+
 @pytest.fixture
 def model(model_factory):
     # 4 blocks x 16 experts of real Qwen3-30B-A3B Q4_K_M sizes (two size classes)

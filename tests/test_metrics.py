@@ -183,3 +183,27 @@ def test_bad_listen_is_one_line_error(tmp_path):
                            capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert len(r.stderr.strip().splitlines()) == 1 and "cannot listen" in r.stderr
+
+
+def test_declared_stats_reach_every_view_and_the_docs(model, tmp_path):
+    """Each counter declared in moecached.stats is in ExpertCache/Server stats, is exported
+    under its declared name and kind, and both names are in docs/operations.md's tables."""
+    import re
+    from pathlib import Path
+    from daemon_util import Daemon
+    from moecached.stats import CACHE_STATS, SERVER_COUNTERS
+    with Daemon(model, tmp_path) as d:
+        with Client(d.endpoint, name="engine", map_arena=False) as c:
+            work(c, [1, 2])
+        st = d.server.stats()
+    fams = {f.name: f.type for f in StatsCollector("ipc:///nonexistent")._families(st)}
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    stat_rows = doc[doc.index("## What each stat means"):doc.index("## Prometheus metrics")]
+    metric_rows = doc[doc.index("## Prometheus metrics"):]
+    for s in CACHE_STATS + SERVER_COUNTERS:
+        if s not in SERVER_COUNTERS:
+            assert s.key in st, s.key
+            assert re.search(rf"`{s.key}`", stat_rows), f"stat {s.key} not in docs/operations.md"
+        assert fams.get(f"moecached_{s.metric}") == s.kind, (s.metric, fams.get(f"moecached_{s.metric}"))
+        shown = s.metric + ("_total" if s.kind == "counter" else "")
+        assert re.search(rf"`{shown}`", metric_rows), f"metric {shown} not in docs/operations.md"

@@ -8,11 +8,9 @@ size -> slots mapping (``simulate.capacities``, tested separately against the da
 import bisect
 import json
 import math
-import os
 import types
 from collections import defaultdict
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,9 +20,10 @@ from moecached.policy import LRU, POLICIES, expand_policies
 from moecached.replay import reference_lru
 from moecached.trace import Trace, load_trace
 
-SHARED = Path(os.environ.get("MOECACHE_SHARED",
-                             Path(__file__).resolve().parents[1].parent / "shared"))
-TRACES = sorted((SHARED / "traces").glob("*.npz"))
+from fixtures import shared_dir, shared_traces
+
+SHARED = shared_dir()
+TRACES = shared_traces()
 need_traces = pytest.mark.skipif(not TRACES, reason=f"no traces under {SHARED}/traces")
 ALL = list(POLICIES)
 LAYER_POLICIES = [p for p in ALL if POLICIES[p][0] == "layer"]

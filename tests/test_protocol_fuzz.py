@@ -1,6 +1,5 @@
 """Property-based fuzz of the message layer: whatever arrives, the daemon answers with a
 structured reply (never crashes, never hangs), and keeps serving."""
-import threading
 
 import msgpack
 import pytest
@@ -9,9 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moecached import protocol as P
-from moecached.cache import ExpertCache
-from moecached.index import open_index
-from moecached.server import Server
+
+from daemon_util import Daemon
+
+pytestmark = pytest.mark.usefixtures("hot_path")
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(allow_nan=False),
                     st.text(max_size=20), st.binary(max_size=20))
@@ -29,21 +29,15 @@ def request_like():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, model_factory):
-    tmp = tmp_path_factory.mktemp("fuzz")
-    idx = open_index(model_factory("qwen3-30b-a3b-Q4_K_M", layers=2, experts=8))
-    cache = ExpertCache(idx, slots=16, lock_memory=False, readers=2)
-    srv = Server(cache, endpoint=f"ipc://{tmp}/f.sock", heartbeat_s=30)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
+def server(tmp_path_factory, model_factory, hot_path):
+    d = Daemon(model_factory("qwen3-30b-a3b-Q4_K_M", layers=2, experts=8),
+               tmp_path_factory.mktemp("fuzz"), sock="f.sock", readers=2, heartbeat_s=30)
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
-    s.connect(srv.endpoint)
-    yield srv, s
+    s.connect(d.endpoint)
+    yield d.server, s
     s.close()
-    srv.stop()
-    t.join(10)
-    cache.close()
+    d.stop()
 
 
 def roundtrip(sock, payload: bytes, expect_reply=True):

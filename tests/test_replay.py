@@ -1,8 +1,6 @@
 """Replay against a live daemon: with prefetch off its hits are exactly the simulator's g-lru
 (same tokens, warm-up, slots per size class; also through ``tokens=``, the CLI's ``--tokens``)
 and the daemon-LRU reference's; plan() windows; prefetch counting."""
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,25 +9,15 @@ from moecached.replay import ReplayError, parse_predictor, plan, reference_lru, 
 from moecached.simulate import simulate
 from moecached.trace import Trace, load_trace
 
-from fixtures import make_model
-
-
-def shared_dir():
-    env = os.environ.get("MOECACHE_SHARED")
-    d = Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared"
-    return d if (d / "traces").is_dir() else None
+from fixtures import make_model, trace_path
 
 
 def qwen_trace(name="qwen3_30b_a3b_sharegpt_prefill_2080.npz"):
-    d = shared_dir()
-    if d is None or not (d / "traces" / name).is_file():
-        pytest.skip("real traces not found (set MOECACHE_SHARED or provide ../shared/traces)")
-    return load_trace(d / "traces" / name)
+    return load_trace(trace_path(name))
 
 
 def sliced(t, layers, tokens):
-    return Trace(experts=np.ascontiguousarray(t.experts[:tokens, :layers]),
-                 is_prompt=t.is_prompt[:tokens].copy(), meta={"n_experts": t.n_experts})
+    return t.window(0, tokens, layers=layers)
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +106,7 @@ def test_plan_windows():
     p = plan(t, 10, 5)
     assert (p.start, p.end, p.warm_tokens, p.counted_tokens) == (0, 15, 10, 5)
     assert simulate(t, "g-lru", 0.25, warmup=10, tokens=5)["counted_tokens"] == 5
-    d = shared_dir() / "traces" / "mixtral8x7b_humaneval0_full.npz"
-    m = load_trace(d)
+    m = load_trace(trace_path("mixtral8x7b_humaneval0_full.npz"))
     p = plan(m, 20, 7)
     first = int(np.argmax(~m.is_prompt))
     assert (p.start, p.warm_tokens, p.counted_tokens) == (first - 20, 20, 7)

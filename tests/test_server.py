@@ -6,10 +6,12 @@ import msgpack
 import pytest
 import zmq
 
-from moecached.cache import ExpertCache
-from moecached.index import open_index
 from moecached.server import Server, ServerError
 from moecache_client import Client, ServerError as CError
+
+from daemon_util import Daemon
+
+pytestmark = pytest.mark.usefixtures("hot_path")
 
 
 def file_bytes(idx, layer, expert):
@@ -19,21 +21,6 @@ def file_bytes(idx, layer, expert):
             f.seek(s.offset)
             out[s.part] = f.read(s.nbytes)
     return out
-
-
-class Daemon:
-    def __init__(self, path, tmp, **kw):
-        self.idx = open_index(path)
-        self.cache = ExpertCache(self.idx, slots=kw.pop("slots", 16), lock_memory=False, readers=4)
-        self.endpoint = f"ipc://{tmp}/d.sock"
-        self.server = Server(self.cache, endpoint=self.endpoint, model_path=path, **kw)
-        self.t = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.t.start()
-
-    def stop(self):
-        self.server.stop()
-        self.t.join(10)
-        self.cache.close()
 
 
 @pytest.fixture
@@ -227,11 +214,9 @@ def test_client_shared_between_threads(daemon):
 
 def test_timed_out_acquire_never_leaks_into_later_calls(model_factory, tmp_path):
     from moecache_client import Timeout
-    idx = open_index(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8))
-    cache = ExpertCache(idx, slots=32, lock_memory=False, readers=1, chunk_bytes=4096)
-    srv = Server(cache, endpoint=f"ipc://{tmp_path}/t.sock")
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
+    d = Daemon(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8), tmp_path, sock="t.sock",
+               slots=32, readers=1, chunk_bytes=4096)
+    srv, cache = d.server, d.cache
     try:
         with Client(srv.endpoint) as c:
             L = c.expert_layers
@@ -255,9 +240,7 @@ def test_timed_out_acquire_never_leaks_into_later_calls(model_factory, tmp_path)
                 time.sleep(0.05)
             assert cache.pinned_count() == 0
     finally:
-        srv.stop()
-        t.join(10)
-        cache.close()
+        d.stop()
 
 
 def test_trace_paths_are_safe(daemon, tmp_path):
@@ -317,11 +300,9 @@ def test_client_refuses_bad_values_locally(daemon):
 
 
 def test_max_message_bytes_is_enforced(model_factory, tmp_path):
-    idx = open_index(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8))
-    cache = ExpertCache(idx, slots=16, lock_memory=False, readers=2)
-    srv = Server(cache, endpoint=f"ipc://{tmp_path}/m.sock", max_message_bytes=4096)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
+    d = Daemon(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8), tmp_path, sock="m.sock",
+               readers=2, max_message_bytes=4096)
+    srv = d.server
     try:
         rep = raw(srv.endpoint, msgpack.packb({"v": 1, "id": 5, "op": "ping", "pad": "x" * 3000}))
         assert rep["ok"]
@@ -330,9 +311,7 @@ def test_max_message_bytes_is_enforced(model_factory, tmp_path):
         with Client(srv.endpoint) as c:
             assert c.info["limits"]["max_message_bytes"] == 4096
     finally:
-        srv.stop()
-        t.join(10)
-        cache.close()
+        d.stop()
 
 
 def test_req_style_envelope_is_echoed(daemon):
@@ -463,13 +442,9 @@ def test_noreply_release_fast_path_keeps_ownership_rules(daemon):
 def test_fast_path_and_general_path_count_alike(model_factory, tmp_path, fast):
     """The same request sequence served with and without the Cython hot path leaves the same
     per-client and cache counters (hits, prefetch hits, misses, requests, leases)."""
-    path = model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8)
-    idx = open_index(path)
-    cache = ExpertCache(idx, slots=16, lock_memory=False, readers=2)
-    srv = Server(cache, endpoint=f"ipc://{tmp_path}/f.sock")
-    srv.fast_path = fast
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
+    d = Daemon(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8), tmp_path, sock="f.sock",
+               readers=2, fast=fast)
+    idx, cache, srv = d.idx, d.cache, d.server
     try:
         L = idx.expert_layers
         # every request over the socket (the client's shared-memory hit path would bypass both)
@@ -496,9 +471,7 @@ def test_fast_path_and_general_path_count_alike(model_factory, tmp_path, fast):
         assert st["hits"] == 10 and st["prefetch_hits"] == 1 and st["demand_misses"] == 6
         assert cache.pinned_count() == 0 and not srv.leases
     finally:
-        srv.stop()
-        t.join(10)
-        cache.close()
+        d.stop()
 
 
 def test_huge_expert_id_is_out_of_range_on_both_paths(model_factory, tmp_path):
@@ -580,8 +553,9 @@ def test_timed_out_acquire_is_cancelled_in_the_daemon(model_factory, tmp_path):
     """A client that gives up on an acquire (Timeout) sends ``cancel``: the daemon drops the
     pending acquire and its pins at once; the reads finish as prefetches; no lease appears."""
     from moecache_client import Timeout
-    idx = open_index(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8))
-    cache = ExpertCache(idx, slots=32, lock_memory=False, readers=2)
+    d = Daemon(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8), tmp_path, sock="t.sock",
+               slots=32, readers=2)
+    cache = d.cache
     held, gate, mu = [], threading.Event(), threading.Lock()
     submit = cache.readers.submit
 
@@ -594,9 +568,7 @@ def test_timed_out_acquire_is_cancelled_in_the_daemon(model_factory, tmp_path):
             callback(*a)
         return submit(reads, priority=priority, callback=cb)
     cache.readers.submit = held_submit
-    srv = Server(cache, endpoint=f"ipc://{tmp_path}/t.sock")
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
+    srv = d.server
 
     def mine(st):
         return [x for x in st["clients"] if x["name"] == "giver-up"][0]
@@ -625,6 +597,37 @@ def test_timed_out_acquire_is_cancelled_in_the_daemon(model_factory, tmp_path):
             assert rep["error"]["code"] == "bad_type"
         assert cache.pinned_count() == 0 and not srv.leases
     finally:
-        srv.stop()
-        t.join(10)
-        cache.close()
+        d.stop()
+
+
+def test_hot_path_follows_the_environment(daemon, hot_path):
+    """MOECACHED_HOT_PATH=0 starts a Server with the Cython hot path off (the hot_path fixture
+    runs this module both ways)."""
+    assert daemon.server.fast_path is hot_path
+
+
+def test_request_limits_changed_live_reach_the_hot_path(daemon):
+    """A live change of max_request_experts (SIGHUP) applies to every request at once: an
+    acquire of resident experts over the new limit, from a client the hot path knows, is
+    refused there too."""
+    L = daemon.idx.expert_layers
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(daemon.endpoint)
+
+    def call(msg):
+        s.send(msgpack.packb({"v": 1, **msg}))
+        assert s.poll(5000), "daemon did not answer"
+        return msgpack.unpackb(s.recv(), raw=False)
+    try:
+        lease = call({"id": 1, "op": "acquire", "layer": L[1], "experts": [0, 1]})["lease"]
+        call({"id": 2, "op": "release", "lease": lease})   # resident now: the hot path may serve it
+        daemon.server.set_request_limits(1, daemon.server.max_message_bytes)
+        rep = call({"id": 3, "op": "acquire", "layer": L[1], "experts": [0, 1]})
+        assert rep["ok"] is False and rep["error"]["code"] == "too_large", rep
+        rep = call({"id": 4, "op": "acquire", "layer": L[1], "experts": [1]})
+        assert rep["ok"] and rep["hits"] == 1, rep
+        assert call({"id": 5, "op": "release", "lease": rep["lease"]})["released"] == 1
+    finally:
+        s.close()
+    assert daemon.cache.pinned_count() == 0

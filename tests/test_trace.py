@@ -2,7 +2,6 @@
 import json
 import os
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,9 +9,9 @@ import pytest
 from moecached.trace import (Trace, TraceError, TraceRecorder, convert_jsonl, convert_main,
                              load_trace, save_trace)
 
-SHARED = Path(os.environ.get("MOECACHE_SHARED",
-                             Path(__file__).resolve().parents[1].parent / "shared"))
-TRACES = sorted((SHARED / "traces").glob("*.npz"))
+from fixtures import shared_traces
+
+TRACES = shared_traces()
 
 
 def small(**kw):
@@ -317,3 +316,27 @@ def test_load_trace_not_a_regular_file():
         load_trace("/dev/null")
     assert str(ei.value) == ("/dev/null: not a regular file (a character device), expected a .npz archive "
                              "(docs/trace-format.md)")
+
+
+def test_window_and_step_starts():
+    """Trace.window cuts every per-token array alike, keeps meta but the token counts, pins
+    n_experts; step_starts gives the steps' first tokens then n_tokens."""
+    rng = np.random.default_rng(0)
+    T, L, K = 9, 3, 2
+    ex = rng.integers(0, 5, size=(T, L, K)).astype(np.int16)
+    t = Trace(experts=ex, is_prompt=np.arange(T) < 3, weights=rng.random((T, L, K), dtype=np.float32),
+              predicted=ex[:, :, :1].copy(), step=np.array([0, 0, 0, 1, 2, 2, 3, 4, 4], np.int32),
+              meta={"model": "m", "n_tokens": T, "n_decode_tokens": 6, "n_experts": 64})
+    assert t.step_starts().tolist() == [0, 3, 4, 6, 7, 9]
+    w = t.window(2, 7)
+    assert w.n_tokens == 5 and (w.experts == ex[2:7]).all() and (w.weights == t.weights[2:7]).all()
+    assert (w.predicted == t.predicted[2:7]).all() and w.is_prompt.tolist() == [True, False, False, False, False]
+    assert w.step.tolist() == [0, 1, 2, 2, 3] and w.step_starts().tolist() == [0, 1, 2, 4, 5]
+    assert w.meta == {"model": "m", "n_experts": 64}
+    lay = t.window(layers=2)
+    assert lay.experts.shape == (T, 2, K) and lay.experts.flags.c_contiguous
+    assert lay.meta["n_moe_layers"] == 2 and (lay.experts == ex[:, :2]).all()
+    no_step = Trace(experts=ex, is_prompt=np.zeros(T, bool))
+    assert no_step.step_starts().tolist() == list(range(T + 1))
+    assert no_step.window(4).n_experts == no_step.n_experts   # pinned: the window's ids may not reach it
+    w.validate()
