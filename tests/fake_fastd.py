@@ -10,7 +10,6 @@ ring. Two size classes (different part sizes) so class slot bases are exercised.
 from __future__ import annotations
 
 import collections
-import os
 import threading
 
 import msgpack

@@ -49,16 +49,19 @@ def _make(*args: str, timeout: float = 600) -> str:
     return p.stdout
 
 
+@pytest.mark.slow
 def test_c_client_tests():
     out = _make("test")
     assert "test_daemon: ok" in out and "test_concurrency: ok" in out and "0 wrong parts, 0 invalid leases" in out
 
 
+@pytest.mark.slow
 def test_c_client_asan_ubsan():
     out = _make("test-asan")
     assert "test_daemon: ok" in out and "test_fastpath: ok" in out
 
 
+@pytest.mark.slow
 def test_c_client_tsan():
     out = _make("test-tsan")
     assert "test_concurrency: ok" in out and "test_daemon: ok" in out

@@ -14,7 +14,7 @@ import pytest
 
 import moecache_client
 from moecache_client import Client, DaemonRestarted, LeaseInvalid, ServerError
-from fake_fastd import CLASSES, FakeDaemon, LAYER_CLASS, RING_N, expert_bytes
+from fake_fastd import CLASSES, FakeDaemon, RING_N, expert_bytes
 
 FAST = moecache_client.IMPLEMENTATION == "cython"
 

@@ -6,7 +6,6 @@ another client's eviction churn, a release is a store, and after a daemon restar
 session is dropped and the client says hello again. Under ``MOECACHE_CLIENT_PURE=1`` the same
 calls go over the socket (the request counts say so) and give the same bytes.
 """
-import os
 
 import pytest
 

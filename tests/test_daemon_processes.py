@@ -23,6 +23,7 @@ def model(model_factory):
     return model_factory("qwen3-30b-a3b-Q4_K_M", layers=[0, 6, 7, 8], experts=16)
 
 
+@pytest.mark.slow
 def test_two_clients_share_one_copy(model, tmp_path):
     trace = trace_path(TRACE_NAME)
     sock = str(tmp_path / "d.sock")

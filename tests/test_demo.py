@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from moecached.simulate import simulate
 from moecached.trace import Trace, load_trace
@@ -28,6 +29,7 @@ def run_demo(args, tmp_path):
     return json.loads(p.stdout), p.stderr
 
 
+@pytest.mark.slow
 def test_demo_real_trace(tmp_path):
     out, err = run_demo(["--trace", str(qwen_trace_path()), "--layers", "2", "--sizes", "0.25,0.5",
                          "--warm-tokens", "24", "--tokens", "64"], tmp_path)
@@ -56,6 +58,7 @@ def test_demo_real_trace(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_demo_synthetic_small(tmp_path):
     out, err = run_demo(["--layers", "2", "--sizes", "0.5", "--warm-tokens", "8",
                          "--tokens", "16", "--keep"], tmp_path)

@@ -17,7 +17,7 @@ import pytest
 from daemon_util import start_daemon, stop_daemon
 from moecache_client import Client
 from moecached.synth import verify_expert_bytes
-from shm_shim import OK, FastClient
+from shm_shim import FastClient
 
 N_EXP = 16
 

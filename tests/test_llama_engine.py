@@ -157,6 +157,7 @@ def test_daemon_restart_mid_decode_is_an_error_or_a_correct_continuation(models,
         assert reference[quant].read_bytes().startswith(got)
 
 
+@pytest.mark.slow
 def test_daemon_crash_while_a_lease_is_held_discards_the_batch_and_continues(models, reference, tmp_path):
     # every block keeps its lease 3 s (LLAMA_MOECACHED_HOLD_US, a slow compute); the daemon is
     # killed meanwhile and a new one started (it zeroes the dead arena's epoch): the lease
