@@ -1,6 +1,6 @@
 """In-process acquire+release latency of resident experts (the cache's hot path).
 
-Writes a small real-layout fixture (``moecached.synth``), opens an ExpertCache over it with
+Writes a small real-layout fixture (``moecached.tools.synth``), opens an ExpertCache over it with
 every expert fitting, makes the experts resident, then times ``release(acquire(layer, experts))``
 of ``--experts`` (default 8) resident experts, ``--iters`` times, layers round-robin and expert
 sets drawn at random (precomputed). Also times ``acquire_many`` (one layer) and
@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 from moecached.cache import ExpertCache  # noqa: E402
 from moecached.index import open_index  # noqa: E402
-from moecached.synth import write_model  # noqa: E402
+from moecached.tools.synth import write_model  # noqa: E402
 
 
 def measure(fn, sets, iters):

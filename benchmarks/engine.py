@@ -30,7 +30,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "clients"), str(ROOT / "tests")]
 from daemon_util import start_daemon, stop_daemon  # noqa: E402
 from moecached import engine_llama  # noqa: E402
 from moecached.index import open_index  # noqa: E402
-from moecached.synth_runnable import write_runnable  # noqa: E402
+from moecached.tools.synth_runnable import write_runnable  # noqa: E402
 
 PROMPT = ("Mixture-of-experts models keep most of their weights in routed experts; a shared "
           "daemon caches them for every engine on the machine.")

@@ -1,7 +1,7 @@
 """Fairness between clients: a demand client's acquires alone vs beside another client's
 prefetch storm vs beside a flood of no-op prefetches.
 
-Writes a real-layout fixture larger than the cache budget on disk (``moecached.synth``), starts
+Writes a real-layout fixture larger than the cache budget on disk (``moecached.tools.synth``), starts
 ``moecached`` on it (O_DIRECT reads; optionally throttled to ``--read-mbps`` MB/s with a blkio
 cgroup), warms the demand client's working set up, then runs interleaved rounds of three phases of ``--seconds`` each:
 
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
                                 args.hot)))
         return 0
 
-    from moecached.synth import write_model
+    from moecached.tools.synth import write_model
     trees = [("this tree", ROOT)] + ([("compare", os.path.abspath(args.compare))] if args.compare else [])
     phases = ["alone", "storm", "noop"]
     results = {name: {p: [] for p in phases} for name, _ in trees}

@@ -22,7 +22,7 @@ microseconds, for:
 All kinds run in interleaved rounds (order rotating each round) in one run, so drift of a
 shared machine hits them alike; the table gives the median over rounds of each round's p50/p99.
 
-Part 2: the replay's daemon overhead per token (``moecached.replay``'s all-resident pass: one
+Part 2: the replay's daemon overhead per token (``moecached.tools.replay``'s all-resident pass: one
 token's routed experts, every MoE layer, acquire + release) on a 48-layer Qwen3-30B-A3B model
 driven by the first ``--replay-tokens`` tokens of a real trace, fast path on vs off, in
 alternating rounds. The model keeps the layout's 48 layers and real expert sizes but only the
@@ -164,7 +164,7 @@ class CLib:
 def part1(a, tmp):
     from moecached.cache import ExpertCache
     from moecached.index import open_index
-    from moecached.synth import write_model
+    from moecached.tools.synth import write_model
     from moecache_client import Client
     from fake_fastd import FakeDaemon
 
@@ -317,8 +317,8 @@ def small_trace(path: str, tokens: int):
 
 
 def part2(a, tmp):
-    from moecached.replay import replay
-    from moecached.synth import write_model
+    from moecached.tools.replay import replay
+    from moecached.tools.synth import write_model
     from moecache_client import Client
 
     trace_path = a.trace

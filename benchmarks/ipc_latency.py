@@ -147,7 +147,7 @@ def main(argv=None):
     ap.add_argument("--json", default=os.path.join(HERE, "results", "ipc_latency.json"))
     a = ap.parse_args(argv)
 
-    from moecached.synth import write_model
+    from moecached.tools.synth import write_model
     from moecached.index import open_index
     tmp = tempfile.mkdtemp(prefix="moecache-bench-")
     model = write_model("qwen3-30b-a3b-Q4_K_M", os.path.join(tmp, "m.gguf"), layers=2, experts=16, progress=False)[0]

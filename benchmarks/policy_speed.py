@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moecached import _policy as _c  # noqa: E402
-from moecached import simulate as sim  # noqa: E402
+from moecached.tools import simulate as sim  # noqa: E402
 from moecached.policy import NEEDS_FUTURE, POLICIES, make_policy  # noqa: E402
 from moecached.trace import load_trace  # noqa: E402
 

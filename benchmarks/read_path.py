@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     if a.model:
         model = a.model
     else:
-        from moecached.synth import write_model
+        from moecached.tools.synth import write_model
         out = Path(a.dir) / f"{a.layout}-L{a.layers}-E{a.experts}" / "model.gguf"
         if not out.exists():
             print(f"writing fixture {out} ...", file=sys.stderr)

@@ -1,6 +1,6 @@
 """Eviction policies: the pure-Python face of the Cython core ``moecached._policy``.
 
-The daemon's cache and the trace simulator (``moecached.simulate``) use these same classes,
+The daemon's cache and the trace simulator (``moecached.tools.simulate``) use these same classes,
 so a simulated hit rate is what the daemon gets on the same trace and size: ``g-lru`` and
 ``lru`` replay through :class:`LRU`, the daemon's own eviction order.
 

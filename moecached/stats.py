@@ -2,7 +2,7 @@
 
 :data:`CACHE_STATS` and :data:`SERVER_COUNTERS` declare each top-level counter and gauge once
 (stats key, kind, Prometheus name, help, where the value lives); ``ExpertCache.stats()`` and the
-exporter (``moecached.metrics``) are both generated from them, and docs/operations.md is
+exporter (``moecached.tools.metrics``) are both generated from them, and docs/operations.md is
 checked against them (tests/test_metrics.py).
 
 ``LatencyHistogram`` keeps (a) power-of-two microsecond buckets over the whole run and (b) a ring

@@ -17,7 +17,7 @@ or, session-scoped, through the ``model_factory`` fixture of ``tests/conftest.py
 session (module-level cache; the files live in the first caller's tmp dir) and returns the path
 to open (first shard for split sets). The models are large (tens to hundreds of MiB each),
 so ``tests/conftest.py`` calls :func:`remove_models` when the session ends, whatever its
-outcome. Expert bytes are ``moecached.synth.expected_expert_bytes(block, part, expert, nbytes, seed)``; use
+outcome. Expert bytes are ``moecached.tools.synth.expected_expert_bytes(block, part, expert, nbytes, seed)``; use
 ``read_and_verify`` to check every slice of an index.
 
 Layouts: the embedded ``qwen3-30b-a3b-Q4_K_M`` always works; other names come from
@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from moecached.layout import DATA_DIR
-from moecached.synth import verify_expert_bytes, write_model
+from moecached.tools.synth import verify_expert_bytes, write_model
 
 _CACHE: dict[tuple, str] = {}
 
@@ -100,7 +100,7 @@ def complete_layouts() -> list[str]:
 
 def make_model(tmp_path, layout_name: str, layers=4, experts=8, split=None, legacy=False, seed=0) -> str:
     """Write (once per session) a scaled synth model and return the path to open.
-    ``layers``: N or a list of source block numbers; see moecached.synth.write_model."""
+    ``layers``: N or a list of source block numbers; see moecached.tools.synth.write_model."""
     key = (layout_name, tuple(layers) if isinstance(layers, (list, tuple)) else layers, experts, split, legacy, seed)
     p = _CACHE.get(key)
     if p and os.path.exists(p):

@@ -9,7 +9,7 @@ import time
 
 
 from moecache_client import Client
-from moecached.synth import verify_expert_bytes
+from moecached.tools.synth import verify_expert_bytes
 from moecached.trace import load_trace
 
 

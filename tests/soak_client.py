@@ -19,7 +19,7 @@ import numpy as np
 
 import moecache_client
 from moecache_client import Client, ClientError, LeaseInvalid
-from moecached.synth import verify_expert_bytes
+from moecached.tools.synth import verify_expert_bytes
 
 
 def main() -> int:

@@ -12,7 +12,7 @@ import pytest
 import moecache_client
 from daemon_util import start_daemon, stop_daemon
 from moecache_client import Client
-from moecached.synth import verify_expert_bytes
+from moecached.tools.synth import verify_expert_bytes
 
 FAST = moecache_client.IMPLEMENTATION == "cython"
 N_EXP = 16

@@ -3,7 +3,7 @@ output, its help texts."""
 import pytest
 
 import moecached.config
-from moecached.ctl import main as ctl
+from moecached.tools.ctl import main as ctl
 
 
 def _err(capsys, *argv) -> str:
@@ -38,13 +38,13 @@ def test_endpoint_precedence_flag_env_config(cmd, config_file, tmp_path, monkeyp
 def test_endpoint_default_without_config(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(moecached.config, "DEFAULT_PATH", str(tmp_path / "absent.toml"))
     monkeypatch.delenv("MOECACHED_ENDPOINT", raising=False)
-    from moecached.ctlstats import resolve_endpoint
+    from moecached.tools.ctlstats import resolve_endpoint
     assert resolve_endpoint() == (moecached.config.DEFAULT_ENDPOINT, "the built-in default")
 
 
 def test_unreadable_config_falls_back_to_default_and_says_why(config_file, monkeypatch):
     config_file.write_text("endpoint = [")
-    from moecached.ctlstats import resolve_endpoint
+    from moecached.tools.ctlstats import resolve_endpoint
     endpoint, source = resolve_endpoint()
     assert endpoint == moecached.config.DEFAULT_ENDPOINT
     assert source.startswith(f"the built-in default; config file skipped: {config_file}: invalid TOML")
@@ -110,15 +110,15 @@ def test_stats_summary_layers_and_json(daemon, capsys):
 
 def _help_texts(capsys) -> dict:
     """``--help`` output of ``moecached``, every ``moecache-ctl`` command (and ``trace
-    convert``) and ``python -m moecached.workload``, by command."""
+    convert``) and ``python -m moecached.tools.workload``, by command."""
     from moecached import daemon, workload
-    from moecached.ctl import COMMANDS
+    from moecached.tools.ctl import COMMANDS
     runs = {f"moecache-ctl {name}": lambda n=name: ctl([n, "--help"]) for name in COMMANDS}
     runs["moecache-ctl trace convert"] = lambda: ctl(["trace", "convert", "--help"])
     runs["moecache-ctl synth --runnable"] = lambda: ctl(["synth", "--runnable", "--help"])
     runs["moecache-ctl"] = lambda: ctl(["--help"])
     runs["moecached"] = lambda: daemon.main(["--help"])
-    runs["python -m moecached.workload"] = lambda: workload.main(["--help"])
+    runs["python -m moecached.tools.workload"] = lambda: workload.main(["--help"])
     out = {}
     for name, run in runs.items():
         try:

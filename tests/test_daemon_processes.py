@@ -112,7 +112,7 @@ def test_daemon_restart_while_waiting(model, tmp_path):
             except ClientError:
                 time.sleep(0.2)
         assert c.session != old_session
-        from moecached.synth import verify_expert_bytes
+        from moecached.tools.synth import verify_expert_bytes
         with c.acquire(L[0], [0, 7]) as lease:
             for e in (0, 7):
                 for part, v in lease.parts(e).items():

@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from moecached.simulate import simulate
+from moecached.tools.simulate import simulate
 from moecached.trace import Trace, load_trace
-from moecached.workload import generate, locality_stats
+from moecached.tools.workload import generate, locality_stats
 
 from fixtures import trace_path
 
@@ -22,7 +22,7 @@ def qwen_trace_path():
 
 
 def run_demo(args, tmp_path):
-    cmd = [sys.executable, "-m", "moecached.ctl", "demo", "--workdir", str(tmp_path),
+    cmd = [sys.executable, "-m", "moecached.tools.ctl", "demo", "--workdir", str(tmp_path),
            "--no-progress", "--gbps", "1.0", "--json"] + args
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -82,16 +82,16 @@ def test_demo_refuses_to_fill_the_disk(tmp_path, monkeypatch, capsys):
     """Not enough free space for the model: one line naming the directory, the space needed and
     available and the fix; nothing written."""
     import shutil
-    import moecached.synth
-    from moecached.ctl import main as ctl
+    import moecached.tools.synth
+    from moecached.tools.ctl import main as ctl
 
     def must_not_write(*a, **kw):
         raise AssertionError("the model was written")
-    monkeypatch.setattr(moecached.synth, "write_model", must_not_write)
+    monkeypatch.setattr(moecached.tools.synth, "write_model", must_not_write)
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 30))
     assert ctl(["demo", "--workdir", str(tmp_path), "--layers", "16", "--no-progress"]) == 1
-    from moecached.synth import model_disk_bytes
+    from moecached.tools.synth import model_disk_bytes
     need = (model_disk_bytes("qwen3-30b-a3b-Q4_K_M", layers=16) + (64 << 20)) / 2**30
     assert capsys.readouterr().err == (
         f"moecache-ctl demo: error: {tmp_path}: the 16-block model needs {need:.1f} GiB, 1.0 GiB "
@@ -101,8 +101,8 @@ def test_demo_refuses_to_fill_the_disk(tmp_path, monkeypatch, capsys):
 
 def test_demo_engine_step_says_how_to_build_it(monkeypatch, tmp_path):
     import argparse
-    from moecached import engine_llama
-    from moecached.demo import engine_step
+    from moecached.tools import engine_llama
+    from moecached.tools.demo import engine_step
     monkeypatch.setattr(engine_llama, "llama_bin", lambda: None)
     lines = []
     assert engine_step(argparse.Namespace(workdir=str(tmp_path), keep=False), lines.append) == {"built": False}

@@ -16,7 +16,7 @@ import pytest
 
 from daemon_util import start_daemon, stop_daemon
 from moecache_client import Client
-from moecached.synth import verify_expert_bytes
+from moecached.tools.synth import verify_expert_bytes
 from shm_shim import FastClient
 
 N_EXP = 16
@@ -224,7 +224,7 @@ def test_ring_hits_count_like_socket_hits_and_keep_the_eviction_order(daemon):
         assert me_f[k] == me_s[k], (k, me_f[k], me_s[k])
     assert res_f == res_s, "different experts resident: the eviction order differs"
     # and both are the daemon's LRU as the replay check computes it without a daemon
-    from moecached.replay import reference_lru
+    from moecached.tools.replay import reference_lru
     fc = FastClient(eps[1], fast_path=False, name="peek2")
     lc = fc.arena["layer_class"]
     classes = sorted(fc.arena["classes"], key=lambda c: c["id"])
@@ -275,7 +275,7 @@ def test_fast_path_counters_reach_the_exporter(daemon):
     pytest.importorskip("prometheus_client")
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
-    from moecached.metrics import StatsCollector
+    from moecached.tools.metrics import StatsCollector
     ep = daemon()
     fc = FastClient(ep)
     L = fc.layers

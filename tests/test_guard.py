@@ -15,8 +15,8 @@ import time
 import psutil
 import pytest
 
-from moecached import guard
-from moecached.guard import EXIT_FLOOR, MemoryProbe, MemorySample, run_guarded
+from moecached.tools import guard
+from moecached.tools.guard import EXIT_FLOOR, MemoryProbe, MemorySample, run_guarded
 from moecached.units import format_bytes
 
 GiB = 1 << 30
@@ -40,7 +40,7 @@ HOG = textwrap.dedent("""
 
 
 def _ctl(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "moecached.ctl", "guard", *args],
+    return subprocess.run([sys.executable, "-m", "moecached.tools.ctl", "guard", *args],
                           capture_output=True, text=True, timeout=timeout)
 
 

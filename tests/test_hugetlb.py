@@ -8,7 +8,7 @@ import pytest
 
 from moecached.cache import ExpertCache
 from moecached.index import open_index
-from moecached.synth import verify_expert_bytes
+from moecached.tools.synth import verify_expert_bytes
 
 NR = "/proc/sys/vm/nr_hugepages"
 

@@ -9,7 +9,7 @@ from gguf import GGUFReader
 
 from fixtures import complete_layouts, layout_path, read_and_verify
 from moecached.index import ExpertIndex, PartSpan, main as inspect_main, open_index
-from moecached.synth import write_model
+from moecached.tools.synth import write_model
 
 # (layers, experts) per layout: real per-expert sizes, small enough for a shared 2-core box
 PARAMS = {
@@ -228,7 +228,7 @@ def test_misplaced_reads_are_caught(model_factory, shift):
 # -- inspect of what is not a GGUF file: accurate one-liners -------------------------------------
 
 def _inspect_ctl(path, capsys):
-    from moecached import ctl
+    from moecached.tools import ctl
     rc = ctl.main(["inspect", str(path)])
     cap = capsys.readouterr()
     assert cap.out == "" and cap.err.count("\n") == 1 and "Traceback" not in cap.err

@@ -18,7 +18,7 @@ import moecache_client
 from daemon_util import start_daemon, stop_daemon
 from moecache_client import Client, LeaseInvalid
 from moecached.arena import EPOCH_OFF, remove_stale_arenas
-from moecached.synth import verify_expert_bytes
+from moecached.tools.synth import verify_expert_bytes
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def wait_for(cond, what, timeout=10.0):
 HOLDER = textwrap.dedent("""
     import sys, time, numpy as np
     from moecache_client import Client, LeaseInvalid
-    from moecached.synth import verify_expert_bytes
+    from moecached.tools.synth import verify_expert_bytes
     c = Client(sys.argv[1], name="holder")
     L = c.expert_layers
     lease = c.acquire(L[1], [1, 2, 3, 4])

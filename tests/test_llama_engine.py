@@ -17,9 +17,9 @@ import time
 import pytest
 
 from daemon_util import start_daemon, stop_daemon
-from moecached import engine_llama
+from moecached.tools import engine_llama
 from moecached.index import open_index
-from moecached.synth_runnable import write_runnable
+from moecached.tools.synth_runnable import write_runnable
 
 BIN = engine_llama.llama_bin()
 pytestmark = pytest.mark.skipif(BIN is None, reason="patched llama.cpp not built: run clients/llama.cpp/build.sh "
@@ -204,7 +204,7 @@ def test_refused_layout_mismatch_is_one_line(models, tmp_path):
 
 def test_demo_engine_step_decodes_bit_identical(tmp_path):
     import argparse
-    from moecached.demo import engine_step
+    from moecached.tools.demo import engine_step
     lines = []
     res = engine_step(argparse.Namespace(workdir=str(tmp_path), keep=False), lines.append)
     assert res["built"] and res["identical"] and res["stats"]["misses"] > 0, res

@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from daemon_util import start_daemon, stop_daemon  # noqa: E402
 from moecache_client import Client  # noqa: E402
-from moecached.metrics import StatsCollector, _listen  # noqa: E402
+from moecached.tools.metrics import StatsCollector, _listen  # noqa: E402
 
-CTL = [sys.executable, "-P", "-m", "moecached.ctl", "metrics"]
+CTL = [sys.executable, "-P", "-m", "moecached.tools.ctl", "metrics"]
 
 
 @pytest.fixture

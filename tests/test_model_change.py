@@ -10,7 +10,7 @@ import pytest
 from daemon_util import start_daemon, stop_daemon
 from moecache_client import Client, DaemonRestarted, ServerError
 from moecached.index import open_index
-from moecached.synth import verify_expert_bytes
+from moecached.tools.synth import verify_expert_bytes
 
 LAYOUT = "qwen3-30b-a3b-Q4_K_M"
 LAYERS = [0, 6, 7, 8]

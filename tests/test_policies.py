@@ -15,9 +15,9 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from moecached import simulate as sim
+from moecached.tools import simulate as sim
 from moecached.policy import LRU, POLICIES, expand_policies
-from moecached.replay import reference_lru
+from moecached.tools.replay import reference_lru
 from moecached.trace import Trace, load_trace
 
 from fixtures import shared_dir, shared_traces
@@ -731,7 +731,7 @@ def test_set_hits_first_then_misses():
 def test_glru_equals_daemon_lru_model(size):
     """g-lru is the daemon bit for bit: replay.reference_lru (the daemon's LRU driven as
     ExpertCache._grant does, written independently of the kernels) gives the same hits."""
-    from moecached.replay import _step_sets, plan
+    from moecached.tools.replay import _step_sets, plan
     for p in TRACES:
         t = load_trace(p)
         L, E = t.n_layers, t.n_experts
@@ -771,7 +771,7 @@ def test_tokens_window(tmp_path, capsys):
 # -- CLI input validation (one-line errors, non-zero exit) -------------------------------------
 
 def _ctl(argv, capsys):
-    from moecached import ctl
+    from moecached.tools import ctl
     rc = ctl.main(["policy"] + argv)
     cap = capsys.readouterr()
     return rc, cap.out, cap.err

@@ -347,7 +347,7 @@ REAL = [("deepseek-v2-lite-Q4_K_M", dict(layers=4, experts=8, split=2)),   # two
 def test_real_layout_into_arena_slots(model_factory, name, kw, tmp_path):
     from moecached.arena import Arena
     from moecached.index import open_index
-    from moecached.synth import verify_expert_bytes
+    from moecached.tools.synth import verify_expert_bytes
 
     idx = open_index(model_factory(name, **kw))
     with Arena(idx, slots=max(4 * len(idx.size_classes), idx.n_experts * len(idx.expert_layers) // 2),

@@ -308,7 +308,7 @@ def test_missing_file(tmp_path):
 
 
 def test_cli_prints_one_line_and_exits_1(tmp_path, capsys):
-    from moecached.ctl import main
+    from moecached.tools.ctl import main
     p, = tiny(tmp_path / "m.gguf")
     patch(p, 4, struct.pack("<I", 7))
     assert main(["inspect", p]) == 1

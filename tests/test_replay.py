@@ -5,8 +5,8 @@ and the daemon-LRU reference's; plan() windows; prefetch counting."""
 import numpy as np
 import pytest
 
-from moecached.replay import ReplayError, parse_predictor, plan, reference_lru, replay
-from moecached.simulate import simulate
+from moecached.tools.replay import ReplayError, parse_predictor, plan, reference_lru, replay
+from moecached.tools.simulate import simulate
 from moecached.trace import Trace, load_trace
 
 from fixtures import make_model, trace_path
@@ -28,7 +28,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture()
 def daemon(model, tmp_path):
-    from moecached.demo import Daemon
+    from moecached.tools.demo import Daemon
     made = []
 
     def start(slots):
@@ -76,7 +76,7 @@ def test_reference_is_sensitive():
     """The exact check can fail: another capacity or another order gives other hits."""
     t = sliced(qwen_trace(), 2, 200)
     p = plan(t, 40, 160)
-    from moecached.replay import _step_sets
+    from moecached.tools.replay import _step_sets
     sets = _step_sets(p.trace.experts, p.steps)
     h64, a = reference_lru(sets, p.counted, [0, 0], [64], 128)
     h63, _ = reference_lru(sets, p.counted, [0, 0], [63], 128)
@@ -135,7 +135,7 @@ def test_layer_mismatch_refused(daemon):
 # -- drive ceiling never below the achieved tok/s; -e short flag ---------------------------------
 
 def _fake_result(gbps, src, bytes_read, wall, ct):
-    from moecached.replay import drive_ceiling
+    from moecached.tools.replay import drive_ceiling
     tok, use, used_src = drive_ceiling(gbps, src, bytes_read, wall, ct)
     return {"label": "25%", "slots": 1, "experts_total": 4, "cache_fraction": 0.25,
             "arena_gib": 1.0, "model_expert_gib": 4.0, "counted_tokens": ct, "warm_tokens": 0,
@@ -150,7 +150,7 @@ def _fake_result(gbps, src, bytes_read, wall, ct):
 
 
 def test_drive_ceiling_uses_achieved_bandwidth_when_the_probe_is_lower():
-    from moecached.replay import drive_ceiling, format_table
+    from moecached.tools.replay import drive_ceiling, format_table
     # the tester's run: 200 MB/token, 21.24 tok/s achieved, a probe of 2.994 GB/s (14.97 tok/s)
     ct, bpt = 100, 200e6
     wall = ct / 21.24
@@ -174,14 +174,14 @@ def test_drive_ceiling_uses_achieved_bandwidth_when_the_probe_is_lower():
 @pytest.mark.parametrize("gbps", [0.1, 1.0, 3.7, 50.0])
 @pytest.mark.parametrize("wall", [0.37, 1.0, 7.3])
 def test_drive_ceiling_never_below_achieved(gbps, wall):
-    from moecached.replay import drive_ceiling
+    from moecached.tools.replay import drive_ceiling
     ct, read = 97, 3.3e9
     tok, _, _ = drive_ceiling(gbps, "measured", read, wall, ct)
     assert tok >= ct / wall
 
 
 def test_replay_has_short_endpoint_flag():
-    from moecached.replay import build_parser
+    from moecached.tools.replay import build_parser
     a = build_parser().parse_args(["t.npz", "-e", "tcp://127.0.0.1:5555"])
     assert a.endpoint == "tcp://127.0.0.1:5555"
     assert build_parser().parse_args(["t.npz", "--endpoint", "ipc:///x"]).endpoint == "ipc:///x"

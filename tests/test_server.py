@@ -183,7 +183,7 @@ def test_stale_socket_file_replaced(model_factory, tmp_path):
 
 
 def test_client_shared_between_threads(daemon):
-    from moecached.synth import verify_expert_bytes
+    from moecached.tools.synth import verify_expert_bytes
     idx = daemon.idx
     L = idx.expert_layers
     errors = []

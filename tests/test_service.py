@@ -13,7 +13,7 @@ import pytest
 from daemon_util import start_daemon, stop_daemon
 from moecache_client import Client
 from notify_receiver import NotifyReceiver
-from moecached.synth import verify_expert_bytes
+from moecached.tools.synth import verify_expert_bytes
 
 
 def shmem_bytes() -> int:

@@ -18,7 +18,7 @@ from daemon_util import start_daemon, stop_daemon
 from moecached.arena import Arena, remove_stale_arenas
 from moecached.floor import MIN_MARGIN, MemoryLimitError, fit_arena, read_memory_limit
 from moecached.index import open_index
-from moecached.synth import verify_expert_bytes
+from moecached.tools.synth import verify_expert_bytes
 from moecache_client import Client
 
 MiB, GiB = 1 << 20, 1 << 30

@@ -10,7 +10,7 @@ from gguf.quants import quant_shape_to_byte_shape
 from fixtures import layout_path, make_model
 from fixtures import shared_layouts_dir
 from moecached.layout import DATA_DIR, LayoutError, load_layout
-from moecached.synth import (PAGE, SynthError, decode_stamp, expected_expert_bytes, main as synth_main,
+from moecached.tools.synth import (PAGE, SynthError, decode_stamp, expected_expert_bytes, main as synth_main,
                              plan_model, verify_expert_bytes, write_model)
 
 
@@ -52,7 +52,7 @@ def test_metadata_is_consistent_and_typed(model_factory):
     assert f["qwen3moe.expert_count"].contents() == 8
     assert f["qwen3moe.expert_used_count"].contents() == 8
     assert f["qwen3moe.block_count"].types == [GGUFValueType.UINT32]
-    assert f["moecached.synth.source_blocks"].contents() == [0, 6, 8]
+    assert f["moecached.tools.synth.source_blocks"].contents() == [0, 6, 8]
     for k in f:  # only real namespaced keys, no layout notes
         assert k.split(".")[0] in ("general", "qwen3moe", "moecached"), k
         assert "(" not in k
@@ -159,7 +159,7 @@ def test_cli_writes_and_reports(tmp_path, capsys):
     cap = capsys.readouterr()
     assert cap.out.strip() == str(out)
     assert "GiB written" in cap.err
-    assert GGUFReader(str(out)).fields["moecached.synth.seed"].contents() == 4
+    assert GGUFReader(str(out)).fields["moecached.tools.synth.seed"].contents() == 4
 
 
 def test_partial_layouts_refused():
@@ -231,7 +231,7 @@ SYNTH_ARGS = ["--layout", "qwen3-30b-a3b-Q4_K_M", "--layers", "1", "--experts", 
 
 
 def _synth_ctl(argv, capsys):
-    from moecached import ctl
+    from moecached.tools import ctl
     rc = ctl.main(["synth"] + SYNTH_ARGS + argv)
     cap = capsys.readouterr()
     return rc, cap.out, cap.err
@@ -277,7 +277,7 @@ def test_cli_out_unwritable_oserror_is_one_line(capsys):
 
 
 def test_write_model_oserror_becomes_synth_error(tmp_path, monkeypatch):
-    import moecached.synth as synth
+    import moecached.tools.synth as synth
 
     def boom(*a, **k):
         raise OSError(28, "No space left on device", str(tmp_path / "m.gguf"))
@@ -307,9 +307,9 @@ def test_cli_split_one_is_one_file(tmp_path, capsys):
 
 
 def test_synth_runnable_is_indexed_and_refuses_bad_shapes(tmp_path):
-    from moecached.ctl import main as ctl_main
+    from moecached.tools.ctl import main as ctl_main
     from moecached.index import open_index
-    from moecached.synth_runnable import RunnableError, write_runnable
+    from moecached.tools.synth_runnable import RunnableError, write_runnable
     out = str(tmp_path / "r.gguf")
     assert ctl_main(["synth", "--runnable", "--out", out, "--blocks", "3", "--experts", "8", "--top-k", "2",
                      "--quant", "q8_0"]) == 0

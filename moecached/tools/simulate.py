@@ -40,10 +40,10 @@ from typing import Optional
 
 import numpy as np
 
-from . import MoecacheError
-from . import _policy as _c
-from .policy import NEEDS_FUTURE, POLICIES, expand_policies, make_policy
-from .trace import Trace, load_trace
+from .. import MoecacheError
+from .. import _policy as _c
+from ..policy import NEEDS_FUTURE, POLICIES, expand_policies, make_policy
+from ..trace import Trace, load_trace
 
 __all__ = ["SimulationError", "Stream", "prepare", "window_end", "capacities", "simulate",
            "main", "layout_bytes", "model_bytes", "DEFAULT_GBPS", "HALVE_EVERY"]
@@ -310,7 +310,7 @@ def _group_equal(per):
 def model_bytes(path) -> tuple:
     """Bytes per expert per MoE layer and the daemon's size classes from a GGUF model
     (``moecached.index.open_index``). Returns (list[int], list of lists of trace layers)."""
-    from .index import open_index  # lazy: heavy, and optional for the simulator
+    from ..index import open_index  # lazy: heavy, and optional for the simulator
     idx = open_index(path)
     pos = {b: i for i, b in enumerate(idx.expert_layers)}
     per = [0] * len(idx.expert_layers)

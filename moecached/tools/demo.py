@@ -3,11 +3,11 @@
 1. Model: write a scaled real-layout GGUF from the embedded Qwen3-30B-A3B Q4_K_M layout
    (real per-expert sizes and types, all 128 experts, the first ``--layers`` blocks; non-expert
    tensors are sparse holes) -- or use ``--model``.
-2. Workload: the synthetic routing generator of :mod:`moecached.workload` (locality fitted to
+2. Workload: the synthetic routing generator of :mod:`moecached.tools.workload` (locality fitted to
    real Qwen3-30B-A3B traces; labelled SYNTHETIC) -- or a real trace with ``--trace``.
 3. For each cache size (default a quarter, a half and three quarters of the experts): start
    ``moecached`` as a subprocess on its own socket, wait until it answers, replay the workload
-   through it as a batch-1 decode engine (:mod:`moecached.replay`), stop it.
+   through it as a batch-1 decode engine (:mod:`moecached.tools.replay`), stop it.
 4. Print one results table (a column per size), check that the daemon's hits equal the
    simulator's g-lru on the same window (``moecache-ctl policy TRACE --policies g-lru --sizes
    SLOTS --warmup W --tokens N`` on a prefill-only trace with the model's layers), clean up (daemon stopped, files removed unless ``--keep``).
@@ -31,8 +31,8 @@ import time
 
 import numpy as np
 
-from . import MoecacheError
-from .trace import load_trace
+from .. import MoecacheError
+from ..trace import load_trace
 
 __all__ = ["DemoError", "main", "run_demo"]
 
@@ -58,14 +58,14 @@ def _mem_available() -> int | None:
 def _memlock_ok(nbytes: int) -> bool:
     """True when the daemon may lock ``nbytes``: RLIMIT_MEMLOCK allows it, or the process
     holds CAP_IPC_LOCK (root usually does), which makes the kernel ignore the limit."""
-    from .arena import memlock_room  # the same rule the arena applies when it locks
+    from ..arena import memlock_room  # the same rule the arena applies when it locks
     room = memlock_room()
     return room is None or room >= nbytes + (64 << 20)
 
 
 def _check_free_space(where: str, workdir: str, n_layers: int) -> None:
     """Refuse (one line) to write the scaled model where it does not fit: the space it takes
-    (:func:`moecached.synth.model_disk_bytes`) plus 64 MiB against what the filesystem has free."""
+    (:func:`moecached.tools.synth.model_disk_bytes`) plus 64 MiB against what the filesystem has free."""
     from .synth import model_disk_bytes
     need = model_disk_bytes(LAYOUT, layers=n_layers) + (64 << 20)
     free = shutil.disk_usage(workdir).free
@@ -146,7 +146,7 @@ def _parse_sizes(s):
 
 
 def run_demo(a, out=sys.stdout) -> dict:
-    from .index import open_index
+    from ..index import open_index
     from .replay import probe_drive, replay, format_table
     say = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else \
         (lambda *x: print(*x, file=out, flush=True))
@@ -207,7 +207,7 @@ def run_demo(a, out=sys.stdout) -> dict:
             t.meta["path"] = "synthetic"
             # all tokens are decode: warm-up = the first `warm` of them, as prompt tokens
             t.is_prompt[:warm] = True
-            say(f"workload: SYNTHETIC routing (moecached.workload, locality fitted to real "
+            say(f"workload: SYNTHETIC routing (moecached.tools.workload, locality fitted to real "
                 f"Qwen3-30B-A3B traces: prev-token overlap ~0.46, LRU@25% ~0.83; params "
                 f"{DEFAULT_PARAMS}, seed {a.seed}) -- not a real trace; --trace for one")
         # ---- sizes

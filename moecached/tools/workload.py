@@ -31,13 +31,13 @@ per-layer LRU hit rate @ 50 % E           0.967       0.973
 How they were measured: ``prev`` = for each token and layer, the fraction of its experts the
 previous token also used, pooled; ``top-10 % share`` = per layer, the share of selections
 taken by the 12 most used experts, averaged over layers; LRU hit rates =
-``moecached.simulate.simulate(trace, "lru", f, warmup=0)`` (per-layer LRU, cold start, every
+``moecached.tools.simulate.simulate(trace, "lru", f, warmup=0)`` (per-layer LRU, cold start, every
 token counted) -- the same definitions as ``../shared/traces/PROVENANCE.md``, whose table these
 reproduce for the real trace. The parameters were chosen by :func:`fit` (a grid search
 minimising the summed squared error of those five numbers, on 1024 tokens x 16 layers over
 alpha {0.5, 0.7, 0.9} x p_copy {0.25, 0.35, 0.45} x beta {3, 10, 30} x gamma {0.9, 0.97, 0.99});
 the best, alpha 0.7, p_copy 0.35, beta 10, gamma 0.97, are ``DEFAULT_PARAMS``.
-``python -m moecached.workload`` re-measures both columns and prints the table (``--trace``
+``python -m moecached.tools.workload`` re-measures both columns and prints the table (``--trace``
 measures another real trace, ``--fit`` re-runs the search).
 
 What it does not model: the attention-sink routing of a request's first token, cross-layer
@@ -51,7 +51,7 @@ import sys
 
 import numpy as np
 
-from .trace import Trace
+from ..trace import Trace
 
 __all__ = ["generate", "locality_stats", "fit", "DEFAULT_PARAMS", "FITTED", "REAL_TARGETS"]
 
@@ -101,7 +101,7 @@ def generate(n_tokens: int, n_layers: int, n_experts: int = 128, top_k: int = 8,
         u[rows, sel] += (1.0 - p["gamma"]) / k
         prev = sel
     meta = {"model": name, "synthetic": True, "n_experts": E, "top_k": k,
-            "generator": "moecached.workload.generate", "params": p, "seed": int(seed),
+            "generator": "moecached.tools.workload.generate", "params": p, "seed": int(seed),
             "notes": "SYNTHETIC routing: locality fitted to real Qwen3-30B-A3B traces"}
     return Trace(experts=out, is_prompt=np.zeros(T, bool), meta=meta).validate("synthetic")
 
@@ -159,7 +159,7 @@ def fit(targets=None, n_tokens=1024, n_layers=16, seed=0, grid=None, progress=Fa
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moecached.workload",
+    ap = argparse.ArgumentParser(prog="python -m moecached.tools.workload",
                                  description="measure (and optionally re-fit) the synthetic "
                                              "workload against a real trace")
     ap.add_argument("--trace", help="real trace to measure (default: targets in the docstring)")
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     tgt = dict(REAL_TARGETS)
     if a.trace:
-        from .trace import load_trace
+        from ..trace import load_trace
         tgt = locality_stats(load_trace(a.trace))
     if a.fit:
         p, s, e = fit(tgt, progress=True)

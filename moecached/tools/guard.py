@@ -36,8 +36,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .floor import MemoryProbe, MemorySample
-from .units import SizeError, format_bytes, parse_size
+from ..floor import MemoryProbe, MemorySample
+from ..units import SizeError, format_bytes, parse_size
 
 __all__ = ["EXIT_FLOOR", "MemoryProbe", "MemorySample", "GuardResult", "run_guarded", "main"]
 

@@ -14,8 +14,8 @@ import sys
 import threading
 import time
 
-from . import MoecacheError
-from .stats import CACHE_STATS, SERVER_COUNTERS
+from .. import MoecacheError
+from ..stats import CACHE_STATS, SERVER_COUNTERS
 
 CLIENT_NAME = "moecache-metrics"  # how the exporter's own connection shows in the daemon's stats
 

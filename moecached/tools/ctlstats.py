@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from . import MoecacheError
+from .. import MoecacheError
 
 #: environment variable naming the daemon's endpoint for ``moecache-ctl``
 ENDPOINT_ENV = "MOECACHED_ENDPOINT"
@@ -31,7 +31,7 @@ def resolve_endpoint(flag: str | None = None) -> tuple[str, str]:
     Raises:
         MoecacheError: the flag or the environment variable is not an endpoint.
     """
-    from .config import DEFAULT_ENDPOINT, KEYS, ConfigError, _Bad, load_config
+    from ..config import DEFAULT_ENDPOINT, KEYS, ConfigError, _Bad, load_config
     if flag is not None:
         value, where = flag, "--endpoint"
     elif os.environ.get(ENDPOINT_ENV):
@@ -156,7 +156,7 @@ def _duration(s) -> str:
 def summary(st: dict, layers: bool = False) -> list[str]:
     """The short human view of a ``stats`` reply: hit rate, budget and use (GiB), reads, read
     latency, one line per client; per-layer lines when ``layers``."""
-    from .stats import hit_rate
+    from ..stats import hit_rate
     budget = st.get("budget") or {}
     classes = st.get("classes") or []
     used = sum(x.get("used", 0) * x.get("slot_bytes", 0) for x in classes)
@@ -208,7 +208,7 @@ def stats_main(argv) -> int:
 
 def trace_main(argv) -> int:
     if argv and argv[0] == "convert":
-        from .trace import convert_main
+        from ..trace import convert_main
         return convert_main(argv[1:])
     p = _parser("trace", "record the acquires a running daemon serves into a trace file "
                          "(docs/trace-format.md); 'trace convert IN.jsonl OUT.npz' converts logs")

@@ -43,8 +43,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter
 
-from . import MoecacheError
-from .layout import Layout, load_layout, tensor_nbytes, ggml_type_by_name
+from .. import MoecacheError
+from ..layout import Layout, load_layout, tensor_nbytes, ggml_type_by_name
 
 PAGE = 4096
 STAMP_BYTES = 32
@@ -357,9 +357,9 @@ def _write(layout, out, tensors, meta, info, starts, seed, progress, sparse, sta
     w.data_alignment = layout.alignment
     for key, val, vt in meta:
         w.add_key_value(key, val, vt)
-    w.add_key_value("moecached.synth.seed", int(seed), GGUFValueType.UINT64)
-    w.add_key_value("moecached.synth.layout", layout.name, GGUFValueType.STRING)
-    w.add_key_value("moecached.synth.source_blocks", [int(x) for x in info["src_layers"]], GGUFValueType.ARRAY,
+    w.add_key_value("moecached.tools.synth.seed", int(seed), GGUFValueType.UINT64)
+    w.add_key_value("moecached.tools.synth.layout", layout.name, GGUFValueType.STRING)
+    w.add_key_value("moecached.tools.synth.source_blocks", [int(x) for x in info["src_layers"]], GGUFValueType.ARRAY,
                     GGUFValueType.INT32)
     shards = []
     for i, t in enumerate(tensors):
@@ -455,7 +455,7 @@ def _parse_layers(s: str):
 def main(argv=None) -> int:
     """``moecache-ctl synth --layout LAYOUT --out PATH [--layers N|a,b,..] [--experts E] [--split K]
     [--seed S] [--legacy-experts] [--dense] [--quiet]``; with ``--runnable``, a model llama.cpp
-    runs (:mod:`moecached.synth_runnable`)."""
+    runs (:mod:`moecached.tools.synth_runnable`)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if "--runnable" in args:
         from .synth_runnable import main as runnable_main

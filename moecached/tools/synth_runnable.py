@@ -1,6 +1,6 @@
 """Runnable MoE GGUF models for engine tests and benchmarks (``moecache-ctl synth --runnable``).
 
-:mod:`moecached.synth` writes real layouts with stamped (meaningless) expert bytes; llama.cpp
+:mod:`moecached.tools.synth` writes real layouts with stamped (meaningless) expert bytes; llama.cpp
 cannot run those. This module writes a small model llama.cpp loads and decodes: architecture
 ``qwen3moe`` (attention with q/k norms, a softmax router, SwiGLU experts in merged
 ``blk.N.ffn_{gate,up,down}_exps`` tensors), random weights of sane scale (normal, std
@@ -30,7 +30,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
-from . import MoecacheError
+from .. import MoecacheError
 
 ARCHS = ("qwen3moe",)
 GEOMETRIES = {

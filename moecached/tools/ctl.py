@@ -7,20 +7,20 @@ import importlib
 import os
 import sys
 
-from . import MoecacheError, __version__
+from .. import MoecacheError, __version__
 
 # name -> ("module", "function", one-line help)
 COMMANDS = {
-    "demo": ("moecached.demo", "main", "write a scaled model, run the daemon, replay a workload, print results"),
+    "demo": ("moecached.tools.demo", "main", "write a scaled model, run the daemon, replay a workload, print results"),
     "inspect": ("moecached.index", "main", "index the routed experts of a GGUF model (or split set)"),
-    "synth": ("moecached.synth", "main", "write a real-layout GGUF fixture with stamped expert bytes"),
-    "status": ("moecached.ctlstats", "status_main", "ask a running daemon for its status"),
-    "stats": ("moecached.ctlstats", "stats_main", "ask a running daemon for its counters"),
-    "trace": ("moecached.ctlstats", "trace_main", "start/stop routing-trace recording in the daemon"),
-    "metrics": ("moecached.metrics", "main", "serve the daemon's counters to Prometheus (HTTP exporter)"),
-    "policy": ("moecached.simulate", "main", "replay routing traces through cache policies (simulator)"),
-    "replay": ("moecached.replay", "main", "replay a routing trace against a live daemon"),
-    "guard": ("moecached.guard", "main", "run a command, kill it if MemAvailable falls under a floor"),
+    "synth": ("moecached.tools.synth", "main", "write a real-layout GGUF fixture with stamped expert bytes"),
+    "status": ("moecached.tools.ctlstats", "status_main", "ask a running daemon for its status"),
+    "stats": ("moecached.tools.ctlstats", "stats_main", "ask a running daemon for its counters"),
+    "trace": ("moecached.tools.ctlstats", "trace_main", "start/stop routing-trace recording in the daemon"),
+    "metrics": ("moecached.tools.metrics", "main", "serve the daemon's counters to Prometheus (HTTP exporter)"),
+    "policy": ("moecached.tools.simulate", "main", "replay routing traces through cache policies (simulator)"),
+    "replay": ("moecached.tools.replay", "main", "replay a routing trace against a live daemon"),
+    "guard": ("moecached.tools.guard", "main", "run a command, kill it if MemAvailable falls under a floor"),
 }
 
 

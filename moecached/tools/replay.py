@@ -21,7 +21,7 @@ Which tokens count (same rules as ``moecache-ctl policy``, so the numbers are co
   tokens (default ``min(256, T // 4)``, the simulator's) warm the cache and every later token is
   treated as a decode token; the output says so.
 ``--tokens N`` stops after N counted tokens (the window ends right after the N-th counted
-token: ``moecached.simulate.window_end``, the same window as ``moecache-ctl policy --tokens N``).
+token: ``moecached.tools.simulate.window_end``, the same window as ``moecache-ctl policy --tokens N``).
 
 Counters are the daemon's, taken as differences of ``stats()`` around the counted phase; the
 lease replies give the same hits / prefetch hits / misses for this client. After the counted
@@ -54,8 +54,8 @@ from typing import Optional
 
 import numpy as np
 
-from . import MoecacheError
-from .trace import Trace, load_trace
+from .. import MoecacheError
+from ..trace import Trace, load_trace
 
 __all__ = ["ReplayError", "Plan", "plan", "reference_lru", "replay", "probe_drive",
            "format_table", "main", "parse_predictor", "drive_ceiling", "build_parser"]
@@ -148,7 +148,7 @@ def reference_lru(sets, counted, class_of_layer, class_caps, n_experts):
     request, pin every resident expert (touch, in order), then load each missing one (evict
     the coldest unpinned key when the class is full), then release. Returns (hits, accesses)
     over counted steps."""
-    from .policy import LRU
+    from ..policy import LRU
     L = len(class_of_layer)
     lrus = [LRU(L * n_experts) for _ in class_caps]
     H = A = 0
@@ -233,7 +233,7 @@ def probe_drive(model_path, seconds: float = 1.0, threads: int = 8, max_bytes: i
     """Read random whole experts of ``model_path`` with O_DIRECT from ``threads`` threads for
     about ``seconds`` (or ``max_bytes``); returns GB/s (1e9 B/s), or None when it cannot."""
     import mmap
-    from .index import open_index
+    from ..index import open_index
     try:
         idx = open_index(model_path)
     except Exception:
