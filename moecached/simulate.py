@@ -41,15 +41,15 @@ from typing import Optional
 import numpy as np
 
 from . import MoecacheError
-from . import _policy as _c
-from .policy import NEEDS_FUTURE, POLICIES, expand_policies, make_policy
+from .policy import (G_LFU_HALVE_EVERY, NEEDS_FUTURE, POLICIES, build_stream, expand_policies,
+                     make_policy, next_use, replay, replay_subst)
 from .trace import Trace, load_trace
 
 __all__ = ["SimulationError", "Stream", "prepare", "window_end", "capacities", "simulate",
            "main", "layout_bytes", "model_bytes", "DEFAULT_GBPS", "HALVE_EVERY"]
 
 DEFAULT_GBPS = 3.7
-HALVE_EVERY = 64
+HALVE_EVERY = G_LFU_HALVE_EVERY   # re-exported; defined in moecached.policy
 
 
 class SimulationError(MoecacheError, ValueError):
@@ -58,7 +58,7 @@ class SimulationError(MoecacheError, ValueError):
 
 @dataclass
 class Stream:
-    """A trace flattened into the access stream (see ``_policy.build_stream``).
+    """A trace flattened into the access stream (see ``moecached.policy.build_stream``).
 
     keys int64 [A] (key = layer * E + expert), set_start int64 [S+1], set_layer int64 [S],
     set_counted uint8 [S], set_tokens_before int64 [S] (tokens of earlier steps),
@@ -81,7 +81,7 @@ class Stream:
     @property
     def next_use(self) -> np.ndarray:
         if self._next_use is None:
-            self._next_use = _c.next_use(self.keys, self.n_layers * self.n_experts)
+            self._next_use = next_use(self.keys, self.n_layers * self.n_experts)
         return self._next_use
 
 
@@ -142,7 +142,7 @@ def prepare(trace, warmup: Optional[int] = None, tokens: Optional[int] = None) -
         starts = np.arange(T)
     step_start = np.r_[starts, T].astype(np.int64)
     ex = np.ascontiguousarray(t.experts, dtype=np.int16)
-    keys, ss, sl, st = _c.build_stream(ex, step_start, E)
+    keys, ss, sl, st = build_stream(ex, step_start, E)
     decode = ~t.is_prompt
     step_has_decode = np.logical_or.reduceat(decode, starts) if T else np.zeros(0, bool)
     step_ok = step_start[:-1] >= warmup
@@ -272,10 +272,9 @@ def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[i
                                       f"that many experts to one of its layers, and they must "
                                       f"be resident together)")
     pol = make_policy(policy, group, caps, st.next_use if policy in NEEDS_FUTURE else None)
-    halve = HALVE_EVERY if POLICIES[policy][2] else 0
     t0 = time.perf_counter()
-    hits, acc = _c.replay(pol, st.keys, st.set_start, st.set_layer, st.set_counted,
-                          st.set_tokens_before, L, halve)
+    hits, acc = replay(pol, st.keys, st.set_start, st.set_layer, st.set_counted,
+                       st.set_tokens_before, L)
     dt = time.perf_counter() - t0
     H, A = int(hits.sum()), int(acc.sum())
     out = dict(policy=policy, scope=scope, size=size, size_desc=desc,
