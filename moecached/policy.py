@@ -90,7 +90,7 @@ def replay(pol, keys, set_start, set_layer, set_counted, set_tokens_before, n_la
 
 
 def replay_subst(pol, keys, key_score, set_start, set_layer, set_counted, set_tokens_before,
-                 n_layers, cand_start, cand_keys, cand_score, r, max_swaps=-1):
+                 n_layers, cand_start, cand_keys, cand_score, r, max_swaps=-1, refresh=False):
     """:func:`replay` where a missing routed expert may be replaced by a resident candidate
     scoring >= ``r`` x its score, at most ``max_swaps`` per set (< 0: no cap). Returns (hits,
     accesses, substituted), int64 [n_layers] each. Exact rule: docs/policies.md
@@ -102,4 +102,4 @@ def replay_subst(pol, keys, key_score, set_start, set_layer, set_counted, set_to
         raise ValueError(f"substitution tolerance r: found {r}, expected 0 <= r <= 1")
     return _c.replay_subst(pol, keys, key_score, set_start, set_layer, set_counted,
                            set_tokens_before, n_layers, cand_start, cand_keys, cand_score,
-                           float(r), int(max_swaps))
+                           float(r), int(max_swaps), bool(refresh))

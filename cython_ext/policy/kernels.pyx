@@ -110,7 +110,7 @@ def replay_subst(_Pol pol, const i64[::1] keys, const double[::1] key_score,
                  const i64[::1] set_start, const i64[::1] set_layer,
                  const uint8_t[::1] set_counted, const i64[::1] set_tokens_before, i64 n_layers,
                  const i64[::1] cand_start, const i64[::1] cand_keys,
-                 const double[::1] cand_score, double r, i64 max_swaps):
+                 const double[::1] cand_score, double r, i64 max_swaps, bint refresh=False):
     """``replay`` with substitution: a routed expert that is not resident may be replaced by a
     resident candidate of the same set.
 
@@ -121,8 +121,11 @@ def replay_subst(_Pol pol, const i64[::1] keys, const double[::1] key_score,
     the resident candidate not yet given in this set with the highest score >= ``r *
     key_score[m]`` (ties: first in candidate order) is given instead of m. Then, as the cache
     grants: the resident routed keys (hits) are accessed in set order, then the given
-    candidates (hits of keys nobody asked for, in the order they were chosen), then the routed
-    misses left; each may evict as in ``replay``; then all are released (a candidate with
+    candidates (hits of keys nobody asked for, in the order they were chosen), then, with
+    ``refresh``, every other candidate that is resident (a hit, released at once: eviction
+    values an expert offered as a likely substitute like one used, yet a miss may evict it),
+    then the routed misses left; each may evict
+    as in ``replay``; then all are released (a candidate with
     ``i = set_start[s]``: policies that read the stream position in ``release`` -- ``opt``,
     ``g-opt`` -- must not be replayed here).
     Returns:
@@ -182,6 +185,13 @@ def replay_subst(_Pol pol, const i64[::1] keys, const double[::1] key_score,
         for j in range(ng):                 # then the given candidates (resident: no eviction)
             pol.access(given[j], t)
             t += 1
+        if refresh:                         # then the other resident candidates (unpinned
+            for j in range(ca, cb):         # at once: a refresh never blocks a miss's load)
+                c = cand_keys[j]
+                if res[c] and stamp[c] != s:
+                    pol.access(c, t)
+                    pol.release(c, a)
+                    t += 1
         for i in range(a, b):               # then the misses not substituted
             k = keys[i]
             if not res[k] and stamp[k] != -2 - s:
