@@ -82,11 +82,15 @@ def make_policy(name, group_of_key, capacity, next_use=None):
     return pol
 
 
-def replay(pol, keys, set_start, set_layer, set_counted, set_tokens_before, n_layers):
+def replay(pol, keys, set_start, set_layer, set_counted, set_tokens_before, n_layers,
+           set_cold=None):
     """Replay an access stream (from :func:`build_stream`) through ``pol`` (from
-    :func:`make_policy`). Returns (hits int64 [n_layers], accesses int64 [n_layers]).
-    Semantics: docs/policies.md ("How accesses are counted")."""
-    return _c.replay(pol, keys, set_start, set_layer, set_counted, set_tokens_before, n_layers)
+    :func:`make_policy`). ``set_cold`` (uint8 [S], optional): sets whose misses are admitted
+    at the cold end (``lru``/``g-lru``: the daemon's ``LRU.insert(k, cold=True)``; ValueError
+    for other policies). Returns (hits int64 [n_layers], accesses int64 [n_layers]).
+    Semantics: docs/policies.md ("How accesses are counted", "Scan-resistant admission")."""
+    return _c.replay(pol, keys, set_start, set_layer, set_counted, set_tokens_before, n_layers,
+                     set_cold)
 
 
 def replay_subst(pol, keys, key_score, set_start, set_layer, set_counted, set_tokens_before,

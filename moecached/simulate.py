@@ -62,7 +62,8 @@ class Stream:
     """A trace flattened into the access stream (see ``moecached.policy.build_stream``).
 
     keys int64 [A] (key = layer * E + expert), set_start int64 [S+1], set_layer int64 [S],
-    set_counted uint8 [S], set_tokens_before int64 [S] (tokens of earlier steps),
+    set_counted uint8 [S], set_tokens_before int64 [S] (tokens of earlier steps), set_prompt
+    uint8 [S] (the set's step holds prompt tokens only),
     max_set int64 [L] (largest set per layer), counted_tokens, warmup (tokens), note.
     """
     keys: np.ndarray
@@ -77,6 +78,7 @@ class Stream:
     counted_tokens: int
     warmup: int
     note: str
+    set_prompt: Optional[np.ndarray] = None   # uint8 [S]: the set's step has only prompt tokens
     _next_use: Optional[np.ndarray] = None
 
     @property
@@ -162,9 +164,11 @@ def prepare(trace, warmup: Optional[int] = None, tokens: Optional[int] = None) -
     else:
         note = (f"no decode tokens: counting all {counted_tokens} tokens after a warm-up "
                 f"prefix of {min(warmup, T)} tokens")
+    set_prompt = (~step_has_decode[st]).astype(np.uint8)
     return Stream(keys=keys, set_start=ss, set_layer=sl, set_counted=counted,
                   set_tokens_before=tokens_before, max_set=max_set, n_layers=L, n_experts=E,
-                  n_tokens=T, counted_tokens=counted_tokens, warmup=warmup, note=note)
+                  n_tokens=T, counted_tokens=counted_tokens, warmup=warmup, note=note,
+                  set_prompt=set_prompt)
 
 
 def _classes(per_class_layers, L):
@@ -223,7 +227,7 @@ def capacities(size, n_layers: int, n_experts: int, per_class_layers=None):
 
 def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[int] = None,
              bytes_per_expert=None, stream: Optional[Stream] = None,
-             tokens: Optional[int] = None) -> dict:
+             tokens: Optional[int] = None, admit_cold=None) -> dict:
     """Replay ``trace`` through ``policy`` at cache ``size``.
 
     Args:
@@ -235,6 +239,9 @@ def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[i
             class holding every layer.
         warmup, tokens: see :func:`prepare`.
         bytes_per_expert: optional sequence [n_layers] of bytes read per expert miss.
+        admit_cold: scan-resistant admission (``lru``/``g-lru`` only): ``"prompt"`` inserts
+            the misses of steps holding only prompt tokens at the cold end, an int ``N`` those
+            of sets (one layer of one step) wider than ``N`` experts; None: all hot.
     Returns:
         dict: policy, scope, size, slots (total), class_caps, hits, accesses, misses, hit_rate
         (hits / accesses, nan when nothing counted), hits_per_layer, accesses_per_layer,
@@ -274,8 +281,12 @@ def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[i
                                       f"be resident together)")
     pol = make_policy(policy, group, caps, st.next_use if policy in NEEDS_FUTURE else None)
     t0 = time.perf_counter()
+    cold = cold_sets(st, admit_cold)
+    if cold is not None and policy not in ADMITS_COLD:
+        raise SimulationError(f"admit_cold: policy {policy} has no cold admission, expected "
+                              f"one of {', '.join(ADMITS_COLD)}")
     hits, acc = replay(pol, st.keys, st.set_start, st.set_layer, st.set_counted,
-                       st.set_tokens_before, L)
+                       st.set_tokens_before, L, cold)
     dt = time.perf_counter() - t0
     H, A = int(hits.sum()), int(acc.sum())
     out = dict(policy=policy, scope=scope, size=size, size_desc=desc,
@@ -283,7 +294,7 @@ def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[i
                hits=H, accesses=A, misses=A - H, hit_rate=(H / A) if A else float("nan"),
                hits_per_layer=hits.tolist(), accesses_per_layer=acc.tolist(),
                counted_tokens=st.counted_tokens, warmup=st.warmup, note=st.note,
-               seconds=dt, stream_accesses=int(len(st.keys)))
+               seconds=dt, stream_accesses=int(len(st.keys)), admit_cold=admit_cold)
     if bytes_per_expert is not None:
         b = np.asarray(bytes_per_expert, dtype=np.float64)
         if b.shape != (L,):
@@ -427,6 +438,22 @@ def _groups(policy, res, st, per_class_layers):
     return np.repeat(class_of_layer, E), np.array(res["class_caps"], np.int64)
 
 
+ADMITS_COLD = ("lru", "g-lru")
+
+
+def cold_sets(st: Stream, admit_cold):
+    """uint8 [S] of the sets whose misses enter at the cold end under ``admit_cold`` (see
+    :func:`simulate`), or None for plain admission. SimulationError on a bad value."""
+    if admit_cold is None:
+        return None
+    if admit_cold == "prompt":
+        return np.ascontiguousarray(st.set_prompt, np.uint8)
+    if isinstance(admit_cold, int) and not isinstance(admit_cold, bool) and admit_cold >= 1:
+        return (np.diff(st.set_start) > admit_cold).astype(np.uint8)
+    raise SimulationError(f"admit_cold: found {admit_cold!r}, expected 'prompt' or a width "
+                          f">= 1 (experts in one layer's set)")
+
+
 def layout_bytes(path) -> tuple:
     """Bytes per expert per MoE layer from a layout JSON (``expert_bytes`` entries, parts
     summed), and the size classes (layers grouped by equal per-expert bytes).
@@ -535,8 +562,24 @@ def _table(title, rows, cols, cell):
     return "\n".join(lines)
 
 
+def _parse_admit(text):
+    """``--admit-cold``: None, ``prompt`` or an int width >= 1."""
+    if text is None:
+        return None
+    if text.strip() == "prompt":
+        return "prompt"
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise SimulationError(f"--admit-cold {shlex.quote(text)}: expected 'prompt' or a width "
+                              f">= 1 (sets wider than that many experts are admitted cold)")
+    return v
+
+
 def run(paths, policies, sizes, warmup=None, bytes_per_expert=None, per_class_layers=None,
-        gbps=DEFAULT_GBPS, compute_ms=None, tokens=None):
+        gbps=DEFAULT_GBPS, compute_ms=None, tokens=None, admit_cold=None):
     """Simulate every trace x policy x size; returns a list of per-trace dicts."""
     out = []
     for p in paths:
@@ -557,7 +600,10 @@ def run(paths, policies, sizes, warmup=None, bytes_per_expert=None, per_class_la
         for pol in policies:
             for sz in sizes:
                 try:
-                    r = simulate(t, pol, sz, cls, warmup, bpe, stream=st)
+                    if admit_cold is not None and pol not in ADMITS_COLD:
+                        raise SimulationError(f"--admit-cold: {pol} has no cold admission "
+                                              f"(only {', '.join(ADMITS_COLD)})")
+                    r = simulate(t, pol, sz, cls, warmup, bpe, stream=st, admit_cold=admit_cold)
                     if bpe is not None:
                         bpt = r["bytes_per_token"]
                         r["drive_tok_s"] = gbps * 1e9 / bpt if bpt else float("inf")
@@ -775,6 +821,10 @@ def main(argv=None) -> int:
                     "(default: 0 with decode tokens, else min(256, T/4))")
     ap.add_argument("--tokens", type=int, help="count only the first N counted tokens after "
                     "the warm-up (the trace is cut after them, as moecache-ctl replay --tokens)")
+    ap.add_argument("--admit-cold", metavar="prompt|N",
+                    help="scan-resistant admission for lru/g-lru: insert the misses of "
+                         "prompt-only steps ('prompt') or of sets wider than N experts at the "
+                         "cold end (other policies show n/a)")
     ap.add_argument("--subst", metavar="R",
                     help="substitution: comma list of tolerances r in [0, 1]; replays the view "
                          "where the top k/2 experts are routed and ranks k/2+1..k are "
@@ -803,7 +853,9 @@ def main(argv=None) -> int:
         raise SimulationError(f"--tokens: found {a.tokens}, expected >= 1")
     if a.subst is not None:
         return _main_subst(a, policies, sizes, cls)
-    out = run(a.traces, policies, sizes, a.warmup, bpe, cls, a.gbps, a.compute_ms, a.tokens)
+    admit = _parse_admit(a.admit_cold)
+    out = run(a.traces, policies, sizes, a.warmup, bpe, cls, a.gbps, a.compute_ms, a.tokens,
+              admit)
     if a.plot:
         _plot(out, policies, sizes, a.plot)
     if a.json:

@@ -249,3 +249,66 @@ def test_cli_subst_bad_input(tmp_path, argv, msg):
     save_trace(p, weighted_trace(2))
     with pytest.raises(sim.SimulationError, match=msg):
         sim.main([str(p)] + argv)
+
+
+# ------------------------------------------------------------------ scan-resistant admission
+
+def ref_glru_cold(t: Trace, cap_slots, cold_of):
+    """The daemon's LRU, one budget, one token per step, every token counted; the misses of
+    token-layer sets with ``cold_of(token, n_experts_in_set)`` inserted at the cold end."""
+    T, L, K = t.experts.shape
+    E = t.n_experts
+    lru = LRU(L * E)
+    hits = acc = 0
+    for tok in range(T):
+        for l in range(L):
+            keys = list(dict.fromkeys(l * E + int(e) for e in t.experts[tok, l] if e >= 0))
+            if not keys:
+                continue
+            hit = [k for k in keys if lru.contains(k)]
+            miss = [k for k in keys if not lru.contains(k)]
+            for k in hit:
+                lru.touch(k)
+                lru.pin(k)
+            for k in miss:
+                if len(lru) >= cap_slots:
+                    lru.remove(lru.victim())
+                lru.insert(k, cold_of(tok, len(keys)))
+                lru.pin(k)
+            for k in keys:
+                lru.unpin(k)
+            hits += len(hit)
+            acc += len(keys)
+    return hits, acc
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("admit", [None, "prompt", 1, 2])
+def test_cold_admission_matches_reference(seed, admit):
+    t = weighted_trace(seed, K=3)
+    rng = np.random.default_rng(seed)
+    t = Trace(experts=t.experts, is_prompt=rng.random(t.n_tokens) < 0.5, meta=t.meta)
+    cold_of = {None: lambda tok, n: False, "prompt": lambda tok, n: bool(t.is_prompt[tok]),
+               1: lambda tok, n: n > 1, 2: lambda tok, n: n > 2}[admit]
+    h, a = ref_glru_cold(t, 6, cold_of)
+    st = sim.prepare(t, warmup=0)
+    st.set_counted[:] = 1                      # count every set, as the reference does
+    got = sim.simulate(t, "g-lru", 0.25, stream=st, admit_cold=admit)
+    assert (got["hits"], got["accesses"]) == (h, a)
+    if admit is not None:                      # the reference is sensitive to the rule
+        assert ref_glru_cold(t, 6, lambda tok, n: False)[0] != h
+
+
+@pytest.mark.parametrize("policy", [p for p in ALL if p not in ("lru", "g-lru")])
+def test_cold_admission_refused_by_other_policies(policy):
+    t = weighted_trace(0)
+    with pytest.raises(sim.SimulationError, match="no cold admission"):
+        sim.simulate(t, policy, 0.5, admit_cold="prompt")
+
+
+@pytest.mark.parametrize("bad", ["scan", "0", "-3"])
+def test_cli_admit_cold_bad_value(tmp_path, bad):
+    p = tmp_path / "w.npz"
+    save_trace(p, weighted_trace(2))
+    with pytest.raises(sim.SimulationError, match="--admit-cold"):
+        sim.main([str(p), "--admit-cold", bad])

@@ -59,7 +59,8 @@ def next_use(const i64[::1] keys, i64 n_keys):
 
 
 def replay(_Pol pol, const i64[::1] keys, const i64[::1] set_start, const i64[::1] set_layer,
-           const uint8_t[::1] set_counted, const i64[::1] set_tokens_before, i64 n_layers):
+           const uint8_t[::1] set_counted, const i64[::1] set_tokens_before, i64 n_layers,
+           set_cold=None):
     """Replay an access stream (from ``build_stream``) through ``pol``.
 
     For set s: first ``pol.halve()`` once per multiple of ``pol.halve_every`` tokens passed
@@ -67,7 +68,9 @@ def replay(_Pol pol, const i64[::1] keys, const i64[::1] set_start, const i64[::
     cache grants a request, the keys resident when the set starts are accessed (and pinned) in
     set order -- the hits -- then the other keys in set order -- the misses, each of which may
     evict an unpinned key of its group; then all are released. Only sets with
-    ``set_counted[s]`` add to the counts.
+    ``set_counted[s]`` add to the counts. ``set_cold`` (uint8 [S], optional; only for a
+    policy with ``admits_cold``): the misses of set s are admitted at the cold end when
+    ``set_cold[s]`` (scan-resistant admission).
     Returns:
         (hits int64 [n_layers], accesses int64 [n_layers]).
     """
@@ -78,6 +81,14 @@ def replay(_Pol pol, const i64[::1] keys, const i64[::1] set_start, const i64[::
     cdef i64 halve_every = pol.halve_every
     cdef i64 nxt = halve_every, l, t, k, h
     cdef uint8_t *res = pol.res
+    cdef const uint8_t[::1] cold
+    cdef bint use_cold = set_cold is not None
+    if use_cold:
+        if not pol.admits_cold:
+            raise ValueError(f"policy {pol.name}: no cold admission (only lru, g-lru)")
+        cold = set_cold
+        if cold.shape[0] != S:
+            raise ValueError(f"set_cold: found {cold.shape[0]} sets, expected {S}")
     for s in range(S):
         if halve_every > 0:
             while set_tokens_before[s] >= nxt:
@@ -86,6 +97,8 @@ def replay(_Pol pol, const i64[::1] keys, const i64[::1] set_start, const i64[::
         a = set_start[s]
         b = set_start[s + 1]
         l = set_layer[s]
+        if use_cold:
+            pol.cold = cold[s] != 0
         t = a
         h = 0
         for i in range(a, b):               # hits first (no access of a hit evicts anything)

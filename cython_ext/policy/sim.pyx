@@ -37,6 +37,8 @@ cdef class _Pol:
     """Base of the simulator policies: groups, capacities, residency and pins."""
     cdef public str name
     cdef public i64 halve_every     # tokens between halvings of frequency counts (0 = never)
+    cdef public bint cold           # set by the replay per set: admit its misses cold
+    cdef public bint admits_cold    # the policy honours ``cold`` (else it must stay False)
     cdef i64 n_keys, n_groups
     cdef i64 *group
     cdef i64 *cap
@@ -89,11 +91,13 @@ cdef class _LRUPol(_Pol):
     """``lru`` / ``g-lru``: one daemon ``LRU`` per group, driven exactly as the cache drives it
     (``ExpertCache._grant``; the replay accesses a set's hits first, then its misses): hit ->
     touch + pin; miss -> (victim + remove when full) + insert at the hot end + pin; release ->
-    unpin."""
+    unpin. With ``cold`` (scan-resistant admission) a miss is inserted at the cold end, as
+    the daemon inserts an unused prefetch."""
     cdef list lrus
 
     def __init__(self, group_of_key, capacity):
         _Pol.__init__(self, group_of_key, capacity)
+        self.admits_cold = True
         self.lrus = [LRU(self.n_keys) for _ in range(self.n_groups)]
 
     cdef int access(self, i64 k, i64 i) except -1:
@@ -107,7 +111,7 @@ cdef class _LRUPol(_Pol):
             v = lr.victim()
             lr.remove(v)
             self.res[v] = 0
-        lr.insert(k, False)
+        lr.insert(k, self.cold)
         lr.pin(k)
         self.res[k] = 1
         return 0
