@@ -249,7 +249,7 @@ class ExpertCache:
     def __init__(self, index, *, budget_bytes=None, slots=None, policy="global", readers=16,
                  chunk_bytes=256 * 1024, arena_dir="/dev/shm", arena_name=None, hugetlb=False,
                  lock_memory=True, direct_io=True, shrunk_policy="wait", max_prefetch_loads=None,
-                 log=None, arena_progress=None):
+                 log=None, arena_progress=None, admit_cold="off"):
         from .arena import Arena, plan_slots
         from .readers import ReaderPool
 
@@ -261,6 +261,7 @@ class ExpertCache:
         self.index = index
         self.policy = policy
         self.shrunk_policy = shrunk_policy
+        self.admit_cold = admit_cold   # "off" | "prompt" | int N (config key admit_cold)
         self._plan_slots = plan_slots
         self._closed = False
         self._lock = threading.Lock()
@@ -568,14 +569,20 @@ class ExpertCache:
             os.close(fd)
         self._after(submits, promotes, done)
 
+    def _cold(self, tag, width: int) -> bool:
+        """Whether a demanded miss enters the LRU at the cold end (config key admit_cold: the
+        acquire is tagged prompt, or names more than N experts of the layer)."""
+        a = self.admit_cold
+        return (tag == "prompt") if a == "prompt" else (a != "off" and width > a)
+
     def _start_load(self, L: _Layer, expert: int, slot: int, demanded: bool, submits: list,
-                    victim=None):
+                    victim=None, cold: bool = False):
         pool = L.pool
         k = L.base + expert
         load = _Load(pool, k, slot, L.layer, expert, demanded, L.fids[expert], victim)
         pool.alloc[k] = slot
         pool.loading[k] = load
-        pool.lru.insert(k, not demanded)
+        pool.lru.insert(k, cold or not demanded)
         pool.lru.pin(k)                  # the load's own pin, dropped when it ends
         self.c_inflight += 1
         self._l_reads[L.layer] += 1
@@ -665,7 +672,7 @@ class ExpertCache:
                 s = alloc[k]
                 if s < 0:
                     items.append(None)
-                    misses.append((len(items) - 1, L, e))
+                    misses.append((len(items) - 1, L, e, self._cold(req.tag, len(ex))))
                     lm += 1
                     continue
                 lru.pin(k)
@@ -699,8 +706,8 @@ class ExpertCache:
             hits += lh
             pf += lp
             miss += lm
-        for (i, L, e), (s, victim) in zip(misses, taken):   # slots taken before anything changed
-            load = self._start_load(L, e, s, True, submits, victim)
+        for (i, L, e, cold), (s, victim) in zip(misses, taken):   # slots taken before anything changed
+            load = self._start_load(L, e, s, True, submits, victim, cold)
             L.pool.lru.pin(load.key)
             load.waiters.append(req)
             req.pending += 1

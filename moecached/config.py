@@ -67,6 +67,7 @@ class Config:
     readers: int = 16                        # reader threads
     chunk: int = 256 * KiB                   # read size, bytes (multiple of 4 KiB)
     policy: str = "global"                   # eviction scope: global | per-layer
+    admit_cold: object = "off"               # misses entering at the cold end: off | prompt | N
     max_prefetch_loads: Optional[int] = None # prefetch loads in flight before dropping (None: auto)
     client_max_prefetch: Optional[int] = None  # per client prefetch loads in flight (None: auto, 0: no cap)
     client_rate_limit: float = 40000.0       # requests/s per client (0: off)
@@ -141,6 +142,18 @@ def _rate(x):
 def _bool(x):
     if not isinstance(x, bool):
         raise _Bad("true or false")
+    return x
+
+
+def _admit_cold(x):
+    """``admit_cold``: "off", "prompt" or a width N >= 1 (int, or its digits as a string)."""
+    if isinstance(x, str) and x.strip().lower() in ("off", "prompt"):
+        return x.strip().lower()
+    if isinstance(x, str) and x.strip().isdigit():
+        x = int(x.strip())
+    if isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= 1 << 24:
+        raise _Bad('"off", "prompt" or a width from 1 to 16777216 (experts of one layer in '
+                   'one acquire)')
     return x
 
 
@@ -283,6 +296,10 @@ KEYS: dict[str, Key] = {
     "chunk": Key(_size(lo=4 * KiB, hi=64 * MiB, multiple=4 * KiB), "--chunk", "read size (default 256KiB)",
                  "SIZE", "size"),
     "policy": Key(_choice("global", "per-layer"), "--policy", "eviction scope: global or per-layer", "NAME"),
+    "admit_cold": Key(_admit_cold, "--admit-cold",
+                      "scan-resistant admission: the misses of prompt-tagged acquires (prompt) "
+                      "or of one layer's experts wider than N (N) enter the LRU at the cold "
+                      "end (default off)", "off|prompt|N"),
     "max_prefetch_loads": Key(_int_range(0, 1 << 20), "--max-prefetch-loads",
                               "prefetch loads in flight before new prefetches are dropped "
                               "(default: 2 x top-k x size classes, at least 16; 0 turns prefetch off)",
@@ -334,7 +351,7 @@ KEYS: dict[str, Key] = {
 }
 
 #: Keys a SIGHUP can apply to a running daemon; others need a restart.
-RELOADABLE = frozenset({"budget", "slots", "floor", "floor_hysteresis", "floor_interval_s",
+RELOADABLE = frozenset({"budget", "slots", "admit_cold", "floor", "floor_hysteresis", "floor_interval_s",
                         "floor_min_change_s", "min_budget", "on_pressure", "pressure_timeout_s",
                         "on_model_change",
                         "heartbeat_s", "log_level", "max_request_experts", "max_message_bytes",

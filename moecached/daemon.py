@@ -101,6 +101,8 @@ def _apply_live(key: str, new: C.Config, server, cache, floor_box: dict):
         server.max_message_bytes = new.max_message_bytes
     elif key in ("client_rate_limit", "client_rate_burst", "client_max_prefetch"):
         server.set_client_limits(new.client_rate_limit, new.client_rate_burst, new.client_max_prefetch)
+    elif key == "admit_cold":
+        cache.admit_cold = new.admit_cold
     elif key == "on_pressure":
         cache.shrunk_policy = new.on_pressure
         server.acquire_timeout_s = new.pressure_timeout_s if new.on_pressure == "wait" else None
@@ -196,7 +198,7 @@ def _make_cache(cfg: C.Config, idx, progress=None, fitted=None):
                         readers=cfg.readers, chunk_bytes=cfg.chunk, arena_dir=cfg.arena_dir,
                         hugetlb=cfg.hugetlb, lock_memory=cfg.lock_memory, direct_io=cfg.direct_io,
                         shrunk_policy=cfg.on_pressure, max_prefetch_loads=cfg.max_prefetch_loads,
-                        arena_progress=progress)
+                        arena_progress=progress, admit_cold=cfg.admit_cold)
     try:
         arena = cache.arena
         os.chmod(arena.path, cfg.arena_mode)
