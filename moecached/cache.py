@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from . import MoecacheError
 from .arena import arena_bytes
-from .policy import LRU
+from .policy import EVICTIONS, make_eviction
 from .readers import ModelChanged
 from .stats import LatencyHistogram
 from ._shm import PinFile, ShmArena
@@ -156,11 +156,12 @@ class _Pool:
     __slots__ = ("cid", "lru", "res", "alloc", "loading", "unused", "free", "disabled",
                  "max_cap", "n_keys", "layers", "gbase")
 
-    def __init__(self, cid: int, layers: list[int], n_experts: int, slots: list[int]):
+    def __init__(self, cid: int, layers: list[int], n_experts: int, slots: list[int],
+                 eviction: str = "lru"):
         self.cid = cid
         self.layers = layers
         self.n_keys = len(layers) * n_experts
-        self.lru = LRU(self.n_keys)
+        self.lru = make_eviction(eviction, self.n_keys)   # LRU's interface (config eviction)
         self.res = [-1] * self.n_keys      # key -> slot when resident (published), else -1
         self.alloc = [-1] * self.n_keys    # key -> slot when resident or loading, else -1
         self.loading: dict[int, _Load] = {}
@@ -249,12 +250,15 @@ class ExpertCache:
     def __init__(self, index, *, budget_bytes=None, slots=None, policy="global", readers=16,
                  chunk_bytes=256 * 1024, arena_dir="/dev/shm", arena_name=None, hugetlb=False,
                  lock_memory=True, direct_io=True, shrunk_policy="wait", max_prefetch_loads=None,
-                 log=None, arena_progress=None, admit_cold="off"):
+                 log=None, arena_progress=None, admit_cold="off", eviction="lru"):
         from .arena import Arena, plan_slots
         from .readers import ReaderPool
 
         if policy not in ("global", "per-layer"):
             raise CacheError(f"policy: found {policy!r}, expected 'global' or 'per-layer'")
+        if eviction not in EVICTIONS:
+            raise CacheError(f"eviction: found {eviction!r}, expected one of {', '.join(EVICTIONS)}")
+        self.eviction = eviction
         if shrunk_policy not in ("wait", "error"):
             raise CacheError(f"shrunk_policy: found {shrunk_policy!r}, expected 'wait' or 'error'")
         self.log = log or logging.getLogger("moecached.cache")
@@ -332,7 +336,8 @@ class ExpertCache:
         for c in arena.classes:
             pools = []
             if self.policy == "global":
-                pools.append((_Pool(c.id, list(c.layers), ne, list(range(c.n_slots))), c.layers))
+                pools.append((_Pool(c.id, list(c.layers), ne, list(range(c.n_slots)),
+                                    self.eviction), c.layers))
             else:
                 share = c.n_slots // len(c.layers)
                 if share < 1:
@@ -341,7 +346,8 @@ class ExpertCache:
                         f"{len(c.layers)} layers, expected >= 1 per layer; raise the budget")
                 for i, layer in enumerate(c.layers):
                     pools.append((_Pool(c.id, [layer], ne,
-                                        list(range(i * share, (i + 1) * share))), [layer]))
+                                        list(range(i * share, (i + 1) * share)), self.eviction),
+                                  [layer]))
             self._cls[c.id] = (c, [p for p, _ in pools])
             pbytes = [c.part_bytes[p] for p in c.parts]
             for pool, layers in pools:

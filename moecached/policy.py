@@ -14,6 +14,7 @@ lfu           layer     fewest accesses since the start (ties: least recent)
 slru          layer     segmented LRU, 20 % probation
 opt           layer     Belady MIN: next use farthest in the future
 g-lru         class     least recently used over all layers of a size class (the daemon)
+g-lfu-decay   class     the daemon's ``eviction = "lfu-decay"`` (``LFUDecay``): fewest decayed uses
 g-lfu         class     fewest accesses, counts halved every 64 tokens
 arc           class     ARC (Megiddo & Modha)
 lru-2         class     LRU-K with K = 2
@@ -25,10 +26,17 @@ g-opt         class     Belady MIN over one shared budget
 ``layer`` policies give every MoE layer its own budget; ``class`` policies one budget per
 size class (one budget in all when the model has one size class).
 """
-from ._policy import LRU, build_stream, next_use  # noqa: F401
+from ._policy import LFUDecay, LRU, build_stream, next_use  # noqa: F401
 from . import _policy as _c
 
 G_LFU_HALVE_EVERY = 64   # g-lfu halves every count each time this many more tokens passed
+LFU_DECAY_HALVE_AFTER = 1024   # lfu-decay (daemon and g-lfu-decay) halves after this many uses
+
+# the daemon's eviction orders (config key ``eviction``): name -> factory(n_keys)
+EVICTIONS = {
+    "lru": lambda n: LRU(n),
+    "lfu-decay": lambda n: LFUDecay(n, LFU_DECAY_HALVE_AFTER),
+}
 
 # name -> (scope, factory(group_of_key, capacity, next_use) -> policy, halve_every_tokens)
 POLICIES = {
@@ -37,6 +45,7 @@ POLICIES = {
     "slru": ("layer", lambda g, c, nu: _c._SLRUPol(g, c, 20), 0),
     "opt": ("layer", lambda g, c, nu: _c._OptPol(g, c, nu), 0),
     "g-lru": ("class", lambda g, c, nu: _c._LRUPol(g, c), 0),
+    "g-lfu-decay": ("class", lambda g, c, nu: _c._LRUPol(g, c, LFU_DECAY_HALVE_AFTER), 0),
     "g-lfu": ("class", lambda g, c, nu: _c._LFUPol(g, c, True), G_LFU_HALVE_EVERY),
     "arc": ("class", lambda g, c, nu: _c._ARCPol(g, c), 0),
     "lru-2": ("class", lambda g, c, nu: _c._LRU2Pol(g, c), 0),
@@ -47,7 +56,7 @@ POLICIES = {
 NEEDS_FUTURE = {"opt", "g-opt"}
 ALIASES = {"w-tinylfu": ["w-tinylfu-1", "w-tinylfu-10"], "all": list(POLICIES)}
 
-__all__ = ["LRU", "POLICIES", "NEEDS_FUTURE", "ALIASES", "G_LFU_HALVE_EVERY", "expand_policies",
+__all__ = ["LRU", "LFUDecay", "EVICTIONS", "LFU_DECAY_HALVE_AFTER", "make_eviction", "POLICIES", "NEEDS_FUTURE", "ALIASES", "G_LFU_HALVE_EVERY", "expand_policies",
            "make_policy", "build_stream", "next_use", "replay", "replay_subst"]
 
 
@@ -65,6 +74,14 @@ def expand_policies(names) -> list:
             if m not in out:
                 out.append(m)
     return out
+
+
+def make_eviction(name: str, n_keys: int):
+    """The daemon's eviction order ``name`` (a key of :data:`EVICTIONS`) over ``n_keys`` keys;
+    ValueError naming the choices otherwise."""
+    if name not in EVICTIONS:
+        raise ValueError(f"eviction: found {name!r}, expected one of {', '.join(EVICTIONS)}")
+    return EVICTIONS[name](n_keys)
 
 
 def make_policy(name, group_of_key, capacity, next_use=None):

@@ -438,7 +438,7 @@ def _groups(policy, res, st, per_class_layers):
     return np.repeat(class_of_layer, E), np.array(res["class_caps"], np.int64)
 
 
-ADMITS_COLD = ("lru", "g-lru")
+ADMITS_COLD = ("lru", "g-lru", "g-lfu-decay")
 
 
 def cold_sets(st: Stream, admit_cold):

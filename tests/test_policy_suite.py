@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moecached import simulate as sim
-from moecached.policy import (LRU, NEEDS_FUTURE, POLICIES, build_stream, make_policy,
+from moecached.policy import (EVICTIONS, LFUDecay, LRU, NEEDS_FUTURE, make_eviction, POLICIES, build_stream, make_policy,
                               next_use, replay, replay_subst)
 from moecached.trace import Trace, save_trace
 
@@ -299,7 +299,7 @@ def test_cold_admission_matches_reference(seed, admit):
         assert ref_glru_cold(t, 6, lambda tok, n: False)[0] != h
 
 
-@pytest.mark.parametrize("policy", [p for p in ALL if p not in ("lru", "g-lru")])
+@pytest.mark.parametrize("policy", [p for p in ALL if p not in sim.ADMITS_COLD])
 def test_cold_admission_refused_by_other_policies(policy):
     t = weighted_trace(0)
     with pytest.raises(sim.SimulationError, match="no cold admission"):
@@ -312,3 +312,49 @@ def test_cli_admit_cold_bad_value(tmp_path, bad):
     save_trace(p, weighted_trace(2))
     with pytest.raises(sim.SimulationError, match="--admit-cold"):
         sim.main([str(p), "--admit-cold", bad])
+
+
+# ------------------------------------------------------------------ daemon eviction orders
+
+def test_lfu_decay_victim_counts_halving_and_ties():
+    d = LFUDecay(8, 4)
+    for k in (0, 1, 2):
+        d.insert(k)                      # 3 uses
+    d.touch(0)                           # 4th use: every count halved -> 0:1, 1:0, 2:0
+    assert [d.count(k) for k in (0, 1, 2)] == [1, 0, 0]
+    assert d.victim() == 1               # fewest, ties -> least recent (1 is colder than 2)
+    d.pin(1)
+    assert d.victim() == 2
+    d.insert(3, cold=True)               # an unused prefetch: not a use
+    assert d.count(3) == 0 and d.victim() == 3
+    d.touch(2)
+    d.touch(2)
+    assert d.victim() == 3 and d.keys()[0] == 2
+    d.unpin(1)
+    d.remove(3)
+    assert d.victim() == 1 and d.count(3) == 0
+    with pytest.raises(ValueError, match="halve_after"):
+        LFUDecay(4, 0)
+
+
+@pytest.mark.parametrize("name", list(EVICTIONS))
+def test_every_eviction_order_keeps_the_lru_interface(name):
+    """What the cache calls (insert, touch, pin, unpin, victim, remove, grant_resident,
+    all_present, unpin_keys, contains, keys, len, pinned) works on every eviction order."""
+    d = make_eviction(name, 16)
+    for k in range(4):
+        d.insert(k)
+    res, unused = list(range(16)), bytearray(16)
+    unused[2] = 1
+    keys, items, pf = d.grant_resident([1, 2], 0, 16, res, unused, 5, 0)
+    assert keys == [1, 2] and pf == 1 and items == [(5, 1, 0, 1), (5, 2, 0, 2)]
+    assert d.all_present([0, 3], 0, 16) and not d.all_present([9], 0, 16)
+    assert d.pinned == 2 and d.victim() in (0, 3)
+    d.unpin_keys(keys)
+    d.pin(0)
+    assert d.victim() != 0
+    d.unpin(0)
+    assert d.remove(d.victim()) and len(d) == 3 and d.contains(1)
+    assert d.touch(1) and d.keys()[0] == 1
+    with pytest.raises(ValueError, match="eviction"):
+        make_eviction("slru-x", 4)

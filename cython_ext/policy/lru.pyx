@@ -18,7 +18,7 @@ cdef class LRU:
     cdef char *present
     cdef int *pins
 
-    def __cinit__(self, long n_keys):
+    def __cinit__(self, long n_keys, *args):
         if n_keys < 1:
             raise ValueError(f"LRU n_keys: found {n_keys}, expected >= 1")
         self.n_keys = n_keys
@@ -51,6 +51,12 @@ cdef class LRU:
         self.prev[self.next[at]] = k
         self.next[at] = k
 
+    cdef void _hit(self, long k) noexcept:
+        """A demanded use of present key ``k`` (touch, the hit path): move it to the hot end.
+        Subclasses add their own bookkeeping (``LFUDecay`` counts it)."""
+        self._unlink(k)
+        self._link_after(self.head, k)
+
     cpdef bint contains(self, long k):
         """True when key ``k`` is tracked (resident)."""
         self._check(k)
@@ -61,8 +67,7 @@ cdef class LRU:
         self._check(k)
         if not self.present[k]:
             return False
-        self._unlink(k)
-        self._link_after(self.head, k)
+        self._hit(k)
         return True
 
     cpdef void insert(self, long k, bint cold=False) except *:
@@ -173,8 +178,7 @@ cdef class LRU:
             if self.pins[k] == 0:
                 self.n_pinned += 1
             self.pins[k] += 1
-            self._unlink(k)
-            self._link_after(self.head, k)
+            self._hit(k)
             if unused[k]:
                 unused[k] = 0
                 pf += 1
@@ -244,3 +248,62 @@ cdef class LRU:
         def __get__(self):
             return self.n_pinned
 
+
+cdef class LFUDecay(LRU):
+    """Decayed LFU with the ``LRU``'s interface (the daemon's ``eviction = "lfu-decay"``).
+
+    Every demanded use of a key -- a ``touch`` (hit) or a hot ``insert`` (demanded load) --
+    adds 1 to its count; a cold ``insert`` (unused prefetch, cold admission) adds nothing.
+    Counts outlive eviction. After every ``halve_after`` counted uses all counts are halved
+    (floor). ``victim()`` is the unpinned present key with the lowest count, ties -> the least
+    recently used (the ``LRU`` order is kept as well). O(present keys) per victim.
+
+    Args:
+        n_keys: as ``LRU``; halve_after: counted uses between halvings (>= 1).
+    """
+    cdef long *cnt
+    cdef long halve_after, n_acc
+
+    def __cinit__(self, long n_keys, long halve_after=1024):
+        if halve_after < 1:
+            raise ValueError(f"LFUDecay halve_after: found {halve_after}, expected >= 1")
+        self.cnt = <long*>calloc(n_keys + 1, sizeof(long))
+        if not self.cnt:
+            raise MemoryError()
+        self.halve_after = halve_after
+        self.n_acc = 0
+
+    def __dealloc__(self):
+        free(self.cnt)
+
+    cdef inline void _count(self, long k) noexcept:
+        cdef long j
+        self.cnt[k] += 1
+        self.n_acc += 1
+        if self.n_acc >= self.halve_after:
+            for j in range(self.n_keys):
+                self.cnt[j] >>= 1
+            self.n_acc = 0
+
+    cdef void _hit(self, long k) noexcept:
+        self._count(k)
+        LRU._hit(self, k)
+
+    cpdef void insert(self, long k, bint cold=False) except *:
+        LRU.insert(self, k, cold)
+        if not cold:
+            self._count(k)
+
+    cpdef long victim(self):
+        """Unpinned present key with the lowest count (ties: least recent), or -1."""
+        cdef long k = self.prev[self.head], best = -1
+        while k != self.head:
+            if self.pins[k] == 0 and (best < 0 or self.cnt[k] < self.cnt[best]):
+                best = k
+            k = self.prev[k]
+        return best
+
+    cpdef long count(self, long k):
+        """The decayed use count of ``k`` (present or not)."""
+        self._check(k)
+        return self.cnt[k]

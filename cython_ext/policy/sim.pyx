@@ -95,10 +95,13 @@ cdef class _LRUPol(_Pol):
     the daemon inserts an unused prefetch."""
     cdef list lrus
 
-    def __init__(self, group_of_key, capacity):
+    def __init__(self, group_of_key, capacity, lfu_halve_after=0):
         _Pol.__init__(self, group_of_key, capacity)
         self.admits_cold = True
-        self.lrus = [LRU(self.n_keys) for _ in range(self.n_groups)]
+        if lfu_halve_after > 0:     # g-lfu-decay: the daemon's LFUDecay, driven the same way
+            self.lrus = [LFUDecay(self.n_keys, lfu_halve_after) for _ in range(self.n_groups)]
+        else:
+            self.lrus = [LRU(self.n_keys) for _ in range(self.n_groups)]
 
     cdef int access(self, i64 k, i64 i) except -1:
         cdef LRU lr = <LRU>self.lrus[self.group[k]]
