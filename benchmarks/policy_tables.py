@@ -21,7 +21,8 @@ from moecached import simulate as sim  # noqa: E402
 from moecached.trace import load_trace  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-DAEMON_POLICIES = ("g-lru", "lru")      # config policy = global | per-layer
+DAEMON_POLICIES = ("g-lru", "lru", "g-lfu-decay")   # policy = global | per-layer; eviction
+SUBST_POLICIES = ("g-lru", "lru")
 SUBST = [(0.5, 1), (0.5, -1), (0.8, 1), (0.8, -1)]
 
 
@@ -59,7 +60,7 @@ def measure(path, sizes):
         r["gap_best_daemon"] = gap(r["best_daemon"], r["g_lru"], r["g_opt"])
         r["gap_admit_cold"] = gap(r["admit_cold_prompt"], r["g_lru"], r["g_opt"])
         if view is not None:
-            for pol in DAEMON_POLICIES:
+            for pol in SUBST_POLICIES:
                 for rr, cap in SUBST:
                     key = f"subst_{pol}_r{rr:g}_cap{'none' if cap < 0 else cap}"
                     try:
@@ -96,13 +97,13 @@ def markdown(res):
         out.append("")
         if o["weights"]:
             out.append(f"Substitution view ({o['subst_view']}): served from cache (gap closed)\n")
-            heads = [f"{p} r {rr:g} cap {'none' if c < 0 else c}" for p in DAEMON_POLICIES
+            heads = [f"{p} r {rr:g} cap {'none' if c < 0 else c}" for p in SUBST_POLICIES
                      for rr, c in SUBST]
             out.append("| size | g-lru | " + " | ".join(heads) + " | g-opt |")
             out.append("|---|---:|" + "---:|" * len(heads) + "---:|")
             for r in o["rows"]:
                 cells = []
-                for p in DAEMON_POLICIES:
+                for p in SUBST_POLICIES:
                     for rr, c in SUBST:
                         k = f"subst_{p}_r{rr:g}_cap{'none' if c < 0 else c}"
                         cells.append(f"{pct(r.get(k))} ({pct(r.get(k + '_gap'))})")
