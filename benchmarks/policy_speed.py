@@ -3,7 +3,7 @@
     python benchmarks/policy_speed.py [--traces DIR] [--sizes 0.25,0.5] [--repeat 3] [--json OUT]
 
 Counts every access the kernel replays (warm-up included), takes the best of ``--repeat`` runs
-of ``_policy.replay`` (stream building and policy construction excluded), and prints a table
+of ``moecached.policy.replay`` (stream building and policy construction excluded), and prints a table
 of M accesses/s per policy and trace. Targets: >= 2 M/s for the LRU family,
 >= 0.5 M/s for the Belady policies (opt, g-opt).
 """
@@ -18,9 +18,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moecached import _policy as _c  # noqa: E402
 from moecached.tools import simulate as sim  # noqa: E402
-from moecached.policy import NEEDS_FUTURE, POLICIES, make_policy  # noqa: E402
+from moecached.policy import NEEDS_FUTURE, POLICIES, make_policy, replay  # noqa: E402
 from moecached.trace import load_trace  # noqa: E402
 
 LRU_FAMILY = ["lru", "g-lru", "slru", "lru-2", "arc", "w-tinylfu-1", "w-tinylfu-10", "lfu",
@@ -40,8 +39,8 @@ def bench(trace_path, policy, size, repeat):
     for _ in range(repeat):
         pol = make_policy(policy, group, caps, st.next_use if policy in NEEDS_FUTURE else None)
         t0 = time.perf_counter()
-        _c.replay(pol, st.keys, st.set_start, st.set_layer, st.set_counted,
-                  st.set_tokens_before, L, 64 if POLICIES[policy][2] else 0)
+        replay(pol, st.keys, st.set_start, st.set_layer, st.set_counted,
+               st.set_tokens_before, L)
         best = min(best, time.perf_counter() - t0)
     return len(st.keys), best
 

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from . import MoecacheError
 from .arena import arena_bytes
-from .policy import LRU
+from .policy import EVICTIONS, make_eviction
 from .readers import ModelChanged
 from .stats import CACHE_STATS
 from ._shm import PinFile, ShmArena
@@ -156,11 +156,12 @@ class _Pool:
     __slots__ = ("cid", "lru", "res", "alloc", "loading", "unused", "free", "disabled",
                  "max_cap", "n_keys", "layers", "gbase")
 
-    def __init__(self, cid: int, layers: list[int], n_experts: int, slots: list[int]):
+    def __init__(self, cid: int, layers: list[int], n_experts: int, slots: list[int],
+                 eviction: str = "lru"):
         self.cid = cid
         self.layers = layers
         self.n_keys = len(layers) * n_experts
-        self.lru = LRU(self.n_keys)
+        self.lru = make_eviction(eviction, self.n_keys)   # LRU's interface (config eviction)
         self.res = [-1] * self.n_keys      # key -> slot when resident (published), else -1
         self.alloc = [-1] * self.n_keys    # key -> slot when resident or loading, else -1
         self.loading: dict[int, _Load] = {}
@@ -249,18 +250,22 @@ class ExpertCache:
     def __init__(self, index, *, budget_bytes=None, slots=None, policy="global", readers=16,
                  chunk_bytes=256 * 1024, arena_dir="/dev/shm", arena_name=None, hugetlb=False,
                  lock_memory=True, direct_io=True, shrunk_policy="wait", max_prefetch_loads=None,
-                 log=None, arena_progress=None):
+                 log=None, arena_progress=None, admit_cold="off", eviction="lru"):
         from .arena import Arena, plan_slots
         from .readers import ReaderPool
 
         if policy not in ("global", "per-layer"):
             raise CacheError(f"policy: found {policy!r}, expected 'global' or 'per-layer'")
+        if eviction not in EVICTIONS:
+            raise CacheError(f"eviction: found {eviction!r}, expected one of {', '.join(EVICTIONS)}")
+        self.eviction = eviction
         if shrunk_policy not in ("wait", "error"):
             raise CacheError(f"shrunk_policy: found {shrunk_policy!r}, expected 'wait' or 'error'")
         self.log = log or logging.getLogger("moecached.cache")
         self.index = index
         self.policy = policy
         self.shrunk_policy = shrunk_policy
+        self.admit_cold = admit_cold   # "off" | "prompt" | int N (config key admit_cold)
         self._plan_slots = plan_slots
         self._closed = False
         self._lock = threading.Lock()
@@ -331,7 +336,8 @@ class ExpertCache:
         for c in arena.classes:
             pools = []
             if self.policy == "global":
-                pools.append((_Pool(c.id, list(c.layers), ne, list(range(c.n_slots))), c.layers))
+                pools.append((_Pool(c.id, list(c.layers), ne, list(range(c.n_slots)),
+                                    self.eviction), c.layers))
             else:
                 share = c.n_slots // len(c.layers)
                 if share < 1:
@@ -340,7 +346,8 @@ class ExpertCache:
                         f"{len(c.layers)} layers, expected >= 1 per layer; raise the budget")
                 for i, layer in enumerate(c.layers):
                     pools.append((_Pool(c.id, [layer], ne,
-                                        list(range(i * share, (i + 1) * share))), [layer]))
+                                        list(range(i * share, (i + 1) * share)), self.eviction),
+                                  [layer]))
             self._cls[c.id] = (c, [p for p, _ in pools])
             pbytes = [c.part_bytes[p] for p in c.parts]
             for pool, layers in pools:
@@ -568,14 +575,20 @@ class ExpertCache:
             os.close(fd)
         self._after(submits, promotes, done)
 
+    def _cold(self, tag, width: int) -> bool:
+        """Whether a demanded miss enters the LRU at the cold end (config key admit_cold: the
+        acquire is tagged prompt, or names more than N experts of the layer)."""
+        a = self.admit_cold
+        return (tag == "prompt") if a == "prompt" else (a != "off" and width > a)
+
     def _start_load(self, L: _Layer, expert: int, slot: int, demanded: bool, submits: list,
-                    victim=None):
+                    victim=None, cold: bool = False):
         pool = L.pool
         k = L.base + expert
         load = _Load(pool, k, slot, L.layer, expert, demanded, L.fids[expert], victim)
         pool.alloc[k] = slot
         pool.loading[k] = load
-        pool.lru.insert(k, not demanded)
+        pool.lru.insert(k, cold or not demanded)
         pool.lru.pin(k)                  # the load's own pin, dropped when it ends
         self.c_inflight += 1
         self._l_reads[L.layer] += 1
@@ -665,7 +678,7 @@ class ExpertCache:
                 s = alloc[k]
                 if s < 0:
                     items.append(None)
-                    misses.append((len(items) - 1, L, e))
+                    misses.append((len(items) - 1, L, e, self._cold(req.tag, len(ex))))
                     lm += 1
                     continue
                 lru.pin(k)
@@ -699,8 +712,8 @@ class ExpertCache:
             hits += lh
             pf += lp
             miss += lm
-        for (i, L, e), (s, victim) in zip(misses, taken):   # slots taken before anything changed
-            load = self._start_load(L, e, s, True, submits, victim)
+        for (i, L, e, cold), (s, victim) in zip(misses, taken):   # slots taken before anything changed
+            load = self._start_load(L, e, s, True, submits, victim, cold)
             L.pool.lru.pin(load.key)
             load.waiters.append(req)
             req.pending += 1

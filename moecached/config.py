@@ -67,6 +67,8 @@ class Config:
     readers: int = 16                        # reader threads
     chunk: int = 256 * KiB                   # read size, bytes (multiple of 4 KiB)
     policy: str = "global"                   # eviction scope: global | per-layer
+    admit_cold: object = "off"               # misses entering at the cold end: off | prompt | N
+    eviction: str = "lru"                    # eviction order: lru | lfu-decay
     max_prefetch_loads: Optional[int] = None # prefetch loads in flight before dropping (None: auto)
     client_max_prefetch: Optional[int] = None  # per client prefetch loads in flight (None: auto, 0: no cap)
     client_rate_limit: float = 40000.0       # requests/s per client (0: off)
@@ -141,6 +143,18 @@ def _rate(x):
 def _bool(x):
     if not isinstance(x, bool):
         raise _Bad("true or false")
+    return x
+
+
+def _admit_cold(x):
+    """``admit_cold``: "off", "prompt" or a width N >= 1 (int, or its digits as a string)."""
+    if isinstance(x, str) and x.strip().lower() in ("off", "prompt"):
+        return x.strip().lower()
+    if isinstance(x, str) and x.strip().isdigit():
+        x = int(x.strip())
+    if isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= 1 << 24:
+        raise _Bad('"off", "prompt" or a width from 1 to 16777216 (experts of one layer in '
+                   'one acquire)')
     return x
 
 
@@ -278,6 +292,10 @@ def _live_request_limits(new, server, cache, floor_box):
     server.set_request_limits(new.max_request_experts, new.max_message_bytes)
 
 
+def _live_admit_cold(new, server, cache, floor_box):
+    cache.admit_cold = new.admit_cold
+
+
 def _live_client_limits(new, server, cache, floor_box):
     server.set_client_limits(new.client_rate_limit, new.client_rate_burst, new.client_max_prefetch)
 
@@ -334,6 +352,13 @@ KEYS: dict[str, Key] = {
     "chunk": Key(_size(lo=4 * KiB, hi=64 * MiB, multiple=4 * KiB), "--chunk", "read size (default 256KiB)",
                  "SIZE", "size"),
     "policy": Key(_choice("global", "per-layer"), "--policy", "eviction scope: global or per-layer", "NAME"),
+    "eviction": Key(_choice("lru", "lfu-decay"), "--eviction",
+                    "eviction order: lru (default) or lfu-decay (fewest decayed uses, ties "
+                    "least recent)", "NAME"),
+    "admit_cold": Key(_admit_cold, "--admit-cold",
+                      "scan-resistant admission: the misses of prompt-tagged acquires (prompt) "
+                      "or of one layer's experts wider than N (N) enter the LRU at the cold "
+                      "end (default off)", "off|prompt|N", reload=_live_admit_cold),
     "max_prefetch_loads": Key(_int_range(0, 1 << 20), "--max-prefetch-loads",
                               "prefetch loads in flight before new prefetches are dropped "
                               "(default: 2 x top-k x size classes, at least 16; 0 turns prefetch off)",

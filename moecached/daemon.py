@@ -189,7 +189,8 @@ def _make_cache(cfg: C.Config, idx, progress=None, fitted=None):
                         readers=cfg.readers, chunk_bytes=cfg.chunk, arena_dir=cfg.arena_dir,
                         hugetlb=cfg.hugetlb, lock_memory=cfg.lock_memory, direct_io=cfg.direct_io,
                         shrunk_policy=cfg.on_pressure, max_prefetch_loads=cfg.max_prefetch_loads,
-                        arena_progress=progress)
+                        arena_progress=progress, admit_cold=cfg.admit_cold,
+                        eviction=cfg.eviction)
     try:
         arena = cache.arena
         os.chmod(arena.path, cfg.arena_mode)

@@ -14,6 +14,7 @@ lfu           layer     fewest accesses since the start (ties: least recent)
 slru          layer     segmented LRU, 20 % probation
 opt           layer     Belady MIN: next use farthest in the future
 g-lru         class     least recently used over all layers of a size class (the daemon)
+g-lfu-decay   class     the daemon's ``eviction = "lfu-decay"`` (``LFUDecay``): fewest decayed uses
 g-lfu         class     fewest accesses, counts halved every 64 tokens
 arc           class     ARC (Megiddo & Modha)
 lru-2         class     LRU-K with K = 2
@@ -25,8 +26,17 @@ g-opt         class     Belady MIN over one shared budget
 ``layer`` policies give every MoE layer its own budget; ``class`` policies one budget per
 size class (one budget in all when the model has one size class).
 """
-from ._policy import LRU  # noqa: F401
+from ._policy import LFUDecay, LRU, build_stream, next_use  # noqa: F401
 from . import _policy as _c
+
+G_LFU_HALVE_EVERY = 64   # g-lfu halves every count each time this many more tokens passed
+LFU_DECAY_HALVE_AFTER = 1024   # lfu-decay (daemon and g-lfu-decay) halves after this many uses
+
+# the daemon's eviction orders (config key ``eviction``): name -> factory(n_keys)
+EVICTIONS = {
+    "lru": lambda n: LRU(n),
+    "lfu-decay": lambda n: LFUDecay(n, LFU_DECAY_HALVE_AFTER),
+}
 
 # name -> (scope, factory(group_of_key, capacity, next_use) -> policy, halve_every_tokens)
 POLICIES = {
@@ -35,7 +45,8 @@ POLICIES = {
     "slru": ("layer", lambda g, c, nu: _c._SLRUPol(g, c, 20), 0),
     "opt": ("layer", lambda g, c, nu: _c._OptPol(g, c, nu), 0),
     "g-lru": ("class", lambda g, c, nu: _c._LRUPol(g, c), 0),
-    "g-lfu": ("class", lambda g, c, nu: _c._LFUPol(g, c, True), 64),
+    "g-lfu-decay": ("class", lambda g, c, nu: _c._LRUPol(g, c, LFU_DECAY_HALVE_AFTER), 0),
+    "g-lfu": ("class", lambda g, c, nu: _c._LFUPol(g, c, True), G_LFU_HALVE_EVERY),
     "arc": ("class", lambda g, c, nu: _c._ARCPol(g, c), 0),
     "lru-2": ("class", lambda g, c, nu: _c._LRU2Pol(g, c), 0),
     "w-tinylfu-1": ("class", lambda g, c, nu: _c._WTinyLFUPol(g, c, 1), 0),
@@ -45,7 +56,8 @@ POLICIES = {
 NEEDS_FUTURE = {"opt", "g-opt"}
 ALIASES = {"w-tinylfu": ["w-tinylfu-1", "w-tinylfu-10"], "all": list(POLICIES)}
 
-__all__ = ["LRU", "POLICIES", "NEEDS_FUTURE", "ALIASES", "expand_policies", "make_policy"]
+__all__ = ["LRU", "LFUDecay", "EVICTIONS", "LFU_DECAY_HALVE_AFTER", "make_eviction", "POLICIES", "NEEDS_FUTURE", "ALIASES", "G_LFU_HALVE_EVERY", "expand_policies",
+           "make_policy", "build_stream", "next_use", "replay", "replay_subst"]
 
 
 def expand_policies(names) -> list:
@@ -64,12 +76,51 @@ def expand_policies(names) -> list:
     return out
 
 
+def make_eviction(name: str, n_keys: int):
+    """The daemon's eviction order ``name`` (a key of :data:`EVICTIONS`) over ``n_keys`` keys;
+    ValueError naming the choices otherwise."""
+    if name not in EVICTIONS:
+        raise ValueError(f"eviction: found {name!r}, expected one of {', '.join(EVICTIONS)}")
+    return EVICTIONS[name](n_keys)
+
+
 def make_policy(name, group_of_key, capacity, next_use=None):
     """Build simulator policy ``name`` over keys grouped by ``group_of_key`` (int [n_keys],
     group id per key) with ``capacity[g]`` slots per group. ``next_use`` (int64 [A], from
-    ``_policy.next_use``) is required by ``opt``/``g-opt``."""
+    :func:`next_use`) is required by ``opt``/``g-opt``. The policy carries its name and its
+    halving period (``halve_every``, tokens; 0 = never), which :func:`replay` applies."""
     if name not in POLICIES:
         expand_policies([name])
     if name in NEEDS_FUTURE and next_use is None:
         raise ValueError(f"policy {name}: needs next_use (the future of the access stream)")
-    return POLICIES[name][1](group_of_key, capacity, next_use)
+    pol = POLICIES[name][1](group_of_key, capacity, next_use)
+    pol.name = name
+    pol.halve_every = POLICIES[name][2]
+    return pol
+
+
+def replay(pol, keys, set_start, set_layer, set_counted, set_tokens_before, n_layers,
+           set_cold=None):
+    """Replay an access stream (from :func:`build_stream`) through ``pol`` (from
+    :func:`make_policy`). ``set_cold`` (uint8 [S], optional): sets whose misses are admitted
+    at the cold end (``lru``/``g-lru``: the daemon's ``LRU.insert(k, cold=True)``; ValueError
+    for other policies). Returns (hits int64 [n_layers], accesses int64 [n_layers]).
+    Semantics: docs/policies.md ("How accesses are counted", "Scan-resistant admission")."""
+    return _c.replay(pol, keys, set_start, set_layer, set_counted, set_tokens_before, n_layers,
+                     set_cold)
+
+
+def replay_subst(pol, keys, key_score, set_start, set_layer, set_counted, set_tokens_before,
+                 n_layers, cand_start, cand_keys, cand_score, r, max_swaps=-1, refresh=False):
+    """:func:`replay` where a missing routed expert may be replaced by a resident candidate
+    scoring >= ``r`` x its score, at most ``max_swaps`` per set (< 0: no cap). Returns (hits,
+    accesses, substituted), int64 [n_layers] each. Exact rule: docs/policies.md
+    ("Substitution"). ValueError for ``opt``/``g-opt`` (their release order needs every
+    access's stream position; a given candidate has none) and for r outside [0, 1]."""
+    if getattr(pol, "name", None) in NEEDS_FUTURE:
+        raise ValueError(f"policy {pol.name}: substitution replays online policies only")
+    if not 0.0 <= float(r) <= 1.0:
+        raise ValueError(f"substitution tolerance r: found {r}, expected 0 <= r <= 1")
+    return _c.replay_subst(pol, keys, key_score, set_start, set_layer, set_counted,
+                           set_tokens_before, n_layers, cand_start, cand_keys, cand_score,
+                           float(r), int(max_swaps), bool(refresh))

@@ -707,3 +707,35 @@ def test_acquire_resident_hit_path_counts_like_the_general_path(models):
             a.release(la2)
         assert a.pinned_count() == 0
     truth.close()
+
+
+@pytest.mark.parametrize("admit,tag,width,cold", [("off", "prompt", 2, False),
+                                                  ("prompt", "prompt", 2, True),
+                                                  ("prompt", "decode", 2, False),
+                                                  ("prompt", None, 2, False),
+                                                  (1, None, 2, True), (2, None, 2, False)])
+def test_admit_cold_loads_misses_at_the_cold_end(models, admit, tag, width, cold):
+    """admit_cold: the misses of a prompt-tagged acquire (or one naming more than N experts of
+    a layer) enter the LRU at the cold end; a resident expert used later stays hotter."""
+    idx = open_index(models("mixtral-legacy"))
+    L = idx.expert_layers[0]
+    cache = new_cache(idx, slots=8, admit_cold=admit)
+    try:
+        cache.release(cache.acquire(L, [2]))                  # resident, hot end, plain admission
+        done = []
+        cache.acquire_async([(L, list(range(width)))], done.append, tag=tag)
+        t = time.monotonic()
+        while not done:
+            assert time.monotonic() - t < 30
+            time.sleep(0.002)
+        cache.release(done[0])
+        wait_idle(cache)
+        base = cache._layers[L].base
+        order = [k - base for k in cache._layers[L].pool.lru.keys()]   # hot -> cold
+        assert set(order) == {2} | set(range(width))
+        if cold:
+            assert order[0] == 2
+        else:
+            assert order[-1] == 2
+    finally:
+        cache.close()

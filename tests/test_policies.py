@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from moecached.tools import simulate as sim
-from moecached.policy import LRU, POLICIES, expand_policies
+from moecached.policy import LFU_DECAY_HALVE_AFTER, LRU, POLICIES, expand_policies
 from moecached.tools.replay import reference_lru
 from moecached.trace import Trace, load_trace
 
@@ -304,8 +304,39 @@ class RefWTinyLFU:
         return False
 
 
+class RefLFUDecay:
+    """The daemon's ``LFUDecay``: demanded uses counted per budget (kept after eviction), all
+    counts halved after every LFU_DECAY_HALVE_AFTER uses; victim: fewest, ties least recent."""
+    def __init__(self, c, **_):
+        self.c, self.order, self.count, self.n = c, [], defaultdict(int), 0
+
+    def resident(self, k):
+        return k in self.order
+
+    def _use(self, k):
+        self.count[k] += 1
+        self.n += 1
+        if self.n >= LFU_DECAY_HALVE_AFTER:
+            for x in self.count:
+                self.count[x] //= 2
+            self.n = 0
+
+    def access(self, k, now, pinned):
+        if k in self.order:
+            self._use(k)
+            self.order.remove(k)
+            self.order.append(k)
+            return True
+        if len(self.order) >= self.c:
+            self.order.remove(min((x for x in self.order if x not in pinned),
+                                  key=lambda x: self.count[x]))
+        self.order.append(k)
+        self._use(k)
+        return False
+
+
 REF = {
-    "lru": RefLRU, "g-lru": RefLRU, "lfu": RefLFU, "g-lfu": RefLFU, "slru": RefSLRU,
+    "lru": RefLRU, "g-lru": RefLRU, "g-lfu-decay": RefLFUDecay, "lfu": RefLFU, "g-lfu": RefLFU, "slru": RefSLRU,
     "opt": RefOPT, "g-opt": RefOPT, "arc": RefARC, "lru-2": RefLRU2,
     "w-tinylfu-1": lambda c, **kw: RefWTinyLFU(c, 1, **kw),
     "w-tinylfu-10": lambda c, **kw: RefWTinyLFU(c, 10, **kw),

@@ -31,9 +31,9 @@ def daemon(model, tmp_path):
     from moecached.tools.demo import Daemon
     made = []
 
-    def start(slots):
+    def start(slots, args=()):
         d = Daemon(model, str(tmp_path), slots=slots, lock=False, readers=8,
-                   name=f"d{len(made)}")
+                   name=f"d{len(made)}", args=args)
         made.append(d)
         return d, d.connect(timeout=60)
 
@@ -70,6 +70,38 @@ def test_prefetch_off_matches_reference_and_simulator(daemon, frac):
     assert (r["hits"], r["accesses"]) == (s["reference_hits"], s["reference_accesses"])
     assert r["overhead_all_hits"] and r["overhead_ms_per_token"] > 0
     assert 0 < r["hit_rate"] < 1 and r["bytes_read"] >= r["demand_misses"] * 3_000_000
+
+
+def test_cold_admission_daemon_equals_simulator(daemon):
+    """admit_cold = 7: every acquire of 8 experts loads its misses at the LRU's cold end; the
+    daemon's hits are the simulator's g-lru with admit_cold=7 on the same window, and differ
+    from plain g-lru (so the admission rule is really applied on both sides)."""
+    t = sliced(qwen_trace(), 2, 200)
+    slots = 64
+    d, c = daemon(slots, ["--admit-cold", "7"])
+    try:
+        r = replay(c, t, warm_tokens=40, tokens=160, lookahead=0, overhead_tokens=0)
+    finally:
+        c.close()
+    g = simulate(t, "g-lru", slots, warmup=40, tokens=160, admit_cold=7)
+    assert (r["hits"], r["accesses"]) == (g["hits"], g["accesses"])
+    plain = simulate(t, "g-lru", slots, warmup=40, tokens=160)
+    assert plain["hits"] != g["hits"]
+
+
+def test_lfu_decay_daemon_equals_simulator(daemon):
+    """eviction = lfu-decay: the daemon's hits are the simulator's g-lfu-decay (the same
+    LFUDecay class) on the same window, and differ from g-lru."""
+    t = sliced(qwen_trace(), 2, 200)
+    slots = 64
+    d, c = daemon(slots, ["--eviction", "lfu-decay"])
+    try:
+        r = replay(c, t, warm_tokens=40, tokens=160, lookahead=0, overhead_tokens=0)
+    finally:
+        c.close()
+    g = simulate(t, "g-lfu-decay", slots, warmup=40, tokens=160)
+    assert (r["hits"], r["accesses"]) == (g["hits"], g["accesses"])
+    assert simulate(t, "g-lru", slots, warmup=40, tokens=160)["hits"] != g["hits"]
 
 
 def test_reference_is_sensitive():

@@ -79,13 +79,14 @@ class Daemon:
     """A moecached subprocess on its own ipc socket in ``workdir``."""
 
     def __init__(self, model, workdir, *, slots=None, budget=None, lock=False, readers=16,
-                 name="d"):
+                 name="d", args=()):
         self.endpoint = f"ipc://{workdir}/{name}.sock"
         self.log_path = os.path.join(workdir, f"{name}.log")
         cmd = [sys.executable, "-P", "-m", "moecached.daemon", "--model", str(model),
                "--endpoint", self.endpoint, "--group", "", "--log-level", "warning",
                "--readers", str(readers), "--lock-memory" if lock else "--no-lock-memory"]
         cmd += ["--slots", str(slots)] if slots is not None else ["--budget", str(budget)]
+        cmd += list(args)                 # further daemon options, e.g. ["--admit-cold", "7"]
         self.cmd = cmd
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,

@@ -41,15 +41,16 @@ from typing import Optional
 import numpy as np
 
 from .. import MoecacheError
-from .. import _policy as _c
-from ..policy import NEEDS_FUTURE, POLICIES, expand_policies, make_policy
+from ..policy import (G_LFU_HALVE_EVERY, NEEDS_FUTURE, POLICIES, build_stream, expand_policies,
+                      make_policy, next_use, replay, replay_subst)
 from ..trace import Trace, load_trace
 
 __all__ = ["SimulationError", "Stream", "prepare", "window_end", "capacities", "simulate",
+           "SubstView", "subst_view", "simulate_subst", "SUBST_VIEW",
            "main", "layout_bytes", "model_bytes", "DEFAULT_GBPS", "HALVE_EVERY"]
 
 DEFAULT_GBPS = 3.7
-HALVE_EVERY = 64
+HALVE_EVERY = G_LFU_HALVE_EVERY   # re-exported; defined in moecached.policy
 
 
 class SimulationError(MoecacheError, ValueError):
@@ -58,10 +59,11 @@ class SimulationError(MoecacheError, ValueError):
 
 @dataclass
 class Stream:
-    """A trace flattened into the access stream (see ``_policy.build_stream``).
+    """A trace flattened into the access stream (see ``moecached.policy.build_stream``).
 
     keys int64 [A] (key = layer * E + expert), set_start int64 [S+1], set_layer int64 [S],
-    set_counted uint8 [S], set_tokens_before int64 [S] (tokens of earlier steps),
+    set_counted uint8 [S], set_tokens_before int64 [S] (tokens of earlier steps), set_prompt
+    uint8 [S] (the set's step holds prompt tokens only),
     max_set int64 [L] (largest set per layer), counted_tokens, warmup (tokens), note.
     """
     keys: np.ndarray
@@ -76,12 +78,13 @@ class Stream:
     counted_tokens: int
     warmup: int
     note: str
+    set_prompt: Optional[np.ndarray] = None   # uint8 [S]: the set's step has only prompt tokens
     _next_use: Optional[np.ndarray] = None
 
     @property
     def next_use(self) -> np.ndarray:
         if self._next_use is None:
-            self._next_use = _c.next_use(self.keys, self.n_layers * self.n_experts)
+            self._next_use = next_use(self.keys, self.n_layers * self.n_experts)
         return self._next_use
 
 
@@ -128,7 +131,7 @@ def prepare(trace, warmup: Optional[int] = None, tokens: Optional[int] = None) -
     step_start = t.step_starts()
     starts = step_start[:-1]
     ex = np.ascontiguousarray(t.experts, dtype=np.int16)
-    keys, ss, sl, st = _c.build_stream(ex, step_start, E)
+    keys, ss, sl, st = build_stream(ex, step_start, E)
     decode = ~t.is_prompt
     step_has_decode = np.logical_or.reduceat(decode, starts) if T else np.zeros(0, bool)
     step_ok = step_start[:-1] >= warmup
@@ -147,9 +150,11 @@ def prepare(trace, warmup: Optional[int] = None, tokens: Optional[int] = None) -
     else:
         note = (f"no decode tokens: counting all {counted_tokens} tokens after a warm-up "
                 f"prefix of {min(warmup, T)} tokens")
+    set_prompt = (~step_has_decode[st]).astype(np.uint8)
     return Stream(keys=keys, set_start=ss, set_layer=sl, set_counted=counted,
                   set_tokens_before=tokens_before, max_set=max_set, n_layers=L, n_experts=E,
-                  n_tokens=T, counted_tokens=counted_tokens, warmup=warmup, note=note)
+                  n_tokens=T, counted_tokens=counted_tokens, warmup=warmup, note=note,
+                  set_prompt=set_prompt)
 
 
 def _classes(per_class_layers, L):
@@ -208,7 +213,7 @@ def capacities(size, n_layers: int, n_experts: int, per_class_layers=None):
 
 def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[int] = None,
              bytes_per_expert=None, stream: Optional[Stream] = None,
-             tokens: Optional[int] = None) -> dict:
+             tokens: Optional[int] = None, admit_cold=None) -> dict:
     """Replay ``trace`` through ``policy`` at cache ``size``.
 
     Args:
@@ -220,6 +225,9 @@ def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[i
             class holding every layer.
         warmup, tokens: see :func:`prepare`.
         bytes_per_expert: optional sequence [n_layers] of bytes read per expert miss.
+        admit_cold: scan-resistant admission (``lru``/``g-lru`` only): ``"prompt"`` inserts
+            the misses of steps holding only prompt tokens at the cold end, an int ``N`` those
+            of sets (one layer of one step) wider than ``N`` experts; None: all hot.
     Returns:
         dict: policy, scope, size, slots (total), class_caps, hits, accesses, misses, hit_rate
         (hits / accesses, nan when nothing counted), hits_per_layer, accesses_per_layer,
@@ -258,10 +266,13 @@ def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[i
                                       f"that many experts to one of its layers, and they must "
                                       f"be resident together)")
     pol = make_policy(policy, group, caps, st.next_use if policy in NEEDS_FUTURE else None)
-    halve = HALVE_EVERY if POLICIES[policy][2] else 0
     t0 = time.perf_counter()
-    hits, acc = _c.replay(pol, st.keys, st.set_start, st.set_layer, st.set_counted,
-                          st.set_tokens_before, L, halve)
+    cold = cold_sets(st, admit_cold)
+    if cold is not None and policy not in ADMITS_COLD:
+        raise SimulationError(f"admit_cold: policy {policy} has no cold admission, expected "
+                              f"one of {', '.join(ADMITS_COLD)}")
+    hits, acc = replay(pol, st.keys, st.set_start, st.set_layer, st.set_counted,
+                       st.set_tokens_before, L, cold)
     dt = time.perf_counter() - t0
     H, A = int(hits.sum()), int(acc.sum())
     out = dict(policy=policy, scope=scope, size=size, size_desc=desc,
@@ -269,7 +280,7 @@ def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[i
                hits=H, accesses=A, misses=A - H, hit_rate=(H / A) if A else float("nan"),
                hits_per_layer=hits.tolist(), accesses_per_layer=acc.tolist(),
                counted_tokens=st.counted_tokens, warmup=st.warmup, note=st.note,
-               seconds=dt, stream_accesses=int(len(st.keys)))
+               seconds=dt, stream_accesses=int(len(st.keys)), admit_cold=admit_cold)
     if bytes_per_expert is not None:
         b = np.asarray(bytes_per_expert, dtype=np.float64)
         if b.shape != (L,):
@@ -279,6 +290,154 @@ def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[i
         out["bytes_per_token"] = float(miss @ b / st.counted_tokens) if st.counted_tokens \
             else float("nan")
     return out
+
+
+# ----------------------------------------------------------------------------- substitution
+
+SUBST_VIEW = ("top k/2 routed, ranks k/2+1..k candidates (score = gate weight); the trace's "
+              "other experts are ignored")
+
+
+@dataclass
+class SubstView:
+    """A trace seen as routed experts + candidates (:func:`subst_view`): ``stream`` holds the
+    routed experts (the first ``top_k // 2`` ranks) as an ordinary :class:`Stream`;
+    ``key_score`` float64 [A] their scores; per set s the candidates
+    ``cand_keys[cand_start[s]:cand_start[s+1]]`` (ranks ``top_k // 2 .. top_k - 1`` of the
+    step's tokens, not routed in s, first-appearance order) with ``cand_score``. A key's score
+    in a set is its largest gate weight over the step's tokens."""
+    trace: Trace
+    stream: Stream
+    key_score: np.ndarray
+    cand_start: np.ndarray
+    cand_keys: np.ndarray
+    cand_score: np.ndarray
+    routed: int
+
+
+def subst_view(trace, warmup: Optional[int] = None, tokens: Optional[int] = None) -> SubstView:
+    """Build the substitution view of ``trace`` (a Trace or a path; needs ``weights`` and
+    ``top_k >= 2``); ``warmup``/``tokens`` as in :func:`prepare`. SimulationError otherwise."""
+    t = load_trace(trace) if not isinstance(trace, Trace) else trace.validate()
+    if t.weights is None:
+        raise SimulationError("substitution needs gate weights: the trace has no 'weights' "
+                              "array (only traces that recorded them can be substituted)")
+    K = t.top_k
+    if K < 2:
+        raise SimulationError(f"substitution needs top_k >= 2 (routed = top k/2, candidates = "
+                              f"the rest): found top_k {K}")
+    h = K // 2
+    tv = Trace(experts=np.ascontiguousarray(t.experts[:, :, :h]), is_prompt=t.is_prompt,
+               weights=np.ascontiguousarray(t.weights[:, :, :h]), step=t.step,
+               meta={k: v for k, v in t.meta.items() if k != "top_k"} | {"n_experts": t.n_experts})
+    st = prepare(tv, warmup, tokens)
+    T, E = st.n_tokens, st.n_experts
+    if t.step is not None and T:
+        starts = np.flatnonzero(np.r_[True, t.step[1:T] != t.step[:T - 1]])
+    else:
+        starts = np.arange(T)
+    step_start = np.r_[starts, T].astype(np.int64)
+    ex, w = t.experts, t.weights
+    S = len(st.set_layer)
+    key_score = np.zeros(len(st.keys), np.float64)
+    cand_start = np.zeros(S + 1, np.int64)
+    ck, cs = [], []
+    steps = np.searchsorted(step_start, st.set_tokens_before)
+    for s in range(S):
+        l = int(st.set_layer[s])
+        j = int(steps[s])
+        a, b = int(st.set_start[s]), int(st.set_start[s + 1])
+        best = {}
+        cand = {}
+        for tok in range(int(step_start[j]), int(step_start[j + 1])):
+            for rk in range(K):
+                e = int(ex[tok, l, rk])
+                if e < 0:
+                    continue
+                d = best if rk < h else cand
+                d[e] = max(d.get(e, 0.0), float(w[tok, l, rk]))
+        for i in range(a, b):
+            key_score[i] = best[int(st.keys[i]) - l * E]
+        for e, sc in cand.items():
+            if e not in best:
+                ck.append(l * E + e)
+                cs.append(sc)
+        cand_start[s + 1] = len(ck)
+    return SubstView(trace=tv, stream=st, key_score=key_score, cand_start=cand_start,
+                     cand_keys=np.array(ck, np.int64), cand_score=np.array(cs, np.float64),
+                     routed=h)
+
+
+def simulate_subst(view: SubstView, policy: str, size, r: float, max_swaps: int = -1,
+                   per_class_layers=None, refresh: bool = False) -> dict:
+    """Replay ``view`` (:func:`subst_view`) through online ``policy`` at ``size`` with
+    substitution at tolerance ``r`` and at most ``max_swaps`` swaps per set (< 0: no cap), and
+    ``g-lru`` and ``g-opt`` without substitution on the same view. ``refresh``: every resident
+    candidate of a set is accessed too, so eviction keeps experts likely to substitute.
+
+    Returns:
+        dict: policy, size, r, max_swaps, view, hits, substituted, accesses, hit_rate (hits /
+        accesses), served_rate ((hits + substituted) / accesses: the routed experts served
+        from the cache, as asked or by a substitute), g_lru and g_opt (hit rates on the view),
+        gap_closed ((served_rate - g_lru) / (g_opt - g_lru); nan when g-opt = g-lru).
+    Raises:
+        SimulationError: policy needs the future (opt, g-opt), bad r, size too small.
+    """
+    if policy in NEEDS_FUTURE:
+        raise SimulationError(f"--subst: policy {policy} needs the future; substitution "
+                              f"replays online policies (e.g. g-lru)")
+    if not (isinstance(r, (int, float)) and 0.0 <= r <= 1.0):
+        raise SimulationError(f"--subst {r}: expected a tolerance 0 <= r <= 1")
+    st = view.stream
+    base = {p: simulate(view.trace, p, size, per_class_layers, stream=st)
+            for p in ("g-lru", "g-opt")}
+    ref = simulate(view.trace, policy, size, per_class_layers, stream=st)  # checks the size
+    pol = make_policy(policy, *_groups(policy, ref, st, per_class_layers))
+    hits, acc, sub = replay_subst(pol, st.keys, view.key_score, st.set_start, st.set_layer,
+                                  st.set_counted, st.set_tokens_before, st.n_layers,
+                                  view.cand_start, view.cand_keys, view.cand_score, r,
+                                  max_swaps, refresh)
+    H, A, U = int(hits.sum()), int(acc.sum()), int(sub.sum())
+    gl, go = base["g-lru"]["hit_rate"], base["g-opt"]["hit_rate"]
+    served = (H + U) / A if A else float("nan")
+    gap = (served - gl) / (go - gl) if A and go != gl else float("nan")
+    return dict(policy=policy, size=size, r=float(r), max_swaps=int(max_swaps),
+                refresh=bool(refresh),
+                view=SUBST_VIEW, routed_per_token=view.routed, hits=H, substituted=U,
+                accesses=A, hit_rate=H / A if A else float("nan"), served_rate=served,
+                g_lru=gl, g_opt=go, gap_closed=gap, policy_plain=ref["hit_rate"],
+                counted_tokens=st.counted_tokens, note=st.note)
+
+
+def _groups(policy, res, st, per_class_layers):
+    """(group_of_key, capacity) of ``policy`` as :func:`simulate` built them (``res`` is its
+    result on the same stream and size)."""
+    L, E = st.n_layers, st.n_experts
+    if POLICIES[policy][0] == "layer":
+        cls = _classes(per_class_layers, L)
+        layer_caps = capacities(res["size"], L, E, cls)[1]
+        return np.repeat(np.arange(L, dtype=np.int64), E), layer_caps
+    cls = _classes(per_class_layers, L)
+    class_of_layer = np.zeros(L, np.int64)
+    for ci, c in enumerate(cls):
+        class_of_layer[c] = ci
+    return np.repeat(class_of_layer, E), np.array(res["class_caps"], np.int64)
+
+
+ADMITS_COLD = ("lru", "g-lru", "g-lfu-decay")
+
+
+def cold_sets(st: Stream, admit_cold):
+    """uint8 [S] of the sets whose misses enter at the cold end under ``admit_cold`` (see
+    :func:`simulate`), or None for plain admission. SimulationError on a bad value."""
+    if admit_cold is None:
+        return None
+    if admit_cold == "prompt":
+        return np.ascontiguousarray(st.set_prompt, np.uint8)
+    if isinstance(admit_cold, int) and not isinstance(admit_cold, bool) and admit_cold >= 1:
+        return (np.diff(st.set_start) > admit_cold).astype(np.uint8)
+    raise SimulationError(f"admit_cold: found {admit_cold!r}, expected 'prompt' or a width "
+                          f">= 1 (experts in one layer's set)")
 
 
 def layout_bytes(path) -> tuple:
@@ -389,8 +548,24 @@ def _table(title, rows, cols, cell):
     return "\n".join(lines)
 
 
+def _parse_admit(text):
+    """``--admit-cold``: None, ``prompt`` or an int width >= 1."""
+    if text is None:
+        return None
+    if text.strip() == "prompt":
+        return "prompt"
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise SimulationError(f"--admit-cold {shlex.quote(text)}: expected 'prompt' or a width "
+                              f">= 1 (sets wider than that many experts are admitted cold)")
+    return v
+
+
 def run(paths, policies, sizes, warmup=None, bytes_per_expert=None, per_class_layers=None,
-        gbps=DEFAULT_GBPS, compute_ms=None, tokens=None):
+        gbps=DEFAULT_GBPS, compute_ms=None, tokens=None, admit_cold=None):
     """Simulate every trace x policy x size; returns a list of per-trace dicts."""
     out = []
     for p in paths:
@@ -411,7 +586,10 @@ def run(paths, policies, sizes, warmup=None, bytes_per_expert=None, per_class_la
         for pol in policies:
             for sz in sizes:
                 try:
-                    r = simulate(t, pol, sz, cls, warmup, bpe, stream=st)
+                    if admit_cold is not None and pol not in ADMITS_COLD:
+                        raise SimulationError(f"--admit-cold: {pol} has no cold admission "
+                                              f"(only {', '.join(ADMITS_COLD)})")
+                    r = simulate(t, pol, sz, cls, warmup, bpe, stream=st, admit_cold=admit_cold)
                     if bpe is not None:
                         bpt = r["bytes_per_token"]
                         r["drive_tok_s"] = gbps * 1e9 / bpt if bpt else float("inf")
@@ -473,13 +651,147 @@ def _plot(out, policies, sizes, path):
     plt.close(fig)
 
 
+def _parse_subst(text: str) -> list:
+    """``--subst``: comma list of tolerances in [0, 1]."""
+    out = []
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        try:
+            v = float(item)
+        except ValueError:
+            v = float("nan")
+        if not (0.0 <= v <= 1.0):
+            raise SimulationError(f"--subst {shlex.quote(item.strip())}: expected a tolerance "
+                                  f"0 <= r <= 1 (0.5 grants a candidate scoring at least half "
+                                  f"the missing expert's score)")
+        if v not in out:
+            out.append(v)
+    if not out:
+        raise SimulationError(f"--subst {shlex.quote(text)}: found no tolerances, expected a "
+                              f"comma list such as 0.5,0.8")
+    return out
+
+
+def _parse_caps(text: str) -> list:
+    """``--subst-cap``: comma list of ints >= 1 or ``none`` (-1 = no cap)."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if item.lower() == "none":
+            v = -1
+        else:
+            try:
+                v = int(item)
+            except ValueError:
+                v = 0
+            if v < 1:
+                raise SimulationError(f"--subst-cap {shlex.quote(item)}: expected an integer "
+                                      f">= 1 (swaps per token-layer set) or 'none'")
+        if v not in out:
+            out.append(v)
+    if not out:
+        raise SimulationError(f"--subst-cap {shlex.quote(text)}: found no caps, expected e.g. "
+                              f"1,none")
+    return out
+
+
+def run_subst(paths, policies, sizes, rs, caps, warmup=None, per_class_layers=None,
+              tokens=None, refresh=False):
+    """:func:`simulate_subst` for every trace x policy x r x cap x size; a trace without
+    weights gets ``skipped`` (the reason) instead of results. Returns a list of dicts."""
+    out = []
+    for p in paths:
+        t = load_trace(p)
+        o = dict(trace=os.fspath(p), model=t.meta.get("model"), view=SUBST_VIEW,
+                 n_experts=t.n_experts, top_k=t.top_k, results=[])
+        try:
+            v = subst_view(t, warmup, tokens)
+        except SimulationError as ex:
+            o["skipped"] = str(ex)
+            out.append(o)
+            continue
+        o.update(counted_tokens=v.stream.counted_tokens, note=v.stream.note,
+                 routed_per_token=v.routed)
+        for pol in policies:
+            for r in rs:
+                for c in caps:
+                    for sz in sizes:
+                        try:
+                            o["results"].append(simulate_subst(v, pol, sz, r, c,
+                                                               per_class_layers, refresh))
+                        except SimulationError as ex:
+                            o["results"].append(dict(policy=pol, size=sz, r=r, max_swaps=c,
+                                                     error=str(ex)))
+        out.append(o)
+    return out
+
+
+def _main_subst(a, policies, sizes, cls) -> int:
+    rs = _parse_subst(a.subst)
+    caps = _parse_caps(a.subst_cap)
+    bad = [p for p in policies if p in NEEDS_FUTURE]
+    if bad:
+        raise SimulationError(f"--subst --policies: {', '.join(bad)} need the future; "
+                              f"substitution replays online policies (g-opt is reported "
+                              f"beside every row anyway)")
+    out = run_subst(a.traces, policies, sizes, rs, caps, a.warmup, cls, a.tokens,
+                    a.subst_refresh)
+    if a.json:
+        js = [dict(o, results=[{k: _json_num(v) for k, v in r.items()} for r in o["results"]])
+              for o in out]
+        json.dump(js, sys.stdout, indent=1, default=float)
+        print()
+        return 0
+    for o in out:
+        print(f"== {o['trace']}: substitution view: {o['view']}")
+        if "skipped" in o:
+            print(f"skipped: {o['skipped']}")
+            print()
+            continue
+        print(f"{o['routed_per_token']} routed expert(s) per token-layer of top-{o['top_k']}; "
+              f"counted tokens {o['counted_tokens']}" + ("; refresh on" if a.subst_refresh
+                                                         else ""))
+        if o["note"]:
+            print(f"note: {o['note']}")
+        res = {(r["policy"], r["r"], r["max_swaps"], r["size"]): r for r in o["results"]}
+        first = {}
+        for r in o["results"]:
+            if "error" not in r:
+                first.setdefault(r["size"], r)
+
+        def pct(x):
+            return "n/a" if x is None or x != x else f"{x * 100:.1f}%"
+
+        rows = {"g-lru": lambda s: pct(first[s]["g_lru"]) if s in first else "n/a",
+                "g-opt": lambda s: pct(first[s]["g_opt"]) if s in first else "n/a"}
+        for pol in policies:
+            for r in rs:
+                for c in caps:
+                    name = f"{pol} subst r={r:g} cap={'none' if c < 0 else c}"
+                    rows[name] = (lambda k: lambda s: "n/a" if "error" in res[k + (s,)]
+                                  else pct(res[k + (s,)]["served_rate"]))((pol, r, c))
+                    rows["  gap closed"] = None
+                    rows[name + " gap"] = (lambda k: lambda s: "n/a" if "error" in res[k + (s,)]
+                                           else pct(res[k + (s,)]["gap_closed"]))((pol, r, c))
+        rows.pop("  gap closed")
+        print(_table("served from cache", list(rows), sizes, lambda row, s: rows[row](s)))
+        for e in sorted({r["error"] for r in o["results"] if "error" in r}):
+            print(f"n/a: {e}")
+        print()
+    return 0
+
+
 def main(argv=None) -> int:
     """CLI entry (``moecache-ctl policy``); returns the exit status."""
     ap = argparse.ArgumentParser(prog="moecache-ctl policy",
                                  description="replay routing traces through cache policies")
     ap.add_argument("traces", nargs="+", metavar="TRACE", help="trace .npz files")
-    ap.add_argument("--policies", default="all",
-                    help=f"comma list of {', '.join(POLICIES)} (aliases: w-tinylfu, all)")
+    ap.add_argument("--policies", default=None,
+                    help=f"comma list of {', '.join(POLICIES)} (aliases: w-tinylfu, all; "
+                         f"default all)")
     ap.add_argument("--sizes", default="0.25,0.5,0.75",
                     help="comma list: fractions in (0, 1] of each layer's experts (0.25, "
                          "25%%) or integer total slot counts >= 1; a size smaller than the "
@@ -495,10 +807,26 @@ def main(argv=None) -> int:
                     "(default: 0 with decode tokens, else min(256, T/4))")
     ap.add_argument("--tokens", type=int, help="count only the first N counted tokens after "
                     "the warm-up (the trace is cut after them, as moecache-ctl replay --tokens)")
+    ap.add_argument("--admit-cold", metavar="prompt|N",
+                    help="scan-resistant admission for lru/g-lru: insert the misses of "
+                         "prompt-only steps ('prompt') or of sets wider than N experts at the "
+                         "cold end (other policies show n/a)")
+    ap.add_argument("--subst", metavar="R",
+                    help="substitution: comma list of tolerances r in [0, 1]; replays the view "
+                         "where the top k/2 experts are routed and ranks k/2+1..k are "
+                         "candidates (traces with gate weights only), with g-lru and g-opt on "
+                         "the same view (--policies default: g-lru)")
+    ap.add_argument("--subst-cap", metavar="N", default="none",
+                    help="with --subst: comma list of caps on swaps per token-layer set, "
+                         "integers >= 1 or 'none' (no cap; default)")
+    ap.add_argument("--subst-refresh", action="store_true",
+                    help="with --subst: also access every resident candidate, so eviction "
+                         "keeps likely substitutes")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--plot", help="write hit rate vs cache size per policy (PNG)")
     a = ap.parse_args(argv)
-    policies = _parse_policies(a.policies)
+    policies = _parse_policies(a.policies if a.policies is not None
+                               else ("g-lru" if a.subst else "all"))
     sizes = _parse_sizes(a.sizes)
     if a.gbps <= 0:
         raise SimulationError(f"--gbps: found {a.gbps}, expected > 0")
@@ -509,7 +837,11 @@ def main(argv=None) -> int:
         bpe, cls = model_bytes(a.model)
     if a.tokens is not None and a.tokens < 1:
         raise SimulationError(f"--tokens: found {a.tokens}, expected >= 1")
-    out = run(a.traces, policies, sizes, a.warmup, bpe, cls, a.gbps, a.compute_ms, a.tokens)
+    if a.subst is not None:
+        return _main_subst(a, policies, sizes, cls)
+    admit = _parse_admit(a.admit_cold)
+    out = run(a.traces, policies, sizes, a.warmup, bpe, cls, a.gbps, a.compute_ms, a.tokens,
+              admit)
     if a.plot:
         _plot(out, policies, sizes, a.plot)
     if a.json:
