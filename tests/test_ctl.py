@@ -111,7 +111,8 @@ def test_stats_summary_layers_and_json(daemon, capsys):
 def _help_texts(capsys) -> dict:
     """``--help`` output of ``moecached``, every ``moecache-ctl`` command (and ``trace
     convert``) and ``python -m moecached.tools.workload``, by command."""
-    from moecached import daemon, workload
+    from moecached import daemon
+    from moecached.tools import workload
     from moecached.tools.ctl import COMMANDS
     runs = {f"moecache-ctl {name}": lambda n=name: ctl([n, "--help"]) for name in COMMANDS}
     runs["moecache-ctl trace convert"] = lambda: ctl(["trace", "convert", "--help"])
@@ -149,7 +150,7 @@ def test_flags_named_in_messages_exist(capsys):
     for text in _help_texts(capsys).values():
         known |= set(re.findall(r"--[a-z][a-z0-9-]*", text))
     unknown = []
-    for f in sorted((Path(moecached.config.__file__).parent).glob("*.py")):
+    for f in sorted((Path(moecached.config.__file__).parent).glob("**/*.py")):
         tree = ast.parse(f.read_text())
         docs = {id(n.body[0].value) for n in ast.walk(tree)
                 if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
