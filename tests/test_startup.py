@@ -116,7 +116,8 @@ def test_floor_sizes_the_arena_down(tmp_path):
 
 
 def test_guard_and_floor_share_one_probe():
-    from moecached import floor, guard
+    from moecached import floor
+    from moecached.tools import guard
     assert guard.MemoryProbe is floor.MemoryProbe
 
 
