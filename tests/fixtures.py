@@ -116,7 +116,7 @@ def make_model(tmp_path, layout_name: str, layers=4, experts=8, split=None, lega
 
 
 def remove_models() -> None:
-    """Delete every model :func:`make_model` wrote this session (and forget them)."""
+    """Delete every model :func:`make_model` wrote during this pytest run (and forget them)."""
     while _WRITTEN:
         shutil.rmtree(_WRITTEN.pop(), ignore_errors=True)
     _CACHE.clear()

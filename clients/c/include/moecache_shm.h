@@ -144,7 +144,7 @@ static inline void mcshm_unpin(const mcshm_layout *m, const mcshm_item *it, uint
 /* Pin the experts `keys[0..n)` (all resident) without a message: all or nothing.
  * Fills out[i] and appends one hit per key to the ring. Returns MCSHM_OK; MCSHM_MISS when
  * some key is not resident (nothing pinned: send the request over the socket);
- * MCSHM_STALE when the daemon's epoch is not this session (say hello again); MCSHM_RING_FULL
+ * MCSHM_STALE when the arena's epoch is not m->session (say hello again); MCSHM_RING_FULL
  * when the ring has no room for n entries (nothing pinned: use the socket, which drains it);
  * MCSHM_BAD for a key out of range.
  * The ring has one producer: callers that share a pin file between threads serialise calls

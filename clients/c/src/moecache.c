@@ -882,7 +882,7 @@ static int hello_locked(mc_client *c, mc_error *err) {
         return k.err.code;
     }
     /* a disconnect the monitor reports now happened before this hello's connection was made
-     * (the reply came through it): it is the old daemon's, not this session's */
+     * (the reply came through it): it belongs to the daemon before this hello */
     sock_wait_locked(c);
     if (c->mon) check_monitor_locked(c, 1);
     const msgpack_object *rep = &k.rep.data;
@@ -1322,7 +1322,7 @@ static int try_fast(mc_client *c, const mc_request *reqs, uint32_t n, mc_lease *
         pthread_mutex_lock(&c->mu);
         if (c->session == sess) void_session_locked(c, "the daemon restarted (arena epoch changed)");
         pthread_mutex_unlock(&c->mu);
-        seterr(err, MC_ERR_RESTARTED, "acquire: the daemon restarted (the arena's epoch is not this session); "
+        seterr(err, MC_ERR_RESTARTED, "acquire: the daemon restarted (the arena's epoch is not the hello's session id); "
                "the next call says hello again");
     }
     return r;

@@ -396,7 +396,7 @@ class Client:
             raise ClientError(f"no daemon socket at {path}: is moecached running? (systemctl status moecached)")
         self.map_arena = map_arena
         self._want_fast = bool(fast_path) and map_arena and self._ipc and _shm is not None
-        self._fast = None                      # (arena, Shm) while this session can pin in shm
+        self._fast = None                      # (arena, Shm) while the current hello's session can pin in shm
         self._fast_ids = itertools.count(-1, -1)   # ids of leases taken without a message
         # the daemon keeps 64 characters of a name; a longer one would not fit its limits
         self.name = (name or f"pid{os.getpid()}")[:64]
@@ -601,7 +601,7 @@ class Client:
             return None      # a malformed request: the socket path says what is wrong
         if type(r) is int:
             if r == _shm.STALE and shm.epoch() != shm.session:
-                # the daemon of this session is gone: void it; the socket call says hello again
+                # the daemon of the current hello is gone: void it; the socket call says hello again
                 with self._lock:
                     if self.session == shm.session:
                         self._void_session("the daemon restarted")
@@ -733,7 +733,7 @@ class Client:
             self._pump_locked(fut, min(left, 0.1), hello=True)
         rep = fut.result()  # raises ServerError if refused
         # A disconnect the monitor reports now happened before this hello's connection was
-        # made (the reply came through it): it is the old daemon's, not this session's.
+        # made (the reply came through it): it belongs to the daemon before this hello.
         self._check_monitor(hello=True)
         # leases of an earlier session keep their own arena object (unmapped when they go)
         self._fast = None
@@ -841,7 +841,7 @@ class Client:
             return
         if rep.get("ok"):
             if "lease" in rep:
-                rep["_arena"] = self._arena  # bind views to this session's arena
+                rep["_arena"] = self._arena  # bind views to the current hello's arena
             ent.set_result(rep)
         else:
             err = rep.get("error") or {}
