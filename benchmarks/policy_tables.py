@@ -21,8 +21,8 @@ from moecached.tools import simulate as sim  # noqa: E402
 from moecached.trace import load_trace  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-DAEMON_POLICIES = ("g-lru", "lru", "g-lfu-decay")   # policy = global | per-layer; eviction
-SUBST_POLICIES = ("g-lru", "lru")
+DAEMON_POLICIES = ("g-lru", "lru", "g-lfu-decay", "lfu-subst")   # policy; eviction
+SUBST_POLICIES = ("g-lru", "lru", "lfu-subst")
 SUBST = [(0.5, 1), (0.5, -1), (0.8, 1), (0.8, -1)]
 
 
@@ -131,6 +131,7 @@ def plot(res, path):
             line("subst_g-lru_r0.5_cap1", "g-lru + subst r 0.5", color="C2")
             line("subst_g-lru_r0.8_cap1", "g-lru + subst r 0.8", color="C3")
             line("subst_lru_r0.5_cap1", "lru + subst r 0.5", color="C4")
+            line("subst_lfu-subst_r0.5_cap1", "lfu-subst + subst r 0.5", color="C1")
             line("view_g_opt", "g-opt (top-1 view)", color="k", ls="--")
         else:
             line("g_lru", "g-lru", color="C0")

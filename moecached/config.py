@@ -68,7 +68,7 @@ class Config:
     chunk: int = 256 * KiB                   # read size, bytes (multiple of 4 KiB)
     policy: str = "global"                   # eviction scope: global | per-layer
     admit_cold: object = "off"               # misses entering at the cold end: off | prompt | N
-    eviction: str = "lru"                    # eviction order: lru | lfu-decay
+    eviction: str = "lru"                    # eviction order: lru | lfu-decay | lfu-subst
     max_prefetch_loads: Optional[int] = None # prefetch loads in flight before dropping (None: auto)
     client_max_prefetch: Optional[int] = None  # per client prefetch loads in flight (None: auto, 0: no cap)
     client_rate_limit: float = 40000.0       # requests/s per client (0: off)
@@ -352,9 +352,10 @@ KEYS: dict[str, Key] = {
     "chunk": Key(_size(lo=4 * KiB, hi=64 * MiB, multiple=4 * KiB), "--chunk", "read size (default 256KiB)",
                  "SIZE", "size"),
     "policy": Key(_choice("global", "per-layer"), "--policy", "eviction scope: global or per-layer", "NAME"),
-    "eviction": Key(_choice("lru", "lfu-decay"), "--eviction",
-                    "eviction order: lru (default) or lfu-decay (fewest decayed uses, ties "
-                    "least recent)", "NAME"),
+    "eviction": Key(_choice("lru", "lfu-decay", "lfu-subst"), "--eviction",
+                    "eviction order: lru (default), lfu-decay (fewest decayed uses, ties "
+                    "least recent) or lfu-subst (same over a short window, substitute "
+                    "candidates offered count half a use)", "NAME"),
     "admit_cold": Key(_admit_cold, "--admit-cold",
                       "scan-resistant admission: the misses of prompt-tagged acquires (prompt) "
                       "or of one layer's experts wider than N (N) enter the LRU at the cold "

@@ -15,6 +15,9 @@ slru          layer     segmented LRU, 20 % probation
 opt           layer     Belady MIN: next use farthest in the future
 g-lru         class     least recently used over all layers of a size class (the daemon)
 g-lfu-decay   class     the daemon's ``eviction = "lfu-decay"`` (``LFUDecay``): fewest decayed uses
+lfu-subst     layer     the daemon's ``eviction = "lfu-subst"``: fewest decayed uses over a short
+                        window, a substitute candidate offered worth half a use
+g-lfu-subst   class     the same over one budget per size class
 g-lfu         class     fewest accesses, counts halved every 64 tokens
 arc           class     ARC (Megiddo & Modha)
 lru-2         class     LRU-K with K = 2
@@ -31,11 +34,16 @@ from . import _policy as _c
 
 G_LFU_HALVE_EVERY = 64   # g-lfu halves every count each time this many more tokens passed
 LFU_DECAY_HALVE_AFTER = 1024   # lfu-decay (daemon and g-lfu-decay) halves after this many uses
+# lfu-subst: a use adds 2, a substitute candidate offered with a request that reaches the cache
+# adds 1; counts are halved each time 32 more were added (16 uses: a window of ~16 tokens per
+# layer with per-layer budgets). docs/policies.md ("Substitution") gives the measurements.
+LFU_SUBST_HALVE_AFTER, LFU_SUBST_USE, LFU_SUBST_CAND = 32, 2, 1
 
 # the daemon's eviction orders (config key ``eviction``): name -> factory(n_keys)
 EVICTIONS = {
     "lru": lambda n: LRU(n),
     "lfu-decay": lambda n: LFUDecay(n, LFU_DECAY_HALVE_AFTER),
+    "lfu-subst": lambda n: LFUDecay(n, LFU_SUBST_HALVE_AFTER, LFU_SUBST_USE, LFU_SUBST_CAND),
 }
 
 # name -> (scope, factory(group_of_key, capacity, next_use) -> policy, halve_every_tokens)
@@ -45,7 +53,9 @@ POLICIES = {
     "slru": ("layer", lambda g, c, nu: _c._SLRUPol(g, c, 20), 0),
     "opt": ("layer", lambda g, c, nu: _c._OptPol(g, c, nu), 0),
     "g-lru": ("class", lambda g, c, nu: _c._LRUPol(g, c), 0),
-    "g-lfu-decay": ("class", lambda g, c, nu: _c._LRUPol(g, c, LFU_DECAY_HALVE_AFTER), 0),
+    "g-lfu-decay": ("class", lambda g, c, nu: _c._LRUPol(g, c, EVICTIONS["lfu-decay"]), 0),
+    "lfu-subst": ("layer", lambda g, c, nu: _c._LRUPol(g, c, EVICTIONS["lfu-subst"]), 0),
+    "g-lfu-subst": ("class", lambda g, c, nu: _c._LRUPol(g, c, EVICTIONS["lfu-subst"]), 0),
     "g-lfu": ("class", lambda g, c, nu: _c._LFUPol(g, c, True), G_LFU_HALVE_EVERY),
     "arc": ("class", lambda g, c, nu: _c._ARCPol(g, c), 0),
     "lru-2": ("class", lambda g, c, nu: _c._LRU2Pol(g, c), 0),
@@ -56,7 +66,8 @@ POLICIES = {
 NEEDS_FUTURE = {"opt", "g-opt"}
 ALIASES = {"w-tinylfu": ["w-tinylfu-1", "w-tinylfu-10"], "all": list(POLICIES)}
 
-__all__ = ["LRU", "LFUDecay", "EVICTIONS", "LFU_DECAY_HALVE_AFTER", "make_eviction", "POLICIES", "NEEDS_FUTURE", "ALIASES", "G_LFU_HALVE_EVERY", "expand_policies",
+__all__ = ["LRU", "LFUDecay", "EVICTIONS", "LFU_DECAY_HALVE_AFTER", "LFU_SUBST_HALVE_AFTER",
+           "LFU_SUBST_USE", "LFU_SUBST_CAND", "make_eviction", "POLICIES", "NEEDS_FUTURE", "ALIASES", "G_LFU_HALVE_EVERY", "expand_policies",
            "make_policy", "build_stream", "next_use", "replay", "replay_subst"]
 
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from moecached.tools import simulate as sim
-from moecached.policy import LFU_DECAY_HALVE_AFTER, LRU, POLICIES, expand_policies
+from moecached.policy import (LFU_DECAY_HALVE_AFTER, LFU_SUBST_HALVE_AFTER, LFU_SUBST_USE, LRU,
+                              POLICIES, expand_policies)
 from moecached.tools.replay import reference_lru
 from moecached.trace import Trace, load_trace
 
@@ -307,16 +308,17 @@ class RefWTinyLFU:
 class RefLFUDecay:
     """The daemon's ``LFUDecay``: demanded uses counted per budget (kept after eviction), all
     counts halved after every LFU_DECAY_HALVE_AFTER uses; victim: fewest, ties least recent."""
-    def __init__(self, c, **_):
+    def __init__(self, c, halve_after=LFU_DECAY_HALVE_AFTER, use=1, **_):
         self.c, self.order, self.count, self.n = c, [], defaultdict(int), 0
+        self.halve_after, self.use = halve_after, use
 
     def resident(self, k):
         return k in self.order
 
     def _use(self, k):
-        self.count[k] += 1
-        self.n += 1
-        if self.n >= LFU_DECAY_HALVE_AFTER:
+        self.count[k] += self.use
+        self.n += self.use
+        if self.n >= self.halve_after:
             for x in self.count:
                 self.count[x] //= 2
             self.n = 0
@@ -336,7 +338,9 @@ class RefLFUDecay:
 
 
 REF = {
-    "lru": RefLRU, "g-lru": RefLRU, "g-lfu-decay": RefLFUDecay, "lfu": RefLFU, "g-lfu": RefLFU, "slru": RefSLRU,
+    "lru": RefLRU, "g-lru": RefLRU, "g-lfu-decay": RefLFUDecay,
+    "lfu-subst": lambda c, **kw: RefLFUDecay(c, LFU_SUBST_HALVE_AFTER, LFU_SUBST_USE, **kw),
+    "g-lfu-subst": lambda c, **kw: RefLFUDecay(c, LFU_SUBST_HALVE_AFTER, LFU_SUBST_USE, **kw), "lfu": RefLFU, "g-lfu": RefLFU, "slru": RefSLRU,
     "opt": RefOPT, "g-opt": RefOPT, "arc": RefARC, "lru-2": RefLRU2,
     "w-tinylfu-1": lambda c, **kw: RefWTinyLFU(c, 1, **kw),
     "w-tinylfu-10": lambda c, **kw: RefWTinyLFU(c, 10, **kw),

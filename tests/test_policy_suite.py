@@ -15,6 +15,7 @@ from moecached.trace import Trace, save_trace
 
 ALL = list(POLICIES)
 ONLINE = [p for p in ALL if p not in NEEDS_FUTURE]
+CREDITS = {"lfu-subst", "g-lfu-subst"}   # eviction values the candidates offered (credit)
 
 
 def random_stream(seed, T=300, L=3, E=10, k=3, hot=0.5):
@@ -111,8 +112,9 @@ def test_substitution_contract(policy, max_swaps):
     h, a, u = replay_subst(pol, keys, score, ss, sl, cnt, st.astype(np.int64), L, cs, ck, csc,
                            0.5, max_swaps)
     assert (a == a0).all() and (h + u <= a).all()
-    if max_swaps == 0:                       # no swap allowed: exactly the plain replay
-        assert (h == h0).all() and u.sum() == 0
+    if max_swaps == 0:                       # no swap allowed: the plain replay, unless
+        assert u.sum() == 0                  # the eviction order counts candidates offered
+        assert (h == h0).all() or policy in CREDITS
     else:
         assert u.sum() > 0
         if max_swaps > 0:
@@ -139,16 +141,19 @@ def test_substitution_refuses_future_policies_and_bad_r():
 
 # ------------------------------------------------------------------ reference (g-lru)
 
-def ref_subst_glru(t: Trace, cap_slots, r, max_swaps, refresh=False):
-    """The rule of docs/policies.md ("Substitution") over the daemon's LRU, one budget,
-    every token counted, one token per step. Returns (hits, substituted, accesses)."""
+def ref_subst_glru(t: Trace, cap_slots, r, max_swaps, refresh=False, evict="lru",
+                   per_layer=False):
+    """The rule of docs/policies.md ("Substitution") over the daemon's eviction order
+    ``evict`` (one budget of ``cap_slots``, or with ``per_layer`` one of ``cap_slots`` per
+    layer), every token counted, one token per step. Returns (hits, substituted, accesses)."""
     T, L, K = t.experts.shape
     E = t.n_experts
     h = K // 2
-    lru = LRU(L * E)
+    orders = [make_eviction(evict, L * E) for _ in range(L if per_layer else 1)]
     hits = subs = acc = 0
     for tok in range(T):
         for l in range(L):
+            lru = orders[l if per_layer else 0]
             routed, cand = {}, {}
             for rk in range(K):
                 e = int(t.experts[tok, l, rk])
@@ -176,6 +181,10 @@ def ref_subst_glru(t: Trace, cap_slots, r, max_swaps, refresh=False):
                 for c in cand:
                     if lru.contains(c) and c not in given:
                         lru.touch(c)
+            if len(hit_keys) < len(routed):     # the request reaches the cache: credits
+                for c in cand:
+                    if c not in given:
+                        lru.credit(c)
             for k in miss_keys:
                 if len(lru) >= cap_slots:
                     lru.remove(lru.victim())
@@ -215,6 +224,51 @@ def test_glru_substitution_matches_reference(seed, r, max_swaps, refresh):
     assert got["served_rate"] == (h + u) / a
     plain = sim.simulate(v.trace, "g-lru", 0.25, warmup=0)
     assert got["g_lru"] == plain["hit_rate"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("policy,per_layer", [("lfu-subst", True), ("g-lfu-subst", False)])
+@pytest.mark.parametrize("r,max_swaps", [(0.5, 1), (0.3, -1)])
+def test_lfu_subst_substitution_matches_reference(seed, policy, per_layer, r, max_swaps):
+    """lfu-subst (the daemon's eviction = "lfu-subst") replays as the daemon's LFUDecay with
+    candidate credits, driven by the documented rule; the credits change the outcome."""
+    t = weighted_trace(seed, T=300)
+    v = sim.subst_view(t, warmup=0)
+    got = sim.simulate_subst(v, policy, 0.25, r, max_swaps)
+    cap = round(0.25 * 8) * (1 if per_layer else 3)
+    ref = ref_subst_glru(t, cap, r, max_swaps, evict="lfu-subst", per_layer=per_layer)
+    assert (got["hits"], got["substituted"], got["accesses"]) == ref
+
+
+def test_lfu_subst_reference_is_sensitive_to_the_credits(monkeypatch):
+    import moecached.policy as mp
+    t = weighted_trace(0, T=300)
+    with_credit = ref_subst_glru(t, 6, 0.3, -1, evict="lfu-subst")
+    monkeypatch.setitem(mp.EVICTIONS, "lfu-subst",
+                        lambda n: LFUDecay(n, mp.LFU_SUBST_HALVE_AFTER, mp.LFU_SUBST_USE, 0))
+    assert ref_subst_glru(t, 6, 0.3, -1, evict="lfu-subst") != with_credit
+
+
+def test_lfu_decay_weights_and_credit():
+    d = LFUDecay(8, 10, 2, 1)
+    d.insert(0)                              # +2
+    d.insert(1)                              # +2
+    d.credit(5)                              # +1, also for a key not resident
+    d.credit(1)                              # +1
+    assert [d.count(k) for k in (0, 1, 5)] == [2, 3, 1]
+    assert d.victim() == 0
+    d.touch(0)                               # +2 -> 4
+    d.touch(0)                               # +2 -> 10 added: every count halved
+    assert [d.count(k) for k in (0, 1, 5)] == [3, 1, 0]
+    assert d.victim() == 1
+    plain = LFUDecay(8, 10)                  # no candidate weight: a credit counts nothing
+    plain.credit(3)
+    assert plain.count(3) == 0
+    LRU(4).credit(2)                         # the LRU order ignores credits
+    with pytest.raises(ValueError, match="weights"):
+        LFUDecay(4, 8, 0, 1)
+    with pytest.raises(IndexError):
+        d.credit(8)
 
 
 # ------------------------------------------------------------------ CLI

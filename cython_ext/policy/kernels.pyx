@@ -137,7 +137,10 @@ def replay_subst(_Pol pol, const i64[::1] keys, const double[::1] key_score,
     candidates (hits of keys nobody asked for, in the order they were chosen), then, with
     ``refresh``, every other candidate that is resident (a hit, released at once: eviction
     values an expert offered as a likely substitute like one used, yet a miss may evict it),
-    then the routed misses left; each may evict
+    then, when some routed key of the set is not resident (only then does the request reach
+    the cache: the client's fast path serves a set that is all resident), ``pol.credit(c)``
+    for every candidate not given, in candidate order (``lfu-subst``: half a use), then the
+    routed misses left; each may evict
     as in ``replay``; then all are released (a candidate with
     ``i = set_start[s]``: policies that read the stream position in ``release`` -- ``opt``,
     ``g-opt`` -- must not be replayed here).
@@ -155,6 +158,7 @@ def replay_subst(_Pol pol, const i64[::1] keys, const double[::1] key_score,
     cdef i64 halve_every = pol.halve_every
     cdef i64 nxt = halve_every, l, t, k, h, ng, c
     cdef double need, bs
+    cdef bint miss
     cdef uint8_t *res = pol.res
     for s in range(S):
         if halve_every > 0:
@@ -205,6 +209,15 @@ def replay_subst(_Pol pol, const i64[::1] keys, const double[::1] key_score,
                     pol.access(c, t)
                     pol.release(c, a)
                     t += 1
+        miss = False
+        for i in range(a, b):
+            if not res[keys[i]]:
+                miss = True
+        if miss:                            # the request reaches the cache (a fast-path hit
+            for j in range(ca, cb):         # of the whole set would not): it credits the
+                c = cand_keys[j]            # candidates it carries, except those given
+                if stamp[c] != s:
+                    pol.credit(c)
         for i in range(a, b):               # then the misses not substituted
             k = keys[i]
             if not res[k] and stamp[k] != -2 - s:

@@ -115,6 +115,11 @@ cdef class LRU:
         if self.pins[k] == 0:
             self.n_pinned -= 1
 
+    cpdef void credit(self, long k) except *:
+        """Note that ``k`` was offered as a substitute candidate (``acquire`` candidates). The
+        LRU order ignores it; ``LFUDecay`` with a candidate weight counts it."""
+        self._check(k)
+
     cpdef int pin_count(self, long k):
         self._check(k)
         return self.pins[k]
@@ -253,46 +258,60 @@ cdef class LFUDecay(LRU):
     """Decayed LFU with the ``LRU``'s interface (the daemon's ``eviction = "lfu-decay"``).
 
     Every demanded use of a key -- a ``touch`` (hit) or a hot ``insert`` (demanded load) --
-    adds 1 to its count; a cold ``insert`` (unused prefetch, cold admission) adds nothing.
-    Counts outlive eviction. After every ``halve_after`` counted uses all counts are halved
-    (floor). ``victim()`` is the unpinned present key with the lowest count, ties -> the least
-    recently used (the ``LRU`` order is kept as well). O(present keys) per victim.
+    adds ``use_weight`` to its count; a cold ``insert`` (unused prefetch, cold admission) adds
+    nothing; a ``credit`` (the key offered as a substitute candidate) adds ``cand_weight``.
+    Counts outlive eviction. Once the weights added since the last halving reach
+    ``halve_after``, all counts are halved (floor). ``victim()`` is the unpinned present key
+    with the lowest count, ties -> the least recently used (the ``LRU`` order is kept as well).
+    O(present keys) per victim.
 
     Args:
-        n_keys: as ``LRU``; halve_after: counted uses between halvings (>= 1).
+        n_keys: as ``LRU``; halve_after: added weight between halvings (>= 1); use_weight
+            (>= 1), cand_weight (>= 0): what a use and a candidate credit add.
     """
     cdef long *cnt
-    cdef long halve_after, n_acc
+    cdef long halve_after, n_acc, use_w, cand_w
 
-    def __cinit__(self, long n_keys, long halve_after=1024):
+    def __cinit__(self, long n_keys, long halve_after=1024, long use_weight=1,
+                  long cand_weight=0):
         if halve_after < 1:
             raise ValueError(f"LFUDecay halve_after: found {halve_after}, expected >= 1")
+        if use_weight < 1 or cand_weight < 0:
+            raise ValueError(f"LFUDecay weights: found use {use_weight}, candidate "
+                             f"{cand_weight}, expected use >= 1 and candidate >= 0")
         self.cnt = <long*>calloc(n_keys + 1, sizeof(long))
         if not self.cnt:
             raise MemoryError()
         self.halve_after = halve_after
+        self.use_w = use_weight
+        self.cand_w = cand_weight
         self.n_acc = 0
 
     def __dealloc__(self):
         free(self.cnt)
 
-    cdef inline void _count(self, long k) noexcept:
+    cdef inline void _count(self, long k, long w) noexcept:
         cdef long j
-        self.cnt[k] += 1
-        self.n_acc += 1
+        self.cnt[k] += w
+        self.n_acc += w
         if self.n_acc >= self.halve_after:
             for j in range(self.n_keys):
                 self.cnt[j] >>= 1
             self.n_acc = 0
 
     cdef void _hit(self, long k) noexcept:
-        self._count(k)
+        self._count(k, self.use_w)
         LRU._hit(self, k)
 
     cpdef void insert(self, long k, bint cold=False) except *:
         LRU.insert(self, k, cold)
         if not cold:
-            self._count(k)
+            self._count(k, self.use_w)
+
+    cpdef void credit(self, long k) except *:
+        self._check(k)
+        if self.cand_w:
+            self._count(k, self.cand_w)
 
     cpdef long victim(self):
         """Unpinned present key with the lowest count (ties: least recent), or -1."""

@@ -80,6 +80,10 @@ cdef class _Pol:
     cdef int halve(self) except -1:
         return 0
 
+    cdef int credit(self, i64 k) except -1:
+        """``k`` was offered as a substitute candidate (only ``replay_subst`` calls it)."""
+        return 0
+
     def resident(self):
         """Sorted resident keys (for tests)."""
         return [j for j in range(self.n_keys) if self.res[j]]
@@ -92,16 +96,23 @@ cdef class _LRUPol(_Pol):
     (``ExpertCache._grant``; the replay accesses a set's hits first, then its misses): hit ->
     touch + pin; miss -> (victim + remove when full) + insert at the hot end + pin; release ->
     unpin. With ``cold`` (scan-resistant admission) a miss is inserted at the cold end, as
-    the daemon inserts an unused prefetch."""
+    the daemon inserts an unused prefetch. ``make(n_keys)``: the daemon's eviction order
+    (``moecached.policy.EVICTIONS``; default ``LRU``), one per group, driven the same way; a
+    candidate ``credit`` goes to its ``credit``."""
     cdef list lrus
 
-    def __init__(self, group_of_key, capacity, lfu_halve_after=0):
+    def __init__(self, group_of_key, capacity, make=None):
         _Pol.__init__(self, group_of_key, capacity)
         self.admits_cold = True
-        if lfu_halve_after > 0:     # g-lfu-decay: the daemon's LFUDecay, driven the same way
-            self.lrus = [LFUDecay(self.n_keys, lfu_halve_after) for _ in range(self.n_groups)]
-        else:
-            self.lrus = [LRU(self.n_keys) for _ in range(self.n_groups)]
+        if make is None:
+            make = LRU
+        self.lrus = [make(self.n_keys) for _ in range(self.n_groups)]
+        if any(not isinstance(x, LRU) for x in self.lrus):
+            raise TypeError("policy: make(n_keys) must return an LRU (or LFUDecay)")
+
+    cdef int credit(self, i64 k) except -1:
+        (<LRU>self.lrus[self.group[k]]).credit(k)
+        return 0
 
     cdef int access(self, i64 k, i64 i) except -1:
         cdef LRU lr = <LRU>self.lrus[self.group[k]]

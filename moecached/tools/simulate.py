@@ -424,7 +424,7 @@ def _groups(policy, res, st, per_class_layers):
     return np.repeat(class_of_layer, E), np.array(res["class_caps"], np.int64)
 
 
-ADMITS_COLD = ("lru", "g-lru", "g-lfu-decay")
+ADMITS_COLD = ("lru", "g-lru", "g-lfu-decay", "lfu-subst", "g-lfu-subst")
 
 
 def cold_sets(st: Stream, admit_cold):
