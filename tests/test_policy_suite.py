@@ -174,17 +174,20 @@ def ref_subst_glru(t: Trace, cap_slots, r, max_swaps, refresh=False, evict="lru"
                     subst_of.add(k)
             hit_keys = [k for k in routed if lru.contains(k)]
             miss_keys = [k for k in routed if not lru.contains(k) and k not in subst_of]
-            for k in hit_keys + given:
+            if len(hit_keys) < len(routed):     # the request reaches the cache: credits
+                for c in cand:
+                    if c not in given:
+                        lru.credit(c)
+            sub = iter(given)                   # hits and substitutes in set order
+            served = [k if lru.contains(k) else next(sub) for k in routed
+                      if lru.contains(k) or k in subst_of]
+            for k in served:
                 lru.touch(k)
                 lru.pin(k)
             if refresh:
                 for c in cand:
                     if lru.contains(c) and c not in given:
                         lru.touch(c)
-            if len(hit_keys) < len(routed):     # the request reaches the cache: credits
-                for c in cand:
-                    if c not in given:
-                        lru.credit(c)
             for k in miss_keys:
                 if len(lru) >= cap_slots:
                     lru.remove(lru.victim())

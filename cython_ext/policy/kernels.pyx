@@ -132,15 +132,15 @@ def replay_subst(_Pol pol, const i64[::1] keys, const double[::1] key_score,
     them routed in s). Before any access, for each routed key m not resident when the set
     starts, in set order, while fewer than ``max_swaps`` (< 0: no cap) were made in the set:
     the resident candidate not yet given in this set with the highest score >= ``r *
-    key_score[m]`` (ties: first in candidate order) is given instead of m. Then, as the cache
-    grants: the resident routed keys (hits) are accessed in set order, then the given
-    candidates (hits of keys nobody asked for, in the order they were chosen), then, with
+    key_score[m]`` (ties: first in candidate order) is given instead of m. Then, when some
+    routed key of the set is not resident (only then does the request reach the cache: the
+    client's fast path serves a set that is all resident), ``pol.credit(c)`` for every
+    candidate not given, in candidate order (``lfu-subst``: half a use). Then, as the cache
+    grants: the resident routed keys (hits) and the given candidates (hits of keys nobody
+    asked for, each in the place of the key it replaces) are accessed in set order, then, with
     ``refresh``, every other candidate that is resident (a hit, released at once: eviction
     values an expert offered as a likely substitute like one used, yet a miss may evict it),
-    then, when some routed key of the set is not resident (only then does the request reach
-    the cache: the client's fast path serves a set that is all resident), ``pol.credit(c)``
-    for every candidate not given, in candidate order (``lfu-subst``: half a use), then the
-    routed misses left; each may evict
+    then the routed misses left; each may evict
     as in ``replay``; then all are released (a candidate with
     ``i = set_start[s]``: policies that read the stream position in ``release`` -- ``opt``,
     ``g-opt`` -- must not be replayed here).
@@ -192,16 +192,27 @@ def replay_subst(_Pol pol, const i64[::1] keys, const double[::1] key_score,
                 given[ng] = c
                 ng += 1
                 stamp[k] = -2 - s           # marks m as substituted in set s
+        miss = False
+        for i in range(a, b):
+            if not res[keys[i]]:
+                miss = True
+        if miss:                            # the request reaches the cache (the fast path
+            for j in range(ca, cb):         # serves a set that is all resident): it credits
+                c = cand_keys[j]            # the candidates it carries, except those given
+                if stamp[c] != s:
+                    pol.credit(c)
         t = a
         h = 0
-        for i in range(a, b):               # hits first
-            k = keys[i]
-            if res[k]:
+        j = 0
+        for i in range(a, b):               # hits and given candidates first, in set order (a
+            k = keys[i]                     # given one in the place of the key it replaces;
+            if res[k]:                      # resident: no eviction)
                 h += pol.access(k, t)
                 t += 1
-        for j in range(ng):                 # then the given candidates (resident: no eviction)
-            pol.access(given[j], t)
-            t += 1
+            elif stamp[k] == -2 - s:
+                pol.access(given[j], t)
+                j += 1
+                t += 1
         if refresh:                         # then the other resident candidates (unpinned
             for j in range(ca, cb):         # at once: a refresh never blocks a miss's load)
                 c = cand_keys[j]
@@ -209,15 +220,6 @@ def replay_subst(_Pol pol, const i64[::1] keys, const double[::1] key_score,
                     pol.access(c, t)
                     pol.release(c, a)
                     t += 1
-        miss = False
-        for i in range(a, b):
-            if not res[keys[i]]:
-                miss = True
-        if miss:                            # the request reaches the cache (a fast-path hit
-            for j in range(ca, cb):         # of the whole set would not): it credits the
-                c = cand_keys[j]            # candidates it carries, except those given
-                if stamp[c] != s:
-                    pol.credit(c)
         for i in range(a, b):               # then the misses not substituted
             k = keys[i]
             if not res[k] and stamp[k] != -2 - s:
