@@ -35,10 +35,12 @@ Model::
 Lock discipline: one ``threading.Lock`` around all bookkeeping; reads are submitted, promoted,
 memory released/restored and user callbacks invoked only after the lock is dropped.
 
-Counting (per requested expert, disjoint, ``hits + prefetch_hits + misses == len(experts)``):
-``hits`` = resident and already demanded before; ``prefetch_hits`` = first demand of an expert a
-prefetch brought in (resident, or still in flight: the read is promoted); ``misses`` = everything
-else (a new demand read, or waiting on another request's in-flight demand read).
+Counting (per requested expert, disjoint, ``hits + prefetch_hits + misses + substituted ==
+len(experts)``): ``hits`` = resident and already demanded before; ``prefetch_hits`` = first demand
+of an expert a prefetch brought in (resident, or still in flight: the read is promoted);
+``substituted`` = not resident, and a resident substitute candidate was granted in its place
+(``acquire_async(..., subst=)``; docs/policies.md "Substitution"); ``misses`` = everything else
+(a new demand read, or waiting on another request's in-flight demand read).
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import MoecacheError
 from .arena import arena_bytes
@@ -114,9 +116,11 @@ class Lease:
         items: ``(layer, expert, class_id, slot)`` per requested expert, in request order (for
             ``acquire_many``: layers in request order, experts in order within each layer).
             Part ``p`` of an item is at ``arena.part_offset(class_id, slot, p)``.
-        hits, prefetch_hits, misses: how the experts were found (see module doc; they sum to
-            ``len(items)``).
+        hits, prefetch_hits, misses, substituted: how the experts were found (see module doc;
+            they sum to ``len(items)``).
         stall_s: seconds from the call to the lease being ready (0.0 when all were resident).
+        swaps: ``(layer, missing, substitute)`` per substitution, in request order; the item of
+            ``missing`` names ``substitute`` instead.
     """
     id: int
     items: list
@@ -124,6 +128,11 @@ class Lease:
     prefetch_hits: int
     misses: int
     stall_s: float
+    swaps: list = field(default_factory=list)
+
+    @property
+    def substituted(self) -> int:
+        return len(self.swaps)
 
     @property
     def slots(self) -> list[int]:
@@ -202,7 +211,7 @@ class _Load:
 
 class _Req:
     __slots__ = ("id", "groups", "by_pool", "cb", "t0", "state", "pending", "pins", "items",
-                 "hits", "pf", "misses", "tag", "stalled")
+                 "hits", "pf", "misses", "tag", "stalled", "swaps", "subst")
     QUEUED, LOADING, DONE = 0, 1, 2
 
     def __init__(self, rid, groups, by_pool, cb, tag):
@@ -218,6 +227,8 @@ class _Req:
         self.hits = self.pf = self.misses = 0
         self.tag = tag
         self.stalled = False        # waited in the queue or for a read
+        self.swaps: list = []       # [(layer, missing, substitute)] chosen on arrival
+        self.subst = frozenset()    # {(layer, substitute)}: granted as substitutes, not hits
 
 
 class ExpertCache:
@@ -304,6 +315,7 @@ class ExpertCache:
         self._l_pf = [0] * nl
         self._l_miss = [0] * nl
         self._l_reads = [0] * nl
+        self._l_subst = [0] * nl
         self.c_prefetches = 0
         self.c_pf_dropped = 0
         self._pf_loading = 0   # prefetch loads queued or reading that no request waits for
@@ -667,11 +679,12 @@ class ExpertCache:
         misses = []
         hits = pf = miss = 0
         pins = []
+        subst = req.subst
         for L, ex in req.groups:
             pool, base, cid, layer = L.pool, L.base, L.cid, L.layer
             alloc, res, lru, unused = pool.alloc, pool.res, pool.lru, pool.unused
             keys = []
-            lh = lp = lm = 0
+            lh = lp = lm = ls = 0
             for e in ex:
                 k = base + e
                 keys.append(k)
@@ -685,7 +698,10 @@ class ExpertCache:
                 lru.touch(k)
                 items.append((layer, e, cid, s))
                 if res[k] >= 0:
-                    if unused[k]:
+                    if subst and (layer, e) in subst:   # a substitute, in a missing one's place
+                        unused[k] = 0
+                        ls += 1
+                    elif unused[k]:
                         unused[k] = 0
                         lp += 1
                     else:
@@ -709,6 +725,8 @@ class ExpertCache:
             self._l_hits[layer] += lh
             self._l_pf[layer] += lp
             self._l_miss[layer] += lm
+            if ls:
+                self._l_subst[layer] += ls
             hits += lh
             pf += lp
             miss += lm
@@ -771,7 +789,8 @@ class ExpertCache:
         self._leases[req.id] = req.pins
         self.c_leases += 1
         stall = time.perf_counter() - req.t0 if req.stalled else 0.0
-        done.append((req.cb, Lease(req.id, req.items, req.hits, req.pf, req.misses, stall)))
+        done.append((req.cb, Lease(req.id, req.items, req.hits, req.pf, req.misses, stall,
+                                   req.swaps)))
 
     def _unpin(self, pins) -> None:
         for pool, keys in pins:
@@ -1004,7 +1023,7 @@ class ExpertCache:
             raise res
         return res
 
-    def acquire_async(self, requests, callback, *, tag=None) -> int:
+    def acquire_async(self, requests, callback, *, tag=None, subst=None) -> int:
         """Start an acquire of ``[(layer, [experts]), ...]``; returns its ticket (= the lease id).
 
         Every layer's reads are queued at once. ``callback(result)`` gets a :class:`Lease` or a
@@ -1013,12 +1032,26 @@ class ExpertCache:
         resident, otherwise from a reader thread (or the thread whose release/set_budget freed
         the slots it waited for). Bad requests raise RequestError here, no callback.
         ``tag`` is kept on the request (for the caller's bookkeeping; shown nowhere else).
+        ``subst``: ``(r, cap, {layer: (scores, candidates)})`` -- substitution, decided here on
+        arrival by :meth:`_substitute` (the rule of docs/policies.md, "Substitution"):
+        ``scores`` are the router's scores of the layer's requested experts (same order),
+        ``candidates`` ``[(expert, score), ...]`` further experts ranked by the router (none of
+        them requested); ``cap`` (< 0: none) bounds the swaps per layer. The lease's ``swaps``
+        say which experts were replaced, and its items name the substitutes.
         """
         submits, promotes, done = [], [], []
         with self._lock:
             groups, by_pool = self._validate(requests)
+            swaps = []
+            if subst is not None:
+                requests, swaps = self._substitute(groups, subst)
+                if swaps:
+                    groups, by_pool = self._validate(requests)
             rid = next(self._ids)
             req = _Req(rid, groups, by_pool, callback, tag)
+            if swaps:
+                req.swaps = swaps
+                req.subst = frozenset((l, c) for l, _, c in swaps)
             self._reqs[rid] = req
             blocked = self._waitq and self._needs_slots(req) and any(
                 p in q.by_pool for q in self._waitq for p in by_pool)
@@ -1033,6 +1066,49 @@ class ExpertCache:
                 self._waitq.append(req)
         self._after(submits, promotes, done)
         return rid
+
+    def _substitute(self, groups, subst) -> tuple[list, list]:
+        """Choose substitutes for a request on arrival (under the lock). For each layer with
+        candidates whose requested experts are not all resident (a fast-path hit never gets
+        here): for each requested expert ``m`` not resident, in request order, while fewer
+        than ``cap`` swaps were made in the layer, the resident candidate not yet given with
+        the highest score >= ``r * score(m)`` (ties: first) takes ``m``'s place; then every
+        candidate not given is credited to the eviction order (``lfu-subst`` counts it). The
+        simulator runs the same rule (``moecached.policy.replay_subst``).
+        Returns (requests with the substitutes in place, [(layer, missing, substitute)])."""
+        r, cap, per = subst
+        out, swaps = [], []
+        for L, ex in groups:
+            got = per.get(L.layer)
+            pool, base = L.pool, L.base
+            res = pool.res
+            if got is None or all(res[base + e] >= 0 for e in ex):
+                out.append((L.layer, ex))
+                continue
+            scores, cands = got
+            given = set()
+            new = list(ex)
+            n = 0
+            for i, e in enumerate(ex):
+                if res[base + e] >= 0 or (0 <= cap <= n):
+                    continue
+                need = r * scores[i]
+                best = None
+                for c, sc in cands:
+                    if res[base + c] >= 0 and c not in given and sc >= need and \
+                            (best is None or sc > best[1]):
+                        best = (c, sc)
+                if best is not None:
+                    given.add(best[0])
+                    new[i] = best[0]
+                    swaps.append((L.layer, e, best[0]))
+                    n += 1
+            credit = pool.lru.credit
+            for c, _ in cands:
+                if c not in given:
+                    credit(base + c)
+            out.append((L.layer, new))
+        return out, swaps
 
     def cancel(self, ticket: int) -> bool:
         """Drop a waiting acquire (client vanished): unpin what it pinned; its reads go on as
@@ -1301,7 +1377,8 @@ class ExpertCache:
                 d["reads"] = sum(self._l_reads[l] for l in c.layers)
                 classes.append(d)
             layers = {str(l): {"hits": self._l_hits[l], "demand_misses": self._l_miss[l],
-                          "prefetch_hits": self._l_pf[l], "reads": self._l_reads[l]}
+                          "prefetch_hits": self._l_pf[l], "reads": self._l_reads[l],
+                          "substitutions": self._l_subst[l]}
                       for l in sorted(self._layers)}
             caps = dict.fromkeys(self._cls, 0)
             for p in self._pools:

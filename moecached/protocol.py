@@ -12,6 +12,8 @@ Replies:  ``{"v": 1, "id": <same>, "ok": true, "session": <uint>, ...}`` or
 """
 from __future__ import annotations
 
+import math
+
 import msgpack
 
 from . import MoecacheError
@@ -190,3 +192,75 @@ class RequestChecker:
                 raise ProtocolError(E_BAD_TYPE, f"field '{p}experts' of layer {layer} repeats an expert id")
             out.append((layer, list(experts)))
         return out
+
+    def subst(self, msg: dict, reqs: list) -> tuple | None:
+        """The acquire's optional ``subst`` field (docs/protocol.md, "Substitution"):
+        ``{"r": float in [0, 1], "cap": int >= 0 (optional: no cap), "layers": [[layer,
+        [score per requested expert of that layer], [[expert, score], ...]], ...]}``, checked
+        against ``reqs`` (from :meth:`requests`). Returns None without the field, else
+        ``(r, cap, {layer: (scores, [(expert, score), ...])})`` with ``cap`` -1 for none.
+        Raises ProtocolError naming the field and value."""
+        sub = msg.get("subst")
+        if sub is None:
+            return None
+        if not isinstance(sub, dict):
+            raise ProtocolError(E_BAD_TYPE, f"field 'subst' is {type(sub).__name__}: expected a map "
+                                "{r, cap, layers}")
+        r = sub.get("r")
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
+            raise ProtocolError(E_BAD_TYPE, f"field 'subst.r' = {r!r:.20}: expected a number in [0, 1] "
+                                "(a candidate needs at least r x the missing expert's score)")
+        cap = sub.get("cap", -1)
+        if isinstance(cap, bool) or not isinstance(cap, int) or (cap < 0 and "cap" in sub):
+            raise ProtocolError(E_BAD_TYPE, f"field 'subst.cap' = {cap!r:.20}: expected an integer >= 0 "
+                                "(swaps per layer; leave it out for no cap)")
+        raw = sub.get("layers")
+        if not isinstance(raw, list):
+            raise ProtocolError(E_BAD_TYPE, "field 'subst.layers' must be an array of "
+                                "[layer, [scores], [[expert, score], ...]]")
+        asked = dict(reqs)
+        out, n = {}, 0
+
+        def score(v, where):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ProtocolError(E_BAD_TYPE, f"field '{where}' = {v!r:.20}: expected a finite "
+                                    "number >= 0 (the router's score)")
+            return float(v)
+        for i, it in enumerate(raw):
+            w = f"subst.layers[{i}]"
+            if not isinstance(it, list) or len(it) != 3 or not isinstance(it[1], list) \
+                    or not isinstance(it[2], list):
+                raise ProtocolError(E_BAD_TYPE, f"field '{w}' must be [layer, [scores], [[expert, score], ...]]")
+            layer, scores, cands = it
+            if isinstance(layer, bool) or not isinstance(layer, int) or layer not in asked:
+                raise ProtocolError(E_OUT_OF_RANGE, f"field '{w}' layer {layer!r:.20}: expected a layer "
+                                    "of this acquire")
+            if layer in out:
+                raise ProtocolError(E_BAD_TYPE, f"field '{w}' layer {layer} appears twice")
+            ex = asked[layer]
+            if len(scores) != len(ex):
+                raise ProtocolError(E_BAD_TYPE, f"field '{w}' has {len(scores)} scores for {len(ex)} "
+                                    f"experts of layer {layer}: expected one per requested expert")
+            sc = [score(v, f"{w} scores") for v in scores]
+            n += len(cands)
+            if n > self.max_experts:
+                raise ProtocolError(E_TOO_LARGE, f"field 'subst' names {n}+ candidates: expected at "
+                                    f"most {self.max_experts}")
+            seen = set(ex)
+            cl = []
+            for c in cands:
+                if not isinstance(c, list) or len(c) != 2 or isinstance(c[0], bool) \
+                        or not isinstance(c[0], int):
+                    raise ProtocolError(E_BAD_TYPE, f"field '{w}' candidate {c!r:.30}: expected "
+                                        "[expert, score]")
+                e = c[0]
+                if not 0 <= e < self.n_experts:
+                    raise ProtocolError(E_OUT_OF_RANGE, f"candidate {e} in layer {layer}: expected "
+                                        f"0..{self.n_experts - 1}")
+                if e in seen:
+                    raise ProtocolError(E_BAD_TYPE, f"candidate {e} in layer {layer}: requested or "
+                                        "listed already (candidates are other experts, each once)")
+                seen.add(e)
+                cl.append((e, score(c[1], f"{w} candidate {e}")))
+            out[layer] = (sc, cl)
+        return float(r), cap, out

@@ -62,7 +62,8 @@ class ServerError(MoecacheError):
 class _Client:
     __slots__ = ("ident", "delim", "name", "pid", "first_seen", "last_seen", "leases", "pending",
                  "requests", "acquires", "hits", "misses", "prefetch_hits", "prefetches",
-                 "errors", "stall_s", "pidfd", "bucket", "pf", "rate_limited", "pins", "fast_closed")
+                 "errors", "stall_s", "pidfd", "bucket", "pf", "rate_limited", "pins", "fast_closed",
+                 "subst")
 
     def __init__(self, ident: bytes, now: float, burst: float = 1.0, max_prefetch=None):
         self.ident = ident
@@ -75,6 +76,7 @@ class _Client:
         self.requests = self.acquires = self.hits = self.misses = 0
         self.prefetch_hits = self.prefetches = self.errors = 0
         self.stall_s = 0.0
+        self.subst: dict[int, int] = {}   # layer -> its missing experts replaced by a substitute
         self.pidfd = None  # pidfd of the client's process when watched (ipc + verified pid)
         self.bucket = TokenBucket(burst, now)    # request rate limit (Server.rate_limit)
         self.pf = PrefetchQuota(max_prefetch)     # its prefetch loads in flight / dropped
@@ -107,6 +109,7 @@ class _Client:
                 "acquires": self.acquires, "hits": hits,
                 "prefetch_hits": pfh, "demand_misses": self.misses,
                 "hit_rate": hit_rate(hits, pfh, self.misses),
+                "substitutions": {str(k): v for k, v in sorted(self.subst.items())},
                 "fast_path": pf is not None, **fast,
                 "prefetches": self.prefetches, "prefetches_dropped": self.pf.dropped,
                 "prefetch_loads_in_flight": self.pf.in_flight, "rate_limited": self.rate_limited,
@@ -910,11 +913,16 @@ class Server:
         c.stall_s += lease.stall_s
         ident = c.ident
         lid = lease.id
-        payload = self._packb({"v": P.PROTOCOL_VERSION, "id": rid, "ok": True, "session": self.session,
-                          "lease": lid, "items": lease.items,
-                          "gens": self.cache.lease_generations(lease.items), "hits": lease.hits,
-                          "prefetch_hits": lease.prefetch_hits, "misses": lease.misses,
-                          "stall_us": int(lease.stall_s * 1e6)})
+        rep = {"v": P.PROTOCOL_VERSION, "id": rid, "ok": True, "session": self.session,
+               "lease": lid, "items": lease.items,
+               "gens": self.cache.lease_generations(lease.items), "hits": lease.hits,
+               "prefetch_hits": lease.prefetch_hits, "misses": lease.misses,
+               "stall_us": int(lease.stall_s * 1e6)}
+        if lease.swaps:
+            rep["subst"] = [list(s) for s in lease.swaps]
+            for layer, _, _ in lease.swaps:
+                c.subst[layer] = c.subst.get(layer, 0) + 1
+        payload = self._packb(rep)
         if not self._send_frame(ident, c.delim, payload):
             self.cache.release(lease)  # undelivered: roll back
             self._drop_client(c, "unreachable")
@@ -983,9 +991,11 @@ class Server:
             timeout_ms = P._int(msg, "timeout_ms", lo=0, hi=86_400_000)
         elif self.acquire_timeout_s is not None:
             timeout_ms = int(self.acquire_timeout_s * 1000)
+        subst = self.checker.subst(msg, reqs)
         box: list = []
         ident = c.ident
-        ticket = self.cache.acquire_async(reqs, lambda res: self._complete(ident, rid, box, tag, res), tag=tag)
+        ticket = self.cache.acquire_async(reqs, lambda res: self._complete(ident, rid, box, tag, res), tag=tag,
+                                          subst=subst)
         box.append(ticket)
         # The callback may already have run inline (all resident): then it is in self.done
         # with box filled now, and _drain_done sees the ticket as pending below.

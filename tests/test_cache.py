@@ -311,7 +311,8 @@ def test_counters_exact_on_scripted_sequence(models):
         assert (s["prefetches"], s["wasted_prefetches"]) == (2, 1)
         assert s["reads"] == 4 and s["evictions"] == 2
         assert s["bytes_read"] == 4 * idx.size_classes[0].slot_bytes
-        assert s["layers"][str(L)] == {"hits": 3, "demand_misses": 2, "prefetch_hits": 1, "reads": 4}
+        assert s["layers"][str(L)] == {"hits": 3, "demand_misses": 2, "prefetch_hits": 1, "reads": 4,
+                                       "substitutions": 0}
         assert s["classes"][0]["hits"] == 3 and s["classes"][0]["slots"] == 2
         assert s["read_latency"]["count"] == 4 and s["read_latency"]["p50_us"] > 0
         # one measurement (the reader pool's), two views: the cache's summary, the pool's histogram

@@ -216,6 +216,38 @@ int mc_acquire(mc_client *c, int layer, const int *experts, uint32_t n, int flag
 /* Several layers in one lease. */
 int mc_acquire_many(mc_client *c, const mc_request *reqs, uint32_t n_reqs, int flags, int timeout_ms,
                     mc_lease **out, mc_error *err);
+/* Substitution (docs/protocol.md, "Substitution"): the router's scores and further ranked
+ * candidates; for each missing expert the daemon may grant a resident candidate scoring
+ * >= r x the missing one's score instead (at most `cap` swaps per layer, -1 = no cap). */
+typedef struct mc_cand {
+    int expert;
+    double score;
+} mc_cand;
+
+typedef struct mc_subst_layer {
+    const double *scores;     /* one per requested expert of the layer, request order; NULL:
+                                 no substitution for this layer */
+    const mc_cand *cands;     /* experts ranked after the requested ones (none requested) */
+    uint32_t n_cands;
+} mc_subst_layer;
+
+typedef struct mc_subst {
+    double r;                 /* tolerance in [0, 1] */
+    int cap;                  /* swaps per layer at most; -1: no cap */
+    const mc_subst_layer *layers;   /* one per mc_request, same order */
+} mc_subst;
+
+/* mc_acquire_many with substitution: first the shared-memory hit path (all resident: nothing
+ * to substitute, no message), else one acquire carrying the candidates. subst NULL: exactly
+ * mc_acquire_many. The items name the substitutes in the places of the experts they replace;
+ * mc_lease_subst says which. */
+int mc_acquire_subst(mc_client *c, const mc_request *reqs, uint32_t n_reqs, const mc_subst *subst, int flags,
+                     int timeout_ms, mc_lease **out, mc_error *err);
+/* Substitutions the daemon made in this lease (0 for a fast-path lease). */
+uint32_t mc_lease_n_subst(const mc_lease *l);
+/* Substitution i: the layer, the missing expert and its substitute; 0 when i is out of range. */
+int mc_lease_subst(const mc_lease *l, uint32_t i, int *layer, int *missing, int *substitute);
+
 /* Queue reads only (no pins, noreply). */
 int mc_prefetch(mc_client *c, int layer, const int *experts, uint32_t n, mc_error *err);
 int mc_prefetch_many(mc_client *c, const mc_request *reqs, uint32_t n_reqs, mc_error *err);

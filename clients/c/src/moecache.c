@@ -1191,7 +1191,34 @@ typedef struct req_arg {
     int flags;
     int timeout_ms;
     int noreply;
+    const mc_subst *subst;
 } req_arg;
+
+static void fill_subst(msgpack_packer *pk, const req_arg *a) {
+    const mc_subst *sb = a->subst;
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < a->n; i++) n += sb->layers[i].scores != NULL;
+    pk_str(pk, "subst");
+    msgpack_pack_map(pk, 2 + (sb->cap >= 0));
+    pk_str(pk, "r"); msgpack_pack_double(pk, sb->r);
+    if (sb->cap >= 0) { pk_str(pk, "cap"); msgpack_pack_int(pk, sb->cap); }
+    pk_str(pk, "layers");
+    msgpack_pack_array(pk, n);
+    for (uint32_t i = 0; i < a->n; i++) {
+        const mc_subst_layer *sl = &sb->layers[i];
+        if (!sl->scores) continue;
+        msgpack_pack_array(pk, 3);
+        msgpack_pack_int(pk, a->reqs[i].layer);
+        msgpack_pack_array(pk, a->reqs[i].n);
+        for (uint32_t j = 0; j < a->reqs[i].n; j++) msgpack_pack_double(pk, sl->scores[j]);
+        msgpack_pack_array(pk, sl->n_cands);
+        for (uint32_t j = 0; j < sl->n_cands; j++) {
+            msgpack_pack_array(pk, 2);
+            msgpack_pack_int(pk, sl->cands[j].expert);
+            msgpack_pack_double(pk, sl->cands[j].score);
+        }
+    }
+}
 
 static void fill_requests(msgpack_packer *pk, void *p) {
     req_arg *a = p;
@@ -1216,11 +1243,12 @@ static void fill_requests(msgpack_packer *pk, void *p) {
     }
     if (a->timeout_ms >= 0) { pk_str(pk, "timeout_ms"); msgpack_pack_int(pk, a->timeout_ms); }
     if (a->noreply) { pk_str(pk, "noreply"); msgpack_pack_true(pk); }
+    if (a->subst) fill_subst(pk, a);
 }
 
 static int n_fields(const req_arg *a) {
     return 2 - (a->n != 1) + ((a->flags & (MC_ACQ_DECODE | MC_ACQ_PROMPT)) != 0) + (a->timeout_ms >= 0) +
-           (a->noreply != 0);
+           (a->noreply != 0) + (a->subst != NULL);
 }
 
 static int check_requests(mc_client *c, const mc_request *reqs, uint32_t n, uint32_t *total, mc_error *err) {
@@ -1251,6 +1279,7 @@ static mc_lease *lease_new(uint32_t n) {
 }
 
 static void lease_free(mc_lease *l) {
+    free(l->subst);
     free(l->items);
     free(l->mi);
     free(l);
@@ -1362,16 +1391,40 @@ static int lease_from_reply(mc_client *c, const msgpack_object *rep, uint64_t se
     muint(mget(rep, "prefetch_hits"), &v) ? (void)(l->prefetch_hits = (uint32_t)v) : (void)0;
     muint(mget(rep, "misses"), &v) ? (void)(l->misses = (uint32_t)v) : (void)0;
     muint(mget(rep, "stall_us"), &v) ? (void)(l->stall_us = v) : (void)0;
+    const msgpack_object *sw = mget(rep, "subst");
+    if (sw && sw->type == MSGPACK_OBJECT_ARRAY && sw->via.array.size > 0) {
+        uint32_t ns = sw->via.array.size;
+        l->subst = ns <= total ? calloc(3 * (size_t)ns, sizeof(int32_t)) : NULL;
+        for (uint32_t k = 0; l->subst && k < ns; k++) {
+            const msgpack_object *t = &sw->via.array.ptr[k];
+            int64_t x[3];
+            if (t->type != MSGPACK_OBJECT_ARRAY || t->via.array.size != 3 || !mint(&t->via.array.ptr[0], &x[0]) ||
+                !mint(&t->via.array.ptr[1], &x[1]) || !mint(&t->via.array.ptr[2], &x[2])) {
+                free(l->subst);
+                l->subst = NULL;
+                break;
+            }
+            for (int m = 0; m < 3; m++) l->subst[3 * k + m] = (int32_t)x[m];
+        }
+        if (!l->subst) {
+            mc_release(l);
+            return seterr(err, MC_ERR_PROTOCOL, "acquire reply: 'subst' is not a list of [layer, missing, "
+                          "substitute] (at most one per requested expert)");
+        }
+        l->n_subst = ns;
+    }
     uint32_t q = 0;
     for (uint32_t i = 0; i < n; i++)
         for (uint32_t j = 0; j < reqs[i].n; j++, q++) {
             const msgpack_object *it = &items->via.array.ptr[q];
-            int64_t ly, ex, cl, sl;
+            int64_t ly, ex, cl, sl, want = reqs[i].experts[j];
             uint64_t g;
+            for (uint32_t k = 0; k < l->n_subst; k++)   /* a substitute in the missing one's place */
+                if (l->subst[3 * k] == reqs[i].layer && l->subst[3 * k + 1] == want) want = l->subst[3 * k + 2];
             if (it->type != MSGPACK_OBJECT_ARRAY || it->via.array.size != 4 || !mint(&it->via.array.ptr[0], &ly) ||
                 !mint(&it->via.array.ptr[1], &ex) || !mint(&it->via.array.ptr[2], &cl) ||
                 !mint(&it->via.array.ptr[3], &sl) || !muint(&gens->via.array.ptr[q], &g) ||
-                ly != reqs[i].layer || ex != reqs[i].experts[j] || cl < 0 || (uint64_t)cl >= am->lay.n_classes ||
+                ly != reqs[i].layer || ex != want || cl < 0 || (uint64_t)cl >= am->lay.n_classes ||
                 sl < 0 || (uint64_t)sl >= am->lay.n_slots[cl]) {
                 mc_release(l);
                 return seterr(err, MC_ERR_PROTOCOL, "acquire reply: item %u is not (layer %d, expert %d, class, "
@@ -1384,19 +1437,30 @@ static int lease_from_reply(mc_client *c, const msgpack_object *rep, uint64_t se
     return okerr(err);
 }
 
-int mc_acquire_many(mc_client *c, const mc_request *reqs, uint32_t n, int flags, int timeout_ms, mc_lease **out,
-                    mc_error *err) {
+int mc_acquire_subst(mc_client *c, const mc_request *reqs, uint32_t n, const mc_subst *subst, int flags,
+                     int timeout_ms, mc_lease **out, mc_error *err) {
     uint32_t total;
     if (!out) return seterr(err, MC_ERR_INVALID_ARG, "acquire: out is NULL");
     *out = NULL;
     int r = check_requests(c, reqs, n, &total, err);
     if (r != MC_OK) return r;
+    if (subst) {
+        if (!(subst->r >= 0.0 && subst->r <= 1.0))
+            return seterr(err, MC_ERR_INVALID_ARG, "acquire: subst r = %g, expected 0 <= r <= 1", subst->r);
+        if (subst->cap < -1)
+            return seterr(err, MC_ERR_INVALID_ARG, "acquire: subst cap = %d, expected >= 0 or -1 (no cap)",
+                          subst->cap);
+        if (!subst->layers) return seterr(err, MC_ERR_INVALID_ARG, "acquire: subst layers is NULL");
+        for (uint32_t i = 0; i < n; i++)
+            if (subst->layers[i].scores && subst->layers[i].n_cands && !subst->layers[i].cands)
+                return seterr(err, MC_ERR_INVALID_ARG, "acquire: subst layer %u: cands is NULL", i);
+    }
     if (!(flags & MC_ACQ_NO_FAST) && c->fast) {
         r = try_fast(c, reqs, n, out, err);
         if (r == MC_OK) return okerr(err);
         if (r == MC_ERR_RESTARTED) return r;
     }
-    req_arg a = {reqs, n, flags, timeout_ms, 0};
+    req_arg a = {reqs, n, flags, timeout_ms, 0, subst};
     msgpack_unpacked rep;
     uint64_t sess = 0;
     /* the client waits a little longer than the daemon's own timeout, so the daemon's answer wins */
@@ -1406,6 +1470,21 @@ int mc_acquire_many(mc_client *c, const mc_request *reqs, uint32_t n, int flags,
     r = lease_from_reply(c, &rep.data, sess, reqs, n, total, out, err);
     msgpack_unpacked_destroy(&rep);
     return r;
+}
+
+int mc_acquire_many(mc_client *c, const mc_request *reqs, uint32_t n, int flags, int timeout_ms, mc_lease **out,
+                    mc_error *err) {
+    return mc_acquire_subst(c, reqs, n, NULL, flags, timeout_ms, out, err);
+}
+
+uint32_t mc_lease_n_subst(const mc_lease *l) { return l ? l->n_subst : 0; }
+
+int mc_lease_subst(const mc_lease *l, uint32_t i, int *layer, int *missing, int *substitute) {
+    if (!l || i >= l->n_subst) return 0;
+    if (layer) *layer = l->subst[3 * i];
+    if (missing) *missing = l->subst[3 * i + 1];
+    if (substitute) *substitute = l->subst[3 * i + 2];
+    return 1;
 }
 
 int mc_acquire(mc_client *c, int layer, const int *experts, uint32_t n, int flags, int timeout_ms, mc_lease **out,
@@ -1418,7 +1497,7 @@ int mc_prefetch_many(mc_client *c, const mc_request *reqs, uint32_t n, mc_error 
     uint32_t total;
     int r = check_requests(c, reqs, n, &total, err);
     if (r != MC_OK) return r;
-    req_arg a = {reqs, n, 0, -1, 1};
+    req_arg a = {reqs, n, 0, -1, 1, NULL};
     return do_call(c, "prefetch", n_fields(&a), fill_requests, &a, -1, 0, NULL, NULL, err);
 }
 

@@ -51,6 +51,8 @@ struct mc_lease {
     mcshm_item *mi;            /* (class, slot, generation) per item, for mcshm_valid/unpin */
     uint32_t hits, prefetch_hits, misses;
     uint64_t stall_us;
+    uint32_t n_subst;
+    int32_t *subst;            /* (layer, missing, substitute) per substitution */
 };
 
 void mc_arena_unref(mc_arena_map *am);

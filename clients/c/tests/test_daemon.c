@@ -307,6 +307,56 @@ static void test_restart(mc_client *c) {
     mc_release(l);
 }
 
+/* Substitution decided at the daemon: a missing expert replaced by a resident candidate that
+ * scores >= r x its score; the item names the candidate and holds its bytes. Runs on the
+ * fresh daemon test_restart started (layer 0 holds nothing yet). */
+static void test_subst(mc_client *c) {
+    mc_error e;
+    mc_lease *l;
+    int three[] = {3};
+    REQUIRE(mc_acquire(c, 0, three, 1, 0, -1, &l, &e) == MC_OK, "acquire 3: %s", e.message);
+    mc_release(l);                                       /* expert 3 of layer 0 is resident now */
+    int five[] = {5};
+    double score[] = {1.0};
+    mc_cand cands[] = {{6, 0.8}, {3, 0.6}};              /* 6 is not resident: 3 is the one */
+    mc_subst_layer sl = {score, cands, 2};
+    mc_subst sb = {0.5, 1, &sl};
+    mc_request rq = {0, five, 1};
+    REQUIRE(mc_acquire_subst(c, &rq, 1, &sb, 0, -1, &l, &e) == MC_OK, "acquire with subst: %s", e.message);
+    int ly = -1, miss = -1, sub = -1;
+    CHECK(mc_lease_n_subst(l) == 1 && mc_lease_subst(l, 0, &ly, &miss, &sub) && ly == 0 && miss == 5 && sub == 3,
+          "one substitution 5 -> 3 (n %u: %d %d %d)", mc_lease_n_subst(l), ly, miss, sub);
+    CHECK(!mc_lease_subst(l, 1, &ly, &miss, &sub), "no second substitution");
+    CHECK(mc_lease_items(l)[0].expert == 3 && mc_lease_n(l) == 1, "the item names the substitute");
+    uint32_t hits, ph, misses;
+    uint64_t stall;
+    mc_lease_counts(l, &hits, &ph, &misses, &stall);
+    CHECK(hits == 0 && ph == 0 && misses == 0, "a substitution is neither a hit nor a miss (%u %u %u)", hits, ph,
+          misses);
+    CHECK(verify_lease(c, l) == 0, "the substitute's own bytes");
+    mc_release(l);
+    sb.r = 0.7;                                          /* 0.6 < 0.7 x 1.0: no candidate qualifies */
+    REQUIRE(mc_acquire_subst(c, &rq, 1, &sb, 0, -1, &l, &e) == MC_OK, "acquire, r 0.7: %s", e.message);
+    mc_lease_counts(l, &hits, &ph, &misses, &stall);
+    CHECK(mc_lease_n_subst(l) == 0 && mc_lease_items(l)[0].expert == 5 && misses == 1, "read when none qualifies");
+    CHECK(verify_lease(c, l) == 0, "bytes of the expert read");
+    mc_release(l);
+    REQUIRE(mc_acquire_subst(c, &rq, 1, &sb, 0, -1, &l, &e) == MC_OK, "acquire resident: %s", e.message);
+    CHECK(mc_lease_n_subst(l) == 0 && mc_lease_items(l)[0].expert == 5 && (mc_lease_fast(l) || mc_fast_path(c) == 0),
+          "all resident: the fast path, nothing substituted");
+    mc_release(l);
+    mc_cand dup[] = {{5, 0.9}};                          /* a requested expert is no candidate */
+    mc_subst_layer bad = {score, dup, 1};
+    mc_subst sbad = {0.5, -1, &bad};
+    int seven[] = {7};
+    mc_request rq7 = {0, seven, 1};
+    dup[0].expert = 7;
+    CHECK(mc_acquire_subst(c, &rq7, 1, &sbad, 0, -1, &l, &e) == MC_ERR_D_BAD_TYPE && strstr(e.message, "candidate 7"),
+          "a requested expert as candidate is refused: %d %s", e.code, e.message);
+    sbad.r = 2.0;
+    CHECK(mc_acquire_subst(c, &rq7, 1, &sbad, 0, -1, &l, &e) == MC_ERR_INVALID_ARG, "r out of range refused locally");
+}
+
 int main(void) {
     PY = getenv("MC_PYTHON");
     MODEL = getenv("MC_MODEL");
@@ -329,6 +379,7 @@ int main(void) {
     test_fast(c);
     test_heartbeat(c);
     test_restart(c);
+    test_subst(c);
     mc_close(c);
     stop_daemon(SIGTERM);
     ex_free(EX);

@@ -28,6 +28,14 @@ in), a local client asks for a pin file at hello and pins experts that are alrea
 without a message; such a lease is released by a store. Anything not resident, and every other
 call, goes over the socket. Without the extension, or with ``MOECACHE_CLIENT_PURE=1`` in the
 environment, the same API works over the socket only (``IMPLEMENTATION`` says which).
+
+Substitution (docs/protocol.md): ``acquire(..., subst=Subst(r, cap, {layer: (scores,
+candidates)}))`` hands the daemon the router's scores of the requested experts and further
+ranked candidates; for each missing expert it may grant a resident candidate scoring at
+least ``r`` x the missing one's score instead. The fast path is tried first (all resident:
+nothing to substitute); only a miss sends the candidates. ``lease.substituted`` lists
+``(layer, missing, substitute)``; the items name the substitute, whose own routing weight the
+engine then uses.
 """
 from __future__ import annotations
 
@@ -52,7 +60,7 @@ else:
         _shm = None
 IMPLEMENTATION = "python" if _shm is None else "cython"   # "python": socket path only
 
-__all__ = ["Client", "Lease", "ClientError", "ServerError", "DaemonRestarted", "Timeout",
+__all__ = ["Client", "Lease", "Subst", "ClientError", "ServerError", "DaemonRestarted", "Timeout",
            "LeaseInvalid", "DEFAULT_ENDPOINT", "IMPLEMENTATION"]
 
 DEFAULT_ENDPOINT = "ipc:///run/moecached/moecached.sock"
@@ -210,6 +218,36 @@ class _Arena:
             pass  # views still alive; the mapping goes when they do
 
 
+class Subst:
+    """Substitution for one acquire (docs/protocol.md, "Substitution").
+
+    Args:
+        r: tolerance in [0, 1]: a candidate may replace a missing expert when its score is at
+            least ``r`` x the missing expert's score.
+        cap: at most this many swaps per layer (None: no cap).
+        layers: ``{layer: (scores, candidates)}``: ``scores`` one per requested expert of the
+            layer (request order), ``candidates`` ``[(expert, score), ...]`` further experts
+            the router ranked (none of them requested). Layers left out get no substitution.
+    """
+    __slots__ = ("r", "cap", "layers")
+
+    def __init__(self, r: float, cap: int | None, layers: dict):
+        if not (isinstance(r, (int, float)) and 0.0 <= r <= 1.0):
+            raise ClientError(f"Subst r: found {r!r}, expected a number in [0, 1]")
+        if cap is not None and (not isinstance(cap, int) or cap < 0):
+            raise ClientError(f"Subst cap: found {cap!r}, expected an integer >= 0 or None")
+        self.r, self.cap, self.layers = float(r), cap, layers
+
+    def wire(self) -> dict:
+        """The ``subst`` field of the acquire request."""
+        out = {"r": self.r, "layers": [[int(l), [float(x) for x in sc],
+                                        [[int(e), float(v)] for e, v in cands]]
+                                       for l, (sc, cands) in self.layers.items()]}
+        if self.cap is not None:
+            out["cap"] = int(self.cap)
+        return out
+
+
 class Lease:
     """Experts pinned in the daemon's arena until ``release()`` (or the ``with`` block ends).
 
@@ -218,6 +256,8 @@ class Lease:
         items: [(layer, expert, class_id, slot), ...] in request order.
         slots: slot index of each requested expert, in request order.
         hits / prefetch_hits / misses: what the daemon found for this request.
+        substituted: ``[(layer, missing, substitute), ...]``: experts the daemon replaced by a
+            resident candidate (``acquire(..., subst=)``); ``items`` name the substitutes.
         stall_us: microseconds the daemon waited for reads for this request.
 
     A lease pinned through shared memory (no message) has a negative ``id``, counts every
@@ -237,6 +277,7 @@ class Lease:
         self.prefetch_hits = reply.get("prefetch_hits", 0)
         self.misses = reply.get("misses", 0)
         self.stall_us = reply.get("stall_us", 0)
+        self.substituted = [tuple(x) for x in reply.get("subst", ())]
         self.released = False
         self._where_map = None
         if shm_items is None and arena is not None and arena.shm is not None:
@@ -264,6 +305,7 @@ class Lease:
         self.items = shm_items.rows
         self.hits = len(self.items)
         self.prefetch_hits = self.misses = self.stall_us = 0
+        self.substituted = []
         self.released = False
         self._where_map = None
         self._shm_items = shm_items
@@ -454,10 +496,12 @@ class Client:
         return self._fast is not None
 
     def acquire(self, layer: int, experts, *, tag: str | None = None,
-                timeout: float | None = ..., layers=None) -> Lease:
+                timeout: float | None = ..., layers=None, subst: Subst | None = None) -> Lease:
         """Pin ``experts`` of ``layer`` (GGUF block number), waiting for reads; returns a Lease.
 
         ``layers=[(layer, [experts]), ...]`` acquires several layers in one lease.
+        ``subst`` (:class:`Subst`): on a miss the daemon may grant resident candidates in
+        place of missing experts (``lease.substituted`` says which).
         Raises ServerError (bad layer/expert, too large, load failed, model_changed: the
         model file changed and the expert is not resident), Timeout, DaemonRestarted.
         """
@@ -469,14 +513,17 @@ class Client:
         self._requests(msg, layer, experts, layers)
         if tag is not None:
             msg["tag"] = tag
+        if subst is not None:
+            msg["subst"] = subst.wire()
         rep = self._wait(self._submit(msg), self._t(timeout), "acquire")
         return Lease(self, rep["session"], rep["_arena"], rep)
 
-    def acquire_many(self, requests, *, tag=None, timeout=...) -> Lease:
+    def acquire_many(self, requests, *, tag=None, timeout=..., subst: Subst | None = None) -> Lease:
         """Several layers in one lease: ``requests = [(layer, [experts]), ...]``."""
-        return self.acquire(None, None, tag=tag, timeout=timeout, layers=requests)
+        return self.acquire(None, None, tag=tag, timeout=timeout, layers=requests, subst=subst)
 
-    def acquire_async(self, layer, experts, *, tag=None, layers=None, timeout_ms: int | None = None) -> "LeaseFuture":
+    def acquire_async(self, layer, experts, *, tag=None, layers=None, timeout_ms: int | None = None,
+                      subst: Subst | None = None) -> "LeaseFuture":
         """Non-blocking acquire for pipelining: returns a future; ``.result(timeout)`` -> Lease."""
         if self._fast is not None:
             lease = self._fast_acquire(layer, experts, layers)
@@ -486,6 +533,8 @@ class Client:
         self._requests(msg, layer, experts, layers)
         if tag is not None:
             msg["tag"] = tag
+        if subst is not None:
+            msg["subst"] = subst.wire()
         if timeout_ms is not None:
             msg["timeout_ms"] = int(timeout_ms)
         return LeaseFuture(self, self._submit(msg))
