@@ -21,7 +21,7 @@ from moecached.tools import simulate as sim  # noqa: E402
 from moecached.trace import load_trace  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-DAEMON_POLICIES = ("g-lru", "lru", "g-lfu-decay", "lfu-subst")   # policy; eviction
+DAEMON_POLICIES = ("g-lru", "lru", "g-lfu-decay", "lfu-subst", "g-slru")   # policy; eviction
 SUBST_POLICIES = ("g-lru", "lru", "lfu-subst")
 SUBST = [(0.5, 1), (0.5, -1), (0.8, 1), (0.8, -1)]
 

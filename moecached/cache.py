@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 from . import MoecacheError
 from .arena import arena_bytes
-from .policy import EVICTIONS, make_eviction
+from .policy import EVICTIONS, SCAN_ADMITS, make_eviction
 from .readers import ModelChanged
 from .stats import CACHE_STATS
 from ._shm import PinFile, ShmArena
@@ -261,7 +261,7 @@ class ExpertCache:
     def __init__(self, index, *, budget_bytes=None, slots=None, policy="global", readers=16,
                  chunk_bytes=256 * 1024, arena_dir="/dev/shm", arena_name=None, hugetlb=False,
                  lock_memory=True, direct_io=True, shrunk_policy="wait", max_prefetch_loads=None,
-                 log=None, arena_progress=None, admit_cold="off", eviction="lru"):
+                 log=None, arena_progress=None, admit_cold="off", eviction="lru", scan_admit="cold"):
         from .arena import Arena, plan_slots
         from .readers import ReaderPool
 
@@ -277,6 +277,9 @@ class ExpertCache:
         self.policy = policy
         self.shrunk_policy = shrunk_policy
         self.admit_cold = admit_cold   # "off" | "prompt" | int N (config key admit_cold)
+        if scan_admit not in SCAN_ADMITS:
+            raise CacheError(f"scan_admit: found {scan_admit!r}, expected one of {', '.join(SCAN_ADMITS)}")
+        self.scan_admit = scan_admit   # where admit_cold puts a miss: "cold" | "probation"
         self._plan_slots = plan_slots
         self._closed = False
         self._lock = threading.Lock()
@@ -600,7 +603,10 @@ class ExpertCache:
         load = _Load(pool, k, slot, L.layer, expert, demanded, L.fids[expert], victim)
         pool.alloc[k] = slot
         pool.loading[k] = load
-        pool.lru.insert(k, cold or not demanded)
+        if cold and demanded and self.scan_admit == "probation":
+            pool.lru.insert_probation(k)     # scan-resistant admission at the probation point
+        else:
+            pool.lru.insert(k, cold or not demanded)
         pool.lru.pin(k)                  # the load's own pin, dropped when it ends
         self.c_inflight += 1
         self._l_reads[L.layer] += 1

@@ -68,7 +68,8 @@ class Config:
     chunk: int = 256 * KiB                   # read size, bytes (multiple of 4 KiB)
     policy: str = "global"                   # eviction scope: global | per-layer
     admit_cold: object = "off"               # misses entering at the cold end: off | prompt | N
-    eviction: str = "lru"                    # eviction order: lru | lfu-decay | lfu-subst
+    eviction: str = "lru"                    # eviction order: lru | lfu-decay | lfu-subst | slru
+    scan_admit: str = "cold"                 # where admit_cold puts a miss: cold | probation
     max_prefetch_loads: Optional[int] = None # prefetch loads in flight before dropping (None: auto)
     client_max_prefetch: Optional[int] = None  # per client prefetch loads in flight (None: auto, 0: no cap)
     client_rate_limit: float = 40000.0       # requests/s per client (0: off)
@@ -296,6 +297,10 @@ def _live_admit_cold(new, server, cache, floor_box):
     cache.admit_cold = new.admit_cold
 
 
+def _live_scan_admit(new, server, cache, floor_box):
+    cache.scan_admit = new.scan_admit
+
+
 def _live_client_limits(new, server, cache, floor_box):
     server.set_client_limits(new.client_rate_limit, new.client_rate_burst, new.client_max_prefetch)
 
@@ -352,10 +357,15 @@ KEYS: dict[str, Key] = {
     "chunk": Key(_size(lo=4 * KiB, hi=64 * MiB, multiple=4 * KiB), "--chunk", "read size (default 256KiB)",
                  "SIZE", "size"),
     "policy": Key(_choice("global", "per-layer"), "--policy", "eviction scope: global or per-layer", "NAME"),
-    "eviction": Key(_choice("lru", "lfu-decay", "lfu-subst"), "--eviction",
+    "eviction": Key(_choice("lru", "lfu-decay", "lfu-subst", "slru"), "--eviction",
                     "eviction order: lru (default), lfu-decay (fewest decayed uses, ties "
-                    "least recent) or lfu-subst (same over a short window, substitute "
-                    "candidates offered count half a use)", "NAME"),
+                    "least recent), lfu-subst (same over a short window, substitute "
+                    "candidates offered count half a use) or slru (segmented LRU: a miss "
+                    "enters probation, a second use protects it)", "NAME"),
+    "scan_admit": Key(_choice("cold", "probation"), "--scan-admit",
+                      "where admit_cold puts a miss: the cold end (cold, default) or the "
+                      "probation point, a fifth of the cached experts from the cold end "
+                      "(probation)", "cold|probation", reload=_live_scan_admit),
     "admit_cold": Key(_admit_cold, "--admit-cold",
                       "scan-resistant admission: the misses of prompt-tagged acquires (prompt) "
                       "or of one layer's experts wider than N (N) enter the LRU at the cold "

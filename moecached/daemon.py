@@ -190,7 +190,7 @@ def _make_cache(cfg: C.Config, idx, progress=None, fitted=None):
                         hugetlb=cfg.hugetlb, lock_memory=cfg.lock_memory, direct_io=cfg.direct_io,
                         shrunk_policy=cfg.on_pressure, max_prefetch_loads=cfg.max_prefetch_loads,
                         arena_progress=progress, admit_cold=cfg.admit_cold,
-                        eviction=cfg.eviction)
+                        eviction=cfg.eviction, scan_admit=cfg.scan_admit)
     try:
         arena = cache.arena
         os.chmod(arena.path, cfg.arena_mode)

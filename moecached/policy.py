@@ -18,6 +18,8 @@ g-lfu-decay   class     the daemon's ``eviction = "lfu-decay"`` (``LFUDecay``): 
 lfu-subst     layer     the daemon's ``eviction = "lfu-subst"``: fewest decayed uses over a short
                         window, a substitute candidate offered worth half a use
 g-lfu-subst   class     the same over one budget per size class
+g-slru        class     the daemon's ``eviction = "slru"`` (``SLRU``): segmented LRU, protected at
+                        most 4/5 of the keys present
 g-lfu         class     fewest accesses, counts halved every 64 tokens
 arc           class     ARC (Megiddo & Modha)
 lru-2         class     LRU-K with K = 2
@@ -29,7 +31,7 @@ g-opt         class     Belady MIN over one shared budget
 ``layer`` policies give every MoE layer its own budget; ``class`` policies one budget per
 size class (one budget in all when the model has one size class).
 """
-from ._policy import LFUDecay, LRU, build_stream, next_use  # noqa: F401
+from ._policy import LFUDecay, LRU, SLRU, build_stream, next_use  # noqa: F401
 from . import _policy as _c
 
 G_LFU_HALVE_EVERY = 64   # g-lfu halves every count each time this many more tokens passed
@@ -44,7 +46,9 @@ EVICTIONS = {
     "lru": lambda n: LRU(n),
     "lfu-decay": lambda n: LFUDecay(n, LFU_DECAY_HALVE_AFTER),
     "lfu-subst": lambda n: LFUDecay(n, LFU_SUBST_HALVE_AFTER, LFU_SUBST_USE, LFU_SUBST_CAND),
+    "slru": lambda n: SLRU(n),
 }
+SCAN_ADMITS = ("cold", "probation")   # where scan-resistant admission puts a miss (scan_admit)
 
 # name -> (scope, factory(group_of_key, capacity, next_use) -> policy, halve_every_tokens)
 POLICIES = {
@@ -56,6 +60,7 @@ POLICIES = {
     "g-lfu-decay": ("class", lambda g, c, nu: _c._LRUPol(g, c, EVICTIONS["lfu-decay"]), 0),
     "lfu-subst": ("layer", lambda g, c, nu: _c._LRUPol(g, c, EVICTIONS["lfu-subst"]), 0),
     "g-lfu-subst": ("class", lambda g, c, nu: _c._LRUPol(g, c, EVICTIONS["lfu-subst"]), 0),
+    "g-slru": ("class", lambda g, c, nu: _c._LRUPol(g, c, EVICTIONS["slru"]), 0),
     "g-lfu": ("class", lambda g, c, nu: _c._LFUPol(g, c, True), G_LFU_HALVE_EVERY),
     "arc": ("class", lambda g, c, nu: _c._ARCPol(g, c), 0),
     "lru-2": ("class", lambda g, c, nu: _c._LRU2Pol(g, c), 0),
@@ -66,7 +71,7 @@ POLICIES = {
 NEEDS_FUTURE = {"opt", "g-opt"}
 ALIASES = {"w-tinylfu": ["w-tinylfu-1", "w-tinylfu-10"], "all": list(POLICIES)}
 
-__all__ = ["LRU", "LFUDecay", "EVICTIONS", "LFU_DECAY_HALVE_AFTER", "LFU_SUBST_HALVE_AFTER",
+__all__ = ["LRU", "LFUDecay", "SLRU", "SCAN_ADMITS", "EVICTIONS", "LFU_DECAY_HALVE_AFTER", "LFU_SUBST_HALVE_AFTER",
            "LFU_SUBST_USE", "LFU_SUBST_CAND", "make_eviction", "POLICIES", "NEEDS_FUTURE", "ALIASES", "G_LFU_HALVE_EVERY", "expand_policies",
            "make_policy", "build_stream", "next_use", "replay", "replay_subst"]
 
@@ -111,14 +116,18 @@ def make_policy(name, group_of_key, capacity, next_use=None):
 
 
 def replay(pol, keys, set_start, set_layer, set_counted, set_tokens_before, n_layers,
-           set_cold=None):
+           set_cold=None, scan_admit="cold"):
     """Replay an access stream (from :func:`build_stream`) through ``pol`` (from
     :func:`make_policy`). ``set_cold`` (uint8 [S], optional): sets whose misses are admitted
-    at the cold end (``lru``/``g-lru``: the daemon's ``LRU.insert(k, cold=True)``; ValueError
-    for other policies). Returns (hits int64 [n_layers], accesses int64 [n_layers]).
-    Semantics: docs/policies.md ("How accesses are counted", "Scan-resistant admission")."""
+    at the cold end (the policies driving a daemon eviction order: its ``insert(k,
+    cold=True)``), or with ``scan_admit = "probation"`` at its probation point
+    (``insert_probation``); ValueError for other policies. Returns (hits int64 [n_layers],
+    accesses int64 [n_layers]). Semantics: docs/policies.md ("How accesses are counted",
+    "Scan-resistant admission")."""
+    if scan_admit not in SCAN_ADMITS:
+        raise ValueError(f"scan_admit: found {scan_admit!r}, expected one of {', '.join(SCAN_ADMITS)}")
     return _c.replay(pol, keys, set_start, set_layer, set_counted, set_tokens_before, n_layers,
-                     set_cold)
+                     set_cold, scan_admit == "probation")
 
 
 def replay_subst(pol, keys, key_score, set_start, set_layer, set_counted, set_tokens_before,

@@ -175,7 +175,8 @@ FILE_ERRORS = [
                                                'group (name or gid), or "" for none'),
     ('group = 3.5', 'group = 3.5: expected an existing group (name or gid), or "" for none'),
     ('fast_path = "yes"', 'fast_path = "yes": expected true or false'),
-    ('eviction = "slru"', 'eviction = "slru": expected "lru" or "lfu-decay" or "lfu-subst"'),
+    ('eviction = "arc"', 'eviction = "arc": expected "lru" or "lfu-decay" or "lfu-subst" or "slru"'),
+    ('scan_admit = "middle"', 'scan_admit = "middle": expected "cold" or "probation"'),
     ('admit_cold = "scan"', 'admit_cold = "scan": expected "off", "prompt" or a width from 1 to '
                             '16777216 (experts of one layer in one acquire)'),
     ('admit_cold = 0', 'admit_cold = 0: expected "off", "prompt" or a width from 1 to 16777216 '

@@ -62,6 +62,42 @@ class RefLRU:
         return False
 
 
+class RefDaemonSLRU:
+    """The daemon's ``SLRU`` (eviction = "slru"): probation / protected segments, protected at
+    most ``n - max(1, round_half_up(n / 5))`` of the ``n`` keys present; as the daemon, a set's
+    misses take their slots (victims) before its hits are used (``reserve``)."""
+    def __init__(self, c, **_):
+        self.c, self.prob, self.prot, self.pend = c, [], [], 0
+
+    def resident(self, k):
+        return k in self.prob or k in self.prot
+
+    def reserve(self, misses, pinned):
+        for _ in misses:
+            if len(self.prob) + len(self.prot) + self.pend >= self.c:
+                v = next((x for x in self.prob if x not in pinned), None)
+                if v is None:
+                    v = next(x for x in self.prot if x not in pinned)
+                (self.prob if v in self.prob else self.prot).remove(v)
+            self.pend += 1
+
+    def access(self, k, now, pinned):
+        if k in self.prot:
+            self.prot.remove(k)
+            self.prot.append(k)
+            return True
+        if k in self.prob:
+            self.prob.remove(k)
+            self.prot.append(k)
+            n = len(self.prob) + len(self.prot)
+            if len(self.prot) > n - max(1, (2 * n + 5) // 10):
+                self.prob.append(self.prot.pop(0))
+            return True
+        self.pend -= 1
+        self.prob.append(k)
+        return False
+
+
 class RefLFU:
     def __init__(self, c, shared, **_):
         self.c, self.res = c, set()
@@ -311,6 +347,17 @@ class RefLFUDecay:
     def __init__(self, c, halve_after=LFU_DECAY_HALVE_AFTER, use=1, **_):
         self.c, self.order, self.count, self.n = c, [], defaultdict(int), 0
         self.halve_after, self.use = halve_after, use
+        self.pend = 0
+
+    def _victim(self, pinned):
+        return min((x for x in self.order if x not in pinned), key=lambda x: self.count[x])
+
+    def reserve(self, misses, pinned):
+        """As the daemon: the set's misses take their slots before its hits are used."""
+        for _ in misses:
+            if len(self.order) + self.pend >= self.c:
+                self.order.remove(self._victim(pinned))
+            self.pend += 1
 
     def resident(self, k):
         return k in self.order
@@ -329,16 +376,17 @@ class RefLFUDecay:
             self.order.remove(k)
             self.order.append(k)
             return True
-        if len(self.order) >= self.c:
-            self.order.remove(min((x for x in self.order if x not in pinned),
-                                  key=lambda x: self.count[x]))
+        if self.pend:
+            self.pend -= 1
+        elif len(self.order) >= self.c:
+            self.order.remove(self._victim(pinned))
         self.order.append(k)
         self._use(k)
         return False
 
 
 REF = {
-    "lru": RefLRU, "g-lru": RefLRU, "g-lfu-decay": RefLFUDecay,
+    "lru": RefLRU, "g-lru": RefLRU, "g-lfu-decay": RefLFUDecay, "g-slru": RefDaemonSLRU,
     "lfu-subst": lambda c, **kw: RefLFUDecay(c, LFU_SUBST_HALVE_AFTER, LFU_SUBST_USE, **kw),
     "g-lfu-subst": lambda c, **kw: RefLFUDecay(c, LFU_SUBST_HALVE_AFTER, LFU_SUBST_USE, **kw), "lfu": RefLFU, "g-lfu": RefLFU, "slru": RefSLRU,
     "opt": RefOPT, "g-opt": RefOPT, "arc": RefARC, "lru-2": RefLRU2,
@@ -403,6 +451,8 @@ def ref_simulate(trace, policy, size, per_class_layers=None, warmup=None):
         pol = pols[g]
         hit_keys = [k for k in keys if pol.resident(k)]
         order = hit_keys + [k for k in keys if k not in hit_keys]
+        if hasattr(pol, "reserve"):       # a daemon order: the misses' victims first
+            pol.reserve([k for k in keys if k not in hit_keys], set(hit_keys))
         pinned = set()
         for k in order:
             pinned.add(k)

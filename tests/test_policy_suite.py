@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moecached.tools import simulate as sim
-from moecached.policy import (EVICTIONS, LFUDecay, LRU, NEEDS_FUTURE, make_eviction, POLICIES, build_stream, make_policy,
+from moecached.policy import (EVICTIONS, LFUDecay, LRU, SLRU, NEEDS_FUTURE, make_eviction, POLICIES, build_stream, make_policy,
                               next_use, replay, replay_subst)
 from moecached.trace import Trace, save_trace
 
@@ -181,16 +181,18 @@ def ref_subst_glru(t: Trace, cap_slots, r, max_swaps, refresh=False, evict="lru"
             sub = iter(given)                   # hits and substitutes in set order
             served = [k if lru.contains(k) else next(sub) for k in routed
                       if lru.contains(k) or k in subst_of]
+            for k in served:                    # the misses take their slots first
+                lru.pin(k)
+            for i in range(len(miss_keys)):
+                if len(lru) + i >= cap_slots:
+                    lru.remove(lru.victim())
             for k in served:
                 lru.touch(k)
-                lru.pin(k)
             if refresh:
                 for c in cand:
                     if lru.contains(c) and c not in given:
                         lru.touch(c)
             for k in miss_keys:
-                if len(lru) >= cap_slots:
-                    lru.remove(lru.victim())
                 lru.insert(k)
                 lru.pin(k)
             for k in hit_keys + given + miss_keys:
@@ -415,3 +417,47 @@ def test_every_eviction_order_keeps_the_lru_interface(name):
     assert d.touch(1) and d.keys()[0] == 1
     with pytest.raises(ValueError, match="eviction"):
         make_eviction("slru-x", 4)
+
+
+def test_lru_insert_probation_point():
+    d = LRU(32)
+    for k in range(10):
+        d.insert(k)                       # hot -> cold: 9 .. 0
+    d.insert_probation(20)                # 10 present: 10 // 5 = 2 stay colder
+    assert d.keys()[-3:] == [20, 1, 0]
+    d.remove(20)
+    for k in range(10, 14):
+        d.insert(k)
+    d.insert_probation(21)                # 14 present: 2 stay colder
+    assert d.keys()[-3:] == [21, 1, 0]
+    e = LRU(4)
+    e.insert_probation(3)                 # empty: the cold end (= the only key)
+    assert e.keys() == [3]
+    with pytest.raises(ValueError, match="already present"):
+        e.insert_probation(3)
+    f = LFUDecay(8, 100)
+    f.insert_probation(2)                 # not a use
+    assert f.count(2) == 0
+
+
+def test_slru_segments_promotion_demotion_and_victim():
+    d = SLRU(32)
+    for k in range(5):
+        d.insert(k)                       # probation, hot -> cold: 4 3 2 1 0
+    assert d.victim() == 0 and not any(d.protected(k) for k in range(5))
+    d.touch(0)                            # 0 -> protected (at most 5 - 1 = 4 protected)
+    assert d.protected(0) and d.victim() == 1
+    for k in (1, 2, 3):
+        d.touch(k)
+    assert [d.protected(k) for k in range(5)] == [True] * 4 + [False]
+    d.touch(4)                            # a fifth protected: over 4, 0 (least recent) demoted
+    assert not d.protected(0) and d.protected(4) and d.victim() == 0
+    d.pin(0)
+    assert d.victim() == 1                # no unpinned probation key: least recent protected
+    d.unpin(0)
+    d.remove(1)
+    assert not d.protected(1) and len(d) == 4
+    d.insert(1, cold=True)                # cold end of probation
+    assert d.victim() == 1
+    d.insert_probation(9)                 # = a plain insert: probation
+    assert not d.protected(9)

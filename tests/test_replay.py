@@ -104,6 +104,21 @@ def test_lfu_decay_daemon_equals_simulator(daemon):
     assert simulate(t, "g-lru", slots, warmup=40, tokens=160)["hits"] != g["hits"]
 
 
+def test_slru_daemon_equals_simulator(daemon):
+    """eviction = slru: the daemon's hits are the simulator's g-slru (the same SLRU class),
+    and differ from g-lru."""
+    t = sliced(qwen_trace(), 2, 200)
+    slots = 64
+    d, c = daemon(slots, ["--eviction", "slru"])
+    try:
+        r = replay(c, t, warm_tokens=40, tokens=160, lookahead=0, overhead_tokens=0)
+    finally:
+        c.close()
+    g = simulate(t, "g-slru", slots, warmup=40, tokens=160)
+    assert (r["hits"], r["accesses"]) == (g["hits"], g["accesses"])
+    assert simulate(t, "g-lru", slots, warmup=40, tokens=160)["hits"] != g["hits"]
+
+
 def test_reference_is_sensitive():
     """The exact check can fail: another capacity or another order gives other hits."""
     t = sliced(qwen_trace(), 2, 200)

@@ -10,7 +10,7 @@ import zmq
 
 from moecached.tools import simulate as sim
 from moecached.trace import Trace
-from moecache_client import Client, ServerError, Subst
+from moecache_client import Client, Subst
 
 from daemon_util import Daemon
 

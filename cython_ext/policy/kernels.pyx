@@ -60,7 +60,7 @@ def next_use(const i64[::1] keys, i64 n_keys):
 
 def replay(_Pol pol, const i64[::1] keys, const i64[::1] set_start, const i64[::1] set_layer,
            const uint8_t[::1] set_counted, const i64[::1] set_tokens_before, i64 n_layers,
-           set_cold=None):
+           set_cold=None, bint probation=False):
     """Replay an access stream (from ``build_stream``) through ``pol``.
 
     For set s: first ``pol.halve()`` once per multiple of ``pol.halve_every`` tokens passed
@@ -70,7 +70,8 @@ def replay(_Pol pol, const i64[::1] keys, const i64[::1] set_start, const i64[::
     evict an unpinned key of its group; then all are released. Only sets with
     ``set_counted[s]`` add to the counts. ``set_cold`` (uint8 [S], optional; only for a
     policy with ``admits_cold``): the misses of set s are admitted at the cold end when
-    ``set_cold[s]`` (scan-resistant admission).
+    ``set_cold[s]`` (scan-resistant admission), at the probation point instead with
+    ``probation`` (``LRU.insert_probation``; ``scan_admit = "probation"``).
     Returns:
         (hits int64 [n_layers], accesses int64 [n_layers]).
     """
@@ -79,7 +80,7 @@ def replay(_Pol pol, const i64[::1] keys, const i64[::1] set_start, const i64[::
     cdef i64[::1] hits = hits_a, acc = acc_a
     cdef Py_ssize_t S = set_layer.shape[0], s, i, a, b
     cdef i64 halve_every = pol.halve_every
-    cdef i64 nxt = halve_every, l, t, k, h
+    cdef i64 nxt = halve_every, l, t, k, h, nm
     cdef uint8_t *res = pol.res
     cdef const uint8_t[::1] cold
     cdef bint use_cold = set_cold is not None
@@ -87,6 +88,7 @@ def replay(_Pol pol, const i64[::1] keys, const i64[::1] set_start, const i64[::
         if not pol.admits_cold:
             raise ValueError(f"policy {pol.name}: no cold admission (only lru, g-lru)")
         cold = set_cold
+        pol.cold_probation = probation
         if cold.shape[0] != S:
             raise ValueError(f"set_cold: found {cold.shape[0]} sets, expected {S}")
     for s in range(S):
@@ -99,6 +101,20 @@ def replay(_Pol pol, const i64[::1] keys, const i64[::1] set_start, const i64[::
         l = set_layer[s]
         if use_cold:
             pol.cold = cold[s] != 0
+        nm = 0
+        for i in range(a, b):
+            if not res[keys[i]]:
+                nm += 1
+        if nm:                              # the daemon takes the misses' slots first, its
+            for i in range(a, b):           # resident keys held (policies that evict in
+                if res[keys[i]]:            # access: no-ops)
+                    pol.hold(keys[i], True)
+            for i in range(a, b):
+                if not res[keys[i]]:
+                    pol.reserve(keys[i])
+            for i in range(a, b):
+                if res[keys[i]]:
+                    pol.hold(keys[i], False)
         t = a
         h = 0
         for i in range(a, b):               # hits first (no access of a hit evicts anything)
@@ -201,6 +217,21 @@ def replay_subst(_Pol pol, const i64[::1] keys, const double[::1] key_score,
                 c = cand_keys[j]            # the candidates it carries, except those given
                 if stamp[c] != s:
                     pol.credit(c)
+        if miss:                            # the misses' slots first (as in replay), the
+            for i in range(a, b):           # resident routed keys and the given ones held
+                if res[keys[i]]:
+                    pol.hold(keys[i], True)
+            for j in range(ng):
+                pol.hold(given[j], True)
+            for i in range(a, b):
+                k = keys[i]
+                if not res[k] and stamp[k] != -2 - s:
+                    pol.reserve(k)
+            for i in range(a, b):
+                if res[keys[i]]:
+                    pol.hold(keys[i], False)
+            for j in range(ng):
+                pol.hold(given[j], False)
         t = a
         h = 0
         j = 0

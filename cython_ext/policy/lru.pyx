@@ -85,6 +85,21 @@ cdef class LRU:
         else:
             self._link_after(self.head, k)
 
+    cpdef void insert_probation(self, long k) except *:
+        """Add ``k`` at the probation point (scan-resistant admission, ``scan_admit =
+        "probation"``): ``size // 5`` present keys (a fifth, floor) stay colder than it, so it
+        is evicted after them unless used again. Not a use (``LFUDecay`` counts nothing).
+        Raises ValueError when ``k`` is already present."""
+        self._check(k)
+        if self.present[k]:
+            raise ValueError(f"LRU insert: key {k} already present")
+        cdef long node = self.head, i
+        for i in range(self.size // 5):
+            node = self.prev[node]
+        self.present[k] = 1
+        self.size += 1
+        self._link_after(self.prev[node], k)
+
     cpdef bint remove(self, long k) except *:
         """Forget ``k`` (evicted or dropped). Returns False when absent. Pinned keys raise."""
         self._check(k)
@@ -326,3 +341,76 @@ cdef class LFUDecay(LRU):
         """The decayed use count of ``k`` (present or not)."""
         self._check(k)
         return self.cnt[k]
+
+
+cdef class SLRU(LRU):
+    """Segmented LRU with the ``LRU``'s interface (the daemon's ``eviction = "slru"``).
+
+    Keys are *probation* or *protected*. An ``insert`` (hot, cold or at the probation point)
+    enters probation; a use (``touch``) of a probation key moves it to protected, of a
+    protected key keeps it there, and makes it the most recent of its segment; when protected
+    then holds more than ``size - max(1, round_half_up(size / 5))`` keys (``size`` = keys
+    present now, so the split follows ``set_budget``), its least recent key goes back to
+    probation as that segment's most recent. ``victim()``: the least recent unpinned probation
+    key, else the least recent unpinned protected key. One recency list holds both segments
+    (each segment's order is the order of its keys in it); O(present keys) per victim and per
+    demotion. ``insert_probation`` is a plain insert here (every miss enters probation).
+
+    Args:
+        n_keys: as ``LRU``.
+    """
+    cdef char *prot
+    cdef long n_prot
+
+    def __cinit__(self, long n_keys, *args):
+        self.prot = <char*>calloc(n_keys + 1, 1)
+        if not self.prot:
+            raise MemoryError()
+        self.n_prot = 0
+
+    def __dealloc__(self):
+        free(self.prot)
+
+    cdef void _hit(self, long k) noexcept:
+        cdef long d
+        LRU._hit(self, k)
+        if self.prot[k]:
+            return
+        self.prot[k] = 1
+        self.n_prot += 1
+        if self.n_prot > self.size - max(1, (2 * self.size + 5) // 10):
+            d = self.prev[self.head]          # least recent protected key
+            while d != self.head and not self.prot[d]:
+                d = self.prev[d]
+            if d != self.head:
+                self.prot[d] = 0
+                self.n_prot -= 1
+                LRU._hit(self, d)             # probation's most recent
+
+    cpdef void insert_probation(self, long k) except *:
+        self.insert(k, False)
+
+    cpdef bint remove(self, long k) except *:
+        cdef bint was = LRU.remove(self, k)
+        if was and self.prot[k]:
+            self.prot[k] = 0
+            self.n_prot -= 1
+        return was
+
+    cpdef long victim(self):
+        """Least recent unpinned probation key, else least recent unpinned protected key, or
+        -1 when every present key is pinned."""
+        cdef long k = self.prev[self.head], best = -1
+        while k != self.head:
+            if self.pins[k] == 0:
+                if not self.prot[k]:
+                    return k
+                if best < 0:
+                    best = k
+            k = self.prev[k]
+        return best
+
+    cpdef bint protected(self, long k):
+        """True when ``k`` is present and in the protected segment."""
+        self._check(k)
+        return self.prot[k] != 0

@@ -38,6 +38,7 @@ cdef class _Pol:
     cdef public str name
     cdef public i64 halve_every     # tokens between halvings of frequency counts (0 = never)
     cdef public bint cold           # set by the replay per set: admit its misses cold
+    cdef public bint cold_probation # ... at the probation point instead of the cold end
     cdef public bint admits_cold    # the policy honours ``cold`` (else it must stay False)
     cdef i64 n_keys, n_groups
     cdef i64 *group
@@ -84,6 +85,15 @@ cdef class _Pol:
         """``k`` was offered as a substitute candidate (only ``replay_subst`` calls it)."""
         return 0
 
+    cdef int hold(self, i64 k, bint on) except -1:
+        """Pin (``on``) or unpin resident ``k`` while ``reserve`` picks victims."""
+        return 0
+
+    cdef int reserve(self, i64 k) except -1:
+        """Make room for the miss ``k`` before the set's hits are accessed (the daemon takes
+        every missing expert's slot first). Policies that evict in ``access`` do nothing."""
+        return 0
+
     def resident(self):
         """Sorted resident keys (for tests)."""
         return [j for j in range(self.n_keys) if self.res[j]]
@@ -96,10 +106,12 @@ cdef class _LRUPol(_Pol):
     (``ExpertCache._grant``; the replay accesses a set's hits first, then its misses): hit ->
     touch + pin; miss -> (victim + remove when full) + insert at the hot end + pin; release ->
     unpin. With ``cold`` (scan-resistant admission) a miss is inserted at the cold end, as
-    the daemon inserts an unused prefetch. ``make(n_keys)``: the daemon's eviction order
+    the daemon inserts an unused prefetch, or with ``cold_probation`` at the probation point
+    (``insert_probation``). ``make(n_keys)``: the daemon's eviction order
     (``moecached.policy.EVICTIONS``; default ``LRU``), one per group, driven the same way; a
     candidate ``credit`` goes to its ``credit``."""
     cdef list lrus
+    cdef i64 *pend          # per group: slots reserved for misses not yet inserted
 
     def __init__(self, group_of_key, capacity, make=None):
         _Pol.__init__(self, group_of_key, capacity)
@@ -107,11 +119,32 @@ cdef class _LRUPol(_Pol):
         if make is None:
             make = LRU
         self.lrus = [make(self.n_keys) for _ in range(self.n_groups)]
+        self.pend = _arr(self._keep, self.n_groups, 0)
         if any(not isinstance(x, LRU) for x in self.lrus):
             raise TypeError("policy: make(n_keys) must return an LRU (or LFUDecay)")
 
     cdef int credit(self, i64 k) except -1:
         (<LRU>self.lrus[self.group[k]]).credit(k)
+        return 0
+
+    cdef int hold(self, i64 k, bint on) except -1:
+        if on:
+            (<LRU>self.lrus[self.group[k]]).pin(k)
+        else:
+            (<LRU>self.lrus[self.group[k]]).unpin(k)
+        return 0
+
+    cdef int reserve(self, i64 k) except -1:
+        cdef i64 g = self.group[k]
+        cdef LRU lr = <LRU>self.lrus[g]
+        cdef long v
+        if lr.size + self.pend[g] >= self.cap[g]:
+            v = lr.victim()
+            if v < 0:
+                raise RuntimeError("policy: group full of pinned keys")
+            lr.remove(v)
+            self.res[v] = 0
+        self.pend[g] += 1
         return 0
 
     cdef int access(self, i64 k, i64 i) except -1:
@@ -121,11 +154,16 @@ cdef class _LRUPol(_Pol):
             lr.touch(k)
             lr.pin(k)
             return 1
-        if lr.size >= self.cap[self.group[k]]:
+        if self.pend[self.group[k]] > 0:   # its slot was taken by reserve
+            self.pend[self.group[k]] -= 1
+        elif lr.size >= self.cap[self.group[k]]:
             v = lr.victim()
             lr.remove(v)
             self.res[v] = 0
-        lr.insert(k, self.cold)
+        if self.cold and self.cold_probation:
+            lr.insert_probation(k)
+        else:
+            lr.insert(k, self.cold)
         lr.pin(k)
         self.res[k] = 1
         return 0

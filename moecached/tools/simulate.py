@@ -41,8 +41,8 @@ from typing import Optional
 import numpy as np
 
 from .. import MoecacheError
-from ..policy import (G_LFU_HALVE_EVERY, NEEDS_FUTURE, POLICIES, build_stream, expand_policies,
-                      make_policy, next_use, replay, replay_subst)
+from ..policy import (G_LFU_HALVE_EVERY, NEEDS_FUTURE, POLICIES, SCAN_ADMITS, build_stream,
+                      expand_policies, make_policy, next_use, replay, replay_subst)
 from ..trace import Trace, load_trace
 
 __all__ = ["SimulationError", "Stream", "prepare", "window_end", "capacities", "simulate",
@@ -213,7 +213,7 @@ def capacities(size, n_layers: int, n_experts: int, per_class_layers=None):
 
 def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[int] = None,
              bytes_per_expert=None, stream: Optional[Stream] = None,
-             tokens: Optional[int] = None, admit_cold=None) -> dict:
+             tokens: Optional[int] = None, admit_cold=None, scan_admit: str = "cold") -> dict:
     """Replay ``trace`` through ``policy`` at cache ``size``.
 
     Args:
@@ -228,6 +228,9 @@ def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[i
         admit_cold: scan-resistant admission (``lru``/``g-lru`` only): ``"prompt"`` inserts
             the misses of steps holding only prompt tokens at the cold end, an int ``N`` those
             of sets (one layer of one step) wider than ``N`` experts; None: all hot.
+        scan_admit: where ``admit_cold`` puts those misses: ``"cold"`` (the cold end) or
+            ``"probation"`` (the probation point: ``LRU.insert_probation``), as the daemon's
+            ``scan_admit``.
     Returns:
         dict: policy, scope, size, slots (total), class_caps, hits, accesses, misses, hit_rate
         (hits / accesses, nan when nothing counted), hits_per_layer, accesses_per_layer,
@@ -271,8 +274,11 @@ def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[i
     if cold is not None and policy not in ADMITS_COLD:
         raise SimulationError(f"admit_cold: policy {policy} has no cold admission, expected "
                               f"one of {', '.join(ADMITS_COLD)}")
+    if scan_admit not in SCAN_ADMITS:
+        raise SimulationError(f"scan_admit: found {scan_admit!r}, expected one of "
+                              f"{', '.join(SCAN_ADMITS)}")
     hits, acc = replay(pol, st.keys, st.set_start, st.set_layer, st.set_counted,
-                       st.set_tokens_before, L, cold)
+                       st.set_tokens_before, L, cold, scan_admit)
     dt = time.perf_counter() - t0
     H, A = int(hits.sum()), int(acc.sum())
     out = dict(policy=policy, scope=scope, size=size, size_desc=desc,
@@ -280,7 +286,8 @@ def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[i
                hits=H, accesses=A, misses=A - H, hit_rate=(H / A) if A else float("nan"),
                hits_per_layer=hits.tolist(), accesses_per_layer=acc.tolist(),
                counted_tokens=st.counted_tokens, warmup=st.warmup, note=st.note,
-               seconds=dt, stream_accesses=int(len(st.keys)), admit_cold=admit_cold)
+               seconds=dt, stream_accesses=int(len(st.keys)), admit_cold=admit_cold,
+               scan_admit=scan_admit)
     if bytes_per_expert is not None:
         b = np.asarray(bytes_per_expert, dtype=np.float64)
         if b.shape != (L,):
@@ -424,7 +431,7 @@ def _groups(policy, res, st, per_class_layers):
     return np.repeat(class_of_layer, E), np.array(res["class_caps"], np.int64)
 
 
-ADMITS_COLD = ("lru", "g-lru", "g-lfu-decay", "lfu-subst", "g-lfu-subst")
+ADMITS_COLD = ("lru", "g-lru", "g-lfu-decay", "lfu-subst", "g-lfu-subst", "g-slru")
 
 
 def cold_sets(st: Stream, admit_cold):
@@ -565,7 +572,7 @@ def _parse_admit(text):
 
 
 def run(paths, policies, sizes, warmup=None, bytes_per_expert=None, per_class_layers=None,
-        gbps=DEFAULT_GBPS, compute_ms=None, tokens=None, admit_cold=None):
+        gbps=DEFAULT_GBPS, compute_ms=None, tokens=None, admit_cold=None, scan_admit="cold"):
     """Simulate every trace x policy x size; returns a list of per-trace dicts."""
     out = []
     for p in paths:
@@ -589,7 +596,8 @@ def run(paths, policies, sizes, warmup=None, bytes_per_expert=None, per_class_la
                     if admit_cold is not None and pol not in ADMITS_COLD:
                         raise SimulationError(f"--admit-cold: {pol} has no cold admission "
                                               f"(only {', '.join(ADMITS_COLD)})")
-                    r = simulate(t, pol, sz, cls, warmup, bpe, stream=st, admit_cold=admit_cold)
+                    r = simulate(t, pol, sz, cls, warmup, bpe, stream=st, admit_cold=admit_cold,
+                                 scan_admit=scan_admit)
                     if bpe is not None:
                         bpt = r["bytes_per_token"]
                         r["drive_tok_s"] = gbps * 1e9 / bpt if bpt else float("inf")
@@ -811,6 +819,10 @@ def main(argv=None) -> int:
                     help="scan-resistant admission for lru/g-lru: insert the misses of "
                          "prompt-only steps ('prompt') or of sets wider than N experts at the "
                          "cold end (other policies show n/a)")
+    ap.add_argument("--scan-admit", choices=SCAN_ADMITS, default="cold",
+                    help="with --admit-cold: put those misses at the cold end (default) or at "
+                         "the probation point, a fifth of the keys from the cold end (the "
+                         "daemon's scan_admit)")
     ap.add_argument("--subst", metavar="R",
                     help="substitution: comma list of tolerances r in [0, 1]; replays the view "
                          "where the top k/2 experts are routed and ranks k/2+1..k are "
@@ -841,7 +853,7 @@ def main(argv=None) -> int:
         return _main_subst(a, policies, sizes, cls)
     admit = _parse_admit(a.admit_cold)
     out = run(a.traces, policies, sizes, a.warmup, bpe, cls, a.gbps, a.compute_ms, a.tokens,
-              admit)
+              admit, a.scan_admit)
     if a.plot:
         _plot(out, policies, sizes, a.plot)
     if a.json:
