@@ -28,17 +28,31 @@ PROMPT = "Experts in shared memory, served to every engine."
 STEPS = 40
 
 
+# name -> (arch, write_runnable arguments); the qwen3moe models keep the bare quant names.
+# llama is Mixtral-style (8 experts, top-2, as Mixtral); Q4_K_M gives two size classes
+# (some down projections stay Q6_K). Quant types other than f32/q8_0 need llama-quantize.
+MODELS = {
+    "f32": ("qwen3moe", dict(blocks=2, experts=16, top_k=4, quant="f32", seed=1)),
+    "q8_0": ("qwen3moe", dict(blocks=3, experts=16, top_k=4, quant="q8_0", seed=2)),
+    "q4_k_m": ("qwen3moe", dict(blocks=4, experts=16, top_k=4, hidden=256, expert_ff=256, quant="Q4_K_M", seed=3)),
+    "llama-f32": ("llama", dict(blocks=2, experts=8, top_k=2, quant="f32", seed=4)),
+    "llama-q8_0": ("llama", dict(blocks=3, experts=8, top_k=2, quant="q8_0", seed=5)),
+    "llama-q4_k_m": ("llama", dict(blocks=4, experts=8, top_k=2, hidden=256, expert_ff=256, quant="Q4_K_M", seed=6)),
+    "olmoe-q8_0": ("olmoe", dict(blocks=3, experts=16, top_k=4, quant="q8_0", seed=7)),
+    "olmoe-q4_k_m": ("olmoe", dict(blocks=3, experts=16, top_k=4, hidden=256, expert_ff=256, quant="Q4_K_M", seed=8)),
+}
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("llama-models")
-    out = {
-        "f32": write_runnable(str(d / "f32.gguf"), blocks=2, experts=16, top_k=4, quant="f32", seed=1),
-        "q8_0": write_runnable(str(d / "q8.gguf"), blocks=3, experts=16, top_k=4, quant="q8_0", seed=2),
-    }
     q = BIN / "llama-quantize"
-    if q.exists():
-        out["q4_k_m"] = write_runnable(str(d / "q4km.gguf"), blocks=4, experts=16, top_k=4, hidden=256,
-                                       expert_ff=256, quant="Q4_K_M", quantize_bin=str(q), seed=3)
+    out = {}
+    for name, (arch, kw) in MODELS.items():
+        if kw["quant"] in ("f32", "q8_0"):
+            out[name] = write_runnable(str(d / f"{name}.gguf"), arch=arch, **kw)
+        elif q.exists():
+            out[name] = write_runnable(str(d / f"{name}.gguf"), arch=arch, quantize_bin=str(q), **kw)
     return out
 
 
@@ -70,16 +84,20 @@ def reference(models, tmp_path_factory):
     return ref
 
 
-def test_runnable_model_is_indexed(models):
-    idx = open_index(models["q8_0"]).to_json()
-    assert idx["arch"] == "qwen3moe" and idx["n_experts"] == 16 and idx["top_k"] == 4
-    assert idx["expert_layers"] == [0, 1, 2]
-    if "q4_k_m" in models:
+@pytest.mark.parametrize("quant", list(MODELS))
+def test_runnable_model_is_indexed(models, quant):
+    if quant not in models:
+        pytest.skip("no llama-quantize in the build")
+    arch, kw = MODELS[quant]
+    idx = open_index(models[quant]).to_json()
+    assert idx["arch"] == arch and idx["n_experts"] == kw["experts"] and idx["top_k"] == kw["top_k"]
+    assert idx["expert_layers"] == list(range(kw["blocks"]))
+    if kw["quant"] == "Q4_K_M":
         # Q4_K_M keeps some down projections at Q6_K: two size classes
-        assert len(open_index(models["q4_k_m"]).to_json()["size_classes"]) == 2
+        assert len(idx["size_classes"]) == 2
 
 
-@pytest.mark.parametrize("quant", ["f32", "q8_0", "q4_k_m"])
+@pytest.mark.parametrize("quant", list(MODELS))
 @pytest.mark.parametrize("budget", ["all", "half", "tight"])
 def test_daemon_served_logits_are_bit_identical(models, reference, tmp_path, quant, budget):
     if quant not in models:
