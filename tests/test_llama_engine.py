@@ -14,7 +14,9 @@ import subprocess
 import threading
 import time
 
+import numpy as np
 import pytest
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from daemon_util import start_daemon, stop_daemon
 from moecached.tools import engine_llama
@@ -218,6 +220,63 @@ def test_refused_layout_mismatch_is_one_line(models, tmp_path):
     assert r.returncode != 0
     lines = [l for l in r.stderr.splitlines() if l.startswith("moecached:")]
     assert lines and "ffn_" in lines[0] and "another model file" in lines[0], r.stderr[-2000:]
+
+
+def rewrite_gguf(src, dst, *, arch=None, drop=(), add=(), kv=()):
+    """Copy the F32 GGUF ``src`` to ``dst``: the keys renamed to ``arch``, tensors whose name
+    contains one of ``drop`` left out, then ``add`` ((name, numpy array) pairs) and ``kv``
+    ((key, value, GGUFValueType) triples) added."""
+    r = GGUFReader(src)
+    old = r.fields["general.architecture"].contents()
+    arch = arch or old
+    w = GGUFWriter(dst, arch)
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(arch + k[len(old):] if k.startswith(old + ".") else k, f.contents(), f.types[0], sub_type=sub)
+    for k, v, t in kv:
+        w.add_key_value(k, v, t)
+    for t in r.tensors:
+        if not any(d in t.name for d in drop):
+            w.add_tensor(t.name, np.array(t.data, dtype=np.float32))
+    for name, arr in add:
+        w.add_tensor(name, arr.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("layout", ["scales", "biases"])
+def test_unsupported_expert_layout_is_refused_at_start_in_one_line(tmp_path, layout):
+    # llama.cpp loads per-expert scales (blk.N.ffn_*_exps.scale) for every arch, and per-expert
+    # biases for gpt-oss; the patch refuses both before it connects, in one line
+    E, F, H, nh = 8, 64, 64, 4
+    src = write_runnable(str(tmp_path / "src.gguf"), arch="llama", blocks=2, experts=E, top_k=2, seed=9)
+    model = str(tmp_path / "m.gguf")
+    if layout == "scales":
+        rewrite_gguf(src, model, add=[("blk.1.ffn_up_exps.scale", np.ones(E))])
+        want = "blk.1: per-expert scales (ffn_*_exps_s) are not supported by --moecached; run without it"
+    else:
+        u32 = GGUFValueType.UINT32
+        add = []
+        for b in range(2):
+            p = f"blk.{b}."
+            add += [(p + "post_attention_norm.weight", np.ones(H)), (p + "attn_sinks.weight", np.zeros(nh)),
+                    (p + "attn_output.bias", np.zeros(H)), (p + "ffn_gate_inp.bias", np.zeros(E)),
+                    (p + "ffn_gate_exps.bias", np.zeros((E, F))), (p + "ffn_up_exps.bias", np.zeros((E, F))),
+                    (p + "ffn_down_exps.bias", np.zeros((E, H)))]
+        rewrite_gguf(src, model, arch="gpt-oss", drop=("ffn_norm",), add=add,
+                     kv=[("gpt-oss.expert_feed_forward_length", F, u32), ("gpt-oss.attention.sliding_window", 128, u32)])
+        want = "blk.0: per-expert biases (ffn_*_exps.bias) are not supported by --moecached; run without it"
+    resident = decode(model, tmp_path / "resident.bin", check=False)
+    assert resident.returncode == 0, f"the {layout} model does not run resident: {resident.stderr[-2000:]}"
+    r = decode(model, tmp_path / "out.bin", endpoint=f"ipc://{tmp_path / 'none.sock'}", check=False)
+    assert r.returncode != 0
+    lines = [l for l in r.stderr.splitlines() if l.startswith("moecached:")]
+    assert lines == [f"moecached: {want}"], r.stderr[-2000:]
 
 
 def test_demo_engine_step_decodes_bit_identical(tmp_path):

@@ -67,7 +67,7 @@ def write_runnable(out: str, *, arch: str = "qwen3moe", blocks: int = 2, geometr
                    quantize_bin: str | None = None) -> str:
     """Write the model to ``out`` (overwritten); returns ``out``."""
     if arch not in ARCHS:
-        raise RunnableError(f"--arch {arch}: expected one of {', '.join(ARCHS)}")
+        raise RunnableError(f"--arch {arch}: expected one of {', '.join(ARCHS)} (Mixtral-style MoE is llama)")
     if geometry not in GEOMETRIES:
         raise RunnableError(f"--geometry {geometry}: expected one of {', '.join(GEOMETRIES)}")
     g = dict(GEOMETRIES[geometry])
