@@ -3,6 +3,8 @@
 Needs the patched llama.cpp (clients/llama.cpp/build.sh); skipped with one line when it is
 not built. The driver (mc-decode) dumps the float32 logits of the prompt's last token and of
 every greedy step; a run through the daemon must write the same bytes as the resident run.
+The models (MODELS) cover the architectures the patch is checked on: qwen3moe, llama
+(Mixtral-style) and olmoe, each at several quant mixes.
 """
 from __future__ import annotations
 
