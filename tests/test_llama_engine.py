@@ -21,6 +21,7 @@ import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from daemon_util import start_daemon, stop_daemon
+from moecache_client import Client
 from moecached.tools import engine_llama
 from moecached.index import open_index
 from moecached.tools.synth_runnable import write_runnable
@@ -194,7 +195,13 @@ def test_daemon_crash_while_a_lease_is_held_discards_the_batch_and_continues(mod
                            env=dict(os.environ, LLAMA_MOECACHED_HOLD_US="3000000"))
     p2 = None
     try:
-        time.sleep(2.0)
+        # kill only once the engine holds a lease (its first acquire granted): a fixed sleep
+        # could kill the daemon while a loaded machine is still loading the model
+        with Client(f"ipc://{sock}", name="watcher") as c:
+            deadline = time.monotonic() + 120
+            while c.stats()["leases"] < 1 and eng.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert c.stats()["leases"] >= 1, "the engine acquired nothing in 120 s"
         assert eng.poll() is None, "the engine finished before the crash"
         stop_daemon(p, sig=signal.SIGKILL)
         p2 = start_daemon(models[quant], sock, "--slots", "32")
