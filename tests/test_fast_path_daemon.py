@@ -31,20 +31,9 @@ def model(model_factory):
 
 
 @pytest.fixture
-def daemon(model, tmp_path):
-    procs = []
-
-    def start(*args):
-        sock = str(tmp_path / f"d{len(procs)}.sock")
-        if "--slots" not in args:
-            args += ("--slots", "64")
-        p = start_daemon(model, sock, "--arena-dir", str(tmp_path), *args)
-        procs.append(p)
-        return f"ipc://{sock}"
-    yield start
-    for p in procs:
-        out = stop_daemon(p)
-        assert "Traceback" not in out, out
+def daemon(daemon_procs):
+    """``daemon(*args) -> endpoint``: a daemon process with 64 slots unless ``args`` say."""
+    return lambda *args: daemon_procs("--slots", "64", *args)[0]
 
 
 def churn(endpoint, layers, rounds=2, experts=range(N_EXP)):
