@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 
 from moecached.tools.daemonproc import start_daemon, stop_daemon
 
-__all__ = ["Daemon", "start_daemon", "stop_daemon"]
+__all__ = ["Daemon", "start_daemon", "stop_daemon", "wait_for"]
 
 
 class Daemon:
@@ -58,3 +59,16 @@ class Daemon:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def wait_for(cond, what: str, timeout: float = 30.0):
+    """Poll ``cond()`` every 20 ms until it is truthy and return its value; AssertionError
+    naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
