@@ -37,3 +37,21 @@ def test_core_never_imports_tools():
             if re.match(r"\s*(from|import)\s+(moecached\.)?tools\b", line):
                 bad.append(f"{f.relative_to(ROOT)}:{i}")
     assert not bad, f"core modules import moecached.tools: {bad}"
+
+
+def test_readme_map_names_every_module():
+    """README's "What is where" names every module of the daemon, its tools and its Cython
+    sources (by path, or by file name after a path in its folder), and every path it names
+    exists."""
+    import re
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## What is where"):]
+    table = table[:table.index("\n## ")]
+    named = set(re.findall(r"`([^`\s]+)`", table))
+    files = sorted([*(ROOT / "moecached").glob("*.py"), *(ROOT / "moecached" / "tools").glob("*.py"),
+                    *(ROOT / "cython_ext").glob("**/*.pyx")])
+    missing = [str(f.relative_to(ROOT)) for f in files if f.name != "__init__.py"
+               and str(f.relative_to(ROOT)) not in named and f.name not in named]
+    assert not missing, f"README.md's map of the code does not name {missing}"
+    gone = [n for n in named if "/" in n and not n.startswith(("ipc:", "http")) and not (ROOT / n).exists()]
+    assert not gone, f"README.md's map names paths that do not exist: {gone}"
