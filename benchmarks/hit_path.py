@@ -277,7 +277,7 @@ def small_trace(path: str, tokens: int):
     first use (so the model needs only the experts they route to)."""
     from moecached.trace import Trace, load_trace
     t = load_trace(path)
-    ex = np.array(t.experts[:tokens], dtype=np.int16)
+    ex = np.array(t.window(0, tokens).experts, dtype=np.int16)
     n = 0
     for l in range(ex.shape[1]):
         ids: dict = {}

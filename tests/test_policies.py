@@ -417,8 +417,7 @@ def fast(trace, policy, size, per_class_layers=None, warmup=None):
 
 
 def truncate(t: Trace, n) -> Trace:
-    return Trace(experts=t.experts[:n], is_prompt=t.is_prompt[:n],
-                 step=None if t.step is None else t.step[:n], meta={"n_experts": t.n_experts})
+    return t.window(0, n)
 
 
 # ============================================================================ exact matches
