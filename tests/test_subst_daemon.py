@@ -100,7 +100,8 @@ def test_daemon_substitution_equals_simulator(model_factory, tmp_path, monkeypat
     assert {int(k): x["substitutions"] for k, x in st["layers"].items() if x["substitutions"]} \
         == per_layer
     mine = [x for x in st["clients"] if x["name"] == "subst"][0]
-    assert {int(k): n for k, n in mine["substitutions"].items()} == per_layer
+    assert {int(k): n for k, n in mine["substitutions_by_layer"].items()} == per_layer
+    assert mine["substitutions"] == want["substituted"]
     assert st["hits"] + st["prefetch_hits"] + st["demand_misses"] + st["substitutions"] \
         == want["accesses"]
     if eviction == "lfu-subst":          # the candidates' credits are part of what matched
