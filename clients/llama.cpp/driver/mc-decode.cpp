@@ -3,6 +3,7 @@
 //
 //   mc-decode -m MODEL [--moecached ENDPOINT] [-p PROMPT] [-n STEPS] [-t THREADS]
 //             [--ubatch N] [--dump FILE] [--step-delay-ms MS] [--retries N] [--rounds N]
+//             [--moecached-subst R] [--moecached-subst-cap N]
 //
 // Prints one line per step ("step I token T") and a final "timing" line:
 //   timing prompt_tokens=P prompt_s=S decode_tokens=N decode_s=S
@@ -44,6 +45,8 @@ int main(int argc, char ** argv) {
         else if (a == "--step-delay-ms") delay_ms = atoi(next());
         else if (a == "--retries") retries = atoi(next());
         else if (a == "--rounds") rounds = atoi(next());
+        else if (a == "--moecached-subst") setenv("LLAMA_MOECACHED_SUBST", next(), 1);   // read at load
+        else if (a == "--moecached-subst-cap") setenv("LLAMA_MOECACHED_SUBST_CAP", next(), 1);
         else { fprintf(stderr, "mc-decode: unknown argument %s\n", a.c_str()); return 2; }
     }
     if (model_path.empty()) { fprintf(stderr, "mc-decode: -m MODEL is required\n"); return 2; }
