@@ -10,9 +10,11 @@ llama-perplexity; --bin or MOECACHED_LLAMA_BIN or ~/.cache/moecached-llama/bin).
 --model it writes a runnable qwen3moe Q8_0 model (random weights, seed --seed); without --text
 a repeated prose text. llama-perplexity runs with one token per ubatch (-ub 1), so every token
 is decoded as in generation and substitution is decided per token and block. The resident
-model writes the base logits (--kl-divergence-base); then, each against one fresh daemon of
---cached x all experts slots, the exact served run (must give KL 0: the same logits) and one
-run per tolerance r (--moecached-subst r --moecached-subst-cap cap). Reported per run: mean
+model writes the base logits (--kl-divergence-base); the resident model again against them
+gives the floor of the measure (llama-perplexity stores the base as 16-bit log-probabilities);
+then, each against one fresh daemon of --cached x all experts slots, the exact served run (the
+same logits: the floor again) and one run per tolerance r (--moecached-subst r
+--moecached-subst-cap cap). Reported per run: mean
 and 99th-percentile KL divergence, same top token, PPL ratio, and the daemon's counters
 (demand misses, substitutions, hits). Prints a table and writes JSON (--json).
 """
@@ -51,16 +53,18 @@ def prose(n_sentences: int = 400, seed: int = 7) -> str:
 def perplexity(bin_dir: Path, model: str, text: str, a, *extra: str) -> str:
     cmd = [str(bin_dir / "llama-perplexity"), "-m", model, "-f", text, "-c", str(a.ctx), "-b", str(a.ctx),
            "-ub", "1", "--chunks", str(a.chunks), "-t", str(a.threads), "--no-repack", *extra]
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=3600)
     if r.returncode != 0:
-        raise SystemExit(f"llama-perplexity failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-2000:]}")
-    return r.stdout
+        raise SystemExit(f"llama-perplexity failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr[-2000:]}")
+    return r.stdout + "\n" + r.stderr
 
 
 def kl_of(out: str) -> dict:
     def num(pat):
         m = re.search(pat, out, re.M)
-        return float(m.group(1)) if m else None
+        if not m:
+            raise SystemExit(f"llama-perplexity printed no line matching {pat!r}:\n{out[-3000:]}")
+        return float(m.group(1))
     return {"kl_mean": num(r"^Mean\s+KLD:\s+([-\d.e]+)"), "kl_p99": num(r"^99\.0%\s+KLD:\s+([-\d.e]+)"),
             "kl_max": num(r"^Maximum KLD:\s+([-\d.e]+)"), "same_top": num(r"^Same top p:\s+([-\d.e]+)"),
             "ppl_ratio": num(r"^Mean PPL\(Q\)/PPL\(base\)\s+:\s+([-\d.e]+)")}
@@ -99,6 +103,7 @@ def main(argv=None) -> int:
         slots = max(int(n_all * a.cached), idx["top_k"] * len(idx["size_classes"]))
         base = os.path.join(td, "base.kld")
         perplexity(bin_dir, model, text, a, "--kl-divergence-base", base)
+        floor = kl_of(perplexity(bin_dir, model, text, a, "--kl-divergence-base", base, "--kl-divergence"))
         runs = [("exact", None)] + [(f"r={r}", float(r)) for r in a.r.split(",")]
         rows = []
         for name, r in runs:
@@ -118,14 +123,17 @@ def main(argv=None) -> int:
                          "demand_misses": st["demand_misses"], "substitutions": st["substitutions"],
                          "hits": st["hits"] + st["prefetch_hits"]})
     exact = rows[0]["demand_misses"]
+    rows.insert(0, {"run": "resident", "r": None, "cap": None, **floor, "demand_misses": None, "substitutions": None,
+                    "hits": None})
     print(f"model {idx['arch']} {len(idx['expert_layers'])} blocks, {idx['n_experts']} experts, top-{idx['top_k']}; "
           f"{slots} slots ({slots / n_all:.0%} of the experts); -c {a.ctx} -ub 1, {a.chunks} chunks")
     print(f"{'run':<8} {'mean KL':>9} {'p99 KL':>9} {'max KL':>9} {'same top':>9} {'PPL ratio':>10} "
           f"{'demand misses':>14} {'vs exact':>9} {'substitutions':>14} {'hits':>7}")
     for x in rows:
+        counts = (f"{'-':>14} {'-':>9} {'-':>14} {'-':>7}" if x["demand_misses"] is None else
+                  f"{x['demand_misses']:>14} {x['demand_misses'] / exact - 1:>+9.1%} {x['substitutions']:>14} {x['hits']:>7}")
         print(f"{x['run']:<8} {x['kl_mean']:>9.6f} {x['kl_p99']:>9.6f} {x['kl_max']:>9.6f} {x['same_top']:>8.2f}% "
-              f"{x['ppl_ratio']:>10.5f} {x['demand_misses']:>14} {x['demand_misses'] / exact - 1:>+9.1%} "
-              f"{x['substitutions']:>14} {x['hits']:>7}")
+              f"{x['ppl_ratio']:>10.5f} {counts}")
     if a.json:
         Path(a.json).write_text(json.dumps({"model": model if a.model else "synthetic", "index": {
             "blocks": len(idx["expert_layers"]), "experts": idx["n_experts"], "top_k": idx["top_k"]},

@@ -216,7 +216,27 @@ def served(model, tmp_path, name, slots, *extra):
     return r, st
 
 
+def moe_records(path):
+    """mc-decode --dump-moe: per MoE block of every ubatch, {block, probs, topk, ids, weights}
+    (ids: after substitution; rows of one-token ubatches)."""
+    import numpy as np
+    out, cur = [], {}
+    for line in open(path):
+        name, ne0, ne1, *v = line.split()
+        kind, block = name.rsplit("-", 1)
+        ne0, ne1 = int(ne0), int(ne1)
+        cur.setdefault(block, {})[kind] = np.array(v, dtype=np.float32 if kind in
+                                                   ("ffn_moe_probs", "ffn_moe_weights_norm") else np.int64).reshape(ne1, ne0)
+        if kind == "ffn_moe_weights_norm":
+            c = cur.pop(block)
+            out.append({"block": int(block), "probs": c["ffn_moe_probs"], "topk": c["ffn_moe_topk"],
+                        "ids": c.get("ffn_moe_topk_subst", c["ffn_moe_topk"]), "subst": "ffn_moe_topk_subst" in c,
+                        "weights": c["ffn_moe_weights_norm"]})
+    return out
+
+
 def test_substitution_reads_fewer_experts_and_is_reproducible(models, reference, tmp_path):
+    import numpy as np
     # half the experts cached: a missing expert often has a resident one ranked just below the
     # top-k; with r = 0.5 the daemon grants it, the engine runs it with its own routing weight
     quant = "q8_0"
@@ -224,7 +244,7 @@ def test_substitution_reads_fewer_experts_and_is_reproducible(models, reference,
     slots = len(idx["expert_layers"]) * idx["n_experts"] // 2
     exact, st_exact = served(models[quant], tmp_path, "exact", slots)
     subst = ["--moecached-subst", "0.5", "--moecached-subst-cap", "1"]
-    r1, st1 = served(models[quant], tmp_path, "subst1", slots, *subst)
+    r1, st1 = served(models[quant], tmp_path, "subst1", slots, *subst, "--dump-moe", str(tmp_path / "moe.txt"))
     r2, st2 = served(models[quant], tmp_path, "subst2", slots, *subst)
     assert filecmp.cmp(reference[quant], tmp_path / "exact.bin", shallow=False)
     assert st_exact["substitutions"] == 0
@@ -239,6 +259,26 @@ def test_substitution_reads_fewer_experts_and_is_reproducible(models, reference,
     assert stats_of(r2) == {**eng1, "acquire_us": stats_of(r2)["acquire_us"]}
     assert filecmp.cmp(tmp_path / "subst1.bin", tmp_path / "subst2.bin", shallow=False), \
         "two substituted runs from fresh daemons differ"
+    # every swap is a top-2k expert scoring >= r x the one it replaced, at most cap per block and
+    # token; the routing weights are the router's probabilities of the ids run, normalised
+    k, swaps = idx["top_k"], 0
+    recs = moe_records(tmp_path / "moe.txt")
+    assert len(recs) == len(idx["expert_layers"]) * (STEPS + 1)
+    for rec in recs:
+        n_tok = rec["probs"].shape[0]
+        assert rec["subst"] == (n_tok == 1), "only one-token ubatches substitute"
+        for t in range(n_tok):
+            p, top, ids, w = rec["probs"][t], rec["topk"][t], rec["ids"][t], rec["weights"][t]
+            rank = list(p.argsort(kind="stable")[::-1])
+            changed = [j for j in range(k) if ids[j] != top[j]]
+            assert len(changed) <= 1
+            for j in changed:
+                assert ids[j] not in top and k <= rank.index(ids[j]) < 2 * k
+                assert p[ids[j]] >= 0.5 * p[top[j]]
+            swaps += len(changed)
+            want = p[ids] / p[ids].sum(dtype=np.float32)
+            np.testing.assert_allclose(w, want, rtol=1e-6, err_msg=f"block {rec['block']}: weights not those of the ids run")
+    assert swaps == st1["substitutions"]
 
 
 @pytest.mark.parametrize("cap", ["1", "0"])

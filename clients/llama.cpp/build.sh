@@ -111,7 +111,9 @@ fi
 MC="$CACHE/moecache-c"
 make -s -C "$ROOT/clients/c" B="$MC/build" "$MC/build/libmoecache.a" >&2
 mkdir -p "$MC/include"
-cp "$ROOT/clients/c/include/moecache.h" "$ROOT/clients/c/include/moecache_shm.h" "$MC/include/"
+for h in moecache.h moecache_shm.h; do   # copied only when changed (a new mtime rebuilds the glue)
+    cmp -s "$ROOT/clients/c/include/$h" "$MC/include/$h" || cp "$ROOT/clients/c/include/$h" "$MC/include/"
+done
 
 # 4. CMake build (reused)
 BUILD="$CACHE/build-$BACKEND"
