@@ -288,6 +288,112 @@ def test_unsupported_expert_layout_is_refused_at_start_in_one_line(tmp_path, lay
     assert lines == [f"moecached: {want}"], r.stderr[-2000:]
 
 
+def served(model, tmp_path, name, slots, *extra):
+    """mc-decode through a fresh daemon of `slots` slots; (the run, the daemon's stats)."""
+    from moecache_client import Client
+    sock = str(tmp_path / f"{name}.sock")
+    p = start_daemon(model, sock, "--slots", str(slots))
+    try:
+        r = decode(model, tmp_path / f"{name}.bin", *extra, endpoint=f"ipc://{sock}")
+        with Client(f"ipc://{sock}", name="test") as c:
+            st = c.stats()
+    finally:
+        stop_daemon(p)
+    return r, st
+
+
+def moe_records(path):
+    """mc-decode --dump-moe: per MoE block of every ubatch, {block, probs, topk, ids, weights}
+    (ids: after substitution; rows of one-token ubatches)."""
+    import numpy as np
+    out, cur = [], {}
+    for line in open(path):
+        name, ne0, ne1, *v = line.split()
+        kind, block = name.rsplit("-", 1)
+        ne0, ne1 = int(ne0), int(ne1)
+        cur.setdefault(block, {})[kind] = np.array(v, dtype=np.float32 if kind in
+                                                   ("ffn_moe_probs", "ffn_moe_weights_norm") else np.int64).reshape(ne1, ne0)
+        if kind == "ffn_moe_weights_norm":
+            c = cur.pop(block)
+            out.append({"block": int(block), "probs": c["ffn_moe_probs"], "topk": c["ffn_moe_topk"],
+                        "ids": c.get("ffn_moe_topk_subst", c["ffn_moe_topk"]), "subst": "ffn_moe_topk_subst" in c,
+                        "weights": c["ffn_moe_weights_norm"]})
+    return out
+
+
+def test_substitution_reads_fewer_experts_and_is_reproducible(models, reference, tmp_path):
+    import numpy as np
+    # half the experts cached: a missing expert often has a resident one ranked just below the
+    # top-k; with r = 0.5 the daemon grants it, the engine runs it with its own routing weight
+    quant = "q8_0"
+    idx = open_index(models[quant]).to_json()
+    slots = len(idx["expert_layers"]) * idx["n_experts"] // 2
+    exact, st_exact = served(models[quant], tmp_path, "exact", slots)
+    subst = ["--moecached-subst", "0.5", "--moecached-subst-cap", "1"]
+    r1, st1 = served(models[quant], tmp_path, "subst1", slots, *subst, "--dump-moe", str(tmp_path / "moe.txt"))
+    r2, st2 = served(models[quant], tmp_path, "subst2", slots, *subst)
+    assert filecmp.cmp(reference[quant], tmp_path / "exact.bin", shallow=False)
+    assert st_exact["substitutions"] == 0
+    assert st1["substitutions"] > 0, st1
+    assert st1["demand_misses"] < st_exact["demand_misses"], (st1["demand_misses"], st_exact["demand_misses"])
+    # the substitutes were computed with: the logits are not the exact run's
+    assert not filecmp.cmp(reference[quant], tmp_path / "subst1.bin", shallow=False)
+    # the engine's counts are the daemon's, and a second run from a fresh daemon is the same run
+    eng1 = stats_of(r1)
+    assert (eng1["subst"], eng1["misses"]) == (st1["substitutions"], st1["demand_misses"]), (eng1, st1)
+    assert (st2["substitutions"], st2["demand_misses"]) == (st1["substitutions"], st1["demand_misses"])
+    assert stats_of(r2) == {**eng1, "acquire_us": stats_of(r2)["acquire_us"]}
+    assert filecmp.cmp(tmp_path / "subst1.bin", tmp_path / "subst2.bin", shallow=False), \
+        "two substituted runs from fresh daemons differ"
+    # every swap is a top-2k expert scoring >= r x the one it replaced, at most cap per block and
+    # token; the routing weights are the router's probabilities of the ids run, normalised
+    k, swaps = idx["top_k"], 0
+    recs = moe_records(tmp_path / "moe.txt")
+    assert len(recs) == len(idx["expert_layers"]) * (STEPS + 1)
+    for rec in recs:
+        n_tok = rec["probs"].shape[0]
+        assert rec["subst"] == (n_tok == 1), "only one-token ubatches substitute"
+        for t in range(n_tok):
+            p, top, ids, w = rec["probs"][t], rec["topk"][t], rec["ids"][t], rec["weights"][t]
+            rank = list(p.argsort(kind="stable")[::-1])
+            changed = [j for j in range(k) if ids[j] != top[j]]
+            assert len(changed) <= 1
+            for j in changed:
+                assert ids[j] not in top and k <= rank.index(ids[j]) < 2 * k
+                assert p[ids[j]] >= 0.5 * p[top[j]]
+            swaps += len(changed)
+            want = p[ids] / p[ids].sum(dtype=np.float32)
+            np.testing.assert_allclose(w, want, rtol=1e-6, err_msg=f"block {rec['block']}: weights not those of the ids run")
+    assert swaps == st1["substitutions"]
+
+
+@pytest.mark.parametrize("cap", ["1", "0"])
+def test_substitution_that_never_qualifies_is_bit_identical(models, reference, tmp_path, cap):
+    # r = 1: a candidate ranks below every requested expert, so none scores >= 1 x a missing
+    # one (cap 0: no swap allowed); the candidates still go with every acquire that misses
+    quant = "q8_0"
+    idx = open_index(models[quant]).to_json()
+    slots = len(idx["expert_layers"]) * idx["n_experts"] // 2
+    r, st = served(models[quant], tmp_path, "r1", slots, "--moecached-subst", "1", "--moecached-subst-cap", cap)
+    assert st["substitutions"] == 0 and st["demand_misses"] > 0, st
+    assert stats_of(r)["subst"] == 0
+    assert filecmp.cmp(reference[quant], tmp_path / "r1.bin", shallow=False), "logits differ from the resident run"
+
+
+@pytest.mark.parametrize("flag,value", [("--moecached-subst", "1e9"), ("--moecached-subst", "half"),
+                                        ("--moecached-subst-cap", "-1")])
+def test_bad_substitution_setting_is_one_line(models, tmp_path, flag, value):
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(models["f32"], sock, "--slots", "32")
+    try:
+        r = decode(models["f32"], tmp_path / "out.bin", flag, value, endpoint=f"ipc://{sock}", check=False)
+    finally:
+        stop_daemon(p)
+    assert r.returncode != 0
+    lines = [l for l in r.stderr.splitlines() if l.startswith("moecached:")]
+    assert lines and flag in lines[0] and value in lines[0], r.stderr[-2000:]
+
+
 def test_demo_engine_step_decodes_bit_identical(tmp_path):
     import argparse
     from moecached.tools.demo import engine_step

@@ -2,16 +2,19 @@
 # Build llama.cpp with the moecached patch (experts served by the daemon).
 #
 #   clients/llama.cpp/build.sh [--cache DIR] [--backend cpu|vulkan|cuda] [--jobs N] [--tools]
+#                              [--target NAME]...
 #
 # The llama.cpp tree is the one vendored by the llama-cpp-python sdist (pinned version and
 # sha256 below). Everything goes under DIR (default $MOECACHED_LLAMA_CACHE, else
 # $HOME/.cache/moecached-llama), never inside the clone:
 #   DIR/dl/            the sdist (from PyPI's simple index; or put the file there yourself)
-#   DIR/src/           the extracted tree with the patch applied (redone when the patch changes)
+#   DIR/src/           the extracted tree with the patch applied (redone when the patch changes;
+#                      files the new patch leaves as they were keep their mtimes)
 #   DIR/build-BACKEND/ the CMake build, reused (incremental) on the next run
 #   DIR/bin -> DIR/build-BACKEND/bin
 # Targets: mc-decode (the checking/benchmark driver) and llama-quantize; --tools adds
-# llama-completion and llama-cli (which take --moecached ENDPOINT).
+# llama-completion, llama-cli and llama-perplexity (which take --moecached ENDPOINT);
+# --target NAME adds one CMake target (e.g. --target llama-perplexity).
 # The last line printed is the bin directory.
 set -euo pipefail
 
@@ -25,13 +28,15 @@ CACHE=${MOECACHED_LLAMA_CACHE:-$HOME/.cache/moecached-llama}
 BACKEND=cpu
 JOBS=$(( $(nproc 2>/dev/null || echo 2) ))
 TOOLS=0
+EXTRA=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --cache) CACHE=$2; shift 2 ;;
         --backend) BACKEND=$2; shift 2 ;;
         --jobs|-j) JOBS=$2; shift 2 ;;
         --tools) TOOLS=1; shift ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        --target) EXTRA+=("$2"); shift 2 ;;
+        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
         *) echo "build.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -79,7 +84,7 @@ fi
 KEY=$(cat "$HERE/patch/moecached.patch" "$HERE/driver/mc-decode.cpp" "$HERE/driver/CMakeLists.txt" | sha256sum | cut -c1-12)
 SRC="$CACHE/src"
 if [ "$(cat "$SRC/.moecached-patch" 2>/dev/null)" != "$KEY" ]; then
-    rm -rf "$SRC" "$SRC.tmp"
+    rm -rf "$SRC.tmp"
     mkdir -p "$SRC.tmp"
     tar -xzf "$CACHE/dl/$SDIST" -C "$SRC.tmp" --strip-components=3 "llama_cpp_python-$PIN_VERSION/vendor/llama.cpp"
     rm -f "$SRC.tmp/.git"
@@ -87,7 +92,18 @@ if [ "$(cat "$SRC/.moecached-patch" 2>/dev/null)" != "$KEY" ]; then
         || { echo "build.sh: patch/moecached.patch does not apply to llama-cpp-python $PIN_VERSION" >&2; exit 1; }
     mkdir -p "$SRC.tmp/examples/mc-decode"
     cp "$HERE/driver/mc-decode.cpp" "$HERE/driver/CMakeLists.txt" "$SRC.tmp/examples/mc-decode/"
+    # a file whose content did not change keeps the previous tree's mtime (patch and cp give
+    # the files they write a new one): the build then recompiles only what changed, not
+    # everything that includes llama.h
+    if [ -d "$SRC" ]; then
+        { grep '^+++ b/' "$HERE/patch/moecached.patch" | cut -c7- | cut -f1;
+          echo examples/mc-decode/mc-decode.cpp; echo examples/mc-decode/CMakeLists.txt; } |
+        while read -r f; do
+            if [ -f "$SRC/$f" ] && cmp -s "$SRC/$f" "$SRC.tmp/$f"; then touch -r "$SRC/$f" "$SRC.tmp/$f"; fi
+        done
+    fi
     echo "$KEY" > "$SRC.tmp/.moecached-patch"
+    rm -rf "$SRC"
     mv "$SRC.tmp" "$SRC"
 fi
 
@@ -95,7 +111,9 @@ fi
 MC="$CACHE/moecache-c"
 make -s -C "$ROOT/clients/c" B="$MC/build" "$MC/build/libmoecache.a" >&2
 mkdir -p "$MC/include"
-cp "$ROOT/clients/c/include/moecache.h" "$ROOT/clients/c/include/moecache_shm.h" "$MC/include/"
+for h in moecache.h moecache_shm.h; do   # copied only when changed (a new mtime rebuilds the glue)
+    cmp -s "$ROOT/clients/c/include/$h" "$MC/include/$h" || cp "$ROOT/clients/c/include/$h" "$MC/include/"
+done
 
 # 4. CMake build (reused)
 BUILD="$CACHE/build-$BACKEND"
@@ -103,7 +121,8 @@ if [ -f "$BUILD/CMakeCache.txt" ] && ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$
     rm -rf "$BUILD"   # configured for another source tree
 fi
 TARGETS=(mc-decode llama-quantize)
-[ "$TOOLS" = 1 ] && TARGETS+=(llama-completion llama-cli)
+[ "$TOOLS" = 1 ] && TARGETS+=(llama-completion llama-cli llama-perplexity)
+TARGETS+=(${EXTRA[@]+"${EXTRA[@]}"})
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_MOECACHED_DIR="$MC" "${CMAKE_BACKEND[@]}" >"$CACHE/cmake-$BACKEND.log" 2>&1 \

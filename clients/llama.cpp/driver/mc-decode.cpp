@@ -3,10 +3,15 @@
 //
 //   mc-decode -m MODEL [--moecached ENDPOINT] [-p PROMPT] [-n STEPS] [-t THREADS]
 //             [--ubatch N] [--dump FILE] [--step-delay-ms MS] [--retries N] [--rounds N]
+//             [--moecached-subst R] [--moecached-subst-cap N] [--dump-moe FILE]
 //
 // Prints one line per step ("step I token T") and a final "timing" line:
 //   timing prompt_tokens=P prompt_s=S decode_tokens=N decode_s=S
 // --dump writes the float32 logits of the prompt's last token and of each step, in order.
+// --dump-moe writes, per MoE block of every ubatch, the router's probabilities, its top-k ids,
+// the ids after substitution and the normalised routing weights, one tensor a line:
+//   NAME-BLOCK NE0 NE1 v...   (NAME: ffn_moe_probs, ffn_moe_topk, ffn_moe_topk_subst,
+//                              ffn_moe_weights_norm; values row by row)
 // A decode that fails on the daemon's side (restart, invalid lease) prints
 //   "moecached error: ..." and is retried up to --retries times (default 0: exit 3).
 // Expert tensors are never repacked (use_extra_bufts = false), with and without --moecached,
@@ -21,12 +26,34 @@
 #include <thread>
 #include <vector>
 
+static bool dump_moe(struct ggml_tensor * t, bool ask, void * ud) {
+    static const char * names[] = {"ffn_moe_probs-", "ffn_moe_topk-", "ffn_moe_topk_subst-", "ffn_moe_weights_norm-"};
+    bool want = false;   // NAME-BLOCK exactly
+    for (const char * n : names) {
+        const size_t l = strlen(n);
+        want = want || (strncmp(t->name, n, l) == 0 && t->name[l] && strspn(t->name + l, "0123456789") == strlen(t->name + l));
+    }
+    if (ask || !want) return want;
+    FILE * f = (FILE *) ud;
+    // weights_norm is [n_used, n_tokens] (reshaped back to 3-d after); the others are 2-d
+    fprintf(f, "%s %lld %lld", t->name, (long long) t->ne[0], (long long) (ggml_nelements(t) / t->ne[0]));
+    for (int64_t r = 0; r < ggml_nelements(t) / t->ne[0]; ++r) {
+        for (int64_t i = 0; i < t->ne[0]; ++i) {
+            const char * p = (const char *) t->data + i * t->nb[0] + (r % t->ne[1]) * t->nb[1] + (r / t->ne[1]) * t->nb[2];
+            if (t->type == GGML_TYPE_I32) fprintf(f, " %d", *(const int32_t *) p);
+            else fprintf(f, " %.9g", *(const float *) p);
+        }
+    }
+    fputc('\n', f);
+    return true;
+}
+
 static double now_s() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 int main(int argc, char ** argv) {
-    std::string model_path, endpoint, prompt = "The quick brown fox jumps over the lazy dog.", dump;
+    std::string model_path, endpoint, prompt = "The quick brown fox jumps over the lazy dog.", dump, dump_moe_path;
     int n_steps = 32, n_threads = 2, n_ubatch = 512, delay_ms = 0, retries = 0, rounds = 1;
     for (int i = 1; i < argc; ++i) {
         std::string a = argv[i];
@@ -44,6 +71,9 @@ int main(int argc, char ** argv) {
         else if (a == "--step-delay-ms") delay_ms = atoi(next());
         else if (a == "--retries") retries = atoi(next());
         else if (a == "--rounds") rounds = atoi(next());
+        else if (a == "--moecached-subst") setenv("LLAMA_MOECACHED_SUBST", next(), 1);   // read at load
+        else if (a == "--moecached-subst-cap") setenv("LLAMA_MOECACHED_SUBST_CAP", next(), 1);
+        else if (a == "--dump-moe") dump_moe_path = next();
         else { fprintf(stderr, "mc-decode: unknown argument %s\n", a.c_str()); return 2; }
     }
     if (model_path.empty()) { fprintf(stderr, "mc-decode: -m MODEL is required\n"); return 2; }
@@ -70,6 +100,9 @@ int main(int argc, char ** argv) {
     FILE * fd = dump.empty() ? nullptr : fopen(dump.c_str(), "wb");
     if (!dump.empty() && !fd) { fprintf(stderr, "mc-decode: cannot write %s\n", dump.c_str()); return 1; }
 
+    FILE * fmoe = dump_moe_path.empty() ? nullptr : fopen(dump_moe_path.c_str(), "w");
+    if (!dump_moe_path.empty() && !fmoe) { fprintf(stderr, "mc-decode: cannot write %s\n", dump_moe_path.c_str()); return 1; }
+
     double t_prompt = 0, t_decode = 0;
     int n_decoded = 0;
     for (int round = 0; round < rounds; ++round) {
@@ -80,6 +113,10 @@ int main(int argc, char ** argv) {
         cp.n_threads = n_threads;
         cp.n_threads_batch = n_threads;
         cp.no_perf = true;
+        if (fmoe && round == 0) {
+            cp.cb_eval = dump_moe;
+            cp.cb_eval_user_data = fmoe;
+        }
         llama_context * ctx = llama_init_from_model(model, cp);
         if (!ctx) { fprintf(stderr, "mc-decode: cannot create a context\n"); return 1; }
 
@@ -116,6 +153,7 @@ int main(int argc, char ** argv) {
         llama_free(ctx);
     }
     if (fd) fclose(fd);
+    if (fmoe) fclose(fmoe);
     char st[256];
     llama_moecached_stats(st, sizeof st);
     printf("timing prompt_tokens=%d prompt_s=%.6f decode_tokens=%d decode_s=%.6f rounds=%d\n",
