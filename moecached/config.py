@@ -406,7 +406,7 @@ class Key:
 KEYS: dict[str, Key] = {
     "model": Key(_model, "--model", "GGUF model file (first file of a split set); NAME=PATH, "
                  "repeated, serves several models under one budget", "[NAME=]PATH"),
-    "models": Key(_models, "--models", "several models ([[models]] tables in the file; on the "
+    "models": Key(_models, "--model", "several models ([[models]] tables in the file; on the "
                   "command line give --model NAME=PATH per model)", "-", "list",
         reload=_live_models),
     "budget": Key(_size(lo=1), "--budget", "cache size, e.g. 16GiB (or give --slots)", "SIZE", "size",
