@@ -687,7 +687,7 @@ def _check_runnable(cfg: Config, cli: bool, given: dict) -> None:
     elif cfg.model is None:
         raise ConfigError(f'{where}: model is not set: expected model = "/path/to/model.gguf" '
                           "in the config file or --model PATH")
-    if not os.path.isfile(cfg.model):
+    elif not os.path.isfile(cfg.model):
         why = "no such file" if not os.path.exists(cfg.model) else "not a regular file"
         raise ConfigError(f"{_at(cfg, 'model', cli, given)}: expected an existing GGUF file ({why})")
     if cfg.budget is None and cfg.slots is None:
