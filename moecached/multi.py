@@ -32,6 +32,9 @@ from . import protocol as P
 
 log = logging.getLogger("moecached.models")
 
+#: hello's ``model`` for a control connection (moecache-ctl): whichever model the endpoint
+#: serves, never redirected or refused (engines name their model)
+ANY_MODEL = "*"
 #: a removed model's leases are waited for this long at most before its server closes
 DRAIN_S = 30.0
 
@@ -92,6 +95,8 @@ class Models:
         or the model is unknown or being removed."""
         with self.lock:
             live = [m for m in self.models.values() if m.draining is None]
+            if want == ANY_MODEL:   # a control connection (moecache-ctl): the endpoint's model
+                return None
             if want is None:
                 here = next((m for m in self.models.values() if m.server is server), None)
                 if here is not None and here is not self.main:

@@ -517,6 +517,13 @@ class Client:
         """A short status map: state, pid, uptime, budget, slots, hit rate, reads in flight."""
         return self._call({"op": "status"})["status"]
 
+    def models(self, action: str = "list", **fields) -> dict:
+        """The daemon's models (several models under one budget): ``list`` (per model: share,
+        residency, hit rate, bytes read; and the split), ``add`` (``name``, ``path``, optional
+        ``min_budget``/``max_budget`` bytes, ``weight``), ``remove`` (``name``) or
+        ``rebalance`` (one period of the split now). ServerError ``refused`` with the reason."""
+        return self._call({"op": "models", "action": action, **fields})
+
     def ping(self) -> float:
         """Round trip to the daemon, in seconds."""
         t = time.perf_counter()
