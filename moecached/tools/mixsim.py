@@ -38,7 +38,7 @@ from ..split import Member, Split, SplitError, least_share
 from ..trace import Trace, load_trace
 from .simulate import SimulationError, prepare
 
-__all__ = ["MixModel", "layout_index", "mix_models", "replay_mix", "run_mix", "main_mix",
+__all__ = ["MixModel", "layout_index", "mix_members", "interleaving", "replay_mix", "run_mix", "main_mix",
            "DEFAULT_SPLIT_EVERY"]
 
 #: tokens (all models together) between two rebalances in the simulator
@@ -203,6 +203,27 @@ class _Model:
         return len(sets)
 
 
+def _rates(models, rates):
+    if rates is None:
+        rates = [None] * len(models)
+    longest = max(len(m.steps) for m in models) or 1
+    return [r if r is not None else max(1, len(m.steps)) / longest for r, m in zip(rates, models)]
+
+
+def interleaving(mms, warmup=None, tokens=None, rates=None) -> list:
+    """The order ``replay_mix`` replays in: ``[(model name, [(trace layer, [experts])],
+    counted)]`` per step, so a live run (tests, benchmarks) can drive the daemon the same way."""
+    models = [_Model(mm, warmup, tokens) for mm in mms]
+    rates = _rates(models, rates if rates is not None else [mm.rate for mm in mms])
+    out = []
+    for _, mi, j in _interleave(models, rates):
+        m = models[mi]
+        _, sets, counted = m.steps[j]
+        out.append((m.name, [(layer, [k - layer * m.E for k in keys]) for layer, keys in sets],
+                    counted))
+    return out
+
+
 def _interleave(models, rates):
     """(time, model index, step index) in replay order."""
     ev = []
@@ -234,12 +255,7 @@ def replay_mix(mms, total: int, *, shares: Optional[dict] = None, dynamic: bool 
     (``shares``, default the equal split) stay. Returns per-model and combined counts, the
     final shares and the number of moves."""
     models = [_Model(mm, warmup, tokens) for mm in mms]
-    if rates is None:
-        rates = [mm.rate for mm in mms]
-    if any(r is None for r in rates):
-        longest = max(len(m.steps) for m in models) or 1
-        rates = [r if r is not None else max(1, len(m.steps)) / longest
-                 for r, m in zip(rates, models)]
+    rates = _rates(models, rates if rates is not None else [mm.rate for mm in mms])
     kw = {} if hysteresis is None else {"hysteresis": hysteresis}
     sp = Split(total, mix_members(mms, total), step=step if dynamic else 0, shares=shares, **kw)
     byname = {m.name: m for m in models}

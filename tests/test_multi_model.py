@@ -1,0 +1,215 @@
+"""Several models in one daemon under one budget (``moecached.multi``), with real-layout synth
+models of two different models (Qwen3-30B-A3B and Mixtral-8x7B, two layers each) and their
+real traces:
+
+* hello names the model (redirected to its endpoint); no name / unknown name: one-line refusal;
+* driven step by step in the simulator's interleaving (``mixsim.interleaving``), with the split
+  rebalanced at the simulator's points, the daemon's per-model hits, ghost hits, shares and
+  moves are exactly the simulator's (``moecache-ctl policy --mix``), and every byte is right;
+* a model removed and added while another model's client decodes: that client sees no error,
+  its warm experts stay (no eviction but the shrink of its share), every byte of both models
+  is right, and hellos for a removed model are refused with one line.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from moecache_client import Client, ServerError
+from moecached.index import open_index
+from moecached.tools.mixsim import MixModel, interleaving, replay_mix
+from moecached.trace import load_trace
+
+from fixtures import make_model, trace_path
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("multi")
+    return {"qwen": make_model(d, "qwen3-30b-a3b-Q4_K_M", layers=2, experts=128),
+            "mix": make_model(d, "mixtral-8x7b-Q4_K_M", layers=2, experts=8)}
+
+
+def traces():
+    q = load_trace(trace_path("qwen3_30b_a3b_sharegpt_prefill_2050.npz")).window(0, 400, layers=2)
+    m = load_trace(trace_path("mixtral8x7b_humaneval0_full.npz")).window(0, None, layers=2)
+    return {"qwen": q, "mix": m}
+
+
+class MultiDaemon:
+    def __init__(self, models, tmp_path, budget, *args):
+        self.sock = str(tmp_path / "m.sock")
+        self.endpoint = f"ipc://{self.sock}"
+        cmd = [sys.executable, "-P", "-m", "moecached.daemon", "--endpoint", self.endpoint,
+               "--budget", str(budget), "--no-lock-memory", "--readers", "4",
+               "--arena-dir", str(tmp_path)]
+        for name, path in models.items():
+            cmd += ["--model", f"{name}={path}"]
+        self.p = subprocess.Popen(cmd + list(args), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 90
+        while True:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.p.returncode}: {self.p.stdout.read()}")
+            try:
+                if os.path.exists(self.sock):
+                    self.ctl = Client(self.endpoint, model="*", name="test-ctl", timeout=60,
+                                      connect_timeout=2, map_arena=False)
+                    break
+            except Exception:
+                pass
+            if time.time() > deadline:
+                self.p.kill()
+                raise RuntimeError("daemon did not come up: " + self.p.stdout.read())
+            time.sleep(0.2)
+
+    def models(self):
+        return {m["name"]: m for m in self.ctl.models()["models"]}
+
+    def stop(self) -> str:
+        try:
+            self.ctl.close()
+        except Exception:
+            pass
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(20)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        return self.p.stdout.read()
+
+
+def step_client(endpoint, model):
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "mix_client.py"), endpoint, model, "0"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    ready = json.loads(p.stdout.readline())
+    assert ready["ready"], ready
+    return p
+
+
+def ask(p, sets):
+    p.stdin.write(json.dumps(sets) + "\n")
+    p.stdin.flush()
+    return json.loads(p.stdout.readline())
+
+
+def test_hello_names_the_model(models, tmp_path):
+    d = MultiDaemon(models, tmp_path, "1GiB")
+    try:
+        q = Client(d.endpoint, model="qwen", fast_path=False)
+        m = Client(d.endpoint, model="mix", fast_path=False)
+        assert q.endpoint == d.endpoint and m.endpoint == d.endpoint + ".mix"
+        assert (q.info["model_name"], m.info["model_name"]) == ("qwen", "mix")
+        assert q.n_experts == 128 and m.n_experts == 8
+        q.close()
+        m.close()
+        with pytest.raises(ServerError, match=r"unknown_model: this daemon serves several models "
+                                              r"\(qwen, mix\): name one in hello"):
+            Client(d.endpoint)
+        with pytest.raises(ServerError, match=r"unknown_model: model 'nope' is not served here"):
+            Client(d.endpoint, model="nope")
+    finally:
+        d.stop()
+
+
+def test_daemon_equals_simulator_step_by_step(models, tmp_path):
+    tr = traces()
+    mms = [MixModel(n, tr[n], open_index(models[n])) for n in ("qwen", "mix")]
+    budget, every = 1024 * MiB, 32
+    sim = replay_mix(mms, budget, dynamic=True, split_every=every)
+    assert sim["moves"] >= 1            # the split moves here: not a trivial comparison
+    order = interleaving(mms)
+    d = MultiDaemon(models, tmp_path, budget, "--split-interval", "86400")
+    clients = {}
+    try:
+        clients = {n: step_client(d.endpoint, n) for n in ("qwen", "mix")}
+        got = {n: [0, 0] for n in clients}
+        for i, (name, sets, counted) in enumerate(order, 1):
+            r = ask(clients[name], sets)
+            assert not r["bad"], r["bad"]
+            if counted:
+                got[name][0] += r["hits"]
+                got[name][1] += r["accesses"]
+            if i % every == 0:
+                d.ctl.models("rebalance")
+        ms = d.models()
+        split = d.ctl.models()["split"]
+    finally:
+        for p in clients.values():
+            p.stdin.close()
+            p.wait(30)
+        log = d.stop()
+    for n in ("qwen", "mix"):
+        s = sim["models"][n]
+        assert tuple(got[n]) == (s["hits"], s["accesses"]), (n, got[n], s, log[-2000:])
+        assert ms[n]["ghost_hits"] == s["ghost_hits"], (n, ms[n], s)
+        assert ms[n]["share_bytes"] == sim["shares"][n]
+    assert split["moves"] == sim["moves"]
+
+
+def test_add_and_remove_while_another_model_decodes(models, tmp_path):
+    tr = traces()
+    mms = [MixModel("qwen", tr["qwen"], open_index(models["qwen"]))]
+    steps = [(sets, counted) for _, sets, counted in interleaving(mms)]
+    sf = tmp_path / "qwen_steps.json"
+    sf.write_text(json.dumps(steps))
+    d = MultiDaemon(models, tmp_path, "1GiB", "--split-interval", "86400")
+    free = None
+    try:
+        m = step_client(d.endpoint, "mix")
+        assert not ask(m, [[0, [0, 1]], [1, [2, 3]]])["bad"]
+        free = subprocess.Popen([sys.executable, os.path.join(HERE, "mix_client.py"), d.endpoint,
+                                 "qwen", "0", "--free", str(sf), "40"],
+                                stdout=subprocess.PIPE, text=True)
+        deadline = time.time() + 60
+        while d.models()["qwen"]["resident"] < d.models()["qwen"]["slots"] and time.time() < deadline:
+            time.sleep(0.05)
+        before = d.models()["qwen"]
+        assert before["resident"] == before["slots"]   # warm: its share is full
+        assert free.poll() is None                     # and still decoding
+        r = d.ctl.models("remove", name="mix")
+        assert r["removing"] == "mix"
+        with pytest.raises(ServerError, match="unknown_model: model 'mix' is being removed"):
+            Client(d.endpoint, model="mix")
+        assert not ask(m, [[0, [4, 5]]])["bad"]     # its leases still work while it drains
+        m.stdin.close()
+        m.wait(30)
+        deadline = time.time() + 30
+        while "mix" in d.models() and time.time() < deadline:
+            time.sleep(0.1)
+        assert "mix" not in d.models()
+        after_remove = d.models()["qwen"]
+        # mix's share went to qwen; none of qwen's warm experts went anywhere
+        assert after_remove["share_bytes"] > before["share_bytes"]
+        assert after_remove["slots"] > before["slots"]
+        assert after_remove["resident"] >= before["resident"]
+        with pytest.raises(ServerError, match="unknown_model: model 'mix' is not served here"):
+            Client(d.endpoint, model="mix")
+        q1 = d.models()["qwen"]
+        r = d.ctl.models("add", name="mix2", path=models["mix"])
+        assert r["added"] == "mix2"
+        q2 = d.models()["qwen"]
+        # qwen gave the newcomer its share's cold tail only: what still fits stays resident
+        assert q2["slots"] < q1["slots"]
+        assert q2["resident"] >= min(q1["resident"], q2["slots"]) - 0
+        m2 = step_client(d.endpoint, "mix2")
+        assert not ask(m2, [[0, [0, 7]], [1, [3, 4]]])["bad"]
+        m2.stdin.close()
+        m2.wait(30)
+        out, _ = free.communicate(timeout=300)
+        res = json.loads(out.strip().splitlines()[-1])
+    finally:
+        if free is not None and free.poll() is None:
+            free.kill()
+        log = d.stop()
+    assert res["errors"] == 0 and res["n_bad"] == 0, (res, log[-2000:])
+    assert res["accesses"] == sum(len(e) for sets, _ in steps for _, e in sets)
+    assert "model mix removed" in log and "model mix2 added" in log
