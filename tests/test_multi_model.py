@@ -164,8 +164,9 @@ def test_add_and_remove_while_another_model_decodes(models, tmp_path):
     d = MultiDaemon(models, tmp_path, "1GiB", "--split-interval", "86400")
     free = None
     try:
-        m = step_client(d.endpoint, "mix")
-        assert not ask(m, [[0, [0, 1]], [1, [2, 3]]])["bad"]
+        from moecached.tools.synth import verify_expert_bytes
+        m = Client(d.endpoint, model="mix", fast_path=False)
+        held = m.acquire(m.expert_layers[1], [2, 3])    # held across the removal
         free = subprocess.Popen([sys.executable, os.path.join(HERE, "mix_client.py"), d.endpoint,
                                  "qwen", "0", "--free", str(sf), "40"],
                                 stdout=subprocess.PIPE, text=True)
@@ -179,9 +180,13 @@ def test_add_and_remove_while_another_model_decodes(models, tmp_path):
         assert r["removing"] == "mix"
         with pytest.raises(ServerError, match="unknown_model: model 'mix' is being removed"):
             Client(d.endpoint, model="mix")
-        assert not ask(m, [[0, [4, 5]]])["bad"]     # its leases still work while it drains
-        m.stdin.close()
-        m.wait(30)
+        time.sleep(1.5)                              # a few periodic ticks: still draining
+        assert d.models()["mix"]["state"] == "removing"
+        for e in (2, 3):                             # its lease still holds the right bytes
+            for part, view in held.parts(e).items():
+                assert verify_expert_bytes(view, m.expert_layers[1], part, e, 0) is None
+        held.release()
+        m.close()
         deadline = time.time() + 30
         while "mix" in d.models() and time.time() < deadline:
             time.sleep(0.1)
