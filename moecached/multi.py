@@ -224,7 +224,7 @@ class Models:
                 del self.moves[:-16]
                 log.info("split: %s gives %d MiB to %s (ghost hits this period: %s)", mv[0],
                          mv[2] >> 20, mv[1], ", ".join(f"{k} {v}" for k, v in got.items()))
-                self.apply()
+            self.apply()   # also finishes a shrink that pinned experts stopped short
             return mv
 
     def set_total(self, total: int) -> dict:

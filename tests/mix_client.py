@@ -5,6 +5,7 @@ checks every leased byte against the synth stamps and answers one JSON line
 steps given as the JSON file argument (``--free STEPS.json RATE``), then prints the same line.
 
 usage: python mix_client.py ENDPOINT MODEL SEED [--free STEPS.json TOKENS_PER_S]
+(SEED -1: bytes not checked, for benchmarks/multi_model.py)
 """
 import json
 import sys
@@ -20,7 +21,7 @@ def run_step(c, L, sets, seed, bad):
         with c.acquire(L[li], ex) as lease:
             acc += len(ex)
             hits += lease.hits + lease.prefetch_hits
-            for e in ex:
+            for e in (ex if seed >= 0 else ()):
                 for part, view in lease.parts(e).items():
                     r = verify_expert_bytes(view, L[li], part, e, seed)
                     if r:

@@ -218,3 +218,78 @@ def test_add_and_remove_while_another_model_decodes(models, tmp_path):
     assert res["errors"] == 0 and res["n_bad"] == 0, (res, log[-2000:])
     assert res["accesses"] == sum(len(e) for sets, _ in steps for _, e in sets)
     assert "model mix removed" in log and "model mix2 added" in log
+
+
+C_PROG = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include "moecache.h"
+int main(int argc, char **argv) {
+    mc_options opt; mc_error err;
+    mc_options_init(&opt);
+    opt.model = argv[2];
+    mc_client *c = mc_connect(argv[1], "c-multi", &opt, &err);
+    if (!c) { printf("ERROR %s %s\n", mc_code_name(err.code), err.message); return 1; }
+    const mc_arena *a = mc_arena_get(c, &err);
+    if (!a) { printf("ERROR %s\n", err.message); return 1; }
+    int layer = a->expert_layers[0], ex[2] = {0, 1};
+    mc_lease *l = NULL;
+    if (mc_acquire(c, layer, ex, 2, 0, -1, &l, &err) != 0) { printf("ERROR %s\n", err.message); return 1; }
+    printf("N_EXPERTS %u LAYER %d\n", a->n_experts, layer);
+    const mc_class *cl = &a->classes[mc_layer_class(a, layer)];
+    for (uint32_t i = 0; i < 2; i++)
+        for (uint32_t p = 0; p < cl->n_parts; p++) {
+            uint64_t n = 0;
+            const void *d = mc_lease_part(l, i, cl->parts[p].name, &n);
+            char path[512];
+            snprintf(path, sizeof path, "%s/%d_%s.bin", argv[3], ex[i], cl->parts[p].name);
+            FILE *f = fopen(path, "wb"); fwrite(d, 1, n, f); fclose(f);
+            printf("PART %d %s %s\n", ex[i], cl->parts[p].name, path);
+        }
+    mc_release(l);
+    mc_close(c);
+    return 0;
+}
+"""
+
+
+def test_c_client_names_its_model(models, tmp_path):
+    import shutil
+    from moecached.tools.synth import verify_expert_bytes
+    cdir = os.path.join(os.path.dirname(HERE), "clients", "c")
+    if not shutil.which("cc") or not shutil.which("make"):
+        pytest.skip("no C compiler or make")
+    build = tmp_path / "cbuild"
+    r = subprocess.run(["make", "-C", cdir, f"B={build}", f"{build}/libmoecache.a"],
+                       capture_output=True, text=True)
+    if r.returncode != 0 and "zmq.h" in r.stdout + r.stderr:
+        pytest.skip("no libzmq headers")
+    assert r.returncode == 0, r.stdout + r.stderr
+    src = tmp_path / "multi.c"
+    src.write_text(C_PROG)
+    exe = tmp_path / "multi"
+    r = subprocess.run(["cc", "-std=c11", "-I", os.path.join(cdir, "include"), str(src),
+                        str(build / "libmoecache.a"), "-lzmq", "-lmsgpackc", "-lpthread",
+                        "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    d = MultiDaemon(models, tmp_path, "1GiB")
+    try:
+        for model, n_experts in (("mix", 8), ("qwen", 128)):
+            out = tmp_path / model
+            out.mkdir()
+            r = subprocess.run([str(exe), d.endpoint, model, str(out)], capture_output=True,
+                               text=True, timeout=120)
+            assert r.returncode == 0, r.stdout + r.stderr
+            lines = r.stdout.split("\n")
+            assert lines[0].startswith(f"N_EXPERTS {n_experts} ")
+            layer = int(lines[0].split()[3])
+            parts = [x.split() for x in lines if x.startswith("PART")]
+            assert len(parts) >= 4
+            for _, e, part, path in parts:
+                with open(path, "rb") as f:
+                    assert verify_expert_bytes(f.read(), layer, part, int(e), 0) is None
+        r = subprocess.run([str(exe), d.endpoint, "nope", str(tmp_path)], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 1 and "model 'nope' is not served here" in r.stdout
+    finally:
+        d.stop()
