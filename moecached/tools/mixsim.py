@@ -258,7 +258,6 @@ def replay_mix(mms, total: int, *, shares: Optional[dict] = None, dynamic: bool 
     rates = _rates(models, rates if rates is not None else [mm.rate for mm in mms])
     kw = {} if hysteresis is None else {"hysteresis": hysteresis}
     sp = Split(total, mix_members(mms, total), step=step if dynamic else 0, shares=shares, **kw)
-    byname = {m.name: m for m in models}
 
     def apply():
         for m in models:
