@@ -86,6 +86,8 @@ class Models:
         self.next_split = time.monotonic() + cfg.split_interval_s
         self._last_ghost: dict = {}
         self.moves: list = []             # the last moves: (time, donor, receiver, bytes)
+        self.adding: dict = {}            # names being added (indexing, arena) now
+        self.failed: dict = {}            # name -> why its last add failed
         self.main: _Served | None = None
 
     # ------------------------------------------------------------------ routing (any loop)
@@ -271,35 +273,59 @@ class Models:
 
     # ------------------------------------------------------------------ add / remove
     def add(self, spec: dict) -> dict:
-        """Serve one more model (its share from the others, their warm experts kept)."""
+        """Serve one more model: checked here, then indexed, given its share (from the others:
+        only their coldest experts go) and started in a thread of its own, so no model's loop
+        waits for the index or the new arena. ``model list`` shows it ``adding`` meanwhile, and
+        the reason when it could not be added."""
         from .config import MODEL_NAME
-        from .split import SplitError
         name = spec.get("name")
         if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
             raise ModelsError(f"model name {name!r}: expected letters, digits, _ . - (at most 32)")
+        path = spec.get("path")
+        if not isinstance(path, str) or not os.path.isfile(path):
+            raise ModelsError(f"model {name}: path {path}: expected an existing GGUF file")
         with self.lock:
-            if name in self.models:
+            if name in self.models or name in self.adding:
+                m = self.models.get(name)
                 raise ModelsError(f"model {name} is already served"
                                   + (" (being removed: try again when it is gone)"
-                                     if self.models[name].draining is not None else ""))
-        m = self._open(spec, False)   # indexing outside the lock: the others go on
-        with self.lock:
-            try:
-                self.split.add(self._member(name, m.index, spec))
-            except SplitError as e:
-                raise ModelsError(str(e)) from None
-            self.apply()   # the others shrink first: memory for the new arena
-            try:
-                self._start_cache(m)
-            except BaseException as e:
-                self.split.remove(name)
-                self.apply()
-                raise ModelsError(f"model {name}: {e}") from None
-            self.models[name] = m
-            self._run_thread(m)
-        log.info("model %s added from %s: %d MiB of the budget, served on %s", name, m.path,
-                 self.split.shares[name] >> 20, m.endpoint)
-        return {"added": name, "endpoint": m.endpoint, "share_bytes": self.split.shares[name]}
+                                     if m is not None and m.draining is not None else "")
+                                  + (" (being added)" if name in self.adding else ""))
+            self.adding[name] = None
+            self.failed.pop(name, None)
+        ep = model_endpoint(self.cfg.endpoint, name, False)
+        threading.Thread(target=self._add, args=(dict(spec),), name=f"moecached-add-{name}",
+                         daemon=True).start()
+        return {"adding": name, "endpoint": ep}
+
+    def _add(self, spec: dict) -> None:
+        from .split import SplitError
+        name = spec["name"]
+        try:
+            m = self._open(spec, False)
+            with self.lock:
+                try:
+                    self.split.add(self._member(name, m.index, spec))
+                except SplitError as e:
+                    raise ModelsError(str(e)) from None
+                self.apply()   # the others shrink first: memory for the new arena
+                try:
+                    self._start_cache(m)
+                except BaseException as e:
+                    self.split.remove(name)
+                    self.apply()
+                    raise ModelsError(f"model {name}: {e}") from None
+                self.models[name] = m
+                self._run_thread(m)
+            log.info("model %s added from %s: %d MiB of the budget, served on %s", name, m.path,
+                     self.split.shares[name] >> 20, m.endpoint)
+        except Exception as e:   # said in the log and in `model list`; the others go on
+            log.error("model %s not added: %s", name, e)
+            with self.lock:
+                self.failed[name] = str(e)
+        finally:
+            with self.lock:
+                self.adding.pop(name, None)
 
     def remove(self, name: str) -> dict:
         """Stop serving ``name``: new hellos for it are refused at once; its server closes
@@ -375,7 +401,8 @@ class Models:
 
     def split_info(self) -> dict:
         with self.lock:
-            return {"total_bytes": self.total, "step_bytes": self.split.step,
+            return {"adding": list(self.adding), "failed": dict(self.failed),
+                    "total_bytes": self.total, "step_bytes": self.split.step,
                     "hysteresis": self.split.hysteresis, "interval_s": self.cfg.split_interval_s,
                     "moves": self.split.moves,
                     "last_moves": [{"t": t, "from": d, "to": r, "bytes": b}

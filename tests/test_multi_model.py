@@ -200,7 +200,13 @@ def test_add_and_remove_while_another_model_decodes(models, tmp_path):
             Client(d.endpoint, model="mix")
         q1 = d.models()["qwen"]
         r = d.ctl.models("add", name="mix2", path=models["mix"])
-        assert r["added"] == "mix2"
+        assert r["adding"] == "mix2" and r["endpoint"] == d.endpoint + ".mix2"
+        with pytest.raises(ServerError, match="refused: model mix2 is already served"):
+            d.ctl.models("add", name="mix2", path=models["mix"])
+        deadline = time.time() + 120
+        while "mix2" in d.ctl.models()["split"]["adding"] and time.time() < deadline:
+            time.sleep(0.1)
+        assert d.models()["mix2"]["state"] == "serving"
         q2 = d.models()["qwen"]
         # qwen gave the newcomer its share's cold tail only: what still fits stays resident
         assert q2["slots"] < q1["slots"]
@@ -218,6 +224,29 @@ def test_add_and_remove_while_another_model_decodes(models, tmp_path):
     assert res["errors"] == 0 and res["n_bad"] == 0, (res, log[-2000:])
     assert res["accesses"] == sum(len(e) for sets, _ in steps for _, e in sets)
     assert "model mix removed" in log and "model mix2 added" in log
+
+
+def test_add_refusals(models, tmp_path):
+    d = MultiDaemon(models, tmp_path, "1GiB")
+    try:
+        with pytest.raises(ServerError, match="refused: model qwen is already served"):
+            d.ctl.models("add", name="qwen", path=models["qwen"])
+        with pytest.raises(ServerError, match="refused: model x: path /nonexistent.gguf: expected "
+                                              "an existing GGUF file"):
+            d.ctl.models("add", name="x", path="/nonexistent.gguf")
+        with pytest.raises(ServerError, match="refused: model name 'a b'"):
+            d.ctl.models("add", name="a b", path=models["qwen"])
+        # no room above the others' minimums: refused after indexing, said in the list
+        d.ctl.models("add", name="big", path=models["mix"], min_budget=900 * MiB)
+        deadline = time.time() + 60
+        while "big" in d.ctl.models()["split"]["adding"] and time.time() < deadline:
+            time.sleep(0.1)
+        assert "minimum shares" in d.ctl.models()["split"]["failed"]["big"]
+        assert set(d.models()) == {"qwen", "mix"}
+        with pytest.raises(ServerError, match="refused: model qwen is served on the daemon's endpoint"):
+            d.ctl.models("remove", name="qwen")
+    finally:
+        d.stop()
 
 
 C_PROG = r"""

@@ -278,6 +278,20 @@ def model_main(argv) -> int:
     c = _client(*_endpoint_of(a))
     try:
         r = c.models(a.action, **fields)
+        if a.action == "add":   # indexed and started in the background: wait for it
+            import time
+            deadline = time.monotonic() + 600
+            while True:
+                sp = c.models()["split"]
+                if a.name in (sp.get("failed") or {}):
+                    raise MoecacheError(sp["failed"][a.name])
+                if a.name not in (sp.get("adding") or []):
+                    break
+                if time.monotonic() > deadline:
+                    raise MoecacheError(f"still adding {a.name} after 600 s (see the daemon's log)")
+                time.sleep(0.2)
+            m = next(x for x in c.models()["models"] if x["name"] == a.name)
+            r = {"added": a.name, "endpoint": m["endpoint"], "share_bytes": m["share_bytes"]}
     except Exception as e:
         raise MoecacheError(f"model {a.action}: {e}")
     finally:
