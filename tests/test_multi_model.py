@@ -43,14 +43,17 @@ def traces():
 
 
 class MultiDaemon:
-    def __init__(self, models, tmp_path, budget, *args):
+    def __init__(self, models, tmp_path, budget, *args, config=None):
         self.sock = str(tmp_path / "m.sock")
         self.endpoint = f"ipc://{self.sock}"
         cmd = [sys.executable, "-P", "-m", "moecached.daemon", "--endpoint", self.endpoint,
                "--budget", str(budget), "--no-lock-memory", "--readers", "4",
                "--arena-dir", str(tmp_path)]
-        for name, path in models.items():
-            cmd += ["--model", f"{name}={path}"]
+        if config is not None:   # the models come from the file (SIGHUP re-reads them)
+            cmd += ["--config", str(config)]
+        else:
+            for name, path in models.items():
+                cmd += ["--model", f"{name}={path}"]
         self.p = subprocess.Popen(cmd + list(args), stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 90
@@ -110,6 +113,16 @@ def test_hello_names_the_model(models, tmp_path):
         assert (q.info["model_name"], m.info["model_name"]) == ("qwen", "mix")
         assert q.n_experts == 128 and m.n_experts == 8
         q.close()
+        # traces are per model: the mix socket records mix's acquires only
+        tc = Client(d.endpoint, model="mix", map_arena=False, name="tracer")
+        tc.trace_start(str(tmp_path / "mix.npz"))
+        with m.__class__(d.endpoint, model="mix", fast_path=False) as m2:
+            m2.acquire(m2.expert_layers[0], [1, 2]).release()
+        with q.__class__(d.endpoint, model="qwen", fast_path=False) as q2:
+            q2.acquire(q2.expert_layers[0], [5]).release()
+        info = tc.trace_stop()["info"]
+        tc.close()
+        assert info["tokens"] == 1 and info["top_k"] == 2   # Mixtral's, one acquire
         m.close()
         with pytest.raises(ServerError, match=r"unknown_model: this daemon serves several models "
                                               r"\(qwen, mix\): name one in hello"):
@@ -322,3 +335,25 @@ def test_c_client_names_its_model(models, tmp_path):
         assert r.returncode == 1 and "model 'nope' is not served here" in r.stdout
     finally:
         d.stop()
+
+
+def test_sighup_adds_and_removes_models_of_the_file(models, tmp_path):
+    import signal
+    cfg = tmp_path / "m.toml"
+
+    def write(names):
+        cfg.write_text("".join(f'[[models]]\nname = "{n}"\npath = "{models[n.rstrip("2")]}"\n'
+                               for n in names))
+    write(["qwen", "mix"])
+    d = MultiDaemon(models, tmp_path, "1GiB", config=cfg)
+    try:
+        write(["qwen", "mix2"])
+        d.p.send_signal(signal.SIGHUP)
+        deadline = time.time() + 60
+        while set(d.models()) != {"qwen", "mix2"} and time.time() < deadline:
+            time.sleep(0.1)
+        assert set(d.models()) == {"qwen", "mix2"}
+        assert d.models()["mix2"]["state"] == "serving"
+    finally:
+        log = d.stop()
+    assert "model mix removed" in log and "model mix2 added" in log
