@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import random
@@ -27,6 +26,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
+
+from benchutil import write_json  # noqa: E402
 
 from moecached.cache import ExpertCache  # noqa: E402
 from moecached.index import open_index  # noqa: E402
@@ -113,10 +114,7 @@ def main(argv=None) -> int:
            "python": platform.python_version(), "machine": platform.machine(),
            "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "target_p50_us": 20.0, "results": res}
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.json}")
+    write_json(args.json, out)
     return 0
 
 

@@ -1,14 +1,15 @@
 """llama.cpp through moecached vs the resident model: decode and prompt tokens/s.
 
-    python benchmarks/engine.py [--model PATH | --blocks N --quant q8_0] [--rounds 5]
+    python benchmarks/engine.py [--model PATH | --arch qwen3moe --blocks N --quant q8_0] [--rounds 5]
                                 [--steps 64] [--threads 2] [--cached 1.0,0.75,0.5,0.25]
 
 Needs the patched build (clients/llama.cpp/build.sh; --bin or MOECACHED_LLAMA_BIN or
 ~/.cache/moecached-llama/bin). Without --model it writes a runnable model with the expert
 geometry of Qwen3-30B-A3B (hidden 2048, expert FFN 768, 128 experts, top-8) and --blocks
-blocks. One daemon per cached fraction (slots = fraction x all experts), started before the
-rounds; each round runs the resident model and then every fraction, interleaved, with the
-same prompt and greedy steps (mc-decode); the first round is a warm-up (not counted). Every
+blocks, as architecture --arch (qwen3moe, llama or olmoe: moecache-ctl synth --runnable). One
+daemon per cached fraction (slots = fraction x all experts), started before the rounds; each
+round runs the resident model and then every fraction, interleaved, with the same prompt and
+greedy steps (mc-decode); the first round is a warm-up (not counted). Every
 run's logits are checked against the resident run's (bit-identical or the run is reported
 as wrong). Prints a table and writes JSON (--json).
 """
@@ -25,9 +26,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "clients"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "clients")]
 
-from daemon_util import start_daemon, stop_daemon  # noqa: E402
+from benchutil import start_daemon, stop_daemon  # noqa: E402
 from moecached.tools import engine_llama  # noqa: E402
 from moecached.index import open_index  # noqa: E402
 from moecached.tools.synth_runnable import write_runnable  # noqa: E402
@@ -56,6 +57,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--bin", help="directory of the patched build's binaries")
     ap.add_argument("--model", help="a runnable MoE GGUF (default: write one)")
+    ap.add_argument("--arch", default="qwen3moe", help="architecture of the written model")
     ap.add_argument("--blocks", type=int, default=2)
     ap.add_argument("--quant", default="q8_0")
     ap.add_argument("--rounds", type=int, default=5)
@@ -72,7 +74,7 @@ def main(argv=None):
         if not model:
             model = str(td / "model.gguf")
             q = str(bin_dir / "llama-quantize") if a.quant.lower() not in ("f32", "q8_0") else None
-            write_runnable(model, geometry="qwen3-30b-a3b", blocks=a.blocks, quant=a.quant, quantize_bin=q)
+            write_runnable(model, arch=a.arch, geometry="qwen3-30b-a3b", blocks=a.blocks, quant=a.quant, quantize_bin=q)
         idx = open_index(model).to_json()
         n_all = len(idx["expert_layers"]) * idx["n_experts"]
         daemons = {}

@@ -44,6 +44,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "clients"))
 
+from benchutil import start_daemon, write_json  # noqa: E402
+
 CGROUP = "/sys/fs/cgroup/blkio/moecached-bench-fairness"
 
 
@@ -148,28 +150,6 @@ def _throttle(pid: int, model: str, mbps: float) -> str | None:
     except OSError as e:
         return f"cannot throttle (device {dev}): {e.strerror}"
     return None
-
-
-def _start_daemon(tree: str, model: str, sock: str, slots: int, extra: list[str]) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=f"{tree}:{tree}/clients")
-    cmd = [sys.executable, "-P", "-m", "moecached.daemon", "--model", model, "--endpoint",
-           f"ipc://{sock}", "--slots", str(slots), "--no-lock-memory", "--readers", "16",
-           "--log-level", "warning"] + extra
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    from moecache_client import Client
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        if p.poll() is not None:
-            raise RuntimeError(f"daemon exited {p.returncode}: {p.stderr.read()}")
-        if os.path.exists(sock):
-            try:
-                Client(f"ipc://{sock}", connect_timeout=2).close()
-                return p
-            except Exception:
-                pass
-        time.sleep(0.1)
-    p.kill()
-    raise RuntimeError("daemon did not come up")
 
 
 def _cpu_s(pid: int) -> float:
@@ -314,7 +294,8 @@ def main(argv=None) -> int:
         try:
             for i, (name, tree) in enumerate(trees):
                 sock = os.path.join(d, f"d{i}.sock")
-                p = _start_daemon(tree, model, sock, args.slots, args.daemon_arg)
+                p = start_daemon(model, sock, "--slots", str(args.slots), "--readers", "16", *args.daemon_arg,
+                                 env=dict(os.environ, PYTHONPATH=f"{tree}:{tree}/clients"))
                 daemons[name] = (p, f"ipc://{sock}")
                 if args.read_mbps > 0:
                     why = _throttle(p.pid, model, args.read_mbps)
@@ -394,10 +375,7 @@ def main(argv=None) -> int:
            "cpus": os.cpu_count(), "throttle_notes": notes,
            "params": {k: v for k, v in vars(args).items() if k not in ("worker", "endpoint", "rate", "seed")},
            "summary": summary, "handler_cost_us": mic, "rounds": results}
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.json}")
+    write_json(args.json, out)
     return 0
 
 

@@ -33,7 +33,6 @@ experts those tokens route to (ids renumbered per layer in order of first use), 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -53,34 +52,10 @@ import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
+from benchutil import start_daemon, stop_daemon, write_json  # noqa: E402
 from ipc_latency import raw_echo_server  # noqa: E402
 
 QWEN = "qwen3-30b-a3b-Q4_K_M"
-
-
-def start_daemon(model: str, sock: str, slots: int) -> subprocess.Popen:
-    from moecache_client import Client
-    p = subprocess.Popen([sys.executable, "-P", "-m", "moecached.daemon", "--model", model, "--slots", str(slots),
-                          "--endpoint", f"ipc://{sock}", "--no-lock-memory", "--log-level", "warning"])
-    for _ in range(600):
-        if p.poll() is not None:
-            raise RuntimeError(f"daemon exited with {p.returncode}")
-        try:
-            Client(f"ipc://{sock}", connect_timeout=1).close()
-            return p
-        except Exception:
-            time.sleep(0.1)
-    p.kill()
-    raise RuntimeError("daemon did not come up")
-
-
-def stop(p: subprocess.Popen) -> None:
-    p.terminate()
-    try:
-        p.wait(15)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
 
 
 def timed(fn, iters: int, between=None) -> np.ndarray:
@@ -173,7 +148,7 @@ def part1(a, tmp):
     layer, experts = idx.expert_layers[0], list(range(a.experts))
     sock = os.path.join(tmp, "d.sock")
     notes = []
-    dproc = start_daemon(model, sock, 32)
+    dproc = start_daemon(model, sock, "--slots", "32")
     echo = fake = cache = None
     clients = []
     try:
@@ -289,7 +264,7 @@ def part1(a, tmp):
             s.close(0)
             if echo.is_alive():
                 echo.terminate()
-        stop(dproc)
+        stop_daemon(dproc)
 
 
 def IMPLEMENTATION_PURE() -> bool:
@@ -302,7 +277,7 @@ def small_trace(path: str, tokens: int):
     first use (so the model needs only the experts they route to)."""
     from moecached.trace import Trace, load_trace
     t = load_trace(path)
-    ex = np.array(t.experts[:tokens], dtype=np.int16)
+    ex = np.array(t.window(0, tokens).experts, dtype=np.int16)
     n = 0
     for l in range(ex.shape[1]):
         ids: dict = {}
@@ -329,7 +304,7 @@ def part2(a, tmp):
     tr, n_exp = small_trace(trace_path, a.replay_tokens)
     model = write_model(QWEN, os.path.join(tmp, "r.gguf"), layers=tr.n_layers, experts=n_exp, progress=False)[0]
     sock = os.path.join(tmp, "r.sock")
-    dproc = start_daemon(model, sock, tr.n_layers * n_exp)
+    dproc = start_daemon(model, sock, "--slots", str(tr.n_layers * n_exp))
     notes = []
     try:
         with Client(f"ipc://{sock}", name="replay-fast") as fc, \
@@ -350,7 +325,7 @@ def part2(a, tmp):
                         "overhead_tokens": a.overhead_tokens}
         return out, notes
     finally:
-        stop(dproc)
+        stop_daemon(dproc)
 
 
 def main(argv=None) -> int:
@@ -389,15 +364,12 @@ def main(argv=None) -> int:
             print(f"{k:32s} {rep[k]['overhead_ms_per_token']:8.3f} ms/token")
     for n in notes:
         print("note:", n)
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump({"benchmark": "hit_path", "command": " ".join(["python", "benchmarks/hit_path.py"] +
-                                                                (argv if argv is not None else sys.argv[1:])),
-                   "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
-                   "python": platform.python_version(), "client": moecache_client.IMPLEMENTATION,
-                   "experts": a.experts, "iters": a.iters, "rounds": a.rounds, "hit_path": rows,
-                   "replay_overhead": rep, "notes": notes}, f, indent=1)
-    print(f"wrote {a.json}")
+    write_json(a.json, {"benchmark": "hit_path", "command": " ".join(["python", "benchmarks/hit_path.py"] +
+                                                                     (argv if argv is not None else sys.argv[1:])),
+                        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
+                        "python": platform.python_version(), "client": moecache_client.IMPLEMENTATION,
+                        "experts": a.experts, "iters": a.iters, "rounds": a.rounds, "hit_path": rows,
+                        "replay_overhead": rep, "notes": notes})
     return 0
 
 

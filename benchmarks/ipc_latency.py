@@ -15,11 +15,9 @@ Then the same with 4 client processes of each kind at once.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +25,8 @@ import time
 import msgpack
 import numpy as np
 import zmq
+
+from benchutil import start_daemon, stop_daemon, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -154,21 +154,15 @@ def main(argv=None):
     idx = open_index(model)
     layer, experts = idx.expert_layers[0], list(range(8))
     sock = os.path.join(tmp, "d.sock")
-    dproc = subprocess.Popen([sys.executable, "-P", "-m", "moecached.daemon", "--model", model, "--slots", "32",
-                              "--endpoint", f"ipc://{sock}", "--no-lock-memory", "--log-level", "warning"])
+    dproc = start_daemon(model, sock, "--slots", "32")
     from moecache_client import Client
-    for _ in range(300):
-        try:
-            with Client(f"ipc://{sock}", connect_timeout=1) as c:
-                c.acquire(layer, experts).release()  # make them resident
-                lease = c.acquire(layer, experts)
-                reply = {"v": 1, "id": 1, "ok": True, "session": c.session, "lease": lease.id,
-                         "items": [list(t) for t in lease.items], "hits": 8, "prefetch_hits": 0,
-                         "misses": 0, "stall_us": 0}
-                lease.release()
-            break
-        except Exception:
-            time.sleep(0.1)
+    with Client(f"ipc://{sock}") as c:
+        c.acquire(layer, experts).release()  # make them resident
+        lease = c.acquire(layer, experts)
+        reply = {"v": 1, "id": 1, "ok": True, "session": c.session, "lease": lease.id,
+                 "items": [list(t) for t in lease.items], "hits": 8, "prefetch_hits": 0,
+                 "misses": 0, "stall_us": 0}
+        lease.release()
     reply_size = len(msgpack.packb(reply)) - len(msgpack.packb({"v": 1, "id": 1, "ok": True, "pad": ""}))
     req = {"v": 1, "id": 0, "op": "acquire", "layer": layer, "experts": experts}
     raw_ep = f"ipc://{tmp}/raw.sock"
@@ -212,8 +206,7 @@ def main(argv=None):
         s.send(msgpack.packb({"op": "stop"}))
         echo.join(5)
         s.close(0)
-        dproc.terminate()
-        dproc.wait(15)
+        stop_daemon(dproc)
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -231,11 +224,8 @@ def main(argv=None):
               f"raw floor p50 {summary[n]['raw_p50_us']:.1f} us, ratio {summary[n]['ratio_p50']:.2f} (target <= 1.3); "
               f"all pairs pooled: daemon p50 {pl['daemon_p50_us']:.1f} / p99 {pl['daemon_p99_us']:.1f} us, "
               f"raw p50 {pl['raw_p50_us']:.1f} / p99 {pl['raw_p99_us']:.1f} us, ratio {pl['ratio_p50']:.2f}")
-    os.makedirs(os.path.dirname(a.json), exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump({"command": " ".join(["python", "benchmarks/ipc_latency.py"] + (argv or sys.argv[1:])),
-                   "iters": a.iters, "rows": rows, "summary": summary}, f, indent=1)
-    print(f"wrote {a.json}")
+    write_json(a.json, {"command": " ".join(["python", "benchmarks/ipc_latency.py"] + (argv or sys.argv[1:])),
+                        "iters": a.iters, "rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -17,34 +17,9 @@ from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport malloc, free
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
 
-cdef extern from "moecache_shm.h":
-    ctypedef uint64_t mcshm_u64
-    ctypedef struct mcshm_layout:
-        mcshm_u64 *ctl
-        mcshm_u64 *pin
-        uint64_t session
-        uint32_t n_experts
-        uint32_t n_keys
-        uint32_t n_classes
-        uint32_t ring_n
-        const uint32_t *key_class
-        uint64_t gen_word[32]
-        uint32_t slot_base[32]
-        uint32_t n_slots[32]
-        uint64_t resmap_word
-        uint64_t pins_word32
-        uint64_t ring_word
-    enum:
-        MCSHM_MAX_CLASSES
-        MCSHM_PIN_HEADER_BYTES
-    void mcshm_publish(const mcshm_layout *m, uint32_t key, uint32_t slot) nogil
-    uint32_t mcshm_pinned_by(const mcshm_layout *m, mcshm_u64 **pins, uint32_t n, uint32_t gslot) nogil
-    int mcshm_try_evict(const mcshm_layout *m, mcshm_u64 **pins, uint32_t n, uint32_t key,
-                        uint32_t cls, uint32_t slot) nogil
-    uint32_t mcshm_drain(const mcshm_layout *m, mcshm_u64 *pf, uint64_t *keys, uint64_t *ts,
-                         uint32_t max) nogil
-    uint64_t mcshm_ring_pending(const mcshm_layout *m, mcshm_u64 *pf) nogil
-    void mcshm_ring_reset(mcshm_u64 *pf) nogil
+from moecache_shm cimport (MCSHM_MAX_CLASSES, MCSHM_PIN_HEADER_BYTES, mcshm_drain, mcshm_layout,
+                           mcshm_pinned_by, mcshm_publish, mcshm_ring_pending, mcshm_ring_reset,
+                           mcshm_try_evict, mcshm_u64)
 
 cdef extern from *:
     """

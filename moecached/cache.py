@@ -54,7 +54,7 @@ from . import MoecacheError
 from .arena import arena_bytes
 from .policy import EVICTIONS, make_eviction
 from .readers import ModelChanged
-from .stats import CACHE_STATS
+from .stats import CACHE_STATS, CLASS_STATS, FAST_PATH_STATS, LAYER_STATS
 from ._shm import PinFile, ShmArena
 
 __all__ = ["CacheError", "RequestError", "CapacityError", "LeaseError", "LoadError",
@@ -1312,21 +1312,11 @@ class ExpertCache:
         the one indexed, or None).
         """
         with self._lock:
-            classes = []
-            for cid, (c, pools) in self._cls.items():
-                d = {"id": cid, "slot_bytes": c.slot_bytes, "slots_max": sum(p.max_cap for p in pools),
-                     "slots": sum(p.cap for p in pools), "used": sum(len(p.lru) for p in pools),
-                     "pinned": sum(p.lru.pinned for p in pools),
-                     "loading": sum(len(p.loading) for p in pools),
-                     "free": sum(len(p.free) for p in pools)}
-                d["hits"] = sum(self._l_hits[l] for l in c.layers)
-                d["demand_misses"] = sum(self._l_miss[l] for l in c.layers)
-                d["prefetch_hits"] = sum(self._l_pf[l] for l in c.layers)
-                d["reads"] = sum(self._l_reads[l] for l in c.layers)
-                classes.append(d)
-            layers = {str(l): {"hits": self._l_hits[l], "demand_misses": self._l_miss[l],
-                          "prefetch_hits": self._l_pf[l], "reads": self._l_reads[l]}
-                      for l in sorted(self._layers)}
+            classes = [{"id": cid, **{s.key: (sum(getattr(self, s.value)[l] for l in c.layers)
+                                              if isinstance(s.value, str) else s.value(c, pools))
+                                      for s in CLASS_STATS}}
+                       for cid, (c, pools) in self._cls.items()]
+            layers = {str(l): {s.key: getattr(self, s.value)[l] for s in LAYER_STATS} for l in sorted(self._layers)}
             caps = dict.fromkeys(self._cls, 0)
             for p in self._pools:
                 caps[p.cid] += p.cap
@@ -1349,16 +1339,7 @@ class ExpertCache:
 
     def _fast_path_stats(self) -> dict:
         """Counters of the shared-memory hit path (under the lock); see docs/operations.md."""
-        shm = self._shm
-        files = shm.files
-        return {"pin_files": len(files),
-                "fast_hits": shm.fast_hits + sum(f.hits + f.prefetch_hits for f in files),
-                "ring_drops": shm.drops_closed + sum(f.drops for f in files),
-                "ring_resets": shm.resets,
-                "pins_honoured": sum(len(f.honoured) for f in files),
-                "pins_ignored": shm.ignored_closed + sum(f.ignored for f in files),
-                "evictions_held": shm.evictions_held,
-                "held_keys": len(self._held)}
+        return {s.key: s.value(self) for s in FAST_PATH_STATS}
 
     def close(self) -> None:
         """Fail every waiting acquire with CacheClosed("cache closed"), stop the readers, unlink

@@ -49,7 +49,6 @@ class ConfigError(MoecacheError):
     """An invalid configuration value, unknown key or unreadable file; ``str(e)`` is one line."""
 
 
-_AUTO = object()   # "group" not given: "moecached" if that group exists, else none
 
 
 @dataclass

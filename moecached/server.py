@@ -42,7 +42,7 @@ from ._serve import FastPath, RateLimit, ServerHooks, TokenBucket
 from ._shm import RING_N
 from .arena import STATE_MODEL_CHANGED, STATE_SERVING
 from .cache import PrefetchQuota
-from .stats import hit_rate
+from .stats import CLIENT_STATS, SERVER_COUNTERS, hit_rate
 
 log = logging.getLogger("moecached.server")
 
@@ -93,27 +93,27 @@ class _Client:
             for k in self.fast_closed:
                 self.fast_closed[k] += info[k]
 
-    def summary(self) -> dict:
+    def fast_counts(self) -> dict:
+        """Its shared-memory hit-path counts (closed pin files plus the open one), with ``hits``
+        and ``prefetch_hits`` its open pin file took (they count as socket hits would)."""
         pf = self.pins
-        hits, pfh = self.hits, self.prefetch_hits
-        fast = dict(self.fast_closed, pins_honoured=0)
-        if pf is not None:   # hits taken through shared memory count as socket hits would
-            hits += pf.hits
-            pfh += pf.prefetch_hits
+        fast = dict(self.fast_closed, pins_honoured=0, hits=0, prefetch_hits=0)
+        if pf is not None:
+            fast["hits"], fast["prefetch_hits"] = pf.hits, pf.prefetch_hits
             for k, v in pf.info().items():
                 fast[k] += v
-        return {"name": self.name, "id": self.ident.hex(), "pid": self.pid, "leases": len(self.leases),
-                "pending": len(self.pending), "requests": self.requests,
-                "acquires": self.acquires, "hits": hits,
-                "prefetch_hits": pfh, "demand_misses": self.misses,
-                "hit_rate": hit_rate(hits, pfh, self.misses),
-                "fast_path": pf is not None, **fast,
-                "prefetches": self.prefetches, "prefetches_dropped": self.pf.dropped,
-                "prefetch_loads_in_flight": self.pf.in_flight, "rate_limited": self.rate_limited,
-                "errors": self.errors,
-                "stall_s": round(self.stall_s, 6),
-                "watched": "process" if self.pidfd is not None else "heartbeat",
-                "idle_s": round(time.monotonic() - self.last_seen, 3)}
+        return fast
+
+    def summary(self) -> dict:
+        """Its ``stats["clients"][]`` entry: the rows of ``moecached.stats.CLIENT_STATS`` plus
+        name, id, pid, hit_rate, fast_path and watched."""
+        fast = self.fast_counts()
+        out = {"name": self.name, "id": self.ident.hex(), "pid": self.pid}
+        out.update((s.key, s.value(self, fast)) for s in CLIENT_STATS)
+        out.update(hit_rate=hit_rate(out["hits"], out["prefetch_hits"], out["demand_misses"]),
+                   fast_path=self.pins is not None,
+                   watched="process" if self.pidfd is not None else "heartbeat")
+        return out
 
 
 def process_start_time(pid: int) -> int | None:
@@ -1072,7 +1072,8 @@ class Server:
                   version=__version__, model=self.model_path, model_name=self.model_name,
                   endpoint=self.endpoint,
                   session=self.session, fingerprint=self.index.fingerprint(),
-                  leases_held=len(self.leases), server=dict(self.counters),
+                  leases_held=len(self.leases),
+                  server={**{k.key: 0 for k in SERVER_COUNTERS}, **self.counters},
                   clients=[c.summary() for c in self.clients.values()],
                   departed_clients=list(self.departed),
                   tracing=(self.recorder.path if self.recorder is not None else None))

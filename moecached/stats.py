@@ -1,9 +1,13 @@
 """The daemon's counters: their declarations, and a read-latency histogram.
 
-:data:`CACHE_STATS` and :data:`SERVER_COUNTERS` declare each top-level counter and gauge once
-(stats key, kind, Prometheus name, help, where the value lives); ``ExpertCache.stats()`` and the
-exporter (``moecached.tools.metrics``) are both generated from them, and docs/operations.md is
-checked against them (tests/test_metrics.py).
+Each counter and gauge is declared once, as a :class:`Stat` row (stats key, kind, Prometheus
+name, help, where the value lives): :data:`CACHE_STATS` (top level), :data:`SERVER_COUNTERS`
+(``stats["server"]``), :data:`FAST_PATH_STATS` (``stats["fast_path"]``), :data:`CLASS_STATS`
+(``stats["classes"][]``), :data:`LAYER_STATS` (``stats["layers"][layer]``) and
+:data:`CLIENT_STATS` (``stats["clients"][]``). ``ExpertCache.stats()``, the server's per-client
+summary, ``moecache-ctl stats`` and the exporter (``moecached.tools.metrics``) are generated
+from them, and tests/test_metrics.py checks every row against each view and
+docs/operations.md.
 
 ``LatencyHistogram`` keeps (a) power-of-two microsecond buckets over the whole run and (b) a ring
 of the last ``window`` samples, from which p50/p99 are computed exactly (numpy) on demand. Adding
@@ -16,10 +20,12 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Union
 
 import bisect
+import time
 
 import numpy as np
 
-__all__ = ["LatencyHistogram", "hit_rate", "Stat", "CACHE_STATS", "SERVER_COUNTERS"]
+__all__ = ["LatencyHistogram", "hit_rate", "Stat", "CACHE_STATS", "SERVER_COUNTERS", "FAST_PATH_STATS",
+           "LAYER_STATS", "CLASS_STATS", "CLIENT_STATS"]
 
 
 class Stat(NamedTuple):
@@ -27,9 +33,9 @@ class Stat(NamedTuple):
 
     key: its name in ``stats``; kind: ``"counter"`` (grows from 0 while the daemon runs) or
     ``"gauge"`` (a value now); metric: the Prometheus family, without the ``moecached_`` prefix
-    (counters get ``_total``); help: the metric's help text; value: where it lives: the name
-    of an ``ExpertCache`` attribute, a function ``cache -> value``, or None when the server
-    fills it in (``Server.stats``).
+    (counters get ``_total``); help: the metric's help text; value: where it lives, as each
+    table says (an attribute name, or a function of what the table names), or None when the
+    server fills it in (``Server.stats``).
     """
     key: str
     kind: str
@@ -39,7 +45,8 @@ class Stat(NamedTuple):
 
 
 #: The cache's counters and gauges, in ``stats()`` order (``ExpertCache.stats`` builds them
-#: from these rows, the exporter exposes each one).
+#: from these rows, the exporter exposes each one). value: an ``ExpertCache`` attribute name,
+#: or a function ``cache -> value``.
 CACHE_STATS = (
     Stat("hits", "counter", "hits", "requested experts already resident when asked for",
          lambda c: sum(c._l_hits)),
@@ -80,7 +87,100 @@ CACHE_STATS = (
 SERVER_COUNTERS = tuple(
     Stat(k, "counter", f"server_{k}", f"server {k.replace('_', ' ')} (all clients)", None)
     for k in ("requests", "errors", "malformed", "undeliverable", "clients_dropped", "rate_limited",
-              "socket_rebinds"))
+              "pin_file_errors", "pin_files_truncated", "socket_rebinds"))
+
+#: The shared-memory hit path over all clients (``stats["fast_path"]``), exported as ``fast_*``.
+#: value: a function ``cache -> value`` (under the cache's lock).
+FAST_PATH_STATS = (
+    Stat("pin_files", "gauge", "fast_pin_files", "pin files open now (fast-path clients)",
+         lambda c: len(c._shm.files)),
+    Stat("fast_hits", "counter", "fast_hits",
+         "hits clients took through shared memory (also in hits/prefetch_hits)",
+         lambda c: c._shm.fast_hits + sum(f.hits + f.prefetch_hits for f in c._shm.files)),
+    Stat("ring_drops", "counter", "fast_ring_drops", "hit-ring entries dropped: key out of range or not resident",
+         lambda c: c._shm.drops_closed + sum(f.drops for f in c._shm.files)),
+    Stat("ring_resets", "counter", "fast_ring_resets",
+         "hit rings reset because a client wrote an implausible head", lambda c: c._shm.resets),
+    Stat("pins_honoured", "gauge", "fast_pins_honoured", "slots held by honoured shared-memory pins now",
+         lambda c: sum(len(f.honoured) for f in c._shm.files)),
+    Stat("pins_ignored", "counter", "fast_pins_ignored",
+         "shared-memory pins found past a client's quota (ignored)",
+         lambda c: c._shm.ignored_closed + sum(f.ignored for f in c._shm.files)),
+    Stat("evictions_held", "counter", "fast_evictions_held",
+         "victims skipped because a shared-memory pin held them", lambda c: c._shm.evictions_held),
+    Stat("held_keys", "gauge", "fast_held_keys", "experts the LRU keeps pinned for the fast path now",
+         lambda c: len(c._held)),
+)
+
+#: Per layer (``stats["layers"][layer]``, label ``layer``), exported as ``layer_*``. value: the
+#: name of the ``ExpertCache`` list indexed by layer.
+LAYER_STATS = (
+    Stat("hits", "counter", "layer_hits", "requested experts already resident, per layer", "_l_hits"),
+    Stat("demand_misses", "counter", "layer_demand_misses", "requested experts read while the client waited, "
+         "per layer", "_l_miss"),
+    Stat("prefetch_hits", "counter", "layer_prefetch_hits", "requested experts a prefetch had brought in, "
+         "per layer", "_l_pf"),
+    Stat("reads", "counter", "layer_reads", "completed expert reads, per layer", "_l_reads"),
+)
+
+#: Per size class (``stats["classes"][]``, label ``size_class``), exported as ``class_*``.
+#: value: a function ``(SizeClass, its pools) -> value``; the counters are the class's layers'
+#: :data:`LAYER_STATS` summed (value: the same per-layer list name).
+CLASS_STATS = (
+    Stat("slot_bytes", "gauge", "class_slot_size_bytes", "bytes per slot of the size class",
+         lambda c, pools: c.slot_bytes),
+    Stat("slots_max", "gauge", "class_slots_max", "slots of the size class at the configured budget",
+         lambda c, pools: sum(p.max_cap for p in pools)),
+    Stat("slots", "gauge", "class_slots", "slots of the size class now", lambda c, pools: sum(p.cap for p in pools)),
+    Stat("used", "gauge", "class_used_slots", "slots of the size class resident or loading now",
+         lambda c, pools: sum(len(p.lru) for p in pools)),
+    Stat("pinned", "gauge", "class_pinned_slots", "slots of the size class pinned by open leases now",
+         lambda c, pools: sum(p.lru.pinned for p in pools)),
+    Stat("loading", "gauge", "class_loading_slots", "slots of the size class being read now",
+         lambda c, pools: sum(len(p.loading) for p in pools)),
+    Stat("free", "gauge", "class_free_slots", "free slots of the size class now",
+         lambda c, pools: sum(len(p.free) for p in pools)),
+) + tuple(Stat(s.key, s.kind, "class_" + s.metric[len("layer_"):], s.help.replace("per layer", "per size class"),
+               s.value) for s in LAYER_STATS)
+
+#: Per connected client (``stats["clients"][]``, labels ``client``, ``pid``), exported as
+#: ``client_*``. value: a function ``(server._Client, fast) -> value``, ``fast`` being the
+#: client's shared-memory hit-path counts (``_Client.fast_counts()``).
+CLIENT_STATS = (
+    Stat("leases", "gauge", "client_leases", "leases the client holds now", lambda c, f: len(c.leases)),
+    Stat("pending", "gauge", "client_pending_acquires", "acquires of the client waiting now",
+         lambda c, f: len(c.pending)),
+    Stat("requests", "counter", "client_requests", "requests of the client", lambda c, f: c.requests),
+    Stat("acquires", "counter", "client_acquires", "acquires of the client", lambda c, f: c.acquires),
+    Stat("hits", "counter", "client_hits", "requested experts of the client already resident",
+         lambda c, f: c.hits + f["hits"]),
+    Stat("prefetch_hits", "counter", "client_prefetch_hits",
+         "requested experts of the client a prefetch had brought in", lambda c, f: c.prefetch_hits + f["prefetch_hits"]),
+    Stat("demand_misses", "counter", "client_demand_misses", "requested experts of the client read while it waited",
+         lambda c, f: c.misses),
+    Stat("fast_hits", "counter", "client_fast_hits", "hits the client took through shared memory",
+         lambda c, f: f["fast_hits"]),
+    Stat("ring_drops", "counter", "client_ring_drops", "hit-ring entries of the client dropped",
+         lambda c, f: f["ring_drops"]),
+    Stat("ring_resets", "counter", "client_ring_resets", "hit rings of the client reset (implausible head)",
+         lambda c, f: f["ring_resets"]),
+    Stat("pins_honoured", "gauge", "client_pins_honoured",
+         "slots the client's honoured shared-memory pins hold now", lambda c, f: f["pins_honoured"]),
+    Stat("pins_ignored", "counter", "client_pins_ignored", "shared-memory pins of the client past its quota",
+         lambda c, f: f["pins_ignored"]),
+    Stat("prefetches", "counter", "client_prefetches", "prefetches of the client", lambda c, f: c.prefetches),
+    Stat("prefetches_dropped", "counter", "client_prefetches_dropped", "prefetches of the client not queued",
+         lambda c, f: c.pf.dropped),
+    Stat("prefetch_loads_in_flight", "gauge", "client_prefetch_loads_in_flight",
+         "prefetch loads of the client in flight now (client_max_prefetch caps them)", lambda c, f: c.pf.in_flight),
+    Stat("rate_limited", "counter", "client_rate_limited", "requests of the client over the rate limit",
+         lambda c, f: c.rate_limited),
+    Stat("errors", "counter", "client_errors", "error replies to the client", lambda c, f: c.errors),
+    Stat("stall_s", "counter", "client_stall_seconds", "time the client's acquires waited for reads",
+         lambda c, f: round(c.stall_s, 6)),
+    Stat("idle_s", "gauge", "client_idle_seconds", "seconds since the client's last request",
+         lambda c, f: round(time.monotonic() - c.last_seen, 3)),
+)
 
 
 def hit_rate(hits: int, prefetch_hits: int, demand_misses: int):

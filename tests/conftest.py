@@ -42,3 +42,22 @@ def hot_path(request):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(HOT_PATH_ENV, "1" if request.param == "hot_path_on" else "0")
         yield request.param == "hot_path_on"
+
+
+@pytest.fixture
+def daemon_procs(model, tmp_path):
+    """Real ``moecached`` processes on the test module's ``model`` fixture, arena files in the
+    test's tmp dir: ``start(*args, sock=None) -> (endpoint, Popen)``; ``sock`` names the socket
+    file (by default a new one per start; the same name again is a restart at one endpoint).
+    At teardown each is stopped and its output checked for a traceback."""
+    from daemon_util import start_daemon, stop_daemon
+    procs = []
+
+    def start(*args, sock=None):
+        path = str(tmp_path / (sock or f"d{len(procs)}.sock"))
+        procs.append(start_daemon(str(model), path, "--arena-dir", str(tmp_path), *args))
+        return f"ipc://{path}", procs[-1]
+    yield start
+    for p in procs:
+        out = stop_daemon(p)
+        assert "Traceback" not in out, out

@@ -3,19 +3,20 @@
 - :class:`Daemon`: in-process (an ``ExpertCache`` and a ``Server`` whose loop runs in a thread),
   for tests that look inside the cache or the server;
 - :func:`start_daemon` / :func:`stop_daemon`: a real ``moecached`` process (own ipc socket),
-  for tests of the daemon as operators run it.
+  for tests of the daemon as operators run it (``moecached.tools.daemonproc``, which the
+  benchmarks use too; its output is a pipe that ``stop_daemon`` returns).
 
 Both honour ``MOECACHED_HOT_PATH`` (the ``hot_path`` fixture of tests/conftest.py sets it).
 """
 from __future__ import annotations
 
 import inspect
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
+
+from moecached.tools.daemonproc import start_daemon, stop_daemon
+
+__all__ = ["Daemon", "start_daemon", "stop_daemon", "wait_for"]
 
 
 class Daemon:
@@ -60,36 +61,14 @@ class Daemon:
         self.stop()
 
 
-def start_daemon(model: str, sock: str, *args: str, env=None, wait: float = 30.0) -> subprocess.Popen:
-    """Run ``python -m moecached.daemon --model MODEL --endpoint ipc://SOCK ARGS`` and wait
-    until the socket answers a ping. Memory locking is off unless ARGS turn it on."""
-    cmd = [sys.executable, "-P", "-m", "moecached.daemon", "--model", model, "--endpoint", f"ipc://{sock}"]
-    if not any(a.startswith("--lock-memory") for a in args):
-        cmd.append("--no-lock-memory")
-    cmd += list(args)
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-    from moecache_client import Client
-    deadline = time.time() + wait
-    while time.time() < deadline:
-        if p.poll() is not None:
-            raise RuntimeError(f"daemon exited {p.returncode}: {p.stdout.read()}")
-        if os.path.exists(sock):
-            try:
-                Client(f"ipc://{sock}", connect_timeout=2).close()
-                return p
-            except Exception:
-                pass
-        time.sleep(0.1)
-    p.kill()
-    raise RuntimeError("daemon did not come up: " + (p.stdout.read() if p.stdout else ""))
-
-
-def stop_daemon(p: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 15.0) -> str:
-    if p.poll() is None:
-        p.send_signal(sig)
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    return p.stdout.read() if p.stdout else ""
+def wait_for(cond, what: str, timeout: float = 30.0):
+    """Poll ``cond()`` every 20 ms until it is truthy and return its value; AssertionError
+    naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from fixtures import make_model, shared_dir, shared_traces
+from fixtures import make_model, shared_traces
 from moecached.cache import ExpertCache, Lease
 from moecached.index import open_index
 from test_cache import FileTruth, wait_idle
@@ -28,19 +28,15 @@ SOAK_S = float(os.environ.get("MOECACHE_SOAK_S", "10"))
 TIMEOUT_S = 60.0  # an acquire this slow means a deadlock
 
 
-def _traces_dir():
-    return shared_dir() / "traces" if shared_traces() else None
-
-
 def load_traces(idx):
     """[(name, steps)]: step = [(layer, [experts])] over trace layers i..i+n-1 (n = fixture
     expert layers), so each fixture layer appears at most once per step."""
-    d = _traces_dir()
-    if d is None:
+    traces = shared_traces()
+    if not traces:
         pytest.skip("../shared/traces not found (set MOECACHE_SHARED)")
     layers, ne = list(idx.expert_layers), idx.n_experts
     out = []
-    for f in sorted(d.glob("*.npz")):
+    for f in traces:
         ex = np.load(f)["experts"]
         toks = []
         for t in range(ex.shape[0]):

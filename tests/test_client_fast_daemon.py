@@ -10,7 +10,7 @@ calls go over the socket (the request counts say so) and give the same bytes.
 import pytest
 
 import moecache_client
-from daemon_util import start_daemon, stop_daemon
+from daemon_util import stop_daemon
 from moecache_client import Client
 from moecached.tools.synth import verify_expert_bytes
 
@@ -25,18 +25,10 @@ def model(model_factory):
 
 
 @pytest.fixture
-def daemon(model, tmp_path):
-    procs = []
-
-    def start(*args):
-        sock = str(tmp_path / "d.sock")
-        p = start_daemon(model, sock, "--arena-dir", str(tmp_path), "--slots", "24", *args)
-        procs.append(p)
-        return f"ipc://{sock}", p
-    yield start
-    for p in procs:
-        out = stop_daemon(p)
-        assert "Traceback" not in out, out
+def daemon(daemon_procs):
+    """``daemon(*args) -> (endpoint, process)``: a daemon with 24 slots unless ``args`` say, at
+    one endpoint (a second start is a restart)."""
+    return lambda *args: daemon_procs("--slots", "24", *args, sock="d.sock")
 
 
 def me(c):

@@ -7,11 +7,10 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from moecached.tools.simulate import simulate
-from moecached.trace import Trace, load_trace
+from moecached.trace import load_trace
 from moecached.tools.workload import generate, locality_stats
 
 from fixtures import trace_path
@@ -38,8 +37,7 @@ def test_demo_real_trace(tmp_path):
     assert [r["size_fraction"] for r in res] == [0.25, 0.5]
     assert [r["slots"] for r in res] == [64, 128]
     t = load_trace(qwen_trace_path())
-    t2 = Trace(experts=np.ascontiguousarray(t.experts[:, :2]), is_prompt=t.is_prompt,
-               meta={"n_experts": t.n_experts})
+    t2 = t.window(layers=2)
     for r in res:
         assert r["counted_tokens"] == 64 and r["accesses"] == 64 * 2 * 8
         s = r["sim"]

@@ -10,11 +10,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
-from daemon_util import start_daemon, stop_daemon
+from daemon_util import start_daemon, stop_daemon, wait_for
 from moecache_client import Client
 from moecached.tools.synth import verify_expert_bytes
 from shm_shim import FastClient
@@ -31,20 +30,9 @@ def model(model_factory):
 
 
 @pytest.fixture
-def daemon(model, tmp_path):
-    procs = []
-
-    def start(*args):
-        sock = str(tmp_path / f"d{len(procs)}.sock")
-        if "--slots" not in args:
-            args += ("--slots", "64")
-        p = start_daemon(model, sock, "--arena-dir", str(tmp_path), *args)
-        procs.append(p)
-        return f"ipc://{sock}"
-    yield start
-    for p in procs:
-        out = stop_daemon(p)
-        assert "Traceback" not in out, out
+def daemon(daemon_procs):
+    """``daemon(*args) -> endpoint``: a daemon process with 64 slots unless ``args`` say."""
+    return lambda *args: daemon_procs("--slots", "64", *args)[0]
 
 
 def churn(endpoint, layers, rounds=2, experts=range(N_EXP)):
@@ -61,14 +49,6 @@ def bytes_right(fc, layer, expert, item):
         data = fc.part(item.cls, item.slot, part)
         assert verify_expert_bytes(data, layer, part, expert, 0) is None, (layer, expert, part)
     return True
-
-
-def wait_for(cond, what, timeout=10.0):
-    t0 = time.time()
-    while not cond():
-        if time.time() - t0 > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def pin_resident(fc, layer, experts):

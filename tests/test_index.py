@@ -8,7 +8,8 @@ import pytest
 from gguf import GGUFReader
 
 from fixtures import complete_layouts, layout_path, read_and_verify
-from moecached.index import ExpertIndex, PartSpan, main as inspect_main, open_index
+from moecached.index import ExpertIndex, PartSpan, open_index
+from moecached.tools.inspect import main as inspect_main
 from moecached.tools.synth import write_model
 
 # (layers, experts) per layout: real per-expert sizes, small enough for a shared 2-core box

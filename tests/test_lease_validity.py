@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import moecache_client
-from daemon_util import start_daemon, stop_daemon
+from daemon_util import start_daemon, stop_daemon, wait_for
 from moecache_client import Client, LeaseInvalid
 from moecached.arena import EPOCH_OFF, remove_stale_arenas
 from moecached.tools.synth import verify_expert_bytes
@@ -44,14 +44,6 @@ def churn(endpoint, layers, rounds=3):
             for layer in layers:
                 for e in range(16):
                     c.acquire(layer, [e]).release()
-
-
-def wait_for(cond, what, timeout=10.0):
-    t0 = time.time()
-    while not cond():
-        if time.time() - t0 > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 HOLDER = textwrap.dedent("""

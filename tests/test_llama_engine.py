@@ -3,6 +3,8 @@
 Needs the patched llama.cpp (clients/llama.cpp/build.sh); skipped with one line when it is
 not built. The driver (mc-decode) dumps the float32 logits of the prompt's last token and of
 every greedy step; a run through the daemon must write the same bytes as the resident run.
+The models (MODELS) cover the architectures the patch is checked on: qwen3moe, llama
+(Mixtral-style) and olmoe, each at several quant mixes.
 """
 from __future__ import annotations
 
@@ -14,9 +16,12 @@ import subprocess
 import threading
 import time
 
+import numpy as np
 import pytest
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from daemon_util import start_daemon, stop_daemon
+from moecache_client import Client
 from moecached.tools import engine_llama
 from moecached.index import open_index
 from moecached.tools.synth_runnable import write_runnable
@@ -28,17 +33,31 @@ PROMPT = "Experts in shared memory, served to every engine."
 STEPS = 40
 
 
+# name -> (arch, write_runnable arguments); the qwen3moe models keep the bare quant names.
+# llama is Mixtral-style (8 experts, top-2, as Mixtral); Q4_K_M gives two size classes
+# (some down projections stay Q6_K). Quant types other than f32/q8_0 need llama-quantize.
+MODELS = {
+    "f32": ("qwen3moe", dict(blocks=2, experts=16, top_k=4, quant="f32", seed=1)),
+    "q8_0": ("qwen3moe", dict(blocks=3, experts=16, top_k=4, quant="q8_0", seed=2)),
+    "q4_k_m": ("qwen3moe", dict(blocks=4, experts=16, top_k=4, hidden=256, expert_ff=256, quant="Q4_K_M", seed=3)),
+    "llama-f32": ("llama", dict(blocks=2, experts=8, top_k=2, quant="f32", seed=4)),
+    "llama-q8_0": ("llama", dict(blocks=3, experts=8, top_k=2, quant="q8_0", seed=5)),
+    "llama-q4_k_m": ("llama", dict(blocks=4, experts=8, top_k=2, hidden=256, expert_ff=256, quant="Q4_K_M", seed=6)),
+    "olmoe-q8_0": ("olmoe", dict(blocks=3, experts=16, top_k=4, quant="q8_0", seed=7)),
+    "olmoe-q4_k_m": ("olmoe", dict(blocks=3, experts=16, top_k=4, hidden=256, expert_ff=256, quant="Q4_K_M", seed=8)),
+}
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("llama-models")
-    out = {
-        "f32": write_runnable(str(d / "f32.gguf"), blocks=2, experts=16, top_k=4, quant="f32", seed=1),
-        "q8_0": write_runnable(str(d / "q8.gguf"), blocks=3, experts=16, top_k=4, quant="q8_0", seed=2),
-    }
     q = BIN / "llama-quantize"
-    if q.exists():
-        out["q4_k_m"] = write_runnable(str(d / "q4km.gguf"), blocks=4, experts=16, top_k=4, hidden=256,
-                                       expert_ff=256, quant="Q4_K_M", quantize_bin=str(q), seed=3)
+    out = {}
+    for name, (arch, kw) in MODELS.items():
+        if kw["quant"] in ("f32", "q8_0"):
+            out[name] = write_runnable(str(d / f"{name}.gguf"), arch=arch, **kw)
+        elif q.exists():
+            out[name] = write_runnable(str(d / f"{name}.gguf"), arch=arch, quantize_bin=str(q), **kw)
     return out
 
 
@@ -70,16 +89,20 @@ def reference(models, tmp_path_factory):
     return ref
 
 
-def test_runnable_model_is_indexed(models):
-    idx = open_index(models["q8_0"]).to_json()
-    assert idx["arch"] == "qwen3moe" and idx["n_experts"] == 16 and idx["top_k"] == 4
-    assert idx["expert_layers"] == [0, 1, 2]
-    if "q4_k_m" in models:
+@pytest.mark.parametrize("quant", list(MODELS))
+def test_runnable_model_is_indexed(models, quant):
+    if quant not in models:
+        pytest.skip("no llama-quantize in the build")
+    arch, kw = MODELS[quant]
+    idx = open_index(models[quant]).to_json()
+    assert idx["arch"] == arch and idx["n_experts"] == kw["experts"] and idx["top_k"] == kw["top_k"]
+    assert idx["expert_layers"] == list(range(kw["blocks"]))
+    if kw["quant"] == "Q4_K_M":
         # Q4_K_M keeps some down projections at Q6_K: two size classes
-        assert len(open_index(models["q4_k_m"]).to_json()["size_classes"]) == 2
+        assert len(idx["size_classes"]) == 2
 
 
-@pytest.mark.parametrize("quant", ["f32", "q8_0", "q4_k_m"])
+@pytest.mark.parametrize("quant", list(MODELS))
 @pytest.mark.parametrize("budget", ["all", "half", "tight"])
 def test_daemon_served_logits_are_bit_identical(models, reference, tmp_path, quant, budget):
     if quant not in models:
@@ -172,7 +195,13 @@ def test_daemon_crash_while_a_lease_is_held_discards_the_batch_and_continues(mod
                            env=dict(os.environ, LLAMA_MOECACHED_HOLD_US="3000000"))
     p2 = None
     try:
-        time.sleep(2.0)
+        # kill only once the engine holds a lease (its first acquire granted): a fixed sleep
+        # could kill the daemon while a loaded machine is still loading the model
+        with Client(f"ipc://{sock}", name="watcher") as c:
+            deadline = time.monotonic() + 120
+            while c.stats()["leases"] < 1 and eng.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert c.stats()["leases"] >= 1, "the engine acquired nothing in 120 s"
         assert eng.poll() is None, "the engine finished before the crash"
         stop_daemon(p, sig=signal.SIGKILL)
         p2 = start_daemon(models[quant], sock, "--slots", "32")
@@ -200,6 +229,63 @@ def test_refused_layout_mismatch_is_one_line(models, tmp_path):
     assert r.returncode != 0
     lines = [l for l in r.stderr.splitlines() if l.startswith("moecached:")]
     assert lines and "ffn_" in lines[0] and "another model file" in lines[0], r.stderr[-2000:]
+
+
+def rewrite_gguf(src, dst, *, arch=None, drop=(), add=(), kv=()):
+    """Copy the F32 GGUF ``src`` to ``dst``: the keys renamed to ``arch``, tensors whose name
+    contains one of ``drop`` left out, then ``add`` ((name, numpy array) pairs) and ``kv``
+    ((key, value, GGUFValueType) triples) added."""
+    r = GGUFReader(src)
+    old = r.fields["general.architecture"].contents()
+    arch = arch or old
+    w = GGUFWriter(dst, arch)
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(arch + k[len(old):] if k.startswith(old + ".") else k, f.contents(), f.types[0], sub_type=sub)
+    for k, v, t in kv:
+        w.add_key_value(k, v, t)
+    for t in r.tensors:
+        if not any(d in t.name for d in drop):
+            w.add_tensor(t.name, np.array(t.data, dtype=np.float32))
+    for name, arr in add:
+        w.add_tensor(name, arr.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("layout", ["scales", "biases"])
+def test_unsupported_expert_layout_is_refused_at_start_in_one_line(tmp_path, layout):
+    # llama.cpp loads per-expert scales (blk.N.ffn_*_exps.scale) for every arch, and per-expert
+    # biases for gpt-oss; the patch refuses both before it connects, in one line
+    E, F, H, nh = 8, 64, 64, 4
+    src = write_runnable(str(tmp_path / "src.gguf"), arch="llama", blocks=2, experts=E, top_k=2, seed=9)
+    model = str(tmp_path / "m.gguf")
+    if layout == "scales":
+        rewrite_gguf(src, model, add=[("blk.1.ffn_up_exps.scale", np.ones(E))])
+        want = "blk.1: per-expert scales (ffn_*_exps_s) are not supported by --moecached; run without it"
+    else:
+        u32 = GGUFValueType.UINT32
+        add = []
+        for b in range(2):
+            p = f"blk.{b}."
+            add += [(p + "post_attention_norm.weight", np.ones(H)), (p + "attn_sinks.weight", np.zeros(nh)),
+                    (p + "attn_output.bias", np.zeros(H)), (p + "ffn_gate_inp.bias", np.zeros(E)),
+                    (p + "ffn_gate_exps.bias", np.zeros((E, F))), (p + "ffn_up_exps.bias", np.zeros((E, F))),
+                    (p + "ffn_down_exps.bias", np.zeros((E, H)))]
+        rewrite_gguf(src, model, arch="gpt-oss", drop=("ffn_norm",), add=add,
+                     kv=[("gpt-oss.expert_feed_forward_length", F, u32), ("gpt-oss.attention.sliding_window", 128, u32)])
+        want = "blk.0: per-expert biases (ffn_*_exps.bias) are not supported by --moecached; run without it"
+    resident = decode(model, tmp_path / "resident.bin", check=False)
+    assert resident.returncode == 0, f"the {layout} model does not run resident: {resident.stderr[-2000:]}"
+    r = decode(model, tmp_path / "out.bin", endpoint=f"ipc://{tmp_path / 'none.sock'}", check=False)
+    assert r.returncode != 0
+    lines = [l for l in r.stderr.splitlines() if l.startswith("moecached:")]
+    assert lines == [f"moecached: {want}"], r.stderr[-2000:]
 
 
 def test_demo_engine_step_decodes_bit_identical(tmp_path):

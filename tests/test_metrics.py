@@ -185,25 +185,52 @@ def test_bad_listen_is_one_line_error(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1 and "cannot listen" in r.stderr
 
 
-def test_declared_stats_reach_every_view_and_the_docs(model, tmp_path):
-    """Each counter declared in moecached.stats is in ExpertCache/Server stats, is exported
-    under its declared name and kind, and both names are in docs/operations.md's tables."""
+def test_declared_stats_reach_every_view_and_the_docs(model, tmp_path, capsys):
+    """Each counter and gauge declared in moecached.stats is in the daemon's stats reply (at its
+    table's place), in ``moecache-ctl stats --all`` as a STAT line, in the exporter's families
+    under its declared name, kind and labels, and both its stat key and metric name are in
+    docs/operations.md. The expectations come from the declarations: a new row that misses a
+    view fails here. The reply's numeric keys at each place are all declared."""
     import re
     from pathlib import Path
     from daemon_util import Daemon
-    from moecached.stats import CACHE_STATS, SERVER_COUNTERS
+    from moecached import stats as S
+    from moecached.tools.ctlstats import stats_main
     with Daemon(model, tmp_path) as d:
-        with Client(d.endpoint, name="engine", map_arena=False) as c:
+        with Client(d.endpoint, name="engine", map_arena=False, heartbeat_s=600) as c:
             work(c, [1, 2])
-        st = d.server.stats()
-    fams = {f.name: f.type for f in StatsCollector("ipc:///nonexistent")._families(st)}
+            st = d.server.stats()
+            assert stats_main(["-e", d.endpoint, "--all"]) == 0
+    lines = set(capsys.readouterr().out.splitlines())
+    (eng,) = [x for x in st["clients"] if x["name"] == "engine"]
+    cls, (layer, lay) = st["classes"][0], next(iter(st["layers"].items()))
+    # table -> (the reply's dict, STAT line prefix, labels of its families)
+    places = {S.CACHE_STATS: (st, "", ()), S.SERVER_COUNTERS: (st["server"], "server.", ()),
+              S.FAST_PATH_STATS: (st["fast_path"], "fast_path.", ()),
+              S.CLASS_STATS: (cls, f"classes.{cls['id']}.", ("size_class",)),
+              S.LAYER_STATS: (lay, f"layers.{layer}.", ("layer",)),
+              S.CLIENT_STATS: (eng, "clients.engine.", ("client", "pid"))}
+    assert set(places) == {getattr(S, n) for n in S.__all__ if n.isupper()}, "a declared table has no place here"
+    fams = {f.name: (f.type, {tuple(sorted(x.labels)) for x in f.samples})
+            for f in StatsCollector("ipc:///nonexistent")._families(st)}
     doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
     stat_rows = doc[doc.index("## What each stat means"):doc.index("## Prometheus metrics")]
     metric_rows = doc[doc.index("## Prometheus metrics"):]
-    for s in CACHE_STATS + SERVER_COUNTERS:
-        if s not in SERVER_COUNTERS:
-            assert s.key in st, s.key
-            assert re.search(rf"`{s.key}`", stat_rows), f"stat {s.key} not in docs/operations.md"
-        assert fams.get(f"moecached_{s.metric}") == s.kind, (s.metric, fams.get(f"moecached_{s.metric}"))
-        shown = s.metric + ("_total" if s.kind == "counter" else "")
-        assert re.search(rf"`{shown}`", metric_rows), f"metric {shown} not in docs/operations.md"
+    numeric = (int, float)
+    for table, (reply, prefix, labels) in places.items():
+        keys = {s.key for s in table}
+        assert len(keys) == len(table), f"a key declared twice in {[s.key for s in table]}"
+        if table is not S.CACHE_STATS:   # the top level also holds the nested places
+            extra = {k for k, v in reply.items() if isinstance(v, numeric) and not isinstance(v, bool)}
+            assert extra - keys <= {"id", "pid", "hit_rate"}, f"{prefix}: undeclared {extra - keys}"
+        for s in table:
+            assert s.kind in ("counter", "gauge"), s
+            assert s.key in reply, f"{prefix}{s.key} not in the stats reply"
+            assert any(line.startswith(f"STAT {prefix}{s.key} ") for line in lines), \
+                f"STAT {prefix}{s.key} not in moecache-ctl stats --all"
+            kind, seen = fams.get(f"moecached_{s.metric}", (None, set()))
+            assert kind == s.kind, (s.metric, kind)
+            assert seen == {tuple(sorted(labels))}, (s.metric, seen)
+            assert re.search(rf"`{s.key}`", stat_rows), f"stat {prefix}{s.key} not in docs/operations.md"
+            shown = s.metric + ("_total" if s.kind == "counter" else "")
+            assert re.search(rf"`{shown}`", metric_rows), f"metric {shown} not in docs/operations.md"

@@ -3,11 +3,10 @@ model, one clear state (`model changed`, `model_changed` errors), then reload or
 import os
 import shutil
 import stat
-import time
 
 import pytest
 
-from daemon_util import start_daemon, stop_daemon
+from daemon_util import start_daemon, stop_daemon, wait_for
 from moecache_client import Client, DaemonRestarted, ServerError
 from moecached.index import open_index
 from moecached.tools.synth import verify_expert_bytes
@@ -60,16 +59,6 @@ def control_words(c):
     a = c.info["arena"]
     w = np.memmap(a["path"], dtype=np.uint64, mode="r", shape=(4,))
     return int(w[a["control"]["epoch_off"] // 8]), int(w[a["control"]["state_off"] // 8])
-
-
-def wait_for(fn, what, timeout=30.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        v = fn()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"gave up waiting for {what}")
 
 
 def test_rewrite_in_place_with_mtime_restored_is_never_served(models, tmp_path):

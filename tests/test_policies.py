@@ -20,7 +20,7 @@ from moecached.policy import LFU_DECAY_HALVE_AFTER, LRU, POLICIES, expand_polici
 from moecached.tools.replay import reference_lru
 from moecached.trace import Trace, load_trace
 
-from fixtures import shared_dir, shared_traces
+from fixtures import make_model, shared_dir, shared_layouts_dir, shared_traces
 
 SHARED = shared_dir()
 TRACES = shared_traces()
@@ -417,8 +417,7 @@ def fast(trace, policy, size, per_class_layers=None, warmup=None):
 
 
 def truncate(t: Trace, n) -> Trace:
-    return Trace(experts=t.experts[:n], is_prompt=t.is_prompt[:n],
-                 step=None if t.step is None else t.step[:n], meta={"n_experts": t.n_experts})
+    return t.window(0, n)
 
 
 # ============================================================================ exact matches
@@ -694,18 +693,21 @@ def test_unknown_policy():
 @need_traces
 def test_cli_json_layout_and_plot(tmp_path, capsys):
     trace = next(p for p in TRACES if "humaneval0" in p.name)
-    layout = SHARED / "layouts" / "mixtral-8x7b-Q4_K_M.json"
+    layouts = shared_layouts_dir()
+    layout = layouts / "mixtral-8x7b-Q4_K_M.json" if layouts is not None else None
+    if layout is not None and not layout.exists():
+        layout = None
     args = [str(trace), "--policies", "lru,g-lru,g-opt", "--sizes", "0.25,50%,0.125"]
-    if layout.exists():
+    if layout is not None:
         args += ["--layout", str(layout), "--compute-ms", "20"]
     assert sim.main(args + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     res = {(r["policy"], r["size"]): r for r in out[0]["results"]}
     assert "error" in res[("lru", 0.125)]              # 1 slot < top-2
     r = res[("g-lru", 0.5)]
-    classes = sim.layout_bytes(layout)[1] if layout.exists() else None
+    classes = sim.layout_bytes(layout)[1] if layout is not None else None
     assert r["hits"] == sim.simulate(trace, "g-lru", 0.5, per_class_layers=classes)["hits"]
-    if layout.exists():
+    if layout is not None:
         assert r["bytes_per_token"] > 0 and r["tok_s_with_compute"] < r["drive_tok_s"]
     assert sim.main(args) == 0
     txt = capsys.readouterr().out
@@ -717,14 +719,8 @@ def test_cli_json_layout_and_plot(tmp_path, capsys):
 
 
 def test_model_bytes_from_gguf(tmp_path, capsys):
-    """--model: bytes per expert and size classes from the GGUF index (skips when the index
-    or the fixture generator is not there)."""
-    pytest.importorskip("moecached.index")
-    fixtures = pytest.importorskip("fixtures")
-    layout = "qwen3-30b-a3b-Q4_K_M.json"
-    if not (SHARED / "layouts" / layout).exists():
-        pytest.skip("no shared layouts")
-    model = fixtures.make_model(tmp_path, layout, layers=8, experts=8)
+    """--model: bytes per expert and size classes from the GGUF index."""
+    model = make_model(tmp_path, "qwen3-30b-a3b-Q4_K_M", layers=8, experts=8)
     per, cls = sim.model_bytes(model)
     # Qwen3-30B Q4_K_M: Q6_K down experts in blocks 0-5, Q4_K in 6-7 -> two size classes
     assert sorted(map(sorted, cls)) == [[0, 1, 2, 3, 4, 5], [6, 7]]

@@ -7,7 +7,7 @@ import pytest
 
 from moecached.tools.replay import ReplayError, parse_predictor, plan, reference_lru, replay
 from moecached.tools.simulate import simulate
-from moecached.trace import Trace, load_trace
+from moecached.trace import load_trace
 
 from fixtures import make_model, trace_path
 
@@ -145,8 +145,7 @@ def test_plan_windows():
     # the simulator's --tokens window is replay's: same end, same counted tokens
     g = simulate(m, "g-lru", 0.5, tokens=7)
     assert g["counted_tokens"] == 7
-    assert g["hits"] == simulate(Trace(experts=m.experts[:p.end], is_prompt=m.is_prompt[:p.end],
-                                       meta={"n_experts": m.n_experts}), "g-lru", 0.5)["hits"]
+    assert g["hits"] == simulate(m.window(0, p.end), "g-lru", 0.5)["hits"]
     with pytest.raises(ReplayError):
         plan(t, t.n_tokens, None)
     with pytest.raises(ReplayError):

@@ -584,6 +584,9 @@ def test_timed_out_acquire_is_cancelled_in_the_daemon(model_factory, tmp_path):
                 gate.set()
             for cb, a in held:        # the reads complete now, as prefetches
                 cb(*a)
+            deadline = time.monotonic() + 10   # reads not yet finished when the gate opened
+            while cache.stats()["reads_in_flight"] and time.monotonic() < deadline:
+                time.sleep(0.01)       # complete on their reader threads
             st = c.stats()
             assert st["pinned"] == 0 and st["leases_open"] == 0 and st["leases_held"] == 0
             assert mine(st)["leases"] == 0 and mine(st)["acquires"] == 0

@@ -323,3 +323,44 @@ def test_synth_runnable_is_indexed_and_refuses_bad_shapes(tmp_path):
         write_runnable(out, hidden=48, quant="q8_0")
     with pytest.raises(RunnableError, match="needs --llama-quantize"):
         write_runnable(out, quant="Q4_K_M")
+
+
+@pytest.mark.parametrize("arch", ["llama", "olmoe"])
+def test_synth_runnable_arch_writes_that_archs_keys_and_tensors(tmp_path, capsys, arch):
+    from moecached.tools.ctl import main as ctl_main
+    from moecached.index import open_index
+    out = str(tmp_path / "r.gguf")
+    assert ctl_main(["synth", "--runnable", "--arch", arch, "--out", out, "--blocks", "2", "--experts", "8",
+                     "--top-k", "2", "--quant", "q8_0"]) == 0
+    f = GGUFReader(out)
+    kv = {k: f.fields[k].contents() for k in f.fields if k.startswith(arch + ".")}
+    assert f.fields["general.architecture"].contents() == arch
+    assert kv[f"{arch}.expert_count"] == 8 and kv[f"{arch}.expert_used_count"] == 2
+    # llama and olmoe take the expert FFN size from feed_forward_length (no expert_* key)
+    assert kv[f"{arch}.feed_forward_length"] == 64 and f"{arch}.expert_feed_forward_length" not in kv
+    shapes = {t.name: [int(n) for n in t.shape] for t in f.tensors}
+    assert shapes["blk.1.ffn_gate_inp.weight"] == [64, 8]
+    assert shapes["blk.1.ffn_down_exps.weight"] == [64, 64, 8]
+    if arch == "llama":
+        assert kv["llama.rope.dimension_count"] == kv["llama.attention.key_length"] == 16
+        assert not [n for n in shapes if "_norm" in n and n.startswith("blk.") and "attn_q" in n]
+    else:
+        # q/k norms over the whole projection; no grouped KV
+        assert shapes["blk.0.attn_q_norm.weight"] == shapes["blk.0.attn_k_norm.weight"] == [64]
+        assert kv["olmoe.attention.head_count_kv"] == kv["olmoe.attention.head_count"] == 4
+        assert kv["olmoe.attention.key_length"] == 16
+    idx = open_index(out).to_json()
+    assert idx["arch"] == arch and idx["expert_layers"] == [0, 1] and idx["top_k"] == 2
+
+
+def test_synth_runnable_refuses_unknown_arch_and_olmoe_heads(tmp_path, capsys):
+    from moecached.tools.ctl import main as ctl_main
+    out = str(tmp_path / "r.gguf")
+    assert ctl_main(["synth", "--runnable", "--arch", "mixtral", "--out", out]) == 1
+    assert capsys.readouterr().err == ("moecache-ctl synth: error: --arch mixtral: expected one of qwen3moe, "
+                                       "llama, olmoe (Mixtral-style MoE is llama)\n")
+    assert ctl_main(["synth", "--runnable", "--arch", "olmoe", "--hidden", "96", "--out", out]) == 0
+    capsys.readouterr()
+    assert ctl_main(["synth", "--runnable", "--arch", "olmoe", "--hidden", "66", "--out", out]) == 1
+    assert capsys.readouterr().err == ("moecache-ctl synth: error: --hidden 66: olmoe needs a multiple of the "
+                                       "head count 4\n")

@@ -6,8 +6,8 @@ import threading
 import numpy as np
 import pytest
 
-from moecached.trace import (Trace, TraceError, TraceRecorder, convert_jsonl, convert_main,
-                             load_trace, save_trace)
+from moecached.tools.tracetools import convert_main
+from moecached.trace import Trace, TraceError, TraceRecorder, convert_jsonl, load_trace, save_trace
 
 from fixtures import shared_traces
 

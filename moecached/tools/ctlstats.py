@@ -220,9 +220,8 @@ def stats_main(argv) -> int:
 
 
 def trace_main(argv) -> int:
-    if argv and argv[0] == "convert":
-        from ..trace import convert_main
-        return convert_main(argv[1:])
+    """``moecache-ctl trace start FILE | stop`` (``trace convert`` is routed to
+    ``moecached.tools.tracetools`` before this)."""
     p = _parser("trace", "record the acquires a running daemon serves into a trace file "
                          "(docs/trace-format.md); 'trace convert IN.jsonl OUT.npz' converts logs")
     p.add_argument("action", choices=["start", "stop", "convert"],

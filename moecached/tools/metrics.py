@@ -15,28 +15,12 @@ import threading
 import time
 
 from .. import MoecacheError
-from ..stats import CACHE_STATS, SERVER_COUNTERS
+from ..stats import CACHE_STATS, CLASS_STATS, CLIENT_STATS, FAST_PATH_STATS, LAYER_STATS, SERVER_COUNTERS
 
 CLIENT_NAME = "moecache-metrics"  # how the exporter's own connection shows in the daemon's stats
 
-# stats key -> (metric name without prefix, help), generated from the declarations in
-# moecached.stats. Counters get ``_total`` from prometheus_client.
-COUNTERS = {s.key: (s.metric, s.help) for s in CACHE_STATS if s.kind == "counter"}
-GAUGES = {s.key: (s.metric, s.help) for s in CACHE_STATS if s.kind == "gauge"}
-CLASS_GAUGES = ("slots", "slots_max", "used", "pinned", "loading", "free")
-CLASS_COUNTERS = LAYER_COUNTERS = ("hits", "demand_misses", "prefetch_hits", "reads")
-CLIENT_COUNTERS = ("requests", "acquires", "hits", "prefetch_hits", "demand_misses", "prefetches",
-                   "prefetches_dropped", "rate_limited", "errors", "fast_hits", "ring_drops")
-# the shared-memory hit path (stats "fast_path"): key -> (kind, metric name, help)
-FAST_PATH = {
-    "fast_hits": ("c", "fast_hits", "hits clients took through shared memory (also in hits/prefetch_hits)"),
-    "ring_drops": ("c", "fast_ring_drops", "hit-ring entries dropped: key out of range or not resident"),
-    "ring_resets": ("c", "fast_ring_resets", "hit rings reset because a client wrote an implausible head"),
-    "pins_ignored": ("c", "fast_pins_ignored", "shared-memory pins found past a client's quota (ignored)"),
-    "evictions_held": ("c", "fast_evictions_held", "victims skipped because a shared-memory pin held them"),
-    "pin_files": ("g", "fast_pin_files", "pin files open now (fast-path clients)"),
-    "pins_honoured": ("g", "fast_pins_honoured", "slots held by honoured shared-memory pins now"),
-}
+# every declared counter and gauge (moecached.stats) becomes one family; counters get ``_total``
+# from prometheus_client.
 
 
 def _prometheus():
@@ -58,30 +42,16 @@ class StatsCollector:
     * ``up`` 1 if the daemon answered this scrape, else 0 -- and then nothing else is exposed;
       ``info{version,model,policy}`` 1; ``tracing`` 1 while a routing trace is recorded;
       ``model_changed`` 1 while the model file differs from the one indexed.
-    * counters: ``hits``, ``prefetch_hits``, ``demand_misses``, ``prefetches``,
-      ``prefetches_dropped``, ``wasted_prefetches``, ``evictions``, ``read_bytes``, ``reads``,
-      ``read_errors``, ``acquires_queued``, ``leases`` (granted), ``budget_shrinks``,
-      ``budget_grows``, ``server_{requests,errors,malformed,undeliverable,clients_dropped,
-      rate_limited,socket_rebinds}``,
-      ``reader_chunk_reads``, ``reader_jobs``; shared-memory hit path: ``fast_hits``,
-      ``fast_ring_drops``, ``fast_ring_resets``, ``fast_pins_ignored``, ``fast_evictions_held``.
-    * gauges: ``reads_in_flight``, ``prefetch_loads_in_flight``, ``leases_open``,
-      ``acquires_waiting``, ``pinned_slots``, ``uptime_seconds``, ``budget_configured_bytes``,
-      ``budget_current_bytes``, ``reader_queued_jobs{queue=demand|prefetch}``,
-      ``fast_pin_files``, ``fast_pins_honoured``.
+    * one family per row declared in ``moecached.stats``: ``CACHE_STATS`` and
+      ``SERVER_COUNTERS`` (``server_*``), ``FAST_PATH_STATS`` (``fast_*``), ``CLASS_STATS``
+      (``class_*{size_class}``), ``LAYER_STATS`` (``layer_*{layer}``) and ``CLIENT_STATS``
+      (``client_*{client,pid}``: the exporter's own connection left out; clients sharing name
+      and pid are summed, ``idle_seconds`` the least); ``clients`` (connected, gauge).
+    * gauges ``budget_configured_bytes``, ``budget_current_bytes``; reader pool: counters
+      ``reader_chunk_reads``, ``reader_jobs``, gauge ``reader_queued_jobs{queue=demand|prefetch}``.
     * ``read_latency_seconds`` summary: ``_count``, ``_sum`` over the run, ``quantile`` 0.5 and
       0.99 over the last 8192 reads (absent before the first read); ``read_latency_max_seconds``.
       ``reader_job_latency_seconds`` histogram (the reader pool's fixed buckets, no ``_sum``).
-    * per size class ``{size_class}``: gauges ``class_slot_size_bytes``, ``class_slots``,
-      ``class_slots_max``, ``class_{used,pinned,loading,free}_slots``; counters
-      ``class_{hits,demand_misses,prefetch_hits,reads}``.
-    * per layer ``{layer}``: counters ``layer_{hits,demand_misses,prefetch_hits,reads}``.
-    * per connected client ``{client,pid}`` (the exporter's own connection left out; clients
-      sharing name and pid are summed): counters ``client_{requests,acquires,hits,prefetch_hits,
-      demand_misses,prefetches,prefetches_dropped,rate_limited,errors,fast_hits,ring_drops}``,
-      ``client_stall_seconds``; gauges ``client_leases``, ``client_pins_honoured``,
-      ``client_pending_acquires``, ``client_prefetch_loads_in_flight``, ``client_idle_seconds``;
-      ``clients`` (connected, gauge).
     * memory floor, only while it is on: gauges ``floor_bytes``, ``floor_hysteresis_bytes``,
       ``floor_min_budget_bytes``, ``floor_available_bytes``, ``floor_at_min``; counters
       ``floor_{shrinks,grows,errors,reconfigures}`` (reconfigures: budget changes a SIGHUP made).
@@ -160,28 +130,25 @@ class StatsCollector:
         def single(kind, name, help_, value):
             if not isinstance(value, (int, float)):  # absent or None: left out
                 return None
-            f = (core.CounterMetricFamily if kind == "c" else core.GaugeMetricFamily)(f"moecached_{name}", help_)
+            f = self._family(kind)(f"moecached_{name}", help_)
             f.add_metric([], float(value))
             return f
 
         info = core.InfoMetricFamily("moecached", "the daemon instance")
         info.add_metric([], {k: str(st.get(k, "")) for k in ("version", "model", "policy")})
-        out = [info, single("g", "tracing", "1 while a routing trace is recorded", bool(st.get("tracing"))),
-               single("g", "model_changed", "1 while the model file differs from the one indexed "
+        out = [info, single("gauge", "tracing", "1 while a routing trace is recorded", bool(st.get("tracing"))),
+               single("gauge", "model_changed", "1 while the model file differs from the one indexed "
                       "(misses fail with model_changed)", bool(st.get("model_changed")))]
-        for table, kind in ((COUNTERS, "c"), (GAUGES, "g")):
-            for key, (name, help_) in table.items():
-                if key in st:
-                    out.append(single(kind, name, help_, st[key]))
+        for row in CACHE_STATS:
+            out.append(single(row.kind, row.metric, row.help, st.get(row.key)))
         for key in ("configured", "current"):
             v = (st.get("budget") or {}).get(f"{key}_bytes")
-            out.append(single("g", f"budget_{key}_bytes", f"cache budget, {key}", v))
-        server = st.get("server") or {}
-        for c in SERVER_COUNTERS:
-            out.append(single("c", c.metric, c.help, server.get(c.key, 0)))
-        fp = st.get("fast_path") or {}
-        for key, (kind, name, help_) in FAST_PATH.items():
-            out.append(single(kind, name, help_, fp.get(key)))
+            out.append(single("gauge", f"budget_{key}_bytes", f"cache budget, {key}", v))
+        server, fp = st.get("server") or {}, st.get("fast_path") or {}
+        for row in SERVER_COUNTERS:
+            out.append(single(row.kind, row.metric, row.help, server.get(row.key, 0)))
+        for row in FAST_PATH_STATS:
+            out.append(single(row.kind, row.metric, row.help, fp.get(row.key)))
         out += self._latency(st.get("read_latency") or {}, st.get("readers") or {})
         out += self._classes(st.get("classes") or [])
         out += self._layers(st.get("layers") or {})
@@ -231,41 +198,27 @@ class StatsCollector:
                 out.append(h)
         return out
 
-    def _classes(self, classes: list):
-        core = self._core
-        names = {"slots": "class_slots", "slots_max": "class_slots_max"}
-        out = {}
-        for key in CLASS_GAUGES:
-            out[key] = core.GaugeMetricFamily(f"moecached_{names.get(key, f'class_{key}_slots')}",
-                                              f"slots per size class: {key.replace('_', ' ')}",
-                                              labels=["size_class"])
-        out["slot_bytes"] = core.GaugeMetricFamily("moecached_class_slot_size_bytes",
-                                                   "bytes per slot of the size class", labels=["size_class"])
-        for key in CLASS_COUNTERS:
-            out["c_" + key] = core.CounterMetricFamily(f"moecached_class_{key}",
-                                                       f"{key.replace('_', ' ')} per size class",
-                                                       labels=["size_class"])
-        for c in classes:
-            lab = [str(c.get("id"))]
-            for key in CLASS_GAUGES + ("slot_bytes",):
-                if key in c:
-                    out[key].add_metric(lab, c[key])
-            for key in CLASS_COUNTERS:
-                if key in c:
-                    out["c_" + key].add_metric(lab, c[key])
-        return list(out.values())
+    def _family(self, kind: str):
+        return self._core.CounterMetricFamily if kind == "counter" else self._core.GaugeMetricFamily
 
-    def _layers(self, layers: dict):
-        core = self._core
+    def _labelled(self, rows, labels: list, entries):
+        """One family per declared row of ``rows``, labelled ``labels``; ``entries``: (label
+        values, stats dict) pairs, each adding its sample where the row's key is in its dict."""
         out = []
-        for key in LAYER_COUNTERS:
-            f = core.CounterMetricFamily(f"moecached_layer_{key}", f"{key.replace('_', ' ')} per layer",
-                                         labels=["layer"])
-            for layer, d in sorted(layers.items(), key=lambda kv: int(kv[0])):
-                if key in d:
-                    f.add_metric([str(layer)], d[key])
+        for row in rows:
+            f = self._family(row.kind)(f"moecached_{row.metric}", row.help, labels=labels)
+            for lab, d in entries:
+                if row.key in d:
+                    f.add_metric(lab, d[row.key])
             out.append(f)
         return out
+
+    def _classes(self, classes: list):
+        return self._labelled(CLASS_STATS, ["size_class"], [([str(c.get("id"))], c) for c in classes])
+
+    def _layers(self, layers: dict):
+        return self._labelled(LAYER_STATS, ["layer"],
+                              [([str(layer)], d) for layer, d in sorted(layers.items(), key=lambda kv: int(kv[0]))])
 
     def _clients(self, clients: list):
         core = self._core
@@ -281,23 +234,7 @@ class StatsCollector:
         n = core.GaugeMetricFamily("moecached_clients", "clients connected now (the exporter not counted)")
         n.add_metric([], sum(1 for c in clients
                              if (c.get("name"), str(c.get("pid"))) != (CLIENT_NAME, str(os.getpid()))))
-        fams = [("c", k, f"moecached_client_{k}", f"{k.replace('_', ' ')} of the client") for k in CLIENT_COUNTERS]
-        fams += [("c", "stall_s", "moecached_client_stall_seconds", "time the client's acquires waited for reads"),
-                 ("g", "pins_honoured", "moecached_client_pins_honoured", "slots the client's honoured shared-memory pins hold now"),
-                 ("g", "leases", "moecached_client_leases", "leases the client holds now"),
-                 ("g", "pending", "moecached_client_pending_acquires", "acquires of the client waiting now"),
-                 ("g", "prefetch_loads_in_flight", "moecached_client_prefetch_loads_in_flight",
-                  "prefetch loads of the client in flight now (client_max_prefetch caps them)"),
-                 ("g", "idle_s", "moecached_client_idle_seconds", "seconds since the client's last request")]
-        out = [n]
-        for kind, key, name, help_ in fams:
-            cls = core.CounterMetricFamily if kind == "c" else core.GaugeMetricFamily
-            f = cls(name, help_, labels=["client", "pid"])
-            for lab, m in merged.items():
-                if key in m:
-                    f.add_metric(list(lab), m[key])
-            out.append(f)
-        return out
+        return [n] + self._labelled(CLIENT_STATS, ["client", "pid"], [(list(lab), m) for lab, m in merged.items()])
 
     def _models(self, models: list):
         """Several models under one budget: per model ``{model}``."""

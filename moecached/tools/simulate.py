@@ -332,11 +332,7 @@ def subst_view(trace, warmup: Optional[int] = None, tokens: Optional[int] = None
                meta={k: v for k, v in t.meta.items() if k != "top_k"} | {"n_experts": t.n_experts})
     st = prepare(tv, warmup, tokens)
     T, E = st.n_tokens, st.n_experts
-    if t.step is not None and T:
-        starts = np.flatnonzero(np.r_[True, t.step[1:T] != t.step[:T - 1]])
-    else:
-        starts = np.arange(T)
-    step_start = np.r_[starts, T].astype(np.int64)
+    step_start = t.window(0, T).step_starts()
     ex, w = t.experts, t.weights
     S = len(st.set_layer)
     key_score = np.zeros(len(st.keys), np.float64)

@@ -1,12 +1,22 @@
 """Runnable MoE GGUF models for engine tests and benchmarks (``moecache-ctl synth --runnable``).
 
 :mod:`moecached.tools.synth` writes real layouts with stamped (meaningless) expert bytes; llama.cpp
-cannot run those. This module writes a small model llama.cpp loads and decodes: architecture
-``qwen3moe`` (attention with q/k norms, a softmax router, SwiGLU experts in merged
-``blk.N.ffn_{gate,up,down}_exps`` tensors), random weights of sane scale (normal, std
-1/sqrt(fan-in); norms 1) from ``seed``, and a byte-level vocabulary: ``<unk>``, ``<s>``,
-``</s>`` then the 256 byte tokens ``<0x00>`` .. ``<0xFF>`` (SentencePiece byte fallback), so
-any text tokenizes.
+cannot run those. This module writes a small model llama.cpp loads and decodes: a softmax router
+(``blk.N.ffn_gate_inp``) over SwiGLU experts in merged ``blk.N.ffn_{gate,up,down}_exps``
+tensors, random weights of sane scale (normal, std 1/sqrt(fan-in); norms 1) from ``seed``, and
+a byte-level vocabulary: ``<unk>``, ``<s>``, ``</s>`` then the 256 byte tokens ``<0x00>`` ..
+``<0xFF>`` (SentencePiece byte fallback), so any text tokenizes.
+
+Architectures (``arch``, the GGUF ``general.architecture``; llama.cpp's graph for each):
+
+* ``qwen3moe``: per-head q/k RMS norms (``attn_{q,k}_norm`` of ``head_dim``), NeoX RoPE, top-k
+  weights renormalised, expert FFN size in ``qwen3moe.expert_feed_forward_length``;
+* ``llama``: Mixtral-style llama-MoE (no q/k norms, normal RoPE over the whole head,
+  ``llama.rope.dimension_count``, top-k weights renormalised, the expert FFN size is
+  ``llama.feed_forward_length``);
+* ``olmoe``: q/k RMS norms over the whole projection (``attn_{q,k}_norm`` of ``hidden``, so
+  ``heads x head_dim = hidden`` and no grouped KV: ``head_dim`` is ``hidden / heads``), top-k
+  weights not renormalised, the expert FFN size is ``olmoe.feed_forward_length``.
 
 Quantisation (``quant``): ``f32``; ``q8_0`` (every matrix Q8_0 via ``gguf.quants``; dimensions
 must be multiples of 32); or any llama-quantize type name such as ``Q4_K_M`` when
@@ -32,7 +42,7 @@ from gguf.quants import quantize
 
 from .. import MoecacheError
 
-ARCHS = ("qwen3moe",)
+ARCHS = ("qwen3moe", "llama", "olmoe")
 GEOMETRIES = {
     # hidden, expert_ff, experts, top_k, heads, kv_heads, head_dim
     "tiny": dict(hidden=64, expert_ff=64, experts=16, top_k=4, heads=4, kv_heads=2, head_dim=16),
@@ -57,7 +67,7 @@ def write_runnable(out: str, *, arch: str = "qwen3moe", blocks: int = 2, geometr
                    quantize_bin: str | None = None) -> str:
     """Write the model to ``out`` (overwritten); returns ``out``."""
     if arch not in ARCHS:
-        raise RunnableError(f"--arch {arch}: expected one of {', '.join(ARCHS)}")
+        raise RunnableError(f"--arch {arch}: expected one of {', '.join(ARCHS)} (Mixtral-style MoE is llama)")
     if geometry not in GEOMETRIES:
         raise RunnableError(f"--geometry {geometry}: expected one of {', '.join(GEOMETRIES)}")
     g = dict(GEOMETRIES[geometry])
@@ -68,6 +78,11 @@ def write_runnable(out: str, *, arch: str = "qwen3moe", blocks: int = 2, geometr
         raise RunnableError(f"--blocks {blocks}: expected an integer >= 1")
     if not 1 <= g["top_k"] <= g["experts"]:
         raise RunnableError(f"--top-k {g['top_k']}: expected 1..{g['experts']} (the expert count)")
+    if arch == "olmoe":
+        # q/k norms over the whole projection: heads x head_dim = hidden, as many KV heads
+        if g["hidden"] % g["heads"]:
+            raise RunnableError(f"--hidden {g['hidden']}: olmoe needs a multiple of the head count {g['heads']}")
+        g["head_dim"], g["kv_heads"] = g["hidden"] // g["heads"], g["heads"]
     q = quant.lower()
     if q == "q8_0":
         for name in ("hidden", "expert_ff"):
@@ -103,7 +118,7 @@ def write_runnable(out: str, *, arch: str = "qwen3moe", blocks: int = 2, geometr
     w.add_block_count(blocks)
     w.add_context_length(4096)
     w.add_embedding_length(H)
-    w.add_feed_forward_length(F)
+    w.add_feed_forward_length(F)   # the expert FFN size for llama and olmoe
     w.add_head_count(nh)
     w.add_head_count_kv(nkv)
     w.add_key_length(hd)
@@ -112,7 +127,10 @@ def write_runnable(out: str, *, arch: str = "qwen3moe", blocks: int = 2, geometr
     w.add_layer_norm_rms_eps(1e-6)
     w.add_expert_count(E)
     w.add_expert_used_count(K)
-    w.add_expert_feed_forward_length(F)
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(F)
+    if arch == "llama":
+        w.add_rope_dimension_count(hd)
     w.add_file_type(7 if q == "q8_0" else 0)
     tokens, scores, types = _vocab()
     w.add_tokenizer_model("llama")
@@ -149,8 +167,12 @@ def write_runnable(out: str, *, arch: str = "qwen3moe", blocks: int = 2, geometr
         add(p + "attn_k.weight", (nkv * hd, H), mat_maker((nkv * hd, H), H))
         add(p + "attn_v.weight", (nkv * hd, H), mat_maker((nkv * hd, H), H))
         add(p + "attn_output.weight", (H, nh * hd), mat_maker((H, nh * hd), nh * hd))
-        add(p + "attn_q_norm.weight", (hd,), ones(hd), False)
-        add(p + "attn_k_norm.weight", (hd,), ones(hd), False)
+        if arch == "qwen3moe":
+            add(p + "attn_q_norm.weight", (hd,), ones(hd), False)
+            add(p + "attn_k_norm.weight", (hd,), ones(hd), False)
+        elif arch == "olmoe":
+            add(p + "attn_q_norm.weight", (H,), ones(H), False)
+            add(p + "attn_k_norm.weight", (H,), ones(H), False)
         add(p + "ffn_norm.weight", (H,), ones(H), False)
         # the router stays F32 (as real conversions keep it at high precision)
         add(p + "ffn_gate_inp.weight", (E, H), mat_maker((E, H), H, 4.0), False)
@@ -177,14 +199,15 @@ def write_runnable(out: str, *, arch: str = "qwen3moe", blocks: int = 2, geometr
 
 
 def main(argv=None) -> int:
-    """``moecache-ctl synth --runnable --out PATH [--arch qwen3moe] [--blocks N] [--geometry tiny|
+    """``moecache-ctl synth --runnable --out PATH [--arch qwen3moe|llama|olmoe] [--blocks N] [--geometry tiny|
     qwen3-30b-a3b] [--hidden H] [--expert-ff F] [--experts E] [--top-k K] [--quant f32|q8_0|TYPE]
     [--llama-quantize PATH] [--seed S]``"""
     ap = argparse.ArgumentParser(prog="moecache-ctl synth --runnable",
                                  description="write a small MoE GGUF model that llama.cpp runs "
                                              "(random weights, byte-level vocabulary)")
     ap.add_argument("--out", required=True, help="output .gguf path (overwritten)")
-    ap.add_argument("--arch", default="qwen3moe", help=f"architecture ({', '.join(ARCHS)})")
+    ap.add_argument("--arch", default="qwen3moe", help=f"architecture: {', '.join(ARCHS)} (default qwen3moe; llama is "
+                                                         f"Mixtral-style llama-MoE)")
     ap.add_argument("--blocks", type=int, default=2, help="transformer blocks (default 2)")
     ap.add_argument("--geometry", default="tiny", help=f"base geometry ({', '.join(GEOMETRIES)}; default tiny)")
     ap.add_argument("--hidden", type=int, help="hidden size (overrides the geometry)")

@@ -179,6 +179,17 @@ static void pk_str(msgpack_packer *pk, const char *s) {
     msgpack_pack_str_body(pk, s, l);
 }
 
+/* Start a request in *sb (msgpack_sbuffer_destroy it after sending): a map of the header
+ * fields v, id, op plus n_fields more, which the caller packs next into *pk. */
+static void pk_request(msgpack_sbuffer *sb, msgpack_packer *pk, uint64_t id, const char *op, uint32_t n_fields) {
+    msgpack_sbuffer_init(sb);
+    msgpack_packer_init(pk, sb, msgpack_sbuffer_write);
+    msgpack_pack_map(pk, 3 + n_fields);
+    pk_str(pk, "v"); msgpack_pack_int(pk, PROTOCOL_VERSION);
+    pk_str(pk, "id"); msgpack_pack_uint64(pk, id);
+    pk_str(pk, "op"); pk_str(pk, op);
+}
+
 /* ------------------------------------------------------------------ the arena of one hello */
 
 static void arena_unmap(mc_arena_map *am) {
@@ -576,12 +587,7 @@ static int send_locked(mc_client *c, msgpack_sbuffer *sb, const char *op, mc_err
 static void send_release_locked(mc_client *c, const uint64_t *ids, uint32_t n) {
     msgpack_sbuffer sb;
     msgpack_packer pk;
-    msgpack_sbuffer_init(&sb);
-    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-    msgpack_pack_map(&pk, 5);
-    pk_str(&pk, "v"); msgpack_pack_int(&pk, PROTOCOL_VERSION);
-    pk_str(&pk, "id"); msgpack_pack_uint64(&pk, c->next_id++);
-    pk_str(&pk, "op"); pk_str(&pk, "release");
+    pk_request(&sb, &pk, c->next_id++, "release", 2);
     if (n == 1) {
         pk_str(&pk, "lease"); msgpack_pack_uint64(&pk, ids[0]);
     } else {
@@ -600,12 +606,7 @@ static void send_release_locked(mc_client *c, const uint64_t *ids, uint32_t n) {
 static void send_cancel_locked(mc_client *c, uint64_t rid) {
     msgpack_sbuffer sb;
     msgpack_packer pk;
-    msgpack_sbuffer_init(&sb);
-    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-    msgpack_pack_map(&pk, 5);
-    pk_str(&pk, "v"); msgpack_pack_int(&pk, PROTOCOL_VERSION);
-    pk_str(&pk, "id"); msgpack_pack_uint64(&pk, c->next_id++);
-    pk_str(&pk, "op"); pk_str(&pk, "cancel");
+    pk_request(&sb, &pk, c->next_id++, "cancel", 2);
     pk_str(&pk, "request"); msgpack_pack_uint64(&pk, rid);
     pk_str(&pk, "noreply"); msgpack_pack_true(&pk);
     send_locked(c, &sb, "cancel", NULL);
@@ -659,6 +660,24 @@ static call *take_pending_locked(mc_client *c, uint64_t id) {
     return NULL;
 }
 
+/* Complete call k with its reply u: on ok, k takes u (state 1); else k gets the daemon's error
+ * ("OP: CODE: message", state 2) and u is destroyed. */
+static void complete_call(call *k, msgpack_unpacked *u, int ok) {
+    if (ok) {
+        k->rep = *u;
+        k->state = 1;
+        return;
+    }
+    const msgpack_object *e = mget(&u->data, "error");
+    char code[32], m[200];
+    mstrcpy(mget(e, "code"), code, sizeof code);
+    mstrcpy(mget(e, "message"), m, sizeof m);
+    seterr(&k->err, mc_code_from_daemon(code), "%s: %s: %s", k->op, code, m);
+    snprintf(k->err.daemon_code, sizeof k->err.daemon_code, "%s", code);
+    k->state = 2;
+    msgpack_unpacked_destroy(u);
+}
+
 /* One reply frame; the caller owns the socket and holds c->mu. */
 static void dispatch_locked(mc_client *c, const char *frame, size_t len, int hello) {
     c->last_rx = now_s();
@@ -688,19 +707,7 @@ static void dispatch_locked(mc_client *c, const char *frame, size_t len, int hel
     call *k = take_pending_locked(c, rid);
     if (rid && rid == c->ping_id) c->ping_id = 0;
     if (k && strcmp(k->op, "hello") == 0) {
-        if (ok) {
-            k->rep = u;
-            k->state = 1;
-        } else {
-            const msgpack_object *e = mget(rep, "error");
-            char code[32], m[200];
-            mstrcpy(mget(e, "code"), code, sizeof code);
-            mstrcpy(mget(e, "message"), m, sizeof m);
-            seterr(&k->err, mc_code_from_daemon(code), "hello: %s: %s", code, m);
-            snprintf(k->err.daemon_code, sizeof k->err.daemon_code, "%s", code);
-            k->state = 2;
-            msgpack_unpacked_destroy(&u);
-        }
+        complete_call(k, &u, ok);
         pthread_cond_broadcast(&c->cv);
         return;
     }
@@ -724,19 +731,7 @@ static void dispatch_locked(mc_client *c, const char *frame, size_t len, int hel
         msgpack_unpacked_destroy(&u);
         return;
     }
-    if (ok) {
-        k->rep = u;
-        k->state = 1;
-    } else {
-        const msgpack_object *e = mget(rep, "error");
-        char code[32], m[200];
-        mstrcpy(mget(e, "code"), code, sizeof code);
-        mstrcpy(mget(e, "message"), m, sizeof m);
-        seterr(&k->err, mc_code_from_daemon(code), "%s: %s: %s", k->op, code, m);
-        snprintf(k->err.daemon_code, sizeof k->err.daemon_code, "%s", code);
-        k->state = 2;
-        msgpack_unpacked_destroy(&u);
-    }
+    complete_call(k, &u, ok);
     pthread_cond_broadcast(&c->cv);
 }
 
@@ -876,16 +871,11 @@ static int hello_locked(mc_client *c, mc_error *err) {
     call_init(&k, "hello", c->next_id++);
     msgpack_sbuffer sb;
     msgpack_packer pk;
-    msgpack_sbuffer_init(&sb);
-    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
     uint64_t start = 0;
     int have_start = c->opt.send_pid && read_pid_start(&start);
     int fast = c->opt.fast_path && c->ipc && c->opt.send_pid && have_start;
-    msgpack_pack_map(&pk, 4 + (c->opt.send_pid ? 1 : 0) + (have_start ? 1 : 0) + (fast ? 1 : 0)
-                          + (c->model ? 1 : 0));
-    pk_str(&pk, "v"); msgpack_pack_int(&pk, PROTOCOL_VERSION);
-    pk_str(&pk, "id"); msgpack_pack_uint64(&pk, k.id);
-    pk_str(&pk, "op"); pk_str(&pk, "hello");
+    pk_request(&sb, &pk, k.id, "hello", 1 + (c->opt.send_pid ? 1 : 0) + (have_start ? 1 : 0) + (fast ? 1 : 0)
+                + (c->model ? 1 : 0));
     pk_str(&pk, "client"); pk_str(&pk, c->name);
     if (c->opt.send_pid) { pk_str(&pk, "pid"); msgpack_pack_int64(&pk, getpid()); }
     if (have_start) { pk_str(&pk, "pid_start"); msgpack_pack_uint64(&pk, start); }
@@ -980,12 +970,7 @@ static int do_call(mc_client *c, const char *op, int n_fields, fill_fn fill, voi
     call_init(&k, op, c->next_id++);
     msgpack_sbuffer sb;
     msgpack_packer pk;
-    msgpack_sbuffer_init(&sb);
-    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-    msgpack_pack_map(&pk, 3 + n_fields);
-    pk_str(&pk, "v"); msgpack_pack_int(&pk, PROTOCOL_VERSION);
-    pk_str(&pk, "id"); msgpack_pack_uint64(&pk, k.id);
-    pk_str(&pk, "op"); pk_str(&pk, op);
+    pk_request(&sb, &pk, k.id, op, (uint32_t)n_fields);
     if (fill) fill(&pk, arg);
     if (expect_reply) {
         k.next = c->pending;
@@ -1085,13 +1070,8 @@ static void tick_locked(mc_client *c) {
     if (c->ping_id == 0 && now - c->last_tx >= hb * 0.9) {
         msgpack_sbuffer sb;
         msgpack_packer pk;
-        msgpack_sbuffer_init(&sb);
-        msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
         uint64_t id = c->next_id++;
-        msgpack_pack_map(&pk, 3);
-        pk_str(&pk, "v"); msgpack_pack_int(&pk, PROTOCOL_VERSION);
-        pk_str(&pk, "id"); msgpack_pack_uint64(&pk, id);
-        pk_str(&pk, "op"); pk_str(&pk, "ping");
+        pk_request(&sb, &pk, id, "ping", 0);
         if (send_locked(c, &sb, "ping", NULL) == MC_OK) {
             c->ping_id = id;
             c->ping_t = now;

@@ -13,41 +13,10 @@ from libc.stdint cimport uint32_t, uint64_t, int64_t
 from libc.stdlib cimport malloc, free, qsort
 from libc.string cimport memcpy, memcmp
 
-cdef extern from "moecache_shm.h" nogil:
-    ctypedef uint64_t mcshm_u64        # _Atomic in C; only ever passed through as a pointer here
-    ctypedef struct mcshm_layout:
-        mcshm_u64 *ctl
-        mcshm_u64 *pin
-        uint64_t session
-        uint32_t n_experts
-        uint32_t n_keys
-        uint32_t n_classes
-        uint32_t ring_n
-        const uint32_t *key_class
-        uint64_t gen_word[32]
-        uint32_t slot_base[32]
-        uint32_t n_slots[32]
-        uint64_t resmap_word
-        uint64_t pins_word32
-        uint64_t ring_word
-    ctypedef struct mcshm_item:
-        uint32_t cls
-        uint32_t slot
-        uint64_t gen
-    enum:
-        MCSHM_MAX_CLASSES
-        MCSHM_CTL_HEADER_BYTES
-        MCSHM_PIN_HEADER_BYTES
-        MCSHM_OK
-        MCSHM_MISS
-        MCSHM_STALE
-        MCSHM_RING_FULL
-        MCSHM_BAD
-    uint64_t MCSHM_PIN_MAGIC
-    int mcshm_pin(const mcshm_layout *m, const uint32_t *keys, uint32_t n, mcshm_item *out)
-    void mcshm_unpin(const mcshm_layout *m, const mcshm_item *it, uint32_t n)
-    int mcshm_valid(const mcshm_layout *m, uint64_t session, const mcshm_item *it, uint32_t n)
-    uint64_t mcshm_epoch(const mcshm_layout *m)
+from moecache_shm cimport (MCSHM_BAD, MCSHM_CTL_HEADER_BYTES, MCSHM_MAX_CLASSES, MCSHM_MISS, MCSHM_OK,
+                           MCSHM_PIN_HEADER_BYTES, MCSHM_PIN_MAGIC, MCSHM_RING_FULL, MCSHM_STALE,
+                           mcshm_epoch, mcshm_item, mcshm_layout, mcshm_pin, mcshm_u64, mcshm_unpin,
+                           mcshm_valid)
 
 OK = MCSHM_OK
 MISS = MCSHM_MISS

@@ -1,0 +1,35 @@
+"""What the benchmarks share: a ``moecached`` process to measure, and the JSON results file.
+
+Benchmarks run as scripts (``python benchmarks/NAME.py``), so this directory is on
+``sys.path``: ``from benchutil import start_daemon, stop_daemon, write_json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+from moecached.tools import daemonproc
+
+
+def start_daemon(model: str, sock: str, *args: str, env: dict | None = None,
+                 wait: float = 60.0) -> subprocess.Popen:
+    """``moecached.tools.daemonproc.start_daemon`` at log level warning (then ``args``), its
+    output in ``SOCK.log``. ``env``: the daemon's environment (e.g. another source tree on
+    PYTHONPATH). RuntimeError when it exits or does not answer within ``wait`` seconds."""
+    with open(f"{sock}.log", "w") as log:
+        return daemonproc.start_daemon(model, sock, "--log-level", "warning", *args, env=env, wait=wait,
+                                       output=log)
+
+
+def stop_daemon(p: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 15 s."""
+    daemonproc.stop_daemon(p)
+
+
+def write_json(path: str, results: dict) -> None:
+    """Write ``results`` to ``path`` (directories made as needed) and say so."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {path}")
