@@ -255,6 +255,8 @@ class ExpertCache:
             demanded); further prefetches are dropped and counted in ``prefetches_dropped``,
             since prefetch pays only when the drive has slack. Default: 2 x top-k x size
             classes, at least 16.
+        prefetch_min_confidence: prefetched experts of lower confidence are dropped (config key
+            of that name; an attribute a reload sets).
         log: a ``logging.Logger`` (default ``logging.getLogger("moecached.cache")``).
         arena_progress: ``progress(done, total)`` while the arena is reserved and locked.
 
