@@ -220,3 +220,56 @@ def test_unused_prefetched_expert_is_evictable_even_when_recent(idx):
         st = cache.stats()
         assert st["wasted_prefetches"] == 1 and st["prefetches_dropped_hot"] == 0
         cache.release(held)
+
+
+def test_displacement_under_concurrent_demand_keeps_bytes_and_counts(idx):
+    """Threads acquiring (bytes checked) while others prefetch with random confidences under a
+    cap of 2 loads: withdrawals race reads landing and demand taking reads over; afterwards
+    nothing is left in flight or pinned and every expert still reads exact."""
+    import random
+    import threading
+    L = idx.expert_layers
+    truth = FileTruth(idx)
+    errors = []
+    with new_cache(idx, slots=24, max_prefetch_loads=2, readers=2, chunk_bytes=16384) as cache:
+        def demand(seed):
+            rng = random.Random(seed)
+            try:
+                for _ in range(40):
+                    lease = cache.acquire(rng.choice(L), rng.sample(range(idx.n_experts), 2))
+                    truth.check(cache, lease)
+                    cache.release(lease)
+            except Exception as e:   # reported below
+                errors.append(e)
+
+        def predict(seed):
+            rng = random.Random(seed)
+            try:
+                for _ in range(150):
+                    ls = rng.sample(L, 3)
+                    req = [(l, rng.sample(range(idx.n_experts), 2)) for l in ls]
+                    cache.prefetch_many(req, conf=[[rng.random() for _ in ex] for _, ex in req])
+            except Exception as e:
+                errors.append(e)
+        def run(seed):
+            ts = [threading.Thread(target=demand, args=(seed + i,)) for i in range(2)] + \
+                 [threading.Thread(target=predict, args=(seed + 10 + i,)) for i in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(120)
+            assert not errors, errors[0]
+        with prefetch_reads_held(cache):   # withdrawals race demand taking queued reads over
+            run(0)
+        assert cache.stats()["prefetches_displaced"] > 0
+        run(100)                           # ... and prefetch reads landing
+        wait_idle(cache)
+        st = cache.stats()
+        assert st["prefetch_loads_in_flight"] == 0 and st["pinned"] == 0
+        assert cache.readers.stats()["in_flight"] == 0
+        for layer in L:
+            for e in range(0, idx.n_experts, 4):
+                lease = cache.acquire(layer, [e, e + 1, e + 2, e + 3])
+                truth.check(cache, lease)
+                cache.release(lease)
+    truth.close()
