@@ -169,7 +169,7 @@ class PrefetchQuota:
 class _Pool:
     """Slots of one size class under one LRU (a whole class, or one layer's share)."""
     __slots__ = ("cid", "lru", "res", "alloc", "loading", "unused", "free", "disabled",
-                 "max_cap", "n_keys", "layers", "gbase")
+                 "max_cap", "n_keys", "layers", "gbase", "ghost", "ghost_n")
 
     def __init__(self, cid: int, layers: list[int], n_experts: int, slots: list[int],
                  eviction: str = "lru"):
@@ -185,6 +185,8 @@ class _Pool:
         self.disabled: list[int] = []      # slots given back by set_budget
         self.max_cap = len(slots)
         self.gbase: list[int] = []         # layer position -> resident-map key of its expert 0
+        self.ghost: dict = {}              # keys evicted last, oldest first (moecached.split)
+        self.ghost_n = 0                   # ghost entries kept (ExpertCache.set_ghost)
 
     @property
     def cap(self) -> int:
@@ -351,6 +353,7 @@ class ExpertCache:
         self.c_waits = 0
         self.c_shrinks = 0
         self.c_grows = 0
+        self.c_ghost_hits = 0
 
     # ------------------------------------------------------------------ construction
     def _build(self, index, ne):
@@ -447,6 +450,11 @@ class ExpertCache:
                 continue
             was_unused = pool.unused[k]
             lru.remove(k)
+            if pool.ghost_n:
+                g = pool.ghost
+                g[k] = None
+                if len(g) > pool.ghost_n:
+                    del g[next(iter(g))]
             pool.alloc[k] = -1
             pool.res[k] = -1
             if was_unused:
@@ -621,6 +629,8 @@ class ExpertCache:
                     victim=None, cold: bool = False):
         pool = L.pool
         k = L.base + expert
+        if pool.ghost and pool.ghost.pop(k, 0) is None and demanded:
+            self.c_ghost_hits += 1   # a hit one more step of budget would have had
         load = _Load(pool, k, slot, L.layer, expert, demanded, L.fids[expert], victim)
         pool.alloc[k] = slot
         pool.loading[k] = load
@@ -1421,6 +1431,20 @@ class ExpertCache:
                 raise CacheError(f"set_budget({budget_bytes}): grow stopped at {after} slots: {failed}")
             return {"slots_before": before, "slots_after": after, "slots_target": target_total,
                     "bytes_released": released, "bytes_restored": restored}
+
+    def set_ghost(self, per_class: dict) -> None:
+        """Keep ``per_class[cid]`` ghost entries per size class (``moecached.split``: the keys
+        evicted last, as many as one more step of budget would add; a demanded load of one
+        counts in ``ghost_hits``). 0 or absent: none. Per-layer pools share their class's
+        count evenly."""
+        with self._lock:
+            for cid, (c, pools) in self._cls.items():
+                n = int(per_class.get(cid, 0)) // len(pools)
+                for pool in pools:
+                    pool.ghost_n = n
+                    g = pool.ghost
+                    while len(g) > n:
+                        del g[next(iter(g))]
 
     @property
     def model_changed(self) -> str | None:

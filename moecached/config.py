@@ -55,6 +55,7 @@ class ConfigError(MoecacheError):
 class Config:
     """The daemon's settings. Sizes are bytes, times seconds, modes ints (e.g. ``0o660``)."""
     model: Optional[str] = None              # GGUF file (first file of a split set)
+    models: list = field(default_factory=list)  # several models: [{name, path, min_budget, max_budget, weight}]
     budget: Optional[int] = None             # cache size in bytes (or give slots)
     slots: Optional[int] = None              # cache size in expert slots (or give budget)
     endpoint: str = DEFAULT_ENDPOINT         # ZeroMQ endpoint, ipc:// (tcp:// needs allow_tcp)
@@ -91,6 +92,9 @@ class Config:
     max_message_bytes: int = 4 * MiB         # largest request message accepted
     fast_path: bool = True                   # pin files for shared-memory hits (watched clients)
     fast_path_quota: int = 0                 # slots whose fast-path pins are honoured per client (0: auto)
+    split_interval_s: float = 10.0           # several models: seconds between two rebalances of the split
+    split_step: Optional[int] = None         # several models: bytes a share moves by (None: budget / 32)
+    split_hysteresis: float = 0.25           # several models: a move's gain must beat its loss by this factor
     # where each value came from: "default", the config file's path, or "command line"
     sources: dict = field(default_factory=dict, repr=False, compare=False)
     path: Optional[str] = field(default=None, compare=False)   # config file read, if any
@@ -242,6 +246,55 @@ def _model(x):
     return x
 
 
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}")
+_MODEL_FIELDS = ("name", "path", "min_budget", "max_budget", "weight")
+
+
+def _models(x):
+    """``[[models]]`` tables (or ``--model NAME=PATH`` flags): a list of dicts with ``name``,
+    ``path`` and optional ``min_budget``/``max_budget`` (sizes) and ``weight`` (> 0)."""
+    want = ("a list of tables with name (letters, digits, _ . -, at most 32), path (a GGUF "
+            "file) and optional min_budget, max_budget (sizes) and weight (> 0)")
+    if not isinstance(x, list):
+        raise _Bad(want)
+    out, seen = [], set()
+    for i, t in enumerate(x):
+        if not isinstance(t, dict):
+            raise _Bad(want)
+        extra = [k for k in t if k not in _MODEL_FIELDS]
+        if extra:
+            raise _Bad(f"{want}; models[{i}] has unknown field {extra[0]!r}")
+        name, path = t.get("name"), t.get("path")
+        if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
+            raise _Bad(f"{want}; models[{i}].name = {name!r} is not such a name")
+        if name in seen:
+            raise _Bad(f"{want}; model name {name!r} appears twice")
+        seen.add(name)
+        if not isinstance(path, str) or not path or "\0" in path:
+            raise _Bad(f"{want}; models[{i}].path is missing")
+        m = {"name": name, "path": path, "min_budget": None, "max_budget": None, "weight": 1.0}
+        for k in ("min_budget", "max_budget"):
+            if t.get(k) is not None:
+                try:
+                    m[k] = _size(lo=1)(t[k])
+                except _Bad as e:
+                    raise _Bad(f"models[{i}].{k} = {t[k]!r}: {e.expected}") from None
+        w = t.get("weight", 1.0)
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= 1e6:
+            raise _Bad(f"{want}; models[{i}].weight = {w!r} is not a number > 0")
+        m["weight"] = float(w)
+        if m["min_budget"] and m["max_budget"] and m["min_budget"] > m["max_budget"]:
+            raise _Bad(f"models[{i}] ({name}): min_budget above max_budget; lower min_budget")
+        out.append(m)
+    return out
+
+
+def _hysteresis(x):
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 100:
+        raise _Bad("a number from 0 to 100 (0.25: a move must gain 25 % more than it loses)")
+    return float(x)
+
+
 def _endpoint(x):
     desc = (f"ipc:///absolute/path (at most {MAX_IPC_PATH} bytes) or tcp://HOST:PORT")
     if not isinstance(x, str):
@@ -334,6 +387,20 @@ def _live_budget(new, server, cache, floor_box):
     return apply_budget(new, cache, floor_box)
 
 
+def _live_split(new, server, cache, floor_box):
+    models = floor_box.get("models")
+    if models is None:
+        return "only with several models"
+    return models.configure(new)
+
+
+def _live_models(new, server, cache, floor_box):
+    models = floor_box.get("models")
+    if models is None:
+        return "the daemon was started with one model (--model PATH): restart it with --model NAME=PATH"
+    return models.reload_models(new)
+
+
 def _live_floor(new, server, cache, floor_box):
     from .daemon import apply_floor
     return apply_floor(new, server, cache, floor_box)
@@ -352,7 +419,11 @@ class Key:
 
 
 KEYS: dict[str, Key] = {
-    "model": Key(_model, "--model", "GGUF model file (first file of a split set)", "PATH"),
+    "model": Key(_model, "--model", "GGUF model file (first file of a split set); NAME=PATH, "
+                 "repeated, serves several models under one budget", "[NAME=]PATH"),
+    "models": Key(_models, "--model", "several models ([[models]] tables in the file; on the "
+                  "command line give --model NAME=PATH per model)", "-", "list",
+        reload=_live_models),
     "budget": Key(_size(lo=1), "--budget", "cache size, e.g. 16GiB (or give --slots)", "SIZE", "size",
         reload=_live_budget),
     "slots": Key(_int_range(1, 1 << 24), "--slots", "cache size in expert slots (or give --budget)", "N", "int",
@@ -447,6 +518,15 @@ KEYS: dict[str, Key] = {
     "fast_path_quota": Key(_int_range(0, 1 << 24), "--fast-path-quota",
                            "slots whose shared-memory pins are honoured per client "
                            "(default 0: 4 x top-k x MoE layers, at most half the slots)", "N", "int"),
+    "split_interval_s": Key(_float_range(0, 86400, lo_open=True), "--split-interval",
+                            "several models: seconds between rebalances of the shared budget (default 10)",
+                            "S", "float", reload=_live_split),
+    "split_step": Key(_size(lo=1), "--split-step", "several models: bytes a share moves by "
+                      "(default: budget / 32, at least one slot of every size class)", "SIZE", "size",
+        reload=_live_split),
+    "split_hysteresis": Key(_hysteresis, "--split-hysteresis", "several models: a move's gain "
+                            "must beat its loss by this factor (default 0.25)", "X", "float",
+        reload=_live_split),
 }
 
 #: Keys a SIGHUP can apply to a running daemon (those with a ``reload`` function); others need
@@ -538,7 +618,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict] = None, *,
                 raise ConfigError(f"{where}: [{key}] is a table: expected top-level keys only "
                                   f"(key = value lines, no [section] headers, dotted keys or "
                                   f"inline tables)")
-            if not is_cli and isinstance(value, list) and value and all(
+            if not is_cli and key != "models" and isinstance(value, list) and value and all(
                     isinstance(x, dict) for x in value):
                 raise ConfigError(f"{where}: [[{key}]] is an array of tables: expected "
                                   f"top-level keys only (key = value lines)")
@@ -617,10 +697,22 @@ def _cross_check(cfg: Config, cli: bool, given: dict) -> None:
 
 def _check_runnable(cfg: Config, cli: bool, given: dict) -> None:
     where = cfg.path or "configuration"
-    if cfg.model is None:
+    if cfg.models:
+        if cfg.model is not None:
+            raise ConfigError(f"{where}: both model and [[models]] are set: expected one of them "
+                              "(a model of its own is [[models]] name = ..., path = ...)")
+        for m in cfg.models:
+            if not os.path.isfile(m["path"]):
+                why = "no such file" if not os.path.exists(m["path"]) else "not a regular file"
+                raise ConfigError(f"{_where(cfg, 'models')}: model {m['name']}: path = "
+                                  f"{json.dumps(m['path'])}: expected an existing GGUF file ({why})")
+        if cfg.budget is None:
+            raise ConfigError(f'{where}: several models need budget = "SIZE" (or --budget): '
+                              "the one budget they share")
+    elif cfg.model is None:
         raise ConfigError(f'{where}: model is not set: expected model = "/path/to/model.gguf" '
                           "in the config file or --model PATH")
-    if not os.path.isfile(cfg.model):
+    elif not os.path.isfile(cfg.model):
         why = "no such file" if not os.path.exists(cfg.model) else "not a regular file"
         raise ConfigError(f"{_at(cfg, 'model', cli, given)}: expected an existing GGUF file ({why})")
     if cfg.budget is None and cfg.slots is None:
@@ -642,6 +734,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for key, k in KEYS.items():
         if k.kind == "bool":
             g.add_argument(k.flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=k.help)
+        elif k.kind == "list":
+            continue   # models: --model NAME=PATH (see config_from_args)
+        elif key == "model":
+            g.add_argument(k.flag, dest=key, metavar=k.metavar, default=None, action="append",
+                           help=k.help)
         else:
             g.add_argument(k.flag, dest=key, metavar=k.metavar, default=None, help=k.help)
     return parser
@@ -650,6 +747,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace, *, check_runnable: bool = True) -> Config:
     """The :class:`Config` for parsed ``args`` (from a parser given :func:`add_cli_args`)."""
     overrides = {k: getattr(args, k, None) for k in KEYS}
+    given = overrides.get("model")
+    if isinstance(given, list):   # --model PATH, or --model NAME=PATH per model
+        named = [v for v in given if "=" in v and MODEL_NAME.fullmatch(v.split("=", 1)[0])]
+        if len(given) == 1 and not named:
+            overrides["model"] = given[0]
+        elif len(named) == len(given):
+            overrides["model"] = None
+            overrides["models"] = [{"name": v.split("=", 1)[0], "path": v.split("=", 1)[1]}
+                                   for v in given]
+        else:
+            raise ConfigError("command line: --model: expected one --model PATH, or "
+                              "--model NAME=PATH for each of several models (NAME: letters, "
+                              "digits, _ . -)")
     return load_config(getattr(args, "config", None), overrides, check_runnable=check_runnable,
                        origin="command line", cli=True)
 
@@ -672,9 +782,15 @@ def reload_changes(old: Config, new: Config) -> tuple[dict, list]:
 
 def dump_toml(cfg: Config) -> str:
     """The settings as TOML (None values commented out), e.g. for ``--print-config``."""
-    lines = []
+    lines, tables = [], []
     for k in KEYS:
         v = getattr(cfg, k)
+        if k == "models":   # [[models]] tables go last (TOML: after every top-level key)
+            for m in v:
+                tables += ["", "[[models]]"] + [
+                    f'{f} = "{_human(m[f]).replace(" ", "")}"' if f.endswith("budget") else
+                    f"{f} = {_show(m[f])}" for f in _MODEL_FIELDS if m.get(f) is not None]
+            continue
         if v is None:
             lines.append(f"# {k} =")
         elif k in ("socket_mode", "arena_mode"):
@@ -683,4 +799,4 @@ def dump_toml(cfg: Config) -> str:
             lines.append(f'{k} = "{_human(v).replace(" ", "")}"')
         else:
             lines.append(f"{k} = {_show(v)}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + tables) + "\n"

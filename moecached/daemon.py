@@ -234,6 +234,124 @@ def _start_watch(cache):
         return None
 
 
+def _server_kwargs(cfg: C.Config, gid) -> dict:
+    """The Server arguments a config gives (every model's server alike)."""
+    return dict(heartbeat_s=cfg.heartbeat_s, socket_mode=cfg.socket_mode, gid=gid,
+                tick_s=min(1.0, cfg.floor_interval_s),
+                max_request_experts=cfg.max_request_experts,
+                max_message_bytes=cfg.max_message_bytes,
+                acquire_timeout_s=cfg.pressure_timeout_s if cfg.on_pressure == "wait" else None,
+                client_rate_limit=cfg.client_rate_limit,
+                client_rate_burst=cfg.client_rate_burst,
+                client_max_prefetch=cfg.client_max_prefetch,
+                pin_files=cfg.fast_path, pin_quota=cfg.fast_path_quota)
+
+
+def run_models(cfg: C.Config) -> int:
+    """Run the daemon with several models (``[[models]]`` / ``--model NAME=PATH``) until
+    SIGTERM/SIGINT (``moecached.multi``). Returns the process exit code."""
+    from .floor import MemoryFloor
+    from .arena import remove_stale_arenas
+    from .multi import Models
+    from .server import lock_endpoint, unlock_endpoint
+    gid = grp.getgrnam(cfg.group).gr_gid if cfg.group else None
+    try:
+        lock = lock_endpoint(cfg.endpoint)
+    except MoecacheError as e:
+        log.error("%s", e)
+        return 1
+    remove_stale_arenas(cfg.arena_dir, log)
+    models = Models(cfg, lambda c, idx, size: _make_cache(c, idx, fitted=(size, None)),
+                    _server_kwargs(cfg, gid))
+    try:
+        with stage(f"indexing and reserving {len(cfg.models)} models"):
+            server = models.start(lock)
+    except MoecacheError as e:
+        if models.main is None:
+            unlock_endpoint(cfg.endpoint, lock)
+        log.error("%s", e)
+        _notify(f"STATUS=failed: {e}")
+        return 1
+    floor_box = {"floor": None, "models": models}
+    if cfg.floor is not None:
+        least = sum(m.min_bytes for m in models.split.members.values())
+        floor_box["floor"] = MemoryFloor(cfg.floor, cfg.floor_hysteresis, models.total,
+                                         min(max(least, cfg.min_budget or 0), models.total),
+                                         models.set_total, interval=cfg.floor_interval_s,
+                                         min_change_interval=cfg.floor_min_change_s,
+                                         log=logging.getLogger("moecached.floor"))
+    watchdog = notify.watchdog_ping if notify.watchdog_interval() else None
+
+    def on_tick(now):
+        if floor_box["floor"] is not None:
+            floor_box["floor"].tick(now)
+        models.tick(now)
+        if watchdog is not None:
+            watchdog()
+
+    def extra_stats():
+        st = {"models": models.summary(), "split": models.split_info()}
+        if floor_box["floor"] is not None:
+            st["floor"] = floor_box["floor"].stats()
+        return st
+
+    server.on_tick = on_tick
+    server.extra_stats = extra_stats
+    server.extra_status = lambda: {"models": models.summary()}
+    server.models_handler = models.handle
+    state = {"cfg": cfg}
+
+    def reload():
+        old = state["cfg"]
+        try:
+            new = C.load_config(cfg.path, {k: v for k, v in cfg.as_dict().items()
+                                           if cfg.sources.get(k) == "command line"},
+                                origin="command line", cli=False)
+        except MoecacheError as e:
+            log.error("SIGHUP: config not reloaded: %s", e)
+            return
+        changes, restart = C.reload_changes(old, new)
+        applied = []
+        for key in list(changes):
+            if key in ("budget", "floor", "floor_hysteresis", "floor_interval_s",
+                       "floor_min_change_s", "min_budget", "slots"):
+                restart.append(f"{key} (several models: restart to change it)")
+                setattr(new, key, getattr(old, key))
+                continue
+            try:
+                ok = _apply_live(key, new, server, server.cache, floor_box)
+            except (MoecacheError, ValueError) as e:
+                ok = f"failed: {e}"
+            if ok is True:
+                applied.append(key)
+            else:
+                restart.append(f"{key} ({ok})" if isinstance(ok, str) else key)
+                if key != "models":
+                    setattr(new, key, getattr(old, key))
+        if restart:
+            log.warning("SIGHUP: not applied, need a restart: %s", ", ".join(restart))
+        log.info("SIGHUP: applied %s", ", ".join(applied) or "nothing")
+        state["cfg"] = new
+
+    server.install_signal_handlers(on_hup=reload)
+
+    def ready():
+        msg = (f"serving {len(models.models)} models ("
+               + ", ".join(f"{n} {s / 2**30:.2f} GiB" for n, s in models.split.shares.items())
+               + f") on {cfg.endpoint}")
+        log.info("moecached %s ready: %s", __version__, msg)
+        _notify("READY=1", f"STATUS={msg}", f"MAINPID={os.getpid()}")
+
+    try:
+        server.serve_forever(ready=ready)
+    finally:
+        _notify("STOPPING=1")
+        models.close()
+        models.main.cache.close()
+    log.info("stopped")
+    return 0
+
+
 def build(cfg: C.Config):
     """Index + cache + (floor) + server for a validated Config. Returns (server, cache,
     floor_box): ``floor_box["floor"]`` is the MemoryFloor or None (SIGHUP may switch it);
@@ -310,17 +428,8 @@ def _build(cfg: C.Config, held: dict, t0: float):
                 watchdog()
 
         lock_fd, held["lock"] = held["lock"], None   # the server owns it from here
-        server = Server(cache, endpoint=cfg.endpoint, model_path=cfg.model,
-                        heartbeat_s=cfg.heartbeat_s, socket_mode=cfg.socket_mode, gid=gid,
-                        on_tick=on_tick, tick_s=min(1.0, cfg.floor_interval_s),
-                        max_request_experts=cfg.max_request_experts,
-                        max_message_bytes=cfg.max_message_bytes,
-                        acquire_timeout_s=cfg.pressure_timeout_s if cfg.on_pressure == "wait" else None,
-                        endpoint_lock=lock_fd,
-                        client_rate_limit=cfg.client_rate_limit,
-                        client_rate_burst=cfg.client_rate_burst,
-                        client_max_prefetch=cfg.client_max_prefetch,
-                        pin_files=cfg.fast_path, pin_quota=cfg.fast_path_quota)
+        server = Server(cache, endpoint=cfg.endpoint, model_path=cfg.model, on_tick=on_tick,
+                        endpoint_lock=lock_fd, **_server_kwargs(cfg, gid))
 
         def extra_stats():
             arena = server.cache.arena
@@ -348,6 +457,8 @@ def _build(cfg: C.Config, held: dict, t0: float):
 
 def run(cfg: C.Config) -> int:
     """Run the daemon until SIGTERM/SIGINT. Returns the process exit code."""
+    if cfg.models:
+        return run_models(cfg)
     try:
         server, cache, floor_box = build(cfg)
     except MoecacheError as e:

@@ -33,7 +33,7 @@ UNPACK_LIMITS = dict(raw=False, strict_map_key=True, max_str_len=MAX_STR_LEN, ma
                      max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0)
 
 OPS = ("hello", "acquire", "prefetch", "release", "cancel", "stats", "status", "ping", "bye",
-       "trace_start", "trace_stop")
+       "trace_start", "trace_stop", "models")
 
 #: The request shapes the server's hot path (``moecached._serve.FastPath``) may serve: op ->
 #: its exact field set. A request of that op with any other fields, or any other op, always
@@ -63,6 +63,7 @@ E_SHUTDOWN = "shutdown"            # the daemon is stopping
 E_INVALID_STATE = "invalid_state"  # the op does not apply now (trace_stop with no trace running)
 E_REFUSED = "refused"              # a valid request the daemon will not carry out (unsafe trace path)
 E_RATE_LIMITED = "rate_limited"    # the client is over its request rate limit (client_rate_limit)
+E_UNKNOWN_MODEL = "unknown_model"  # hello names a model this daemon does not serve (or is removing)
 E_INTERNAL = "internal"
 
 

@@ -294,6 +294,12 @@ class Server:
         self.extra_stats = None  # optional callable -> dict merged into stats (the floor)
         self.extra_status = None  # optional callable -> dict merged into status
         self.on_model_change = None  # optional callable(message), run in the loop thread
+        # several models (moecached.multi): this server's model name, ``route_model(server,
+        # name) -> None (served here) | endpoint`` (raises ProtocolError for a model not
+        # served), and the ``models`` op's handler ``(msg) -> dict``; None: one model
+        self.model_name = None
+        self.route_model = None
+        self.models_handler = None
         self._model_change = None    # message waiting for on_model_change
         self._fast = None
         self._hooks = None   # the hot path's ServerHooks (kept current: see _fast_handler)
@@ -948,6 +954,14 @@ class Server:
 
     # ---- operations -------------------------------------------------------------------
     def _op_hello(self, c: _Client, rid: int, msg: dict) -> None:
+        want = msg.get("model")
+        if want is not None and (not isinstance(want, str) or not want):
+            raise P.ProtocolError(P.E_BAD_TYPE, "field 'model' must be a non-empty string")
+        if self.route_model is not None:
+            where = self.route_model(self, want)
+            if where is not None:   # served on its own endpoint: the client says hello there
+                self._reply(c.ident, rid, redirect=where, model_name=want)
+                return
         name = msg.get("client")
         if name is not None:
             if not isinstance(name, str) or not name:
@@ -966,7 +980,7 @@ class Server:
         idx = self.index
         self._reply(c.ident, rid, protocol=P.PROTOCOL_VERSION, server=f"moecached {__version__}",
                     fingerprint=idx.fingerprint(), model=self.model_path,
-                    arena=self.cache.descriptor(), index=idx.to_json(),
+                    model_name=self.model_name, arena=self.cache.descriptor(), index=idx.to_json(),
                     expert_layers=list(idx.expert_layers), n_experts=idx.n_experts,
                     top_k=idx.top_k, heartbeat_s=self.heartbeat_s,
                     lease_watch="process" if c.pidfd is not None else "heartbeat", pins=pins,
@@ -1066,7 +1080,8 @@ class Server:
         """Everything ``moecache-ctl stats`` shows: cache counters + server + per client."""
         st = dict(self.cache.stats())
         st.update(uptime_s=round(time.time() - self.started, 3), pid=os.getpid(),
-                  version=__version__, model=self.model_path, endpoint=self.endpoint,
+                  version=__version__, model=self.model_path, model_name=self.model_name,
+                  endpoint=self.endpoint,
                   session=self.session, fingerprint=self.index.fingerprint(),
                   leases_held=len(self.leases),
                   server={**{k.key: 0 for k in SERVER_COUNTERS}, **self.counters},
@@ -1076,6 +1091,12 @@ class Server:
         if self.extra_stats is not None:
             st.update(self.extra_stats())
         return st
+
+    def _op_models(self, c: _Client, rid: int, msg: dict) -> None:
+        if self.models_handler is None:
+            raise P.ProtocolError(P.E_REFUSED, "this daemon serves one model (--model PATH); start "
+                                  "it with --model NAME=PATH (or [[models]]) to add models live")
+        self._reply(c.ident, rid, **self.models_handler(msg))
 
     def _op_stats(self, c: _Client, rid: int, msg: dict) -> None:
         self._reply(c.ident, rid, stats=self.stats())
@@ -1089,6 +1110,7 @@ class Server:
             "state": "model changed" if changed else "serving", "model_changed": changed,
             "pid": os.getpid(), "version": __version__,
             "uptime_s": round(time.time() - self.started, 3), "model": self.model_path,
+            "model_name": self.model_name,
             "endpoint": self.endpoint, "clients": len(self.clients), "leases": len(self.leases),
             "budget_configured_bytes": budget.get("configured_bytes"),
             "budget_current_bytes": budget.get("current_bytes"),

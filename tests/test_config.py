@@ -183,6 +183,13 @@ FILE_ERRORS = [
     ('admit_cold = 0', 'admit_cold = 0: expected "off", "prompt" or a width from 1 to 16777216 '
                        '(experts of one layer in one acquire)'),
     ('fast_path_quota = -1', 'fast_path_quota = -1: expected an integer from 0 to 16777216'),
+    ('models = 3', 'models = 3: expected a list of tables with name (letters, digits, _ . -, at most '
+                   '32), path (a GGUF file) and optional min_budget, max_budget (sizes) and weight (> 0)'),
+    ('split_interval_s = 0', 'split_interval_s = 0: expected a number of seconds > 0 and <= 86400'),
+    ('split_step = 0', 'split_step = 0: expected a size such as 8GiB, 512M, 1.5G or a byte count (units '
+                       'B, K/KiB, M/MiB, G/GiB, T/TiB binary; KB, MB, GB, TB decimal), more than 0 bytes'),
+    ('split_hysteresis = -1', 'split_hysteresis = -1: expected a number from 0 to 100 (0.25: a move '
+                              'must gain 25 % more than it loses)'),
     ('[server]\nx = 1', '[server] is a table: expected top-level keys only (key = value lines, no '
                         '[section] headers, dotted keys or inline tables)'),
     ('readers = 4\n[section]\nbudget = "8G"', '[section] is a table: expected top-level keys only '
@@ -331,3 +338,30 @@ def test_docs_mark_exactly_the_reloadable_keys():
     marked = {k for k in KEYS if "*reload*" in rows[k]}
     assert marked == RELOADABLE, (sorted(marked - RELOADABLE), sorted(RELOADABLE - marked))
     assert RELOADABLE == {k for k, key in KEYS.items() if key.reload is not None}
+
+
+def test_several_models_from_tables_and_flags(tmp_path):
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"x")
+    b.write_bytes(b"x")
+    p = tmp_path / "m.toml"
+    p.write_text(f'budget = "2GiB"\n[[models]]\nname = "qwen"\npath = "{a}"\nmax_budget = "1GiB"\n'
+                 f'[[models]]\nname = "mix"\npath = "{b}"\nweight = 2\n')
+    cfg = load_config(str(p))
+    assert [m["name"] for m in cfg.models] == ["qwen", "mix"] and cfg.model is None
+    assert cfg.models[0]["max_budget"] == 1 << 30 and cfg.models[1]["weight"] == 2.0
+    p.write_text(f'budget = "2GiB"\n[[models]]\nname = "q w"\npath = "{a}"\n')
+    with pytest.raises(ConfigError, match=r"models\[0\]\.name = 'q w' is not such a name"):
+        load_config(str(p))
+    p.write_text(f'budget = "2GiB"\n[[models]]\nname = "q"\npath = "{tmp_path}/none.gguf"\n')
+    with pytest.raises(ConfigError, match="model q: path = .*none.gguf.*no such file"):
+        load_config(str(p))
+    import argparse
+    ap = add_cli_args(argparse.ArgumentParser())
+    cfg = config_from_args(ap.parse_args(["--config", str(tmp_path / "none.toml")][:0] + [
+        "--model", f"qwen={a}", "--model", f"mix={b}", "--budget", "1GiB"]))
+    assert [(m["name"], m["path"]) for m in cfg.models] == [("qwen", str(a)), ("mix", str(b))]
+    cfg = config_from_args(ap.parse_args(["--model", str(a), "--budget", "1GiB"]))
+    assert cfg.model == str(a) and cfg.models == []
+    with pytest.raises(ConfigError, match="--model NAME=PATH for each"):
+        config_from_args(ap.parse_args(["--model", str(a), "--model", f"mix={b}", "--budget", "1G"]))

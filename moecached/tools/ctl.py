@@ -16,6 +16,7 @@ COMMANDS = {
     "synth": ("moecached.tools.synth", "main", "write a real-layout GGUF fixture with stamped expert bytes"),
     "status": ("moecached.tools.ctlstats", "status_main", "ask a running daemon for its status"),
     "stats": ("moecached.tools.ctlstats", "stats_main", "ask a running daemon for its counters"),
+    "model": ("moecached.tools.ctlstats", "model_main", "list, add or remove the models a daemon serves under one budget"),
     "trace": ("moecached.tools.tracetools", "main", "start/stop routing-trace recording in the daemon; convert JSONL logs"),
     "metrics": ("moecached.tools.metrics", "main", "serve the daemon's counters to Prometheus (HTTP exporter)"),
     "policy": ("moecached.tools.simulate", "main", "replay routing traces through cache policies (simulator)"),

@@ -49,16 +49,17 @@ def resolve_endpoint(flag: str | None = None) -> tuple[str, str]:
         raise MoecacheError(f"{where} {value!r}: expected {e.expected}") from None
 
 
-def _client(endpoint: str, timeout: float, source: str = "--endpoint"):
+def _client(endpoint: str, timeout: float, source: str = "--endpoint", model: str = "*"):
     """A ``Client`` for ``endpoint``; failures are one line naming the endpoint and ``source``
-    (where it came from, see :func:`resolve_endpoint`)."""
+    (where it came from, see :func:`resolve_endpoint`). ``model``: the model to talk to when
+    the daemon serves several (``*``: the endpoint's own, the daemon-wide view)."""
     try:
         from moecache_client import Client, ClientError, Timeout  # noqa: F401
     except ImportError as e:  # pragma: no cover
         raise MoecacheError(f"moecache_client is not installed: {e}")
     try:
         return Client(endpoint, name="moecache-ctl", timeout=timeout, connect_timeout=timeout,
-                      map_arena=False)
+                      map_arena=False, model=model)
     except Exception as e:
         raise MoecacheError(f"cannot reach moecached at {endpoint} (endpoint from {source}): {e}")
 
@@ -78,12 +79,14 @@ def _parser(prog: str, desc: str) -> argparse.ArgumentParser:
     p.add_argument("--endpoint", "-e", default=None, help=ENDPOINT_HELP)
     p.add_argument("--timeout", type=_positive, default=5.0, help="seconds to wait for the daemon")
     p.add_argument("--json", action="store_true", help="print JSON (every counter)")
+    p.add_argument("--model", default="*", help="with several models: this model's own view "
+                   "(default: the daemon's endpoint, with one line per model)")
     return p
 
 
-def _endpoint_of(a: argparse.Namespace) -> tuple[str, float, str]:
+def _endpoint_of(a: argparse.Namespace) -> tuple:
     endpoint, source = resolve_endpoint(a.endpoint)
-    return endpoint, a.timeout, source
+    return endpoint, a.timeout, source, getattr(a, "model", "*")
 
 
 def _fmt(v) -> str:
@@ -178,6 +181,16 @@ def summary(st: dict, layers: bool = False) -> list[str]:
         out.append(f"  {x.get('name')} pid {x.get('pid')}: hit rate {_pct(x.get('hit_rate'))}, "
                    f"{x.get('acquires', 0)} acquires, {x.get('leases', 0)} leases, {x.get('pending', 0)} pending, "
                    f"stall {x.get('stall_s', 0):.2f} s, idle {x.get('idle_s', 0):.1f} s")
+    models = st.get("models") or []
+    if models:
+        sp = st.get("split") or {}
+        out.append(f"models    {len(models)} under one budget of {_gib(sp.get('total_bytes'))}, "
+                   f"{sp.get('moves', 0)} moves of the split (step {_gib(sp.get('step_bytes'))})")
+        for x in models:
+            out.append(f"  {x['name']} ({x['state']}): share {_gib(x['share_bytes'])}, "
+                       f"{x['resident']} of {x['slots']} slots resident, hit rate "
+                       f"{_pct(x['hit_rate'])}, read {_gib(x['bytes_read'])}, {x['ghost_hits']} ghost "
+                       f"hits, {x['clients']} clients, {x['leases']} leases")
     if layers:
         for name, x in (st.get("layers") or {}).items():
             out.append(f"layer {name}: hit rate {_pct(hit_rate(x['hits'], x['prefetch_hits'], x['demand_misses']))} "
@@ -230,5 +243,62 @@ def trace_main(argv) -> int:
     finally:
         c.close()
     r = {k: v for k, v in r.items() if k in ("path", "info")}
+    _print(r, a.json)
+    return 0
+
+
+def model_main(argv) -> int:
+    """``moecache-ctl model list | add NAME PATH | remove NAME | rebalance``."""
+    p = _parser("model", "the models a daemon serves under one budget: list them, add or "
+                         "remove one live, or rebalance the split now")
+    p.add_argument("action", choices=["list", "add", "remove", "rebalance"])
+    p.add_argument("name", nargs="?", help="model name (add, remove)")
+    p.add_argument("path", nargs="?", help="GGUF model file (add)")
+    p.add_argument("--min-budget", help="add: the smallest share, e.g. 4GiB")
+    p.add_argument("--max-budget", help="add: the largest share")
+    p.add_argument("--weight", type=float, help="add: multiplies the model's gains (default 1)")
+    a = p.parse_args(argv)
+    from ..units import parse_size
+    fields: dict = {}
+    if a.action in ("add", "remove") and not a.name:
+        raise MoecacheError(f"model {a.action}: expected NAME" + (" PATH" if a.action == "add" else ""))
+    if a.action == "add":
+        if not a.path:
+            raise MoecacheError("model add: expected NAME PATH")
+        fields = {"name": a.name, "path": os.path.abspath(a.path)}
+        for k in ("min_budget", "max_budget"):
+            if getattr(a, k):
+                fields[k] = parse_size(getattr(a, k))
+        if a.weight is not None:
+            fields["weight"] = a.weight
+    elif a.action == "remove":
+        fields = {"name": a.name}
+    a.model = "*"
+    c = _client(*_endpoint_of(a))
+    try:
+        r = c.models(a.action, **fields)
+        if a.action == "add":   # indexed and started in the background: wait for it
+            import time
+            deadline = time.monotonic() + 600
+            while True:
+                sp = c.models()["split"]
+                if a.name in (sp.get("failed") or {}):
+                    raise MoecacheError(sp["failed"][a.name])
+                if a.name not in (sp.get("adding") or []):
+                    break
+                if time.monotonic() > deadline:
+                    raise MoecacheError(f"still adding {a.name} after 600 s (see the daemon's log)")
+                time.sleep(0.2)
+            m = next(x for x in c.models()["models"] if x["name"] == a.name)
+            r = {"added": a.name, "endpoint": m["endpoint"], "share_bytes": m["share_bytes"]}
+    except Exception as e:
+        raise MoecacheError(f"model {a.action}: {e}")
+    finally:
+        c.close()
+    r = {k: v for k, v in r.items() if k not in ("v", "id", "ok", "session")}
+    if a.action == "list" and not a.json:
+        st = {"models": r.get("models"), "split": r.get("split")}
+        print("\n".join(summary(st)[-len(r.get("models") or []) - 1:]))
+        return 0
     _print(r, a.json)
     return 0

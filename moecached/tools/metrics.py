@@ -97,7 +97,8 @@ class StatsCollector:
                 if self._client is None:
                     from moecache_client import Client
                     self._client = Client(self.endpoint, name=CLIENT_NAME, timeout=self.timeout,
-                                          connect_timeout=self.timeout, map_arena=False)
+                                          connect_timeout=self.timeout, map_arena=False,
+                                          model="*")
                 st = self._client.stats()
             except Exception as e:  # down, restarted, timed out: reconnect on the next scrape
                 self._drop()
@@ -154,6 +155,8 @@ class StatsCollector:
         out += self._clients(st.get("clients") or [])
         if isinstance(st.get("floor"), dict):
             out += self._floor(st["floor"])
+        if isinstance(st.get("models"), list):
+            out += self._models(st["models"])
         return [f for f in out if f is not None]
 
     def _latency(self, lat: dict, rd: dict):
@@ -232,6 +235,28 @@ class StatsCollector:
         n.add_metric([], sum(1 for c in clients
                              if (c.get("name"), str(c.get("pid"))) != (CLIENT_NAME, str(os.getpid()))))
         return [n] + self._labelled(CLIENT_STATS, ["client", "pid"], [(list(lab), m) for lab, m in merged.items()])
+
+    def _models(self, models: list):
+        """Several models under one budget: per model ``{model}``."""
+        core = self._core
+        out = []
+        for kind, key, name, help_ in (
+                ("g", "share_bytes", "model_share_bytes", "the model's share of the budget (the split's)"),
+                ("g", "budget_current_bytes", "model_budget_current_bytes", "the model's arena bytes in use as slots now"),
+                ("g", "slots", "model_slots", "the model's slots at its share"),
+                ("g", "resident", "model_resident_slots", "the model's slots holding experts now"),
+                ("c", "hits", "model_hits", "hits of the model's clients"),
+                ("c", "prefetch_hits", "model_prefetch_hits", "prefetch hits of the model's clients"),
+                ("c", "demand_misses", "model_demand_misses", "demand misses of the model's clients"),
+                ("c", "ghost_hits", "model_ghost_hits", "misses one more step of budget would have made hits"),
+                ("c", "bytes_read", "model_read_bytes", "bytes read from the model's files")):
+            f = (core.CounterMetricFamily if kind == "c" else core.GaugeMetricFamily)(
+                f"moecached_{name}", help_, labels=["model"])
+            for m in models:
+                if isinstance(m.get(key), (int, float)):
+                    f.add_metric([str(m["name"])], m[key])
+            out.append(f)
+        return out
 
     def _floor(self, fl: dict):
         core = self._core

@@ -1039,7 +1039,7 @@ def main(argv=None) -> int:
     """CLI entry (``moecache-ctl policy``); returns the exit status."""
     ap = argparse.ArgumentParser(prog="moecache-ctl policy",
                                  description="replay routing traces through cache policies")
-    ap.add_argument("traces", nargs="+", metavar="TRACE", help="trace .npz files")
+    ap.add_argument("traces", nargs="*", metavar="TRACE", help="trace .npz files")
     ap.add_argument("--policies", default=None,
                     help=f"comma list of {', '.join(POLICIES)} (aliases: w-tinylfu, all; "
                          f"default all)")
@@ -1086,9 +1086,27 @@ def main(argv=None) -> int:
     ap.add_argument("--subst-refresh", action="store_true",
                     help="with --subst: also access every resident candidate, so eviction "
                          "keeps likely substitutes")
+    ap.add_argument("--mix", metavar="A.npz,B.npz",
+                    help="several models against one shared budget: replay these traces "
+                         "interleaved (one per model) with the daemon's split, an equal split "
+                         "and a sweep of static splits (TRACE arguments are then not used)")
+    ap.add_argument("--budget", help="with --mix: the shared budget, e.g. 24GiB")
+    ap.add_argument("--rates", help="with --mix: tokens/s per model, comma list (default: "
+                    "each trace's length, so all end together)")
+    ap.add_argument("--names", help="with --mix: model names, comma list (default: file names)")
+    ap.add_argument("--layouts", help="with --mix: layout JSON per model, comma list")
+    ap.add_argument("--models", help="with --mix: GGUF model per model, comma list")
+    ap.add_argument("--split-every", type=int, default=64, help="with --mix: tokens (all "
+                    "models together) between two rebalances of the shared split")
+    ap.add_argument("--points", type=int, default=9, help="with --mix: static splits swept")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--plot", help="write hit rate vs cache size per policy (PNG)")
     a = ap.parse_args(argv)
+    if a.mix:
+        from .mixsim import main_mix
+        return main_mix(a)
+    if not a.traces:
+        ap.error("expected at least one TRACE (or --mix A.npz,B.npz)")
     policies = _parse_policies(a.policies if a.policies is not None
                                else ("g-lru" if a.subst else "all"))
     sizes = _parse_sizes(a.sizes)

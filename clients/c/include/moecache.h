@@ -107,6 +107,9 @@ typedef struct mc_options {
     int heartbeat_thread;     /* 1: background pings (default); 0: the engine calls mc_tick */
     int heartbeat_ms;         /* ping period when idle; 0: a third of the daemon's heartbeat_s */
     int send_pid;             /* send pid + pid_start in hello (be watched). Default 1 */
+    const char *model;        /* the model to use when the daemon serves several (its name; the
+                               * daemon's endpoint redirects hello to the model's own socket).
+                               * NULL: none (a daemon serving one model). Default NULL */
 } mc_options;
 
 /* Fill *opt with the defaults. */

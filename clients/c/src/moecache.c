@@ -465,6 +465,7 @@ typedef struct call {
 
 struct mc_client {
     char *endpoint;
+    char *model;              /* opt.model, owned (NULL: none) */
     char name[65];
     mc_options opt;
     int ipc;
@@ -474,6 +475,7 @@ struct mc_client {
     void *ctx, *sock, *mon;
     int wakefd;
     int sock_busy, sock_want, hello_busy;
+    int redirects;            /* hello redirects followed in a row */
     call *pending;
     uint64_t next_id;
     _Atomic uint64_t session;  /* written under mu; read without it by the accessors */
@@ -518,6 +520,7 @@ void mc_options_init(mc_options *opt) {
     opt->heartbeat_thread = 1;
     opt->heartbeat_ms = 0;
     opt->send_pid = 1;
+    opt->model = NULL;
 }
 
 static int new_socket(mc_client *c, mc_error *err) {
@@ -841,6 +844,28 @@ static void call_init(call *k, const char *op, uint64_t id) {
     msgpack_unpacked_init(&k->rep);
 }
 
+static int hello_locked(mc_client *c, mc_error *err);
+
+/* A hello reply with "redirect": the model is served on its own endpoint; connect there and
+ * say hello again (at most a few times). */
+static int follow_redirect_locked(mc_client *c, const msgpack_object *where, mc_error *err) {
+    if (where->type != MSGPACK_OBJECT_STR || where->via.str.size == 0 || c->redirects >= 4)
+        return seterr(err, MC_ERR_PROTOCOL, "hello: %s redirected model %s again or to no endpoint; "
+                      "the daemon's models are inconsistent", c->endpoint, c->model ? c->model : "-");
+    char *ep = strndup(where->via.str.ptr, where->via.str.size);
+    if (!ep) return seterr(err, MC_ERR_SYSTEM, "out of memory");
+    close_socket(c);
+    free(c->endpoint);
+    c->endpoint = ep;
+    c->ipc = strncmp(ep, "ipc://", 6) == 0;
+    int r = new_socket(c, err);
+    if (r != MC_OK) return r;
+    c->redirects++;
+    r = hello_locked(c, err);
+    c->redirects = 0;
+    return r;
+}
+
 static int hello_locked(mc_client *c, mc_error *err) {
     call k;
     call_init(&k, "hello", c->next_id++);
@@ -849,11 +874,13 @@ static int hello_locked(mc_client *c, mc_error *err) {
     uint64_t start = 0;
     int have_start = c->opt.send_pid && read_pid_start(&start);
     int fast = c->opt.fast_path && c->ipc && c->opt.send_pid && have_start;
-    pk_request(&sb, &pk, k.id, "hello", 1 + (c->opt.send_pid ? 1 : 0) + (have_start ? 1 : 0) + (fast ? 1 : 0));
+    pk_request(&sb, &pk, k.id, "hello", 1 + (c->opt.send_pid ? 1 : 0) + (have_start ? 1 : 0) + (fast ? 1 : 0)
+                + (c->model ? 1 : 0));
     pk_str(&pk, "client"); pk_str(&pk, c->name);
     if (c->opt.send_pid) { pk_str(&pk, "pid"); msgpack_pack_int64(&pk, getpid()); }
     if (have_start) { pk_str(&pk, "pid_start"); msgpack_pack_uint64(&pk, start); }
     if (fast) { pk_str(&pk, "fast_path"); msgpack_pack_true(&pk); }
+    if (c->model) { pk_str(&pk, "model"); pk_str(&pk, c->model); }
     k.next = c->pending;
     c->pending = &k;
     int r = send_locked(c, &sb, "hello", err);
@@ -876,6 +903,12 @@ static int hello_locked(mc_client *c, mc_error *err) {
     sock_wait_locked(c);
     if (c->mon) check_monitor_locked(c, 1);
     const msgpack_object *rep = &k.rep.data;
+    const msgpack_object *where = mget(rep, "redirect");
+    if (where) {
+        r = follow_redirect_locked(c, where, err);
+        msgpack_unpacked_destroy(&k.rep);
+        return r;
+    }
     uint64_t session = 0;
     if (!muint(mget(rep, "session"), &session) || session == 0) {
         msgpack_unpacked_destroy(&k.rep);
@@ -981,6 +1014,8 @@ mc_client *mc_connect(const char *endpoint, const char *name, const mc_options *
     }
     c->endpoint = strdup(endpoint);
     c->ipc = strncmp(endpoint, "ipc://", 6) == 0;
+    c->model = c->opt.model ? strdup(c->opt.model) : NULL;
+    c->opt.model = c->model;
     if (name && *name) snprintf(c->name, sizeof c->name, "%s", name);
     else snprintf(c->name, sizeof c->name, "pid%d", (int)getpid());
     c->next_id = 1;
@@ -1116,6 +1151,7 @@ void mc_close(mc_client *c) {
     pthread_cond_destroy(&c->hb_cv);
     free(c->relq);
     free(c->endpoint);
+    free(c->model);
     free(c);
 }
 

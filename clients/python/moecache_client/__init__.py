@@ -411,6 +411,9 @@ class Client:
         fast_path: pin resident experts through shared memory, without a message, when the
             daemon offers it (default; needs the compiled extension, an ``ipc://`` endpoint
             and ``map_arena``). False: every acquire goes over the socket.
+        model: the model to use when the daemon serves several (its name; optional when it
+            serves one). The daemon answers hello with the model's own endpoint, where the
+            client connects and says hello again (``endpoint`` then names it).
     Raises:
         ClientError: an ``ipc://`` endpoint whose socket file does not exist (no daemon
             there): raised at once, without waiting ``connect_timeout``.
@@ -430,8 +433,10 @@ class Client:
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, name: str | None = None,
                  timeout: float | None = 30.0, heartbeat_s: float | None = None,
-                 connect_timeout: float = 10.0, map_arena: bool = True, fast_path: bool = True):
+                 connect_timeout: float = 10.0, map_arena: bool = True, fast_path: bool = True,
+                 model: str | None = None):
         self.endpoint = endpoint
+        self.model = model
         self._ipc = endpoint.startswith("ipc://")
         path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
         if path is not None and not os.path.exists(path):
@@ -567,6 +572,13 @@ class Client:
     def status(self) -> dict:
         """A short status map: state, pid, uptime, budget, slots, hit rate, reads in flight."""
         return self._call({"op": "status"})["status"]
+
+    def models(self, action: str = "list", **fields) -> dict:
+        """The daemon's models (several models under one budget): ``list`` (per model: share,
+        residency, hit rate, bytes read; and the split), ``add`` (``name``, ``path``, optional
+        ``min_budget``/``max_budget`` bytes, ``weight``), ``remove`` (``name``) or
+        ``rebalance`` (one period of the split now). ServerError ``refused`` with the reason."""
+        return self._call({"op": "models", "action": action, **fields})
 
     def ping(self) -> float:
         """Round trip to the daemon, in seconds."""
@@ -769,11 +781,13 @@ class Client:
         self.session = None
         self._ping_sent = None
 
-    def _hello_locked(self, timeout: float) -> None:
+    def _hello_locked(self, timeout: float, redirects: int = 0) -> None:
         rid = next(self._ids)
         fut = _Call(rid, "hello")
         self._pending[rid] = fut
         hello = {"v": PROTOCOL_VERSION, "id": rid, "op": "hello", "client": self.name, "pid": os.getpid()}
+        if self.model is not None:
+            hello["model"] = self.model
         start = _own_start_time()
         if start is not None:
             hello["pid_start"] = start
@@ -788,6 +802,16 @@ class Client:
                 raise Timeout(f"no hello from {self.endpoint} within {timeout}s (is moecached running?)")
             self._pump_locked(fut, min(left, 0.1), hello=True)
         rep = fut.result()  # raises ServerError if refused
+        where = rep.get("redirect")
+        if where is not None:   # the model is served on its own endpoint: hello there
+            if redirects >= 4 or not isinstance(where, str):
+                raise ClientError(f"hello: {self.endpoint} redirected model {self.model!r} "
+                                  f"to {where!r} again; the daemon's models are inconsistent")
+            self._close_socket()
+            self.endpoint = where
+            self._ipc = where.startswith("ipc://")
+            self._sock, self._mon = self._new_socket()
+            return self._hello_locked(timeout, redirects + 1)
         # A disconnect the monitor reports now happened before this hello's connection was
         # made (the reply came through it): it belongs to the daemon before this hello.
         self._check_monitor(hello=True)

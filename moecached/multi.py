@@ -1,0 +1,446 @@
+"""Several models in one daemon under one expert budget (``moecached --model NAME=PATH ...``).
+
+Each model has its own index, arena file, cache and :class:`moecached.server.Server` (leases,
+the shared-memory fast path, traces and every stats view are per model). The first model is
+served on the configured endpoint; every other one on ``<endpoint path>.<name>`` (ipc only).
+A hello on any of them that names another model is answered with ``redirect``: that model's
+endpoint, where the client says hello again (docs/protocol.md, "Several models"); a hello
+naming no model, or an unknown or departing one, is refused with one line.
+
+The budget is split by :class:`moecached.split.Split` (the simulator's own code): every
+``split_interval_s`` seconds the ghost hits each cache counted since the last time go to
+:meth:`Split.rebalance`; a share that moved is applied with the caches' ``set_budget`` (a
+shrink evicts the model's LRU victims and gives their memory back, a grow restores slots),
+shrinks first. The memory floor shrinks the total (:meth:`Split.set_total`) and the split
+absorbs it.
+
+Models come and go live (``moecache-ctl model add NAME PATH`` / ``model remove NAME``, or a
+SIGHUP after editing ``[[models]]``): an added model gets its share from the others, their warm
+experts stay (only their LRU tails are given up); a removed model refuses new hellos at once,
+its clients keep their leases until they release them (at most ``DRAIN_S`` seconds), then its
+server and arena close and its share goes to the others.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from . import MoecacheError
+from . import protocol as P
+
+log = logging.getLogger("moecached.models")
+
+#: hello's ``model`` for a control connection (moecache-ctl): whichever model the endpoint
+#: serves, never redirected or refused (engines name their model)
+ANY_MODEL = "*"
+#: a removed model's leases are waited for this long at most before its server closes
+DRAIN_S = 30.0
+
+
+class ModelsError(MoecacheError):
+    """A model cannot be added or removed (bad name or path, no room in the budget)."""
+
+
+class _Served:
+    __slots__ = ("name", "path", "index", "cache", "server", "thread", "endpoint", "draining",
+                 "spec", "watch")
+
+    def __init__(self, name, path):
+        self.name, self.path = name, path
+        self.index = self.cache = self.server = self.thread = self.endpoint = None
+        self.draining = None   # monotonic time removal began
+        self.spec = None
+        self.watch = None
+
+
+def model_endpoint(endpoint: str, name: str, first: bool) -> str:
+    """Where model ``name`` is served: the daemon's endpoint for the first model, else the ipc
+    path with ``.<name>`` appended. Raises ModelsError for tcp or a path too long."""
+    if first:
+        return endpoint
+    if not endpoint.startswith("ipc://"):
+        raise ModelsError(f"endpoint {endpoint}: several models need an ipc:// endpoint (each "
+                          "model gets its own socket beside it)")
+    ep = f"{endpoint}.{name}"
+    if len(ep) - len("ipc://") > 107:
+        raise ModelsError(f"model {name}: socket path {ep[6:]} is longer than 107 bytes; use a "
+                          "shorter endpoint path or model name")
+    return ep
+
+
+class Models:
+    """The models served and their split; built by :func:`build`, driven from the first
+    model's loop (its periodic task) and from any model's hello (``route``)."""
+
+    def __init__(self, cfg, make_cache, server_kwargs, floor=None):
+        from .split import Split
+        self.cfg = cfg
+        self._make_cache = make_cache     # (cfg, index, max_bytes) -> ExpertCache
+        self._server_kwargs = server_kwargs
+        self.models: dict[str, _Served] = {}
+        self.lock = threading.RLock()     # models / split: the loops of all models read them
+        self.split: Split | None = None
+        self.total = int(cfg.budget)
+        self.next_split = time.monotonic() + cfg.split_interval_s
+        self._last_ghost: dict = {}
+        self.moves: list = []             # the last moves: (time, donor, receiver, bytes)
+        self.adding: dict = {}            # names being added (indexing, arena) now
+        self.failed: dict = {}            # name -> why its last add failed
+        self.main: _Served | None = None
+
+    # ------------------------------------------------------------------ routing (any loop)
+    def route(self, server, want):
+        """Hello on ``server`` naming ``want``: None when it is served there, else the endpoint
+        of the model named; ProtocolError when no model is named while several are served,
+        or the model is unknown or being removed."""
+        with self.lock:
+            live = [m for m in self.models.values() if m.draining is None]
+            if want == ANY_MODEL:   # a control connection (moecache-ctl): the endpoint's model
+                return None
+            if want is None:
+                here = next((m for m in self.models.values() if m.server is server), None)
+                if here is not None and here is not self.main:
+                    return None   # its own endpoint: no name needed
+                if len(live) == 1 and live[0] is self.main:
+                    return None
+                raise P.ProtocolError(P.E_UNKNOWN_MODEL, "this daemon serves several models ("
+                                      + ", ".join(m.name for m in live) + "): name one in hello "
+                                      "(Client(endpoint, model=NAME))")
+            m = self.models.get(want)
+            if m is None or m.draining is not None:
+                why = "is being removed" if m is not None else "is not served here"
+                raise P.ProtocolError(P.E_UNKNOWN_MODEL, f"model {want!r} {why} (served: "
+                                      + (", ".join(x.name for x in live) or "none") + ")")
+            return None if m.server is server else m.endpoint
+
+    # ------------------------------------------------------------------ building
+    def _member(self, name, index, spec):
+        from .split import Member, least_share
+        least = least_share(index, int(getattr(index, "top_k", 0) or 8))
+        return Member(name, index, max(least, spec.get("min_budget") or 0),
+                      spec.get("max_budget"), float(spec.get("weight") or 1.0))
+
+    def _open(self, spec, first: bool) -> _Served:
+        from .index import open_index
+        name, path = spec["name"], spec["path"]
+        if not os.path.isfile(path):
+            raise ModelsError(f"model {name}: path {path}: expected an existing GGUF file")
+        m = _Served(name, path)
+        m.spec = dict(spec)
+        m.endpoint = model_endpoint(self.cfg.endpoint, name, first)
+        try:
+            m.index = open_index(path)
+        except (MoecacheError, OSError) as e:
+            raise ModelsError(f"model {name}: {path}: {e}") from None
+        return m
+
+    def _arena_max(self, member) -> int:
+        """The arena of a model: its largest possible share (its max, or the total less the
+        others' minimums); memory above its share is given back at once."""
+        others = sum(x.min_bytes for n, x in self.split.members.items() if n != member.name)
+        return max(member.min_bytes, min(member.max_bytes, self.total - others))
+
+    def _start_cache(self, m: _Served, lock_fd=None):
+        """Cache (sized to its share) and server of ``m``; the server runs in its own thread
+        unless it is the first model (the caller's loop)."""
+        from .server import Server
+        member = self.split.members[m.name]
+        m.cache = self._make_cache(self.cfg, m.index, self._arena_max(member))
+        try:
+            m.cache.set_budget(self.split.shares[m.name])   # give back what is not its share
+            m.cache.set_ghost(self.split.ghost_slots(m.name))
+            kw = dict(self._server_kwargs)
+            if lock_fd is not None:
+                kw["endpoint_lock"] = lock_fd
+            m.server = Server(m.cache, endpoint=m.endpoint, model_path=m.path, **kw)
+        except BaseException:
+            m.cache.close()
+            raise
+        m.server.model_name = m.name
+        m.server.route_model = self.route
+        m.cache.readers.on_change = m.server.model_changed
+        m.server.on_model_change = lambda msg, name=m.name: log.error(
+            "model %s: %s; misses fail with model_changed, resident experts are still served: "
+            "remove and add the model again to re-index it (moecache-ctl model remove/add)",
+            name, msg)
+        self._last_ghost[m.name] = 0
+
+    def start(self, lock_fd):
+        """Open every configured model; the first one's server takes ``lock_fd`` (the
+        endpoint lock). Returns the first model's server (the caller runs its loop)."""
+        from .split import Split, SplitError
+        specs = list(self.cfg.models)
+        opened = [self._open(s, i == 0) for i, s in enumerate(specs)]
+        try:
+            self.split = Split(self.total, [self._member(m.name, m.index, m.spec) for m in opened],
+                               step=self.cfg.split_step, hysteresis=self.cfg.split_hysteresis)
+        except SplitError as e:
+            raise ModelsError(str(e)) from None
+        for i, m in enumerate(opened):
+            try:
+                self._start_cache(m, lock_fd if i == 0 else None)
+            except BaseException:
+                self.close()
+                raise
+            self.models[m.name] = m
+            if i == 0:
+                self.main = m
+        for m in opened[1:]:
+            self._run_thread(m)
+        return self.main.server
+
+    def _run_thread(self, m: _Served):
+        m.thread = threading.Thread(target=m.server.serve_forever, name=f"moecached-{m.name}",
+                                    daemon=True)
+        m.thread.start()
+
+    # ------------------------------------------------------------------ the split
+    def apply(self):
+        """Shares -> caches: shrinks first (memory given back before any is taken), then grows;
+        ghost sizes follow the shares."""
+        live = [m for m in self.models.values() if m.draining is None and m.name in self.split.shares]
+        cur = {m.name: m.cache.stats()["budget"]["current_bytes"] for m in live}
+        order = sorted(live, key=lambda m: self.split.shares[m.name] - cur[m.name])
+        for m in order:
+            try:
+                m.cache.set_budget(self.split.shares[m.name])
+            except MoecacheError as e:
+                log.error("model %s: share %d bytes not applied: %s", m.name,
+                          self.split.shares[m.name], e)
+            m.cache.set_ghost(self.split.ghost_slots(m.name))
+
+    def rebalance(self):
+        """One period of the split: ghost hits since the last period -> at most one move."""
+        with self.lock:
+            got = {}
+            for m in self.models.values():
+                if m.draining is None:
+                    g = m.cache.c_ghost_hits
+                    got[m.name] = g - self._last_ghost.get(m.name, 0)
+                    self._last_ghost[m.name] = g
+            mv = self.split.rebalance(got)
+            if mv is not None:
+                self.moves.append((time.time(),) + mv)
+                del self.moves[:-16]
+                log.info("split: %s gives %d MiB to %s (ghost hits this period: %s)", mv[0],
+                         mv[2] >> 20, mv[1], ", ".join(f"{k} {v}" for k, v in got.items()))
+            self.apply()   # also finishes a shrink that pinned experts stopped short
+            return mv
+
+    def set_total(self, total: int) -> dict:
+        """The memory floor's ``set_budget``: the split absorbs a new total."""
+        from .split import SplitError
+        with self.lock:
+            try:
+                self.split.set_total(int(total))
+            except SplitError as e:
+                raise ModelsError(str(e)) from None
+            self.total = int(total)
+            self.apply()
+            return {"shares": dict(self.split.shares)}
+
+    def configure(self, cfg):
+        """SIGHUP changed a split key."""
+        with self.lock:
+            self.cfg.split_interval_s = cfg.split_interval_s
+            self.split.hysteresis = cfg.split_hysteresis
+            self.split._step = cfg.split_step
+            self.split.step = self.split._pick_step()
+            self.next_split = time.monotonic() + cfg.split_interval_s
+            for m in self.models.values():
+                if m.draining is None:
+                    m.cache.set_ghost(self.split.ghost_slots(m.name))
+        return None
+
+    def tick(self, now: float):
+        """The first model's periodic task: the split's period, removals that drained."""
+        if now >= self.next_split:
+            self.next_split = now + self.cfg.split_interval_s
+            self.rebalance()
+        for m in list(self.models.values()):
+            if m.draining is not None and (not m.server.leases or now - m.draining >= DRAIN_S):
+                self._finish_remove(m)
+            elif m.thread is not None and m.draining is None:
+                try:
+                    r = m.cache.arena.check_link()
+                    if r == "relinked":
+                        log.warning("model %s: arena %s was unlinked; linked it back", m.name,
+                                    m.cache.arena.path)
+                except Exception as e:  # never let one model's check stop the others
+                    log.error("model %s: arena check failed: %s", m.name, e)
+
+    # ------------------------------------------------------------------ add / remove
+    def add(self, spec: dict) -> dict:
+        """Serve one more model: checked here, then indexed, given its share (from the others:
+        only their coldest experts go) and started in a thread of its own, so no model's loop
+        waits for the index or the new arena. ``model list`` shows it ``adding`` meanwhile, and
+        the reason when it could not be added."""
+        from .config import MODEL_NAME
+        name = spec.get("name")
+        if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
+            raise ModelsError(f"model name {name!r}: expected letters, digits, _ . - (at most 32)")
+        path = spec.get("path")
+        if not isinstance(path, str) or not os.path.isfile(path):
+            raise ModelsError(f"model {name}: path {path}: expected an existing GGUF file")
+        with self.lock:
+            if name in self.models or name in self.adding:
+                m = self.models.get(name)
+                raise ModelsError(f"model {name} is already served"
+                                  + (" (being removed: try again when it is gone)"
+                                     if m is not None and m.draining is not None else "")
+                                  + (" (being added)" if name in self.adding else ""))
+            self.adding[name] = None
+            self.failed.pop(name, None)
+        ep = model_endpoint(self.cfg.endpoint, name, False)
+        threading.Thread(target=self._add, args=(dict(spec),), name=f"moecached-add-{name}",
+                         daemon=True).start()
+        return {"adding": name, "endpoint": ep}
+
+    def _add(self, spec: dict) -> None:
+        from .split import SplitError
+        name = spec["name"]
+        try:
+            m = self._open(spec, False)
+            with self.lock:
+                try:
+                    self.split.add(self._member(name, m.index, spec))
+                except SplitError as e:
+                    raise ModelsError(str(e)) from None
+                self.apply()   # the others shrink first: memory for the new arena
+                try:
+                    self._start_cache(m)
+                except BaseException as e:
+                    self.split.remove(name)
+                    self.apply()
+                    raise ModelsError(f"model {name}: {e}") from None
+                self.models[name] = m
+                self._run_thread(m)
+            log.info("model %s added from %s: %d MiB of the budget, served on %s", name, m.path,
+                     self.split.shares[name] >> 20, m.endpoint)
+        except Exception as e:   # said in the log and in `model list`; the others go on
+            log.error("model %s not added: %s", name, e)
+            with self.lock:
+                self.failed[name] = str(e)
+        finally:
+            with self.lock:
+                self.adding.pop(name, None)
+
+    def remove(self, name: str) -> dict:
+        """Stop serving ``name``: new hellos for it are refused at once; its server closes
+        once its leases are released (or after ``DRAIN_S``)."""
+        with self.lock:
+            m = self.models.get(name)
+            if m is None:
+                raise ModelsError(f"model {name!r} is not served here (served: "
+                                  + ", ".join(self.models) + ")")
+            if m is self.main:
+                raise ModelsError(f"model {name} is served on the daemon's endpoint (the first "
+                                  "model) and cannot be removed live; restart without it")
+            if m.draining is None:
+                m.draining = time.monotonic()
+                log.info("model %s: removing; new hellos refused, %d leases to drain", name,
+                         len(m.server.leases))
+        return {"removing": name, "leases": len(m.server.leases)}
+
+    def _finish_remove(self, m: _Served):
+        with self.lock:
+            self.models.pop(m.name, None)
+            m.server.stop()
+        m.thread.join(timeout=10)
+        m.cache.close()
+        with self.lock:
+            self.split.remove(m.name)
+            self._last_ghost.pop(m.name, None)
+            self.apply()
+        log.info("model %s removed; its share went to %s", m.name, ", ".join(self.split.shares))
+
+    def reload_models(self, cfg):
+        """SIGHUP: models added to or removed from ``[[models]]`` are added / removed live."""
+        want = {s["name"]: s for s in cfg.models}
+        have = {n for n, m in self.models.items() if m.draining is None}
+        errors = []
+        for n in have - set(want):
+            try:
+                self.remove(n)
+            except ModelsError as e:
+                errors.append(str(e))
+        for n in [s["name"] for s in cfg.models if s["name"] not in have]:
+            try:
+                self.add(want[n])
+            except ModelsError as e:
+                errors.append(str(e))
+        return "; ".join(errors) or None
+
+    # ------------------------------------------------------------------ views
+    def summary(self) -> list:
+        """Per model: share, residency, hit rate, bytes read (stats, status, metrics)."""
+        from .stats import hit_rate
+        out = []
+        with self.lock:
+            items = list(self.models.values())
+            split = self.split
+        for m in items:
+            st = m.cache.stats()
+            slots = sum(c["slots"] for c in st["classes"])
+            used = sum(c["used"] for c in st["classes"])
+            out.append({"name": m.name, "path": m.path, "endpoint": m.endpoint,
+                        "state": "removing" if m.draining is not None else "serving",
+                        "share_bytes": split.shares.get(m.name, 0),
+                        "budget_current_bytes": st["budget"]["current_bytes"],
+                        "min_bytes": split.members[m.name].min_bytes if m.name in split.members else 0,
+                        "max_bytes": split.members[m.name].max_bytes if m.name in split.members else 0,
+                        "weight": split.members[m.name].weight if m.name in split.members else 0,
+                        "slots": slots, "resident": used, "hits": st["hits"],
+                        "prefetch_hits": st["prefetch_hits"], "demand_misses": st["demand_misses"],
+                        "hit_rate": hit_rate(st["hits"], st["prefetch_hits"], st["demand_misses"]),
+                        "ghost_hits": st["ghost_hits"], "bytes_read": st["bytes_read"],
+                        "clients": len(m.server.clients), "leases": len(m.server.leases)})
+        return out
+
+    def split_info(self) -> dict:
+        with self.lock:
+            return {"adding": list(self.adding), "failed": dict(self.failed),
+                    "total_bytes": self.total, "step_bytes": self.split.step,
+                    "hysteresis": self.split.hysteresis, "interval_s": self.cfg.split_interval_s,
+                    "moves": self.split.moves,
+                    "last_moves": [{"t": t, "from": d, "to": r, "bytes": b}
+                                   for t, d, r, b in self.moves]}
+
+    def handle(self, msg: dict) -> dict:
+        """The ``models`` op: ``action`` list (default) | add | remove | rebalance."""
+        action = msg.get("action", "list")
+        try:
+            if action == "list":
+                return {"models": self.summary(), "split": self.split_info()}
+            if action == "add":
+                spec = {"name": msg.get("name"), "path": msg.get("path")}
+                for k in ("min_budget", "max_budget", "weight"):
+                    if msg.get(k) is not None:
+                        spec[k] = msg[k]
+                if not isinstance(spec["path"], str) or not spec["path"]:
+                    raise P.ProtocolError(P.E_BAD_TYPE, "field 'path' must be the model's GGUF path")
+                return self.add(spec)
+            if action == "remove":
+                name = msg.get("name")
+                if not isinstance(name, str):
+                    raise P.ProtocolError(P.E_BAD_TYPE, "field 'name' must be a model name")
+                return self.remove(name)
+            if action == "rebalance":
+                mv = self.rebalance()
+                return {"moved": None if mv is None else {"from": mv[0], "to": mv[1], "bytes": mv[2]},
+                        "shares": dict(self.split.shares)}
+        except ModelsError as e:
+            raise P.ProtocolError(P.E_REFUSED, str(e)) from None
+        raise P.ProtocolError(P.E_BAD_TYPE, f"field 'action' = {action!r:.20}: expected list, add, "
+                              "remove or rebalance")
+
+    def close(self):
+        for m in list(self.models.values()):
+            if m is not self.main and m.server is not None:
+                m.server.stop()
+                if m.thread is not None:
+                    m.thread.join(timeout=10)
+            if m.cache is not None and m is not self.main:
+                m.cache.close()
