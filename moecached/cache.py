@@ -31,6 +31,12 @@ Model::
   :class:`ModelChangedError` (no slot taken), prefetches queue nothing; resident hits go on.
 * Prefetched experts enter the LRU at the cold end and are marked *unused*; the first demand use
   counts a prefetch hit and moves them hot; evicting an unused one counts a wasted prefetch.
+* Prefetch confidence (docs/policies.md, "Prefetch confidence"): each prefetched expert carries a
+  confidence in [0, 1] (1 without one). Below ``prefetch_min_confidence`` it is dropped; the
+  experts of one prefetch are taken highest confidence first; at a prefetch cap a queued read
+  not yet started of lower confidence is withdrawn for it (its slot given back as it was found);
+  a prefetch never evicts a *demand-hot* expert: one demanded since it came in and not among
+  the colder half of its pool's recency order.
 
 Lock discipline: one ``threading.Lock`` around all bookkeeping; reads are submitted, promoted,
 memory released/restored and user callbacks invoked only after the lock is dropped.
@@ -197,7 +203,7 @@ class _Layer:
 
 class _Load:
     __slots__ = ("pool", "key", "slot", "layer", "expert", "demanded", "prefetched", "waiters",
-                 "job_id", "priority", "fids", "victim", "quota")
+                 "job_id", "priority", "fids", "victim", "quota", "conf")
 
     def __init__(self, pool, key, slot, layer, expert, demanded, fids, victim=None):
         self.pool, self.key, self.slot, self.layer, self.expert = pool, key, slot, layer, expert
@@ -209,6 +215,7 @@ class _Load:
         self.fids = fids
         self.victim = victim    # (key, was_unused) evicted to free the slot, or None
         self.quota = None   # PrefetchQuota of the prefetch's sender while it counts there
+        self.conf = 1.0     # the prefetch's confidence (lower ones are withdrawn first at a cap)
 
 
 class _Req:
@@ -250,6 +257,8 @@ class ExpertCache:
             demanded); further prefetches are dropped and counted in ``prefetches_dropped``,
             since prefetch pays only when the drive has slack. Default: 2 x top-k x size
             classes, at least 16.
+        prefetch_min_confidence: prefetched experts of lower confidence are dropped (config key
+            of that name; an attribute a reload sets).
         log: a ``logging.Logger`` (default ``logging.getLogger("moecached.cache")``).
         arena_progress: ``progress(done, total)`` while the arena is reserved and locked.
 
@@ -263,7 +272,8 @@ class ExpertCache:
     def __init__(self, index, *, budget_bytes=None, slots=None, policy="global", readers=16,
                  chunk_bytes=256 * 1024, arena_dir="/dev/shm", arena_name=None, hugetlb=False,
                  lock_memory=True, direct_io=True, shrunk_policy="wait", max_prefetch_loads=None,
-                 log=None, arena_progress=None, admit_cold="off", eviction="lru", scan_admit="cold"):
+                 log=None, arena_progress=None, admit_cold="off", eviction="lru", scan_admit="cold",
+                 prefetch_min_confidence=0.0):
         from .arena import Arena, plan_slots
         from .readers import ReaderPool
 
@@ -329,6 +339,10 @@ class ExpertCache:
         # Default: two layers' worth of top-k per size class, at least 16.
         self.max_prefetch_loads = int(max_prefetch_loads) if max_prefetch_loads is not None else \
             max(16, 2 * max(1, int(getattr(index, "top_k", 0) or 8)) * max(1, len(index.size_classes)))
+        self.prefetch_min_confidence = float(prefetch_min_confidence)  # config key of that name
+        self.c_pf_low_conf = 0    # prefetched experts dropped below prefetch_min_confidence
+        self.c_pf_displaced = 0   # queued prefetch reads withdrawn for higher-confidence ones
+        self.c_pf_hot = 0         # prefetches dropped: the only victim was demand-hot
         self.c_wasted = 0
         self.c_bytes = 0
         self.c_reads = 0
@@ -408,11 +422,13 @@ class ExpertCache:
         """Evict the coldest unpinned key of ``pool``; returns its slot or -1."""
         return self._evict(pool)[0]
 
-    def _evict(self, pool: _Pool) -> tuple:
+    def _evict(self, pool: _Pool, prefetch: bool = False) -> tuple:
         """Evict the coldest unpinned key of ``pool`` that no fast-path pin holds: ``(slot,
         (key, was_unused))``, or ``(-1, None)``. Hits taken through shared memory are applied
         first, so the victim is the one the socket path would pick; a victim a fast-path pin
-        holds is pinned in the LRU (released by :meth:`_sweep_held`) and the next one tried."""
+        holds is pinned in the LRU (released by :meth:`_sweep_held`) and the next one tried.
+        ``prefetch``: ``(-2, None)``, evicting nothing, when the victim is demand-hot (demanded
+        since it came in, and not among the colder half of the pool's recency order)."""
         if self._shm.files:
             self._drain_locked()
         lru = pool.lru
@@ -420,6 +436,10 @@ class ExpertCache:
             k = lru.victim()
             if k < 0:
                 return -1, None
+            if prefetch and not pool.unused[k]:
+                half = len(lru) // 2
+                if lru.cold_rank(k, half) >= half:
+                    return -2, None
             s = pool.alloc[k]
             ne = self.n_experts
             # clears the resident map and moves the generation (old leases on it go invalid),
@@ -443,12 +463,13 @@ class ExpertCache:
             self.c_evictions += 1
             return s, (k, was_unused)
 
-    def _take_slot(self, pool: _Pool) -> tuple:
+    def _take_slot(self, pool: _Pool, prefetch: bool = False) -> tuple:
         """A slot for a load: ``(slot, victim)``; victim ``(key, was_unused)`` when a resident
-        expert was evicted for it (given back if the load fails untouched), slot -1 if none."""
+        expert was evicted for it (given back if the load fails untouched), slot -1 if none
+        (-2: for a prefetch, the victim would have been demand-hot; see :meth:`_evict`)."""
         if pool.free:
             return pool.free.pop(), None
-        return self._evict(pool)
+        return self._evict(pool, prefetch)
 
     def _publish(self, pool: _Pool, k: int, slot: int) -> None:
         """The resident map says ``k`` is in ``slot`` (its bytes are complete)."""
@@ -935,29 +956,58 @@ class ExpertCache:
             for req in load.waiters:
                 if req.state == _Req.LOADING:
                     self._fail(req, fail, done)
-            pool.alloc[k] = -1
-            pool.res[k] = -1
-            pool.unused[k] = 0
-            pool.lru.unpin(k)
-            pool.lru.remove(k)
-            self._gens[pool.cid][load.slot] += 1
-            v = load.victim
-            if v is not None and not getattr(error, "dest_written", True) and pool.alloc[v[0]] < 0:
-                # the slot still holds the evicted expert's bytes: it gets its place back
-                vk, was_unused = v
-                pool.alloc[vk] = pool.res[vk] = load.slot
-                self._publish(pool, vk, load.slot)
-                pool.unused[vk] = was_unused
-                pool.lru.insert(vk, True)
-                self.c_evictions -= 1
-                if was_unused:
-                    self.c_wasted -= 1
-            else:
-                pool.free.append(load.slot)
+            self._give_back_slot(load, not getattr(error, "dest_written", True))
         load.waiters = []
         if self._waitq:
             self._kick(submits, promotes, done)
         return err
+
+    def _give_back_slot(self, load: _Load, untouched: bool) -> None:
+        """A load that published nothing gives its slot back (under the lock): to the expert it
+        evicted when ``untouched`` (no byte read into the slot), else to the free list."""
+        pool, k = load.pool, load.key
+        pool.alloc[k] = -1
+        pool.res[k] = -1
+        pool.unused[k] = 0
+        pool.lru.unpin(k)
+        pool.lru.remove(k)
+        self._gens[pool.cid][load.slot] += 1
+        v = load.victim
+        if v is not None and untouched and pool.alloc[v[0]] < 0:
+            # the slot still holds the evicted expert's bytes: it gets its place back
+            vk, was_unused = v
+            pool.alloc[vk] = pool.res[vk] = load.slot
+            self._publish(pool, vk, load.slot)
+            pool.unused[vk] = was_unused
+            pool.lru.insert(vk, True)
+            self.c_evictions -= 1
+            if was_unused:
+                self.c_wasted -= 1
+        else:
+            pool.free.append(load.slot)
+
+    def _displace(self, conf: float, quota) -> bool:
+        """Withdraw the queued, not yet started prefetch read of lowest confidence below
+        ``conf`` (of ``quota``'s sender when given) and give its slot back. Under the lock.
+        True when one was withdrawn."""
+        cands = [ld for p in self._pools for ld in p.loading.values()
+                 if not ld.demanded and ld.job_id is not None and ld.conf < conf
+                 and (quota is None or ld.quota is quota)]
+        cands.sort(key=lambda ld: ld.conf)
+        for load in cands:
+            if not self.readers.withdraw(load.job_id):
+                continue   # started already: it goes on
+            self._pf_loading -= 1
+            if load.quota is not None:
+                load.quota.in_flight -= 1
+                load.quota = None
+            self.c_inflight -= 1
+            self._l_reads[load.layer] -= 1
+            del load.pool.loading[load.key]
+            self._give_back_slot(load, True)
+            self.c_pf_displaced += 1
+            return True
+        return False
 
     # ------------------------------------------------------------------ public API
     def acquire(self, layer: int, experts, timeout: float | None = None) -> Lease:
@@ -1154,61 +1204,105 @@ class ExpertCache:
         self._after(submits, promotes, done)
         return True
 
-    def prefetch(self, layer: int, experts) -> int:
+    def prefetch(self, layer: int, experts, conf=None) -> int:
         """Queue prefetch reads (low priority) for the absent ones of ``experts`` of ``layer``.
 
         Resident or in-flight experts are skipped; an expert that cannot get a slot now (pool all
         pinned, or acquires queued for slots in that pool) is skipped too: prefetch never waits
-        and never jumps the queue. Returns the number of reads queued. RequestError on a bad
-        layer/expert.
+        and never jumps the queue. ``conf``: confidence per expert (see :meth:`prefetch_many`).
+        Returns the number of reads queued. RequestError on a bad layer/expert/confidence.
         """
-        return self.prefetch_many([(layer, experts)])
+        return self.prefetch_many([(layer, experts)], conf=None if conf is None else [conf])
 
-    def prefetch_many(self, requests, quota: PrefetchQuota | None = None) -> int:
+    def prefetch_many(self, requests, quota: PrefetchQuota | None = None, conf=None) -> int:
         """:meth:`prefetch` for ``[(layer, [experts]), ...]``; returns reads queued in total.
 
         ``quota``: the sender's :class:`PrefetchQuota`: its loads count there, and a read that
         would take it past ``quota.limit`` is dropped (counted in ``quota.dropped`` and in
-        ``prefetches_dropped``), so one sender cannot take every prefetch load."""
-        submits = []
+        ``prefetches_dropped``), so one sender cannot take every prefetch load.
+        ``conf``: ``[[confidence per expert], ...]`` parallel to ``requests`` (floats in [0, 1];
+        None: all 1). Experts below ``prefetch_min_confidence`` are dropped; the rest are taken
+        highest confidence first (request order among equals); at a cap, a queued read not yet
+        started of lower confidence (the sender's own when its own cap is the one reached) is
+        withdrawn in favour of the new one; a read whose slot would cost a demand-hot expert
+        is dropped (module doc). Everything is validated before anything is queued."""
+        submits, promotes, done = [], [], []
         own = quota.limit if quota is not None and quota.limit is not None else None
+        if conf is not None and len(conf) != len(requests):
+            raise RequestError(f"conf: {len(conf)} lists for {len(requests)} layers, expected one per layer")
         with self._lock:
             if self._closed:
                 raise CacheClosed()
-            if self.readers.model_changed is not None:
-                return 0   # nothing is read from a changed model
-            waiting = {p for q in self._waitq for p in q.by_pool} if self._waitq else ()
-            for layer, experts in requests:
+            todo = []
+            for i, (layer, experts) in enumerate(requests):
                 L = self._layers.get(layer)
                 if L is None:
                     raise RequestError(f"layer {layer!r}: not a layer with routed experts")
-                pool = L.pool
-                if pool in waiting:
-                    continue
-                for e in experts:
+                cs = conf[i] if conf is not None else None
+                if cs is not None and len(cs) != len(experts):
+                    raise RequestError(f"conf of layer {layer}: {len(cs)} values for {len(experts)} "
+                                       f"experts, expected one per expert")
+                for j, e in enumerate(experts):
                     e = int(e)
                     if not 0 <= e < L.ne:
                         raise RequestError(f"layer {layer} expert {e}: out of range 0..{L.ne - 1}")
-                    if pool.alloc[L.base + e] >= 0:
-                        continue
-                    if self._pf_loading >= self.max_prefetch_loads or (
-                            own is not None and quota.in_flight >= own):
-                        self.c_pf_dropped += 1
-                        if quota is not None:
-                            quota.dropped += 1
-                        continue
-                    s, victim = self._take_slot(pool)
-                    if s < 0:
-                        break
-                    load = self._start_load(L, e, s, False, submits, victim)
-                    self._pf_loading += 1
-                    self.c_prefetches += 1
+                    c = 1.0 if cs is None else float(cs[j])
+                    if not 0.0 <= c <= 1.0:
+                        raise RequestError(f"conf of layer {layer} expert {e}: {c!r}, expected 0..1")
+                    todo.append((c, L, e))
+            if self.readers.model_changed is not None:
+                return 0   # nothing is read from a changed model
+            if conf is not None:
+                todo.sort(key=lambda t: -t[0])   # stable: request order among equals
+            waiting = {p for q in self._waitq for p in q.by_pool} if self._waitq else ()
+            full, hot = set(), set()   # pools with no slot for a prefetch now / only hot victims
+            displaced = False
+            queued = 0
+            floor = self.prefetch_min_confidence
+            for c, L, e in todo:
+                pool = L.pool
+                if pool in waiting or pool in full:
+                    continue
+                if pool.alloc[L.base + e] >= 0:
+                    continue
+                if c < floor:
+                    self.c_pf_low_conf += 1
+                    continue
+                if pool in hot:
+                    self.c_pf_hot += 1
+                    continue
+                mine = own is not None and quota.in_flight >= own
+                over = mine or self._pf_loading >= self.max_prefetch_loads
+                if over and self._displace(c, quota if mine else None):
+                    displaced = True
+                    over = self._pf_loading >= self.max_prefetch_loads or (
+                        own is not None and quota.in_flight >= own)
+                if over:
+                    self.c_pf_dropped += 1
                     if quota is not None:
-                        load.quota = quota
-                        quota.in_flight += 1
-        if submits:
-            self._after(submits, (), ())
-        return len(submits)
+                        quota.dropped += 1
+                    continue
+                s, victim = self._take_slot(pool, True)
+                if s < 0:
+                    if s == -2:
+                        self.c_pf_hot += 1
+                        hot.add(pool)
+                    else:
+                        full.add(pool)
+                    continue
+                load = self._start_load(L, e, s, False, submits, victim)
+                load.conf = c
+                queued += 1
+                self._pf_loading += 1
+                self.c_prefetches += 1
+                if quota is not None:
+                    load.quota = quota
+                    quota.in_flight += 1
+            if displaced and self._waitq:
+                self._kick(submits, promotes, done)   # a withdrawn read may have freed a slot
+        if submits or done:
+            self._after(submits, promotes, done)
+        return queued
 
     def lease_generations(self, items) -> list[int]:
         """Generation of each item's slot (``(layer, expert, class_id, slot)`` items of a lease

@@ -72,6 +72,7 @@ class Config:
     scan_admit: str = "cold"                 # where admit_cold puts a miss: cold | probation
     max_prefetch_loads: Optional[int] = None # prefetch loads in flight before dropping (None: auto)
     client_max_prefetch: Optional[int] = None  # per client prefetch loads in flight (None: auto, 0: no cap)
+    prefetch_min_confidence: float = 0.0     # prefetched experts below this confidence are dropped
     client_rate_limit: float = 40000.0       # requests/s per client (0: off)
     client_rate_burst: int = 40000           # requests a client may send at once
     floor: Optional[int] = None              # memory floor, bytes; None = off
@@ -141,6 +142,12 @@ def _rate(x):
     desc = "a number of requests per second from 0 (off) to 1e9"
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1e9:
         raise _Bad(desc)
+    return float(x)
+
+
+def _fraction(x):
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1:
+        raise _Bad("a number from 0 to 1")
     return float(x)
 
 
@@ -353,6 +360,10 @@ def _live_scan_admit(new, server, cache, floor_box):
     cache.scan_admit = new.scan_admit
 
 
+def _live_prefetch_min_confidence(new, server, cache, floor_box):
+    cache.prefetch_min_confidence = new.prefetch_min_confidence
+
+
 def _live_client_limits(new, server, cache, floor_box):
     server.set_client_limits(new.client_rate_limit, new.client_rate_burst, new.client_max_prefetch)
 
@@ -449,6 +460,10 @@ KEYS: dict[str, Key] = {
                                "prefetches are dropped (default: max_prefetch_loads; 0: no "
                                "per-client cap)", "N", "int",
         reload=_live_client_limits),
+    "prefetch_min_confidence": Key(_fraction, "--prefetch-min-confidence",
+                                   "prefetched experts whose confidence (the prefetch's conf "
+                                   "field) is below C are dropped (default 0: none)", "C", "float",
+        reload=_live_prefetch_min_confidence),
     "client_rate_limit": Key(_rate, "--client-rate-limit",
                              "requests per second per client before it is refused rate_limited "
                              "(noreply prefetches dropped); releases never count (default 40000; "

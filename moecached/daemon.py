@@ -190,7 +190,8 @@ def _make_cache(cfg: C.Config, idx, progress=None, fitted=None):
                         hugetlb=cfg.hugetlb, lock_memory=cfg.lock_memory, direct_io=cfg.direct_io,
                         shrunk_policy=cfg.on_pressure, max_prefetch_loads=cfg.max_prefetch_loads,
                         arena_progress=progress, admit_cold=cfg.admit_cold,
-                        eviction=cfg.eviction, scan_admit=cfg.scan_admit)
+                        eviction=cfg.eviction, scan_admit=cfg.scan_admit,
+                        prefetch_min_confidence=cfg.prefetch_min_confidence)
     try:
         arena = cache.arena
         os.chmod(arena.path, cfg.arena_mode)

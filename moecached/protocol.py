@@ -194,6 +194,35 @@ class RequestChecker:
             out.append((layer, list(experts)))
         return out
 
+    def confidence(self, msg: dict, reqs: list) -> list | None:
+        """The prefetch's optional ``conf`` field: with ``layers``, ``[[c, ...], ...]`` (one
+        array per layer entry, one number per expert); with ``layer`` + ``experts``, ``[c,
+        ...]`` (one per expert); numbers in [0, 1]. Returns None without the field, else
+        ``[[c, ...], ...]`` parallel to ``reqs`` (from :meth:`requests`). Raises ProtocolError
+        naming the field and value."""
+        raw = msg.get("conf")
+        if raw is None:
+            return None
+        per_layer = "layers" in msg
+        if not per_layer:
+            raw = [raw]
+        shape = "[[c, ...], ...], one array per layers entry" if per_layer else "[c, ...], one per expert"
+        if not isinstance(raw, list) or len(raw) != len(reqs):
+            raise ProtocolError(E_BAD_TYPE, f"field 'conf' must be {shape}")
+        out = []
+        for i, (cs, (layer, ex)) in enumerate(zip(raw, reqs)):
+            w = f"conf[{i}]" if per_layer else "conf"
+            if not isinstance(cs, list) or len(cs) != len(ex):
+                n = len(cs) if isinstance(cs, list) else type(cs).__name__
+                raise ProtocolError(E_BAD_TYPE, f"field '{w}' has {n} values for {len(ex)} experts of "
+                                    f"layer {layer}: expected one number in [0, 1] per expert")
+            for c in cs:
+                if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
+                    raise ProtocolError(E_BAD_TYPE, f"field '{w}' holds {c!r:.20}: expected a "
+                                        "number in [0, 1] (the predictor's confidence)")
+            out.append([float(c) for c in cs])
+        return out
+
     def subst(self, msg: dict, reqs: list) -> tuple | None:
         """The acquire's optional ``subst`` field (docs/protocol.md, "Substitution"):
         ``{"r": float in [0, 1], "cap": int >= 0 (optional: no cap), "layers": [[layer,

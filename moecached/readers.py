@@ -373,6 +373,20 @@ class ReaderPool:
             self._cond.notify()
             return True
 
+    def withdraw(self, job_id: int) -> bool:
+        """Take back a prefetch job no chunk of which was handed to a reader yet: it is
+        forgotten and its callback never runs (dest untouched). Returns False, changing
+        nothing, when the job is unknown, finished, demand priority or already started."""
+        with self._cond:
+            job = self._jobs.get(job_id)
+            if job is None or job.priority == 0 or job.next or job.inflight or job.error is not None:
+                return False
+            del self._jobs[job_id]
+            self._queued_chunks -= len(job.chunks)
+            job.next = len(job.chunks)   # its heap entry goes stale
+            job.finished = True
+            return True
+
     def _pf_limit(self) -> int:
         """Most prefetch chunks in flight now. Caller holds self._cond."""
         return self._pf_with_demand if self._demand_jobs else self._pf_max

@@ -1021,9 +1021,10 @@ class Server:
     def _op_prefetch(self, c: _Client, rid: int, msg: dict) -> None:
         quiet = self._noreply(msg)
         reqs = self.checker.requests(msg)
+        conf = self.checker.confidence(msg, reqs)
         if self._auto_pf:
             c.pf.limit = self._fair_prefetch_share(c)
-        n = self.cache.prefetch_many(reqs, c.pf)
+        n = self.cache.prefetch_many(reqs, c.pf, conf)
         c.prefetches += n
         if not quiet:
             self._reply(c.ident, rid, queued=n)

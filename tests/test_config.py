@@ -125,6 +125,7 @@ FILE_ERRORS = [
     ('readers = 0', 'readers = 0: expected an integer from 1 to 1024'),
     ('max_prefetch_loads = -1', 'max_prefetch_loads = -1: expected an integer from 0 to 1048576'),
     ('client_max_prefetch = -1', 'client_max_prefetch = -1: expected an integer from 0 to 1048576'),
+    ('prefetch_min_confidence = 1.5', 'prefetch_min_confidence = 1.5: expected a number from 0 to 1'),
     ('client_rate_limit = "fast"', 'client_rate_limit = "fast": expected a number of requests per second '
                                    'from 0 (off) to 1e9'),
     ('client_rate_limit = -5', 'client_rate_limit = -5: expected a number of requests per second '

@@ -75,6 +75,30 @@ def test_multi_layer_acquire_and_prefetch(daemon):
             assert bytes(lease.part(4, "gate", layer=L[1])) == file_bytes(idx, L[1], 4)["gate"]
 
 
+def test_prefetch_conf_over_the_wire(model_factory, tmp_path):
+    """The client's conf reaches the cache parallel to the experts (both request forms): the
+    daemon's prefetch_min_confidence drops exactly the unsure ones; a bad conf is answered
+    bad_type naming the field, nothing is queued, and the daemon keeps serving."""
+    with Daemon(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8), tmp_path,
+                prefetch_min_confidence=0.5) as d, Client(d.endpoint) as c:
+        L = d.idx.expert_layers
+        assert c.prefetch(None, layers=[(L[0], [1, 2]), (L[1], [3, 4])],
+                          conf=[[0.9, 0.1], [0.4, 0.6]], wait=True) == 2
+        assert c.prefetch(L[2], [5, 6], conf=[0.5, 0.49], wait=True) == 1
+        with c.acquire_many([(L[0], [1, 2]), (L[1], [3, 4]), (L[2], [5, 6])]) as lease:
+            assert (lease.prefetch_hits, lease.misses) == (3, 3)
+        assert c.stats()["prefetches_dropped_low_confidence"] == 3
+        for conf, text in [([0.5], "'conf' has 1 values for 2"), ([0.5, 2], "'conf' holds 2"),
+                           ("x", "'conf' has str values")]:
+            rep = raw(d.endpoint, msgpack.packb({"v": 1, "id": 5, "op": "prefetch", "layer": L[3],
+                                                 "experts": [0, 1], "conf": conf}))
+            assert rep["error"]["code"] == "bad_type" and text in rep["error"]["message"], rep
+        rep = raw(d.endpoint, msgpack.packb({"v": 1, "id": 5, "op": "prefetch",
+                                             "layers": [[L[3], [0, 1]]], "conf": [[0.5, 0.7], [1]]}))
+        assert rep["error"]["code"] == "bad_type" and "'conf' must be" in rep["error"]["message"], rep
+        assert c.prefetch(L[3], [0], conf=[0.7], wait=True) == 1     # still serving
+
+
 @pytest.mark.parametrize("msg,code", [
     ({"v": 1, "id": 7, "op": "nope"}, "unknown_op"),
     ({"v": 2, "id": 7, "op": "ping"}, "version"),

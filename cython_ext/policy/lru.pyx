@@ -135,6 +135,21 @@ cdef class LRU:
         LRU order ignores it; ``LFUDecay`` with a candidate weight counts it."""
         self._check(k)
 
+    cpdef long cold_rank(self, long k, long limit):
+        """Present keys colder than ``k`` in the recency order (0: ``k`` is the coldest),
+        counting at most ``limit``: returns ``limit`` when ``k`` is not among the ``limit``
+        coldest present keys (or absent). O(min(rank, limit)). Every eviction order keeps the
+        recency order (a demanded use moves a key to the hot end), so this is what the cache
+        asks before a prefetch evicts ``k`` (docs/policies.md, "Prefetch confidence")."""
+        self._check(k)
+        cdef long node = self.prev[self.head], i = 0
+        while node != self.head and i < limit:
+            if node == k:
+                return i
+            node = self.prev[node]
+            i += 1
+        return limit
+
     cpdef int pin_count(self, long k):
         self._check(k)
         return self.pins[k]

@@ -254,6 +254,12 @@ int mc_lease_subst(const mc_lease *l, uint32_t i, int *layer, int *missing, int 
 /* Queue reads only (no pins, noreply). */
 int mc_prefetch(mc_client *c, int layer, const int *experts, uint32_t n, mc_error *err);
 int mc_prefetch_many(mc_client *c, const mc_request *reqs, uint32_t n_reqs, mc_error *err);
+/* mc_prefetch_many with the predictor's confidence of each expert: conf[i][j] in [0, 1] for
+ * expert j of reqs[i] (docs/protocol.md, prefetch "conf"). The daemon drops experts below its
+ * prefetch_min_confidence and, at its prefetch caps, keeps the most confident. conf NULL:
+ * exactly mc_prefetch_many. MC_ERR_INVALID_ARG (nothing sent) for a value outside [0, 1]. */
+int mc_prefetch_conf(mc_client *c, const mc_request *reqs, uint32_t n_reqs, const double *const *conf,
+                     mc_error *err);
 
 /* The items in request order (layers in the order given, experts in the order given). */
 uint32_t mc_lease_n(const mc_lease *l);

@@ -1208,6 +1208,7 @@ typedef struct req_arg {
     int timeout_ms;
     int noreply;
     const mc_subst *subst;
+    const double *const *conf;   /* prefetch: confidence per expert, per request (or NULL) */
 } req_arg;
 
 static void fill_subst(msgpack_packer *pk, const req_arg *a) {
@@ -1260,11 +1261,19 @@ static void fill_requests(msgpack_packer *pk, void *p) {
     if (a->timeout_ms >= 0) { pk_str(pk, "timeout_ms"); msgpack_pack_int(pk, a->timeout_ms); }
     if (a->noreply) { pk_str(pk, "noreply"); msgpack_pack_true(pk); }
     if (a->subst) fill_subst(pk, a);
+    if (a->conf) {
+        pk_str(pk, "conf");
+        if (a->n != 1) msgpack_pack_array(pk, a->n);
+        for (uint32_t i = 0; i < a->n; i++) {
+            msgpack_pack_array(pk, a->reqs[i].n);
+            for (uint32_t j = 0; j < a->reqs[i].n; j++) msgpack_pack_double(pk, a->conf[i][j]);
+        }
+    }
 }
 
 static int n_fields(const req_arg *a) {
     return 2 - (a->n != 1) + ((a->flags & (MC_ACQ_DECODE | MC_ACQ_PROMPT)) != 0) + (a->timeout_ms >= 0) +
-           (a->noreply != 0) + (a->subst != NULL);
+           (a->noreply != 0) + (a->subst != NULL) + (a->conf != NULL);
 }
 
 static int check_requests(mc_client *c, const mc_request *reqs, uint32_t n, uint32_t *total, mc_error *err) {
@@ -1476,7 +1485,7 @@ int mc_acquire_subst(mc_client *c, const mc_request *reqs, uint32_t n, const mc_
         if (r == MC_OK) return okerr(err);
         if (r == MC_ERR_RESTARTED) return r;
     }
-    req_arg a = {reqs, n, flags, timeout_ms, 0, subst};
+    req_arg a = {reqs, n, flags, timeout_ms, 0, subst, NULL};
     msgpack_unpacked rep;
     uint64_t sess = 0;
     /* the client waits a little longer than the daemon's own timeout, so the daemon's answer wins */
@@ -1509,12 +1518,26 @@ int mc_acquire(mc_client *c, int layer, const int *experts, uint32_t n, int flag
     return mc_acquire_many(c, &r, 1, flags, timeout_ms, out, err);
 }
 
-int mc_prefetch_many(mc_client *c, const mc_request *reqs, uint32_t n, mc_error *err) {
+int mc_prefetch_conf(mc_client *c, const mc_request *reqs, uint32_t n, const double *const *conf,
+                     mc_error *err) {
     uint32_t total;
     int r = check_requests(c, reqs, n, &total, err);
     if (r != MC_OK) return r;
-    req_arg a = {reqs, n, 0, -1, 1, NULL};
+    if (conf)
+        for (uint32_t i = 0; i < n; i++) {
+            if (reqs[i].n && !conf[i])
+                return seterr(err, MC_ERR_INVALID_ARG, "prefetch: conf of layer %d is NULL", reqs[i].layer);
+            for (uint32_t j = 0; j < reqs[i].n; j++)
+                if (!(conf[i][j] >= 0.0 && conf[i][j] <= 1.0))
+                    return seterr(err, MC_ERR_INVALID_ARG, "prefetch: conf of layer %d expert %d = %g, "
+                                  "expected a number in [0, 1]", reqs[i].layer, reqs[i].experts[j], conf[i][j]);
+        }
+    req_arg a = {reqs, n, 0, -1, 1, NULL, conf};
     return do_call(c, "prefetch", n_fields(&a), fill_requests, &a, -1, 0, NULL, NULL, err);
+}
+
+int mc_prefetch_many(mc_client *c, const mc_request *reqs, uint32_t n, mc_error *err) {
+    return mc_prefetch_conf(c, reqs, n, NULL, err);
 }
 
 int mc_prefetch(mc_client *c, int layer, const int *experts, uint32_t n, mc_error *err) {

@@ -57,7 +57,8 @@ static void start_daemon(const char *slots, const char *heartbeat) {
         (void)f;
         dup2(1, 2);
         execlp(PY, PY, "-P", "-m", "moecached.daemon", "--model", MODEL, "--endpoint", ENDPOINT,
-               "--no-lock-memory", "--slots", slots, "--heartbeat", heartbeat, (char *)NULL);
+               "--no-lock-memory", "--slots", slots, "--heartbeat", heartbeat,
+               "--prefetch-min-confidence", "0.5", (char *)NULL);
         _exit(127);
     }
     daemon_pid = p;
@@ -310,6 +311,40 @@ static void test_restart(mc_client *c) {
 /* Substitution decided at the daemon: a missing expert replaced by a resident candidate that
  * scores >= r x its score; the item names the candidate and holds its bytes. Runs on the
  * fresh daemon test_restart started (layer 0 holds nothing yet). */
+/* The daemon runs with prefetch_min_confidence 0.5: of a prefetch with conf, only the experts
+ * at or above it are read (the acquire after it finds them brought in), in both request forms. */
+static void test_prefetch_conf(mc_client *c) {
+    mc_error e;
+    mc_lease *l;
+    uint32_t hits, ph, misses;
+    uint64_t stall;
+    int a[] = {0, 1}, b[] = {2, 3};
+    double ca[] = {0.9, 0.2}, cb[] = {0.1, 0.6};
+    const double *conf[] = {ca, cb};
+    mc_request rq[2] = {{1, a, 2}, {2, b, 2}};
+    CHECK(mc_prefetch_conf(c, rq, 2, conf, &e) == MC_OK, "prefetch_conf: %s", e.message);
+    REQUIRE(mc_acquire_many(c, rq, 2, MC_ACQ_NO_FAST, 20000, &l, &e) == MC_OK, "acquire: %s", e.message);
+    mc_lease_counts(l, &hits, &ph, &misses, &stall);
+    CHECK(ph == 2 && misses == 2, "two prefetched, two below 0.5 (prefetch_hits %u misses %u)", ph, misses);
+    CHECK(verify_lease(c, l) == 0, "bytes after a prefetch with conf");
+    mc_release(l);
+    int one[] = {4, 5};
+    double c1[] = {0.5, 0.49};
+    const double *conf1[] = {c1};
+    CHECK(mc_prefetch_conf(c, &(mc_request){3, one, 2}, 1, conf1, &e) == MC_OK, "prefetch_conf: %s", e.message);
+    REQUIRE(mc_acquire(c, 3, one, 2, MC_ACQ_NO_FAST, 20000, &l, &e) == MC_OK, "acquire: %s", e.message);
+    mc_lease_counts(l, &hits, &ph, &misses, &stall);
+    CHECK(ph == 1 && misses == 1, "one layer: 0.5 read, 0.49 not (prefetch_hits %u misses %u)", ph, misses);
+    mc_release(l);
+    double bad[] = {0.5, 1.5};
+    const double *confb[] = {bad};
+    CHECK(mc_prefetch_conf(c, &(mc_request){3, one, 2}, 1, confb, &e) == MC_ERR_INVALID_ARG &&
+          strstr(e.message, "1.5"), "conf 1.5 refused: %s", e.message);
+    double nan_[] = {0.5, 0.0 / 0.0};
+    const double *confn[] = {nan_};
+    CHECK(mc_prefetch_conf(c, &(mc_request){3, one, 2}, 1, confn, &e) == MC_ERR_INVALID_ARG, "conf NaN refused");
+}
+
 static void test_subst(mc_client *c) {
     mc_error e;
     mc_lease *l;
@@ -380,6 +415,7 @@ int main(void) {
     test_heartbeat(c);
     test_restart(c);
     test_subst(c);
+    test_prefetch_conf(c);
     mc_close(c);
     stop_daemon(SIGTERM);
     ex_free(EX);

@@ -544,10 +544,17 @@ class Client:
             msg["timeout_ms"] = int(timeout_ms)
         return LeaseFuture(self, self._submit(msg))
 
-    def prefetch(self, layer: int, experts=None, *, layers=None, wait: bool = False) -> int | None:
-        """Queue reads only (no pins). ``wait=False`` sends without waiting for the reply."""
+    def prefetch(self, layer: int, experts=None, *, layers=None, wait: bool = False,
+                 conf=None) -> int | None:
+        """Queue reads only (no pins). ``wait=False`` sends without waiting for the reply.
+        ``conf``: the predictor's confidence per expert, numbers in [0, 1]: ``[c, ...]``
+        parallel to ``experts``, or ``[[c, ...], ...]`` parallel to ``layers`` (docs/protocol.md,
+        ``prefetch``); without it every expert counts as confidence 1."""
         msg = {"op": "prefetch"}
         self._requests(msg, layer, experts, layers)
+        if conf is not None:
+            msg["conf"] = ([[float(c) for c in cs] for cs in conf] if layers is not None
+                           else [float(c) for c in conf])
         if not wait:
             msg["noreply"] = True
             self._submit(msg, expect_reply=False)
