@@ -318,10 +318,20 @@ def run_models(cfg: C.Config) -> int:
                 restart.append(f"{key} (several models: restart to change it)")
                 setattr(new, key, getattr(old, key))
                 continue
-            try:
-                ok = _apply_live(key, new, server, server.cache, floor_box)
-            except (MoecacheError, ValueError) as e:
-                ok = f"failed: {e}"
+            # a daemon-wide key is applied once; a per-socket or per-cache key to every model
+            if key in ONCE:
+                targets = [server]
+            else:
+                targets = [m.server for m in list(models.models.values())
+                           if m.draining is None and m.server is not None]
+            ok = True
+            for srv in targets:
+                try:
+                    ok = _apply_live(key, new, srv, srv.cache, floor_box)
+                except (MoecacheError, ValueError) as e:
+                    ok = f"failed: {e}"
+                if ok is not True:
+                    break
             if ok is True:
                 applied.append(key)
             else:
@@ -333,6 +343,7 @@ def run_models(cfg: C.Config) -> int:
         log.info("SIGHUP: applied %s", ", ".join(applied) or "nothing")
         state["cfg"] = new
 
+    ONCE = ("models", "log_level", "split_interval_s", "split_step", "split_hysteresis")
     server.install_signal_handlers(on_hup=reload)
 
     def ready():

@@ -357,3 +357,31 @@ def test_sighup_adds_and_removes_models_of_the_file(models, tmp_path):
     finally:
         log = d.stop()
     assert "model mix removed" in log and "model mix2 added" in log
+
+
+def test_sighup_applies_a_live_key_to_every_model(models, tmp_path):
+    # a key that changes live (here max_request_experts, which each model's socket announces in
+    # its hello reply) reaches every model's socket, not only the first model's
+    import signal
+    cfg = tmp_path / "m.toml"
+
+    def write(limit):
+        cfg.write_text(f"max_request_experts = {limit}\n"
+                       + "".join(f'[[models]]\nname = "{n}"\npath = "{models[n]}"\n' for n in ("qwen", "mix")))
+
+    def limit_of(name):
+        with Client(d.endpoint, model=name, fast_path=False) as c:
+            return c.info["limits"]["max_request_experts"]
+    write(64)
+    d = MultiDaemon(models, tmp_path, "1GiB", config=cfg)
+    try:
+        assert limit_of("qwen") == limit_of("mix") == 64
+        write(2)
+        d.p.send_signal(signal.SIGHUP)
+        deadline = time.time() + 30
+        while limit_of("qwen") != 2 and time.time() < deadline:
+            time.sleep(0.2)
+        assert limit_of("qwen") == 2
+        assert limit_of("mix") == 2, "the reloaded limit reached only the first model's socket"
+    finally:
+        d.stop()
