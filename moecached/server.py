@@ -895,6 +895,7 @@ class Server:
         while self.done:
             ident, rid, ticket_box, tag, result = self.done.popleft()
             ticket = ticket_box[0] if ticket_box else None
+            subst = ticket_box[1] if len(ticket_box) > 1 else None
             c = self.clients.get(ident)
             alive = c is not None and (ticket is None or ticket in c.pending)
             if c is not None and ticket is not None:
@@ -908,9 +909,9 @@ class Server:
             if not alive or final:
                 self.cache.release(lease)  # nobody to hand it to: roll back
                 continue
-            self._deliver(c, rid, lease, tag)
+            self._deliver(c, rid, lease, tag, subst)
 
-    def _deliver(self, c: _Client, rid: int, lease, tag) -> None:
+    def _deliver(self, c: _Client, rid: int, lease, tag, subst=None) -> None:
         """Send a granted lease to its client and register it; roll it back when undeliverable."""
         c.acquires += 1
         c.hits += lease.hits
@@ -933,16 +934,26 @@ class Server:
             self.cache.release(lease)  # undelivered: roll back
             self._drop_client(c, "unreachable")
             return
-        self._register(c, lease, tag)
+        self._register(c, lease, tag, subst)
 
-    def _register(self, c: _Client, lease, tag=None) -> None:
-        """Record a delivered lease as ``c``'s (and in the trace being recorded, if any)."""
+    def _register(self, c: _Client, lease, tag=None, subst=None) -> None:
+        """Record a delivered lease as ``c``'s (and in the trace being recorded, if any, with
+        the acquire's substitution scores and candidates, ``subst`` as from
+        ``checker.subst``; a swapped item is recorded as the expert routed)."""
         lid = lease.id
         self.leases[lid] = (c.ident, lease)
         c.leases.add(lid)
         if self.recorder is not None and (self.recorder_client in (None, c.name)):
+            offer = subst[2] if subst is not None else {}
             for layer, experts in _group(lease.items):
-                self.recorder.record(self.moe_index[layer], experts, tag == "prompt", c.name)
+                sc = cands = None
+                if layer in offer:
+                    sc, cands = offer[layer]
+                    for sl, missing, sub in lease.swaps:
+                        if sl == layer:
+                            experts[experts.index(sub)] = missing
+                self.recorder.record(self.moe_index[layer], experts, tag == "prompt", c.name,
+                                     scores=sc, candidates=cands)
 
     def _undelivered(self, c: _Client, lease, e: zmq.ZMQError) -> None:
         """The fast path could not send ``lease`` (peer gone or its queue full): roll back."""
@@ -1011,6 +1022,8 @@ class Server:
         ticket = self.cache.acquire_async(reqs, lambda res: self._complete(ident, rid, box, tag, res), tag=tag,
                                           subst=subst)
         box.append(ticket)
+        if subst is not None and self.recorder is not None:
+            box.append(subst)   # read by _drain_done, for the trace
         # The callback may already have run inline (all resident): then it is in self.done
         # with box filled now, and _drain_done sees the ticket as pending below.
         c.pending[ticket] = rid

@@ -11,6 +11,11 @@ array             dtype / shape                    meaning
 ``weights``       float32 ``[T, L, k]`` (opt.)     gate weights, 0 where ``experts == -1``
 ``predicted``     int16 ``[T, L, kp]`` (opt.)      expert ids a gate-ahead predictor expected
                                                    before routing; ``-1`` padded
+``scores``        float32 ``[T, L, k]`` (opt.)     router scores of ``experts`` (substitution)
+``candidates``    int16 ``[T, L, kc]`` (opt.)      substitution candidates per token and layer,
+                                                   ``-1`` padded; needs ``scores`` and
+                                                   ``candidate_scores``
+``candidate_scores`` float32 ``[T, L, kc]`` (opt.) router scores of ``candidates``
 ``step``          int32 ``[T]`` (opt.)             tokens verified together (one multi-token step,
                                                    e.g. MTP drafts) share a step id; each id is
                                                    one contiguous run of tokens
@@ -54,6 +59,10 @@ class Trace:
         weights: optional float32 ``[n_tokens, n_layers, top_k]``.
         predicted: optional int16 ``[n_tokens, n_layers, k_pred]``, ``-1`` padded.
         step: optional int32 ``[n_tokens]``; equal ids = one multi-token step (contiguous).
+        scores: optional float32 ``[n_tokens, n_layers, top_k]``: router score of each expert.
+        candidates: optional int16 ``[n_tokens, n_layers, k_cand]``, ``-1`` padded: experts
+            the router ranked below the routed ones, offered as substitutes.
+        candidate_scores: optional float32, shape of ``candidates``: their router scores.
         meta: JSON-able dict; ``n_experts`` is read from here (else inferred as max id + 1).
     """
 
@@ -63,6 +72,9 @@ class Trace:
     predicted: Optional[np.ndarray] = None
     step: Optional[np.ndarray] = None
     meta: dict = field(default_factory=dict)
+    scores: Optional[np.ndarray] = None
+    candidates: Optional[np.ndarray] = None
+    candidate_scores: Optional[np.ndarray] = None
 
     @property
     def n_tokens(self) -> int:
@@ -85,6 +97,8 @@ class Trace:
         m = int(self.experts.max()) if self.experts.size else -1
         if self.predicted is not None and self.predicted.size:
             m = max(m, int(self.predicted.max()))
+        if self.candidates is not None and self.candidates.size:
+            m = max(m, int(self.candidates.max()))
         return max(m + 1, 1)
 
     @property
@@ -112,7 +126,9 @@ class Trace:
             meta["n_moe_layers"] = int(layers)
         return Trace(experts=cut(self.experts), is_prompt=cut(self.is_prompt, False),
                      weights=cut(self.weights), predicted=cut(self.predicted),
-                     step=cut(self.step, False), meta=meta)
+                     step=cut(self.step, False), meta=meta, scores=cut(self.scores),
+                     candidates=cut(self.candidates),
+                     candidate_scores=cut(self.candidate_scores))
 
     def step_starts(self) -> np.ndarray:
         """int64 ``[n_steps + 1]``: the first token of every step (one token, or a run of equal
@@ -147,6 +163,18 @@ def _check_ids(name, array, a, n_experts):
     if n_experts is not None and hi >= n_experts:
         idx = tuple(int(i) for i in np.argwhere(a >= n_experts)[0])
         raise _err(name, f"{array}{list(idx)}", hi, f"an expert id < n_experts = {n_experts}")
+
+
+def _check_scores(name, array, a, shape, shape_txt):
+    if a.shape != shape:
+        raise _err(name, array, f"shape {a.shape}", shape_txt)
+    if not np.issubdtype(a.dtype, np.floating):
+        raise _err(name, array, f"dtype {a.dtype}", "float32")
+    bad = ~(np.isfinite(a) & (a >= 0))
+    if bad.any():
+        idx = [int(i) for i in np.argwhere(bad)[0]]
+        raise _err(name, f"{array}{idx}", float(a[tuple(idx)]),
+                   "a finite router score >= 0")
 
 
 def _validate(t: Trace, name: str) -> None:
@@ -187,6 +215,25 @@ def _validate(t: Trace, name: str) -> None:
         if not np.issubdtype(q.dtype, np.integer):
             raise _err(name, "predicted", f"dtype {q.dtype}", "int16")
         _check_ids(name, "predicted", q, ne)
+    if t.scores is not None:
+        _check_scores(name, "scores", t.scores, e.shape, f"{e.shape} (experts.shape)")
+    if t.candidates is not None:
+        c = t.candidates
+        if not isinstance(c, np.ndarray) or c.ndim != 3 or c.shape[:2] != (T, L):
+            raise _err(name, "candidates", f"shape {getattr(c, 'shape', None)}", f"({T}, {L}, k_cand)")
+        if not np.issubdtype(c.dtype, np.integer):
+            raise _err(name, "candidates", f"dtype {c.dtype}", "int16")
+        _check_ids(name, "candidates", c, ne)
+        for other in ("scores", "candidate_scores"):
+            if getattr(t, other) is None:
+                raise _err(name, other, "no such array",
+                           f"'{other}' beside 'candidates' (substitution needs both scores)")
+    if t.candidate_scores is not None:
+        if t.candidates is None:
+            raise _err(name, "candidates", "no such array",
+                       "'candidates' beside 'candidate_scores'")
+        _check_scores(name, "candidate_scores", t.candidate_scores, t.candidates.shape,
+                      f"{t.candidates.shape} (candidates.shape)")
     if t.step is not None:
         s = t.step
         if s.shape != (T,):
@@ -269,13 +316,16 @@ def load_trace(path) -> Trace:
                            "a 0-d str holding a JSON object") from None
         get = (lambda k: _read_array(z, name, k) if k in files else None)
         t = Trace(experts=get("experts"), is_prompt=get("is_prompt"), weights=get("weights"),
-                  predicted=get("predicted"), step=get("step"), meta=meta)
+                  predicted=get("predicted"), step=get("step"), meta=meta, scores=get("scores"),
+                  candidates=get("candidates"), candidate_scores=get("candidate_scores"))
     _validate(t, name)
     t.experts = t.experts.astype(np.int16, copy=False)
     if t.predicted is not None:
         t.predicted = t.predicted.astype(np.int16, copy=False)
     if t.step is not None:
         t.step = t.step.astype(np.int32, copy=False)
+    if t.candidates is not None:
+        t.candidates = t.candidates.astype(np.int16, copy=False)
     return t
 
 
@@ -300,6 +350,11 @@ def save_trace(path, trace: Trace) -> None:
         arrays["predicted"] = trace.predicted.astype(np.int16)
     if trace.step is not None:
         arrays["step"] = trace.step.astype(np.int32)
+    for key in ("scores", "candidate_scores"):
+        if getattr(trace, key) is not None:
+            arrays[key] = getattr(trace, key).astype(np.float32)
+    if trace.candidates is not None:
+        arrays["candidates"] = trace.candidates.astype(np.int16)
     d = os.path.dirname(os.path.abspath(name))
     os.makedirs(d, exist_ok=True)
     tmp = name + ".tmp.npz"
@@ -471,6 +526,8 @@ class TraceRecorder:
 
         rec = TraceRecorder("/tmp/run.npz", n_layers=48, top_k=8, n_experts=128, client=None)
         rec.record(layer_idx, [3, 17, ...], is_prompt=False, client="llama")  # per acquire
+        rec.record(layer_idx, [3, 17], False, "llama", scores=[0.6, 0.3],
+                   candidates=[(5, 0.2), (9, 0.1)])          # with substitution candidates
         rec.close()                                                           # writes the file
 
     Args:
@@ -483,6 +540,9 @@ class TraceRecorder:
     Tokens: each client has its own current token; it ends when that client's layer index does
     not increase (wraps to a lower or the same layer). Tokens are written in the order they end
     (pending ones at ``close``). A token's prompt tag is that of its first acquire.
+    ``scores`` / ``candidates`` (an acquire's substitution offer, docs/protocol.md) become the
+    trace's ``scores``, ``candidates`` and ``candidate_scores`` arrays once any acquire carried
+    them; other rows get ``-1`` candidates and ``0`` scores.
     With more than one client, ``meta['clients']`` lists names and ``meta['token_client']`` the
     index of each token's client.
     """
@@ -501,11 +561,15 @@ class TraceRecorder:
         self._clients = {}
         self._closed = False
         self.width = self.top_k
+        self.cand_width = 0     # widest candidate list seen
+        self.has_scores = False
 
-    def record(self, layer_idx: int, experts, is_prompt: bool, client=None) -> None:
-        """Append one acquire: MoE-layer ``layer_idx``, expert ids (sequence of ints).
+    def record(self, layer_idx: int, experts, is_prompt: bool, client=None, scores=None,
+               candidates=None) -> None:
+        """Append one acquire: MoE-layer ``layer_idx``, expert ids (sequence of ints);
+        optionally ``scores`` (one per expert) and ``candidates`` (``(expert, score)`` pairs).
 
-        Raises TraceError on a layer or id out of range, or after ``close()``.
+        Raises TraceError on a layer, id or score out of range, or after ``close()``.
         """
         if self.client is not None and client != self.client:
             return
@@ -518,6 +582,18 @@ class TraceRecorder:
             if not 0 <= e < self.n_experts:
                 raise TraceError(f"TraceRecorder.record: expert: found {e}, expected "
                                  f"0..{self.n_experts - 1}")
+        sc = None if scores is None else tuple(float(v) for v in scores)
+        if sc is not None and len(sc) != len(ex):
+            raise TraceError(f"TraceRecorder.record: scores: found {len(sc)}, expected "
+                             f"{len(ex)} (one per expert)")
+        cands = () if candidates is None else tuple((int(e), float(v)) for e, v in candidates)
+        for e, _ in cands:
+            if not 0 <= e < self.n_experts:
+                raise TraceError(f"TraceRecorder.record: candidate: found {e}, expected "
+                                 f"0..{self.n_experts - 1}")
+        if cands and sc is None:
+            raise TraceError("TraceRecorder.record: scores: found none, expected one per "
+                             "expert beside candidates")
         with self._lock:
             if self._closed:
                 raise TraceError(f"TraceRecorder.record: {self.path}: recorder closed, expected "
@@ -529,8 +605,10 @@ class TraceRecorder:
             if cur is None:
                 cur = self._cur[client] = [bool(is_prompt), -1, {}]
             cur[1] = l
-            cur[2][l] = ex
+            cur[2][l] = ex if sc is None else (ex, sc, cands)
             self.width = max(self.width, len(ex))
+            self.cand_width = max(self.cand_width, len(cands))
+            self.has_scores = self.has_scores or sc is not None
 
     def _finish(self, client):
         cur = self._cur.pop(client)
@@ -554,8 +632,20 @@ class TraceRecorder:
                 clients.setdefault(c, len(clients))
         T = len(toks)
         experts = np.full((T, self.n_layers, self.width), -1, np.int16)
+        scores = cands = cscores = None
+        if self.has_scores:
+            scores = np.zeros(experts.shape, np.float32)
+        if self.cand_width:
+            cands = np.full((T, self.n_layers, self.cand_width), -1, np.int16)
+            cscores = np.zeros(cands.shape, np.float32)
         for i, (_, _, layers) in enumerate(toks):
             for l, ex in layers.items():
+                if len(ex) == 3 and isinstance(ex[0], tuple):   # (experts, scores, candidates)
+                    ex, sc, cl = ex
+                    scores[i, l, :len(sc)] = sc
+                    if cl:
+                        cands[i, l, :len(cl)] = [e for e, _ in cl]
+                        cscores[i, l, :len(cl)] = [v for _, v in cl]
                 experts[i, l, :len(ex)] = ex
         meta = dict(self.meta, n_experts=self.n_experts, recorded_by="moecached",
                     prompt_marking="client tag")
@@ -563,7 +653,8 @@ class TraceRecorder:
         meta["clients"] = [None if c is None else str(c) for c in names]
         if len(names) > 1:
             meta["token_client"] = [t[0] for t in toks]
-        return Trace(experts=experts, is_prompt=np.array([t[1] for t in toks], bool), meta=meta)
+        return Trace(experts=experts, is_prompt=np.array([t[1] for t in toks], bool), meta=meta,
+                     scores=scores, candidates=cands, candidate_scores=cscores)
 
     def save(self) -> Trace:
         """Write everything recorded so far to ``path``; returns the written Trace."""
