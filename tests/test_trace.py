@@ -340,3 +340,87 @@ def test_window_and_step_starts():
     assert no_step.step_starts().tolist() == list(range(T + 1))
     assert no_step.window(4).n_experts == no_step.n_experts   # pinned: the window's ids may not reach it
     w.validate()
+
+
+def candidate_arrays():
+    """Substitution arrays for :func:`small` (3 tokens, 2 layers, top-2, 4 experts)."""
+    sc = np.array([[[0.6, 0.3], [0.9, 0.0]], [[0.5, 0.4], [0.7, 0.2]], [[0.8, 0.1], [0.6, 0.3]]],
+                  np.float32)
+    cand = np.full((3, 2, 2), -1, np.int16)
+    cs = np.zeros((3, 2, 2), np.float32)
+    cand[0, 0] = [2, 3]
+    cs[0, 0] = [0.25, 0.125]
+    cand[2, 1, 0] = 0
+    cs[2, 1, 0] = 0.2
+    return dict(scores=sc, candidates=cand, candidate_scores=cs)
+
+
+def test_roundtrip_and_window_keep_substitution_candidates(tmp_path):
+    t = small(**candidate_arrays())
+    save_trace(tmp_path / "t.npz", t)
+    u = load_trace(tmp_path / "t.npz")
+    for k in ("scores", "candidates", "candidate_scores"):
+        assert np.array_equal(getattr(u, k), getattr(t, k)), k
+    assert u.candidates.dtype == np.int16 and u.scores.dtype == np.float32
+    assert u.candidate_scores.dtype == np.float32
+    w = u.window(1, 3, layers=1)
+    assert np.array_equal(w.scores, t.scores[1:3, :1])
+    assert np.array_equal(w.candidates, t.candidates[1:3, :1])
+    assert np.array_equal(w.candidate_scores, t.candidate_scores[1:3, :1])
+    assert w.candidates.flags.c_contiguous
+    plain = load_trace(tmp_path / "t.npz").window(0, 2)
+    assert small().window(0, 2).candidates is None and plain.candidates is not None
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda d: d.update(scores=d["scores"][:, :, :1]), r"scores: found shape \(3, 2, 1\), expected \(3, 2, 2\)"),
+    (lambda d: d.update(scores=d["scores"].astype(np.int32)), r"scores: found dtype int32, expected float32"),
+    (lambda d: d["scores"].__setitem__((1, 0, 1), np.nan), r"scores\[1, 0, 1\]: found nan, expected a finite router score >= 0"),
+    (lambda d: d["candidate_scores"].__setitem__((2, 1, 0), -0.5), r"candidate_scores\[2, 1, 0\]: found -0.5, expected a finite"),
+    (lambda d: d["candidates"].__setitem__((0, 0, 1), 9), r"candidates\[0, 0, 1\]: found 9, expected an expert id < n_experts = 4"),
+    (lambda d: d["candidates"].__setitem__((0, 1, 1), -2), r"candidates\[0, 1, 1\]: found -2"),
+    (lambda d: d.update(candidates=d["candidates"][:, :1]), r"candidates: found shape \(3, 1, 2\), expected \(3, 2, k_cand\)"),
+    (lambda d: d.update(candidates=d["candidates"].astype(np.float32)), r"candidates: found dtype float32, expected int16"),
+    (lambda d: d.pop("candidate_scores"), r"candidate_scores: found no such array, expected 'candidate_scores' beside 'candidates'"),
+    (lambda d: d.pop("scores"), r"scores: found no such array, expected 'scores' beside 'candidates'"),
+    (lambda d: d.pop("candidates"), r"candidates: found no such array, expected 'candidates' beside 'candidate_scores'"),
+    (lambda d: d.update(candidate_scores=d["candidate_scores"][:, :, :1]), r"candidate_scores: found shape \(3, 2, 1\), expected \(3, 2, 2\) \(candidates.shape\)"),
+])
+def test_candidate_validation_errors_name_file_array_value(tmp_path, mutate, match):
+    d = dict(experts=small().experts.copy(), is_prompt=small().is_prompt.copy(),
+             meta={"n_experts": 4}, **candidate_arrays())
+    mutate(d)
+    arrays = {k: v for k, v in d.items() if k != "meta"}
+    f = tmp_path / "bad.npz"
+    np.savez(f, meta=np.array(json.dumps(d["meta"])), **arrays)
+    with pytest.raises(TraceError, match=match) as ei:
+        load_trace(f)
+    msg = str(ei.value)
+    assert msg.startswith(str(f) + ": ") and "\n" not in msg
+    with pytest.raises(TraceError, match=match):
+        save_trace(tmp_path / "x.npz", Trace(**d))
+
+
+def test_recorder_stores_scores_and_candidates(tmp_path):
+    rec = TraceRecorder(tmp_path / "r.npz", n_layers=2, top_k=2, n_experts=8)
+    rec.record(0, [1, 2], False, scores=[0.5, 0.25], candidates=[(3, 0.375), (4, 0.125), (5, 0.0625)])
+    rec.record(1, [6, 7], False)                          # no offer: -1 / 0
+    rec.record(0, [2, 3], False, scores=[0.75, 0.5])      # scores, no candidates
+    t = rec.close()
+    u = load_trace(tmp_path / "r.npz")
+    for x in (t, u):
+        assert x.candidates.shape == (2, 2, 3)
+        assert x.candidates[0, 0].tolist() == [3, 4, 5]
+        assert x.candidate_scores[0, 0].tolist() == [0.375, 0.125, 0.0625]
+        assert x.scores[0, 0].tolist() == [0.5, 0.25] and x.scores[1, 0].tolist() == [0.75, 0.5]
+        assert (x.candidates[0, 1] == -1).all() and (x.candidates[1] == -1).all()
+        assert (x.scores[0, 1] == 0).all() and (x.candidate_scores[1] == 0).all()
+    plain = TraceRecorder(tmp_path / "p.npz", n_layers=1, top_k=1, n_experts=2)
+    plain.record(0, [1], False)
+    p = plain.close()
+    assert p.scores is None and p.candidates is None and p.candidate_scores is None
+    with pytest.raises(TraceError, match="TraceRecorder.record: scores: found 1, expected 2"):
+        TraceRecorder(tmp_path / "e.npz", 1, 2, 8).record(0, [1, 2], False, scores=[0.5])
+    with pytest.raises(TraceError, match="TraceRecorder.record: candidate: found 8, expected 0..7"):
+        TraceRecorder(tmp_path / "e.npz", 1, 2, 8).record(0, [1, 2], False, scores=[1, 1],
+                                                          candidates=[(8, 0.5)])

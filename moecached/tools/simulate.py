@@ -46,7 +46,7 @@ from ..policy import (G_LFU_HALVE_EVERY, NEEDS_FUTURE, POLICIES, SCAN_ADMITS, bu
 from ..trace import Trace, load_trace
 
 __all__ = ["SimulationError", "Stream", "prepare", "window_end", "capacities", "simulate",
-           "SubstView", "subst_view", "simulate_subst", "SUBST_VIEW", "simulate_prefetch",
+           "SubstView", "subst_view", "simulate_subst", "SUBST_VIEW", "SUBST_VIEW_RECORDED", "simulate_prefetch",
            "parse_predictor",
            "main", "layout_bytes", "model_bytes", "DEFAULT_GBPS", "HALVE_EVERY"]
 
@@ -304,6 +304,8 @@ def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[i
 
 SUBST_VIEW = ("top k/2 routed, ranks k/2+1..k candidates (score = gate weight); the trace's "
               "other experts are ignored")
+SUBST_VIEW_RECORDED = ("the trace's own: every expert routed (score = recorded router score), "
+                       "the recorded candidates offered (score = their recorded scores)")
 
 
 @dataclass
@@ -313,7 +315,9 @@ class SubstView:
     ``key_score`` float64 [A] their scores; per set s the candidates
     ``cand_keys[cand_start[s]:cand_start[s+1]]`` (ranks ``top_k // 2 .. top_k - 1`` of the
     step's tokens, not routed in s, first-appearance order) with ``cand_score``. A key's score
-    in a set is its largest gate weight over the step's tokens."""
+    in a set is its largest gate weight over the step's tokens. A trace carrying ``candidates``
+    is seen as recorded instead: every expert routed, scores from ``scores``, candidates from
+    ``candidates`` / ``candidate_scores``; ``view`` says which."""
     trace: Trace
     stream: Stream
     key_score: np.ndarray
@@ -321,12 +325,16 @@ class SubstView:
     cand_keys: np.ndarray
     cand_score: np.ndarray
     routed: int
+    view: str = SUBST_VIEW
 
 
 def subst_view(trace, warmup: Optional[int] = None, tokens: Optional[int] = None) -> SubstView:
     """Build the substitution view of ``trace`` (a Trace or a path; needs ``weights`` and
-    ``top_k >= 2``); ``warmup``/``tokens`` as in :func:`prepare`. SimulationError otherwise."""
+    ``top_k >= 2``, or recorded ``candidates``); ``warmup``/``tokens`` as in :func:`prepare`.
+    SimulationError otherwise."""
     t = load_trace(trace) if not isinstance(trace, Trace) else trace.validate()
+    if t.candidates is not None:
+        return _recorded_view(t, warmup, tokens)
     if t.weights is None:
         raise SimulationError("substitution needs gate weights: the trace has no 'weights' "
                               "array (only traces that recorded them can be substituted)")
@@ -372,6 +380,45 @@ def subst_view(trace, warmup: Optional[int] = None, tokens: Optional[int] = None
                      routed=h)
 
 
+def _recorded_view(t: Trace, warmup, tokens) -> SubstView:
+    """:func:`subst_view` of a trace with recorded ``scores``/``candidates``: the routed
+    experts are ``experts`` (score: the largest recorded score over the step's tokens), the
+    candidates of a set are the step's recorded candidates not routed in it (first-appearance
+    order, largest recorded score)."""
+    tv = Trace(experts=t.experts, is_prompt=t.is_prompt, weights=t.weights, step=t.step,
+               meta=dict(t.meta, n_experts=t.n_experts))
+    st = prepare(tv, warmup, tokens)
+    T, E = st.n_tokens, st.n_experts
+    step_start = t.window(0, T).step_starts()
+    ex, sc, cx, cw = t.experts, t.scores, t.candidates, t.candidate_scores
+    S = len(st.set_layer)
+    key_score = np.zeros(len(st.keys), np.float64)
+    cand_start = np.zeros(S + 1, np.int64)
+    ck, cs = [], []
+    steps = np.searchsorted(step_start, st.set_tokens_before)
+    for s in range(S):
+        l = int(st.set_layer[s])
+        j = int(steps[s])
+        best, cand = {}, {}
+        for tok in range(int(step_start[j]), int(step_start[j + 1])):
+            for e, v in zip(ex[tok, l].tolist(), sc[tok, l].tolist()):
+                if e >= 0:
+                    best[e] = max(best.get(e, 0.0), v)
+            for e, v in zip(cx[tok, l].tolist(), cw[tok, l].tolist()):
+                if e >= 0:
+                    cand[e] = max(cand.get(e, 0.0), v)
+        for i in range(int(st.set_start[s]), int(st.set_start[s + 1])):
+            key_score[i] = best[int(st.keys[i]) - l * E]
+        for e, v in cand.items():
+            if e not in best:
+                ck.append(l * E + e)
+                cs.append(v)
+        cand_start[s + 1] = len(ck)
+    return SubstView(trace=tv, stream=st, key_score=key_score, cand_start=cand_start,
+                     cand_keys=np.array(ck, np.int64), cand_score=np.array(cs, np.float64),
+                     routed=t.top_k, view=SUBST_VIEW_RECORDED)
+
+
 def simulate_subst(view: SubstView, policy: str, size, r: float, max_swaps: int = -1,
                    per_class_layers=None, refresh: bool = False) -> dict:
     """Replay ``view`` (:func:`subst_view`) through online ``policy`` at ``size`` with
@@ -407,7 +454,7 @@ def simulate_subst(view: SubstView, policy: str, size, r: float, max_swaps: int 
     gap = (served - gl) / (go - gl) if A and go != gl else float("nan")
     return dict(policy=policy, size=size, r=float(r), max_swaps=int(max_swaps),
                 refresh=bool(refresh),
-                view=SUBST_VIEW, routed_per_token=view.routed, hits=H, substituted=U,
+                view=view.view, routed_per_token=view.routed, hits=H, substituted=U,
                 accesses=A, hit_rate=H / A if A else float("nan"), served_rate=served,
                 g_lru=gl, g_opt=go, gap_closed=gap, policy_plain=ref["hit_rate"],
                 counted_tokens=st.counted_tokens, note=st.note)
@@ -917,7 +964,7 @@ def run_subst(paths, policies, sizes, rs, caps, warmup=None, per_class_layers=No
             out.append(o)
             continue
         o.update(counted_tokens=v.stream.counted_tokens, note=v.stream.note,
-                 routed_per_token=v.routed)
+                 routed_per_token=v.routed, view=v.view)
         for pol in policies:
             for r in rs:
                 for c in caps:
@@ -1078,7 +1125,9 @@ def main(argv=None) -> int:
     ap.add_argument("--subst", metavar="R",
                     help="substitution: comma list of tolerances r in [0, 1]; replays the view "
                          "where the top k/2 experts are routed and ranks k/2+1..k are "
-                         "candidates (traces with gate weights only), with g-lru and g-opt on "
+                         "candidates (traces with gate weights only), or, when the trace "
+                         "recorded candidates and scores, on its own routed experts and "
+                         "candidates; the output names the view; with g-lru and g-opt on "
                          "the same view (--policies default: g-lru)")
     ap.add_argument("--subst-cap", metavar="N", default="none",
                     help="with --subst: comma list of caps on swaps per token-layer set, "
