@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from moecached.tools import simulate as sim
-from moecached.trace import Trace
+from moecached.trace import Trace, load_trace, save_trace
 from moecache_client import Client, Subst
 
 from daemon_util import Daemon
@@ -172,3 +172,76 @@ def test_client_subst_arguments_checked():
         Subst(0.5, -1, {})
     assert Subst(0.5, None, {3: ([0.6], [(4, 0.3)])}).wire() == \
         {"r": 0.5, "layers": [[3, [0.6], [[4, 0.3]]]]}
+
+
+def test_recorded_trace_keeps_the_offered_scores_and_candidates(model_factory, tmp_path):
+    """A trace recorded while a client acquires with ``subst`` holds the scores and candidates
+    the client sent, and the experts routed (not the substitutes granted). The client takes
+    no shared-memory fast path: an acquire pinned there reaches the daemon without its offer."""
+    t = weighted_trace(3, T=30)
+    out = str(tmp_path / "rec.npz")
+    path = model_factory("qwen3-30b-a3b-Q4_K_M", layers=L, experts=E)
+    h = K // 2
+    sent = []                                        # (routed, scores, cands) per token-layer
+    with Daemon(path, tmp_path, slots=3 * L, policy="per-layer", eviction="lfu-subst") as d:
+        with Client(d.endpoint, name="subst", fast_path=False) as c:
+            c.trace_start(out)
+            layers = c.expert_layers
+            swaps = 0
+            for tok in range(t.n_tokens):
+                for l in range(L):
+                    ex = [int(e) for e in t.experts[tok, l]]
+                    ws = [float(x) for x in t.weights[tok, l]]
+                    cands = [(e, x) for e, x in zip(ex[h:], ws[h:])]
+                    sent.append((ex[:h], ws[:h], cands))
+                    lease = c.acquire(layers[l], ex[:h], tag="decode",
+                                      subst=Subst(0.3, None, {layers[l]: (ws[:h], cands)}))
+                    swaps += len(lease.substituted)
+                    lease.release()
+            c.trace_stop()
+    assert swaps > 0                                 # substitutes were granted along the way
+    rec = load_trace(out)
+    assert rec.n_tokens == t.n_tokens and rec.n_layers == L
+    for i, (routed, scores, cands) in enumerate(sent):
+        tok, l = divmod(i, L)
+        assert rec.experts[tok, l, :h].tolist() == routed and (rec.experts[tok, l, h:] == -1).all()
+        assert rec.scores[tok, l, :h].tolist() == np.float32(scores).tolist()
+        assert rec.candidates[tok, l].tolist() == [e for e, _ in cands]
+        assert rec.candidate_scores[tok, l].tolist() == np.float32([x for _, x in cands]).tolist()
+
+
+def test_simulator_uses_recorded_candidates():
+    """One layer, 4 experts, 2 slots, g-lru, r = 0.5. Token 1 routes [2, 1] with recorded
+    candidate 0 (score 0.9), resident since token 0 routed [0, 1]: the recorded view grants 0
+    for 2 (1 swap, 1 hit). The top k/2 view routes [0] then [2] with candidate 1, never
+    resident: no swap, no hit."""
+    ex = np.array([[[0, 1]], [[2, 1]]], np.int16)
+    t = Trace(experts=ex, is_prompt=np.zeros(2, bool), weights=np.float32([[[1, .5]], [[1, .5]]]),
+              meta={"n_experts": 4})
+    half = sim.simulate_subst(sim.subst_view(t, warmup=0), "g-lru", 2, 0.5)
+    assert (half["hits"], half["substituted"], half["accesses"]) == (0, 0, 2)
+    assert half["view"] == sim.SUBST_VIEW
+    t.scores = np.ones((2, 1, 2), np.float32)
+    t.candidates = np.array([[[-1]], [[0]]], np.int16)
+    t.candidate_scores = np.float32([[[0]], [[0.9]]])
+    v = sim.subst_view(t, warmup=0)
+    got = sim.simulate_subst(v, "g-lru", 2, 0.5)
+    assert (got["hits"], got["substituted"], got["accesses"]) == (1, 1, 4)
+    assert got["view"] == v.view == sim.SUBST_VIEW_RECORDED and v.routed == 2
+    low = sim.simulate_subst(v, "g-lru", 2, 0.95)       # 0.9 < 0.95 x 1: no swap
+    assert (low["hits"], low["substituted"]) == (1, 0)
+
+
+def test_simulator_cli_names_the_view(tmp_path, capsys):
+    ex = np.array([[[0, 1]], [[2, 1]]], np.int16)
+    base = dict(experts=ex, is_prompt=np.zeros(2, bool),
+                weights=np.float32([[[1, .5]], [[1, .5]]]), meta={"n_experts": 4})
+    save_trace(tmp_path / "half.npz", Trace(**base))
+    save_trace(tmp_path / "rec.npz", Trace(**base, scores=np.ones((2, 1, 2), np.float32),
+                                           candidates=np.array([[[-1]], [[0]]], np.int16),
+                                           candidate_scores=np.float32([[[0]], [[0.9]]])))
+    assert sim.main([str(tmp_path / "half.npz"), str(tmp_path / "rec.npz"), "--subst", "0.5",
+                     "--sizes", "2", "--warmup", "0"]) == 0
+    text = capsys.readouterr().out
+    assert f"half.npz: substitution view: {sim.SUBST_VIEW}" in text
+    assert f"rec.npz: substitution view: {sim.SUBST_VIEW_RECORDED}" in text
