@@ -416,6 +416,10 @@ class Key:
     metavar: Optional[str] = None
     kind: str = "str"    # str | int | float | bool | size | mode (how CLI strings are read)
     reload: Optional[Callable] = None
+    #: what a live change reaches: "model" (each model's cache and socket), "socket" (every
+    #: socket, the several-models endpoint's too), "daemon" (applied once), "budget" (the
+    #: budget and the memory floor: with several models, a restart)
+    scope: str = "model"
 
 
 KEYS: dict[str, Key] = {
@@ -423,11 +427,11 @@ KEYS: dict[str, Key] = {
                  "repeated, serves several models under one budget", "[NAME=]PATH"),
     "models": Key(_models, "--model", "several models ([[models]] tables in the file; on the "
                   "command line give --model NAME=PATH per model)", "-", "list",
-        reload=_live_models),
+        reload=_live_models, scope="daemon"),
     "budget": Key(_size(lo=1), "--budget", "cache size, e.g. 16GiB (or give --slots)", "SIZE", "size",
-        reload=_live_budget),
+        reload=_live_budget, scope="budget"),
     "slots": Key(_int_range(1, 1 << 24), "--slots", "cache size in expert slots (or give --budget)", "N", "int",
-        reload=_live_budget),
+        reload=_live_budget, scope="budget"),
     "endpoint": Key(_endpoint, "--endpoint", f"ZeroMQ endpoint (default {DEFAULT_ENDPOINT})", "URL"),
     "allow_tcp": Key(_bool, "--allow-tcp", "permit a tcp:// endpoint (it has no access control)", kind="bool"),
     "arena_dir": Key(_abs_path, "--arena-dir", "directory of the arena file (default /dev/shm)", "DIR"),
@@ -459,7 +463,7 @@ KEYS: dict[str, Key] = {
                                "prefetch loads one client may have in flight before its new "
                                "prefetches are dropped (default: max_prefetch_loads; 0: no "
                                "per-client cap)", "N", "int",
-        reload=_live_client_limits),
+        reload=_live_client_limits, scope="socket"),
     "prefetch_min_confidence": Key(_fraction, "--prefetch-min-confidence",
                                    "prefetched experts whose confidence (the prefetch's conf "
                                    "field) is below C are dropped (default 0: none)", "C", "float",
@@ -468,25 +472,25 @@ KEYS: dict[str, Key] = {
                              "requests per second per client before it is refused rate_limited "
                              "(noreply prefetches dropped); releases never count (default 40000; "
                              "0 turns it off)", "R", "float",
-        reload=_live_client_limits),
+        reload=_live_client_limits, scope="socket"),
     "client_rate_burst": Key(_int_range(1, 1 << 30), "--client-rate-burst",
                              "requests a client may send at once above its rate (default 40000)",
                              "N", "int",
-        reload=_live_client_limits),
+        reload=_live_client_limits, scope="socket"),
     "floor": Key(_size(optional_zero=True), "--floor",
                  "shrink the cache when available memory falls under SIZE (default off)", "SIZE", "size",
-        reload=_live_floor),
+        reload=_live_floor, scope="budget"),
     "floor_hysteresis": Key(_size(), "--floor-hysteresis", "grow back above floor + SIZE (default 1GiB)",
                             "SIZE", "size",
-        reload=_live_floor),
+        reload=_live_floor, scope="budget"),
     "floor_interval_s": Key(_float_range(0, 60, lo_open=True), "--floor-interval",
                             "seconds between memory samples (default 1)", "S", "float",
-        reload=_live_floor),
+        reload=_live_floor, scope="budget"),
     "floor_min_change_s": Key(_float_range(0, 3600), "--floor-min-change",
                               "seconds a surplus must last before growing back (default 5)", "S", "float",
-        reload=_live_floor),
+        reload=_live_floor, scope="budget"),
     "min_budget": Key(_size(), "--min-budget", "the floor never shrinks the cache below SIZE", "SIZE", "size",
-        reload=_live_floor),
+        reload=_live_floor, scope="budget"),
     "on_pressure": Key(_choice("error", "wait"), "--on-pressure",
                        "an acquire that cannot fit: error (default) or wait", "MODE",
         reload=_live_on_pressure),
@@ -497,22 +501,22 @@ KEYS: dict[str, Key] = {
                            "the model file changed under the daemon: reload (default: re-index "
                            "it once quiet, new session) or exit (non-zero: the service manager "
                            "restarts it)", "MODE",
-        reload=_live_read_when_used),
+        reload=_live_read_when_used, scope="daemon"),
     "heartbeat_s": Key(_float_range(0, 3600, lo_open=True), "--heartbeat",
                        "client heartbeat period, seconds (default 5)", "S", "float",
-        reload=_live_heartbeat),
+        reload=_live_heartbeat, scope="socket"),
     "socket_mode": Key(_mode, "--socket-mode", "mode of the socket file (default 0660)", "MODE", "mode"),
     "arena_mode": Key(_mode, "--arena-mode", "mode of the arena file (default 0640)", "MODE", "mode"),
     "group": Key(_group, "--group", 'group owning socket and arena (default "moecached" if it exists; "" for none)',
                  "GROUP"),
     "log_level": Key(_log_level, "--log-level", "debug, info (default), warning or error", "LEVEL",
-        reload=_live_log_level),
+        reload=_live_log_level, scope="daemon"),
     "max_request_experts": Key(_int_range(1, 1 << 24), "--max-request-experts",
                                "most experts one request may name (default 16384)", "N", "int",
-        reload=_live_request_limits),
+        reload=_live_request_limits, scope="socket"),
     "max_message_bytes": Key(_size(lo=4 * KiB, hi=1 * GiB), "--max-message-bytes",
                              "largest request message (default 4MiB)", "SIZE", "size",
-        reload=_live_request_limits),
+        reload=_live_request_limits, scope="socket"),
     "fast_path": Key(_bool, "--fast-path", "offer local clients the shared-memory hit path (default on)",
                      kind="bool"),
     "fast_path_quota": Key(_int_range(0, 1 << 24), "--fast-path-quota",
@@ -520,13 +524,13 @@ KEYS: dict[str, Key] = {
                            "(default 0: 4 x top-k x MoE layers, at most half the slots)", "N", "int"),
     "split_interval_s": Key(_float_range(0, 86400, lo_open=True), "--split-interval",
                             "several models: seconds between rebalances of the shared budget (default 10)",
-                            "S", "float", reload=_live_split),
+                            "S", "float", reload=_live_split, scope="daemon"),
     "split_step": Key(_size(lo=1), "--split-step", "several models: bytes a share moves by "
                       "(default: budget / 32, at least one slot of every size class)", "SIZE", "size",
-        reload=_live_split),
+        reload=_live_split, scope="daemon"),
     "split_hysteresis": Key(_hysteresis, "--split-hysteresis", "several models: a move's gain "
                             "must beat its loss by this factor (default 0.25)", "X", "float",
-        reload=_live_split),
+        reload=_live_split, scope="daemon"),
 }
 
 #: Keys a SIGHUP can apply to a running daemon (those with a ``reload`` function); others need
@@ -534,6 +538,7 @@ KEYS: dict[str, Key] = {
 RELOADABLE = frozenset(k for k, key in KEYS.items() if key.reload is not None)
 
 assert set(KEYS) == {f.name for f in dataclasses.fields(Config)} - {"sources", "path"}
+assert all(k.scope in ("model", "socket", "daemon", "budget") for k in KEYS.values())
 
 
 def _show(v: Any) -> str:

@@ -11,12 +11,9 @@ at any step prints one line and exits 1 (systemd restarts it per the unit file).
 stops gracefully (pending requests fail with ``shutdown``, socket and arena files removed);
 SIGHUP re-reads the config file and applies what can change without a restart.
 
-A model file that changes under the daemon (written, truncated, replaced, even with its mtime
-restored) is noticed at once (inotify on the files and their directories, a stat check on
-every load and every periodic tick): misses fail with ``model_changed``, the log says it once,
-and then ``on_model_change`` decides: ``"exit"`` exits with status 3 (systemd restarts it),
-``"reload"`` re-indexes the file once it has been quiet for ``MODEL_SETTLE_S`` seconds and
-serves it under a new session. See docs/operations.md, "Model file changed".
+A model file that changes under the daemon is noticed at once and handled per
+``on_model_change`` (exit with status 3, or re-index it under a new session):
+``moecached.reload``. See docs/operations.md, "Model file changed".
 """
 from __future__ import annotations
 
@@ -34,11 +31,6 @@ from .logs import setup_logging, stage
 from .units import format_bytes
 
 log = logging.getLogger("moecached")
-
-#: exit status when the model file changed and on_model_change = "exit"
-EXIT_MODEL_CHANGED = 3
-#: on_model_change = "reload": seconds the model file must stay unchanged before re-indexing
-MODEL_SETTLE_S = 1.0
 
 
 def _notify(*lines: str) -> None:
@@ -205,35 +197,6 @@ def _make_cache(cfg: C.Config, idx, progress=None, fitted=None):
     return cache
 
 
-def _file_sig(paths) -> tuple:
-    """What the model files look like now (size, mtime, ctime, inode; None if missing)."""
-    out = []
-    for p in paths:
-        try:
-            st = os.stat(p)
-            out.append((st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev, st.st_ino))
-        except OSError:
-            out.append(None)
-    return tuple(out)
-
-
-def _model_files(cache) -> list[str]:
-    return [str(getattr(f, "path", f)) for f in cache.index.files]
-
-
-def _start_watch(cache):
-    """An inotify watch on ``cache``'s model files that rechecks them on every event, or None
-    (with one warning) when inotify is unavailable: the periodic check still notices."""
-    from .watch import ModelWatch, WatchError
-    readers = cache.readers
-    try:
-        return ModelWatch(_model_files(cache), readers.recheck, log=logging.getLogger("moecached.watch"))
-    except WatchError as e:
-        log.warning("%s; a change of the model file is noticed at the next load or periodic "
-                    "check instead", e.strerror)
-        return None
-
-
 def _server_kwargs(cfg: C.Config, gid) -> dict:
     """The Server arguments a config gives (every model's server alike)."""
     return dict(heartbeat_s=cfg.heartbeat_s, socket_mode=cfg.socket_mode, gid=gid,
@@ -261,13 +224,20 @@ def run_models(cfg: C.Config) -> int:
         log.error("%s", e)
         return 1
     remove_stale_arenas(cfg.arena_dir, log)
+    state = {"cfg": cfg, "base": cfg, "exit": 0}
+
+    def stop_with(status):
+        state["exit"] = status
+        models.router.stop()
+
     models = Models(cfg, lambda c, idx, size: _make_cache(c, idx, fitted=(size, None)),
-                    _server_kwargs(cfg, gid))
+                    _server_kwargs(cfg, gid), live_cfg=lambda: state["cfg"], exit=stop_with,
+                    notify=lambda line: _notify(f"STATUS={line}"))
     try:
         with stage(f"indexing and reserving {len(cfg.models)} models"):
-            server = models.start(lock)
+            router = models.start(lock)
     except MoecacheError as e:
-        if models.main is None:
+        if models.router is None:
             unlock_endpoint(cfg.endpoint, lock)
         log.error("%s", e)
         _notify(f"STATUS=failed: {e}")
@@ -290,61 +260,32 @@ def run_models(cfg: C.Config) -> int:
             watchdog()
 
     def extra_stats():
-        st = {"models": models.summary(), "split": models.split_info()}
+        st = models.daemon_stats()
         if floor_box["floor"] is not None:
             st["floor"] = floor_box["floor"].stats()
         return st
 
-    server.on_tick = on_tick
-    server.extra_stats = extra_stats
-    server.extra_status = lambda: {"models": models.summary()}
-    server.models_handler = models.handle
-    state = {"cfg": cfg}
+    router.on_tick = on_tick
+    router.extra_stats = extra_stats
+    router.extra_status = models.daemon_status
+    router.models_handler = models.handle
 
-    def reload():
-        old = state["cfg"]
-        try:
-            new = C.load_config(cfg.path, {k: v for k, v in cfg.as_dict().items()
-                                           if cfg.sources.get(k) == "command line"},
-                                origin="command line", cli=False)
-        except MoecacheError as e:
-            log.error("SIGHUP: config not reloaded: %s", e)
-            return
-        changes, restart = C.reload_changes(old, new)
-        applied = []
-        for key in list(changes):
-            if key in ("budget", "floor", "floor_hysteresis", "floor_interval_s",
-                       "floor_min_change_s", "min_budget", "slots"):
-                restart.append(f"{key} (several models: restart to change it)")
-                setattr(new, key, getattr(old, key))
-                continue
-            # a daemon-wide key is applied once; a per-socket or per-cache key to every model
-            if key in ONCE:
-                targets = [server]
-            else:
-                targets = [m.server for m in list(models.models.values())
-                           if m.draining is None and m.server is not None]
-            ok = True
-            for srv in targets:
-                try:
-                    ok = _apply_live(key, new, srv, srv.cache, floor_box)
-                except (MoecacheError, ValueError) as e:
-                    ok = f"failed: {e}"
-                if ok is not True:
-                    break
-            if ok is True:
-                applied.append(key)
-            else:
-                restart.append(f"{key} ({ok})" if isinstance(ok, str) else key)
-                if key != "models":
-                    setattr(new, key, getattr(old, key))
-        if restart:
-            log.warning("SIGHUP: not applied, need a restart: %s", ", ".join(restart))
-        log.info("SIGHUP: applied %s", ", ".join(applied) or "nothing")
-        state["cfg"] = new
+    def apply_key(key, new):
+        """A changed key: once for the daemon, or to every model (and socket) it reaches."""
+        scope = C.KEYS[key].scope
+        if scope == "budget":
+            return "several models: restart to change it"
+        if scope == "daemon":
+            return _apply_live(key, new, router, None, floor_box)
+        targets = models.servers() + ([router] if scope == "socket" else [])
+        for srv in targets:
+            ok = _apply_live(key, new, srv, srv.cache, floor_box)
+            if ok is not True:
+                return ok
+        return True
 
-    ONCE = ("models", "log_level", "split_interval_s", "split_step", "split_hysteresis")
-    server.install_signal_handlers(on_hup=reload)
+    router.install_signal_handlers(on_hup=lambda: reload_config(state, apply_key,
+                                                                keep_new=("models",)))
 
     def ready():
         msg = (f"serving {len(models.models)} models ("
@@ -354,11 +295,12 @@ def run_models(cfg: C.Config) -> int:
         _notify("READY=1", f"STATUS={msg}", f"MAINPID={os.getpid()}")
 
     try:
-        server.serve_forever(ready=ready)
+        router.serve_forever(ready=ready)
     finally:
         _notify("STOPPING=1")
         models.close()
-        models.main.cache.close()
+    if state["exit"]:
+        return state["exit"]
     log.info("stopped")
     return 0
 
@@ -468,6 +410,7 @@ def _build(cfg: C.Config, held: dict, t0: float):
 
 def run(cfg: C.Config) -> int:
     """Run the daemon until SIGTERM/SIGINT. Returns the process exit code."""
+    from .reload import ModelReloader
     if cfg.models:
         return run_models(cfg)
     try:
@@ -476,123 +419,36 @@ def run(cfg: C.Config) -> int:
         log.error("%s", e)
         _notify(f"STATUS=failed: {e}")
         return 1
-    state = {"cfg": cfg, "exit": 0}
-    live = {"cache": cache, "reload": None}
-    cache.readers.on_change = server.model_changed
-    live["watch"] = _start_watch(cache)
+    state = {"cfg": cfg, "base": cfg, "exit": 0}
 
-    def on_model_change(msg):
-        """Loop thread, once per change: say it once, then exit or wait to re-index."""
-        mode = state["cfg"].on_model_change
-        if mode == "exit":
-            log.error("%s; on_model_change = \"exit\": exiting with status %d so the service "
-                      "manager restarts the daemon on the new file", msg, EXIT_MODEL_CHANGED)
-            _notify("STATUS=model file changed: exiting")
-            state["exit"] = EXIT_MODEL_CHANGED
-            server.stop()
-            return
-        log.error("%s; on_model_change = \"reload\": misses fail with model_changed, resident "
-                  "experts are still served; re-indexing once the file has been unchanged for "
-                  "%g s", msg, MODEL_SETTLE_S)
-        _notify("STATUS=model file changed: waiting to re-index")
-        import time
-        live["reload"] = {"msg": msg, "sig": _file_sig(_model_files(live["cache"])),
-                          "since": time.monotonic(), "failed": None}
+    def stop_with(status):
+        state["exit"] = status
+        server.stop()
 
-    server.on_model_change = on_model_change
-
-    def reload_model(r, sig):
-        """Re-index the model file and serve it under a new session (loop thread)."""
-        from .index import open_index
-        new_cfg = state["cfg"]
-        try:
-            idx = open_index(new_cfg.model)
-        except (MoecacheError, OSError) as e:
-            r["failed"] = sig
-            log.error("model %s cannot be indexed (%s); still serving resident experts only, "
-                      "trying again when the file changes", new_cfg.model, e)
-            return
-        if _file_sig(_model_files(live["cache"])) != sig:
-            return  # changed while being indexed: wait for it to settle again
-        server.retire_cache("model_changed", f"{r['msg']}; the daemon is re-indexing it")
-        if live["watch"] is not None:
-            live["watch"].close()
-            live["watch"] = None
-        floor_box["floor"] = None
+    def rebuild(idx):
+        floor_box["floor"] = None       # the floor of the old cache goes with it
         floor_box.pop("off", None)
-        try:
-            new = _make_cache(new_cfg, idx)
-        except MoecacheError as e:
-            log.error("model %s re-indexed but the cache could not be rebuilt: %s; exiting",
-                      new_cfg.model, e)
-            state["exit"] = 1
-            server.stop()
-            return
-        live["cache"] = new
-        live["reload"] = None
-        new.readers.on_change = server.model_changed
-        server.install_cache(new)
-        if new_cfg.floor is not None:
-            floor = _make_floor(new_cfg, new, _budget_bytes(new_cfg, new) or new.arena.size)
-            floor_box["floor"] = floor
-        live["watch"] = _start_watch(new)
-        slots = sum(c.n_slots for c in new.arena.classes)
-        log.info("model %s re-indexed and reloaded: %d slots, fingerprint %s, new session; "
-                 "clients say hello again", new_cfg.model, slots, idx.fingerprint())
-        _notify(f"STATUS=serving {os.path.basename(new_cfg.model)} (reloaded) on {new_cfg.endpoint}")
-        # a change after the index was read and before the readers opened the files
-        if _file_sig(_model_files(new)) != sig:
-            new.readers.recheck()
+        return _make_cache(state["cfg"], idx)
 
+    def installed(new):
+        new_cfg = state["cfg"]
+        if new_cfg.floor is not None:
+            floor_box["floor"] = _make_floor(new_cfg, new, _budget_bytes(new_cfg, new) or new.arena.size)
+
+    reloader = ModelReloader(server, cfg.model, f"model {cfg.model}",
+                             mode=lambda: state["cfg"].on_model_change, rebuild=rebuild,
+                             installed=installed, exit=stop_with,
+                             notify=lambda line: _notify(f"STATUS={line}"))
     base_tick = server.on_tick
 
     def on_tick(now):
         if base_tick is not None:
             base_tick(now)
-        c = live["cache"]
-        if c.readers.model_changed is None:
-            c.readers.recheck()   # without inotify this is how a change is noticed
-            return
-        r = live["reload"]
-        if r is None:
-            return
-        sig = _file_sig(_model_files(c))
-        if sig != r["sig"]:
-            r["sig"], r["since"] = sig, now
-        elif now - r["since"] >= MODEL_SETTLE_S and r["failed"] != sig:
-            reload_model(r, sig)
+        reloader.tick(now)
 
     server.on_tick = on_tick
-
-    def reload():
-        """SIGHUP: re-read the config file (command-line flags still win) and apply what can
-        change live; say exactly what was applied and what needs a restart."""
-        old = state["cfg"]
-        try:
-            new = C.load_config(cfg.path, {k: v for k, v in cfg.as_dict().items()
-                                           if cfg.sources.get(k) == "command line"},
-                                origin="command line", cli=False)
-        except MoecacheError as e:
-            log.error("SIGHUP: config not reloaded: %s", e)
-            return
-        changes, restart = C.reload_changes(old, new)
-        applied = []
-        for key in list(changes):
-            try:
-                ok = _apply_live(key, new, server, live["cache"], floor_box)
-            except (MoecacheError, ValueError) as e:  # e.g. the cache refused the size
-                ok = f"failed: {e}"
-            if ok is True:
-                applied.append(key)
-            else:
-                restart.append(f"{key} ({ok})" if isinstance(ok, str) else key)
-                setattr(new, key, getattr(old, key))  # not applied: keep reporting the old value
-        if restart:
-            log.warning("SIGHUP: not applied, need a restart: %s", ", ".join(restart))
-        log.info("SIGHUP: applied %s", ", ".join(applied) or "nothing (no live-changeable key changed)")
-        state["cfg"] = new
-
-    server.install_signal_handlers(on_hup=reload)
+    server.install_signal_handlers(on_hup=lambda: reload_config(
+        state, lambda key, new: _apply_live(key, new, server, server.cache, floor_box)))
 
     def ready():
         slots = sum(c.n_slots for c in cache.arena.classes)
@@ -607,13 +463,46 @@ def run(cfg: C.Config) -> int:
         server.serve_forever(ready=ready)
     finally:
         _notify("STOPPING=1")
-        if live["watch"] is not None:
-            live["watch"].close()
-        live["cache"].close()
+        reloader.close()
+        server.cache.close()
     if state["exit"]:
         return state["exit"]
     log.info("stopped")
     return 0
+
+
+def reload_config(state: dict, apply_key, keep_new=()) -> None:
+    """SIGHUP: re-read the config file (command-line flags still win) and apply what can change
+    live with ``apply_key(key, new_cfg) -> True | why not``; say exactly what was applied and
+    what needs a restart. ``state["cfg"]`` is the running config (replaced by the new one),
+    ``state["base"]`` the one it started with (its file and command line are read again); a
+    key not applied keeps reporting its old value, except those in ``keep_new`` (applied in
+    part: ``models``)."""
+    old, base = state["cfg"], state["base"]   # base: the config the daemon started with
+    try:
+        new = C.load_config(base.path, {k: v for k, v in base.as_dict().items()
+                                        if base.sources.get(k) == "command line"},
+                            origin="command line", cli=False)
+    except MoecacheError as e:
+        log.error("SIGHUP: config not reloaded: %s", e)
+        return
+    changes, restart = C.reload_changes(old, new)
+    applied = []
+    for key in list(changes):
+        try:
+            ok = apply_key(key, new)
+        except (MoecacheError, ValueError) as e:  # e.g. the cache refused the size
+            ok = f"failed: {e}"
+        if ok is True:
+            applied.append(key)
+        else:
+            restart.append(f"{key} ({ok})" if isinstance(ok, str) else key)
+            if key not in keep_new:
+                setattr(new, key, getattr(old, key))  # not applied: keep reporting the old value
+    if restart:
+        log.warning("SIGHUP: not applied, need a restart: %s", ", ".join(restart))
+    log.info("SIGHUP: applied %s", ", ".join(applied) or "nothing (no live-changeable key changed)")
+    state["cfg"] = new
 
 
 def main(argv=None) -> int:

@@ -1,11 +1,13 @@
 """Several models in one daemon under one expert budget (``moecached --model NAME=PATH ...``).
 
 Each model has its own index, arena file, cache and :class:`moecached.server.Server` (leases,
-the shared-memory fast path, traces and every stats view are per model). The first model is
-served on the configured endpoint; every other one on ``<endpoint path>.<name>`` (ipc only).
-A hello on any of them that names another model is answered with ``redirect``: that model's
-endpoint, where the client says hello again (docs/protocol.md, "Several models"); a hello
-naming no model, or an unknown or departing one, is refused with one line.
+the shared-memory fast path, traces and every stats view are per model), served in a thread of
+its own on ``<endpoint path>.<name>`` (ipc only). The daemon's endpoint itself serves no model:
+a hello there that names one is answered with ``redirect`` (that model's endpoint, where the
+client says hello again: docs/protocol.md, "Several models"); one that names none is
+redirected while one model is served and refused with one line otherwise, as is an unknown or
+departing model. Control tools (``model "*"``) get the daemon's view there: every model's
+share, residency, hit rate and bytes read, their sums, the split and the memory floor.
 
 The budget is split by :class:`moecached.split.Split` (the simulator's own code): every
 ``split_interval_s`` seconds the ghost hits each cache counted since the last time go to
@@ -15,10 +17,13 @@ shrinks first. The memory floor shrinks the total (:meth:`Split.set_total`) and 
 absorbs it.
 
 Models come and go live (``moecache-ctl model add NAME PATH`` / ``model remove NAME``, or a
-SIGHUP after editing ``[[models]]``): an added model gets its share from the others, their warm
-experts stay (only their LRU tails are given up); a removed model refuses new hellos at once,
-its clients keep their leases until they release them (at most ``DRAIN_S`` seconds), then its
-server and arena close and its share goes to the others.
+SIGHUP after editing ``[[models]]``), any of them: an added model gets its share from the
+others, their warm experts stay (only their LRU tails are given up); a removed model refuses
+new hellos at once, its clients keep their leases until they release them (at most ``DRAIN_S``
+seconds), then its server and arena close and its share goes to the others. A model whose file
+changes is handled alone, per ``on_model_change`` (``moecached.reload``): re-indexed in place
+under a new session of its socket (its share kept as far as its new size allows), or the
+daemon exits.
 """
 from __future__ import annotations
 
@@ -45,21 +50,19 @@ class ModelsError(MoecacheError):
 
 class _Served:
     __slots__ = ("name", "path", "index", "cache", "server", "thread", "endpoint", "draining",
-                 "spec", "watch")
+                 "spec", "reloader")
 
     def __init__(self, name, path):
         self.name, self.path = name, path
         self.index = self.cache = self.server = self.thread = self.endpoint = None
         self.draining = None   # monotonic time removal began
         self.spec = None
-        self.watch = None
+        self.reloader = None
 
 
-def model_endpoint(endpoint: str, name: str, first: bool) -> str:
-    """Where model ``name`` is served: the daemon's endpoint for the first model, else the ipc
-    path with ``.<name>`` appended. Raises ModelsError for tcp or a path too long."""
-    if first:
-        return endpoint
+def model_endpoint(endpoint: str, name: str) -> str:
+    """Where model ``name`` is served: the daemon's ipc path with ``.<name>`` appended.
+    Raises ModelsError for tcp or a path too long."""
     if not endpoint.startswith("ipc://"):
         raise ModelsError(f"endpoint {endpoint}: several models need an ipc:// endpoint (each "
                           "model gets its own socket beside it)")
@@ -71,16 +74,29 @@ def model_endpoint(endpoint: str, name: str, first: bool) -> str:
 
 
 class Models:
-    """The models served and their split; built by :func:`build`, driven from the first
-    model's loop (its periodic task) and from any model's hello (``route``)."""
+    """The models served and their split; built by :func:`start`, driven from the endpoint's
+    loop (its periodic task) and from any socket's hello (``route``).
 
-    def __init__(self, cfg, make_cache, server_kwargs, floor=None):
+    Args:
+        cfg: the daemon's Config at start.
+        make_cache: ``(cfg, index, arena_bytes) -> ExpertCache``.
+        server_kwargs: the Server arguments every socket gets.
+        live_cfg: callable -> the running Config (SIGHUP replaces it): ``on_model_change``.
+        exit: callable(status) that stops the daemon with that exit status.
+        notify: optional callable(str): a systemd STATUS line.
+    """
+
+    def __init__(self, cfg, make_cache, server_kwargs, live_cfg=None, exit=None, notify=None):
+        from collections import Counter
         from .split import Split
         self.cfg = cfg
-        self._make_cache = make_cache     # (cfg, index, max_bytes) -> ExpertCache
+        self._make_cache = make_cache
         self._server_kwargs = server_kwargs
+        self._live_cfg = live_cfg or (lambda: cfg)
+        self._exit = exit
+        self._notify = notify
         self.models: dict[str, _Served] = {}
-        self.lock = threading.RLock()     # models / split: the loops of all models read them
+        self.lock = threading.RLock()     # models / split / caches: every loop reads them
         self.split: Split | None = None
         self.total = int(cfg.budget)
         self.next_split = time.monotonic() + cfg.split_interval_s
@@ -88,23 +104,25 @@ class Models:
         self.moves: list = []             # the last moves: (time, donor, receiver, bytes)
         self.adding: dict = {}            # names being added (indexing, arena) now
         self.failed: dict = {}            # name -> why its last add failed
-        self.main: _Served | None = None
+        self.retired = Counter()          # counters of the models removed (daemon totals)
+        self.router = None                # the Server on the daemon's endpoint (no model)
 
     # ------------------------------------------------------------------ routing (any loop)
-    def route(self, server, want):
+    def route(self, server, want, names: bool = False):
         """Hello on ``server`` naming ``want``: None when it is served there, else the endpoint
         of the model named; ProtocolError when no model is named while several are served,
-        or the model is unknown or being removed."""
+        or the model is unknown or being removed. ``names``: the models served (a list)."""
         with self.lock:
             live = [m for m in self.models.values() if m.draining is None]
-            if want == ANY_MODEL:   # a control connection (moecache-ctl): the endpoint's model
+            if names:
+                return [m.name for m in live]
+            if want == ANY_MODEL:   # a control connection: whatever the socket serves
                 return None
             if want is None:
-                here = next((m for m in self.models.values() if m.server is server), None)
-                if here is not None and here is not self.main:
-                    return None   # its own endpoint: no name needed
-                if len(live) == 1 and live[0] is self.main:
-                    return None
+                if server is not self.router:
+                    return None   # a model's own endpoint: no name needed
+                if len(live) == 1:
+                    return live[0].endpoint
                 raise P.ProtocolError(P.E_UNKNOWN_MODEL, "this daemon serves several models ("
                                       + ", ".join(m.name for m in live) + "): name one in hello "
                                       "(Client(endpoint, model=NAME))")
@@ -115,6 +133,12 @@ class Models:
                                       + (", ".join(x.name for x in live) or "none") + ")")
             return None if m.server is server else m.endpoint
 
+    def servers(self) -> list:
+        """The servers of the models served now (not those being removed)."""
+        with self.lock:
+            return [m.server for m in self.models.values()
+                    if m.draining is None and m.server is not None]
+
     # ------------------------------------------------------------------ building
     def _member(self, name, index, spec):
         from .split import Member, least_share
@@ -122,14 +146,14 @@ class Models:
         return Member(name, index, max(least, spec.get("min_budget") or 0),
                       spec.get("max_budget"), float(spec.get("weight") or 1.0))
 
-    def _open(self, spec, first: bool) -> _Served:
+    def _open(self, spec) -> _Served:
         from .index import open_index
         name, path = spec["name"], spec["path"]
         if not os.path.isfile(path):
             raise ModelsError(f"model {name}: path {path}: expected an existing GGUF file")
         m = _Served(name, path)
         m.spec = dict(spec)
-        m.endpoint = model_endpoint(self.cfg.endpoint, name, first)
+        m.endpoint = model_endpoint(self.cfg.endpoint, name)
         try:
             m.index = open_index(path)
         except (MoecacheError, OSError) as e:
@@ -142,54 +166,107 @@ class Models:
         others = sum(x.min_bytes for n, x in self.split.members.items() if n != member.name)
         return max(member.min_bytes, min(member.max_bytes, self.total - others))
 
-    def _start_cache(self, m: _Served, lock_fd=None):
-        """Cache (sized to its share) and server of ``m``; the server runs in its own thread
-        unless it is the first model (the caller's loop)."""
-        from .server import Server
+    def _new_cache(self, m: _Served, index):
+        """The cache of ``m`` over ``index``, sized to its share (caller holds the lock)."""
         member = self.split.members[m.name]
-        m.cache = self._make_cache(self.cfg, m.index, self._arena_max(member))
+        cache = self._make_cache(self.cfg, index, self._arena_max(member))
         try:
-            m.cache.set_budget(self.split.shares[m.name])   # give back what is not its share
-            m.cache.set_ghost(self.split.ghost_slots(m.name))
-            kw = dict(self._server_kwargs)
-            if lock_fd is not None:
-                kw["endpoint_lock"] = lock_fd
-            m.server = Server(m.cache, endpoint=m.endpoint, model_path=m.path, **kw)
+            cache.set_budget(self.split.shares[m.name])   # give back what is not its share
+            cache.set_ghost(self.split.ghost_slots(m.name))
+        except BaseException:
+            cache.close()
+            raise
+        return cache
+
+    def _start_cache(self, m: _Served):
+        """Cache (sized to its share), server and file watch of ``m``; its server is run by
+        :meth:`_run_thread`."""
+        from .reload import ModelReloader
+        from .server import Server
+        m.cache = self._new_cache(m, m.index)
+        try:
+            m.server = Server(m.cache, endpoint=m.endpoint, model_path=m.path,
+                              **self._server_kwargs)
         except BaseException:
             m.cache.close()
             raise
         m.server.model_name = m.name
         m.server.route_model = self.route
-        m.cache.readers.on_change = m.server.model_changed
-        m.server.on_model_change = lambda msg, name=m.name: log.error(
-            "model %s: %s; misses fail with model_changed, resident experts are still served: "
-            "remove and add the model again to re-index it (moecache-ctl model remove/add)",
-            name, msg)
+        m.reloader = ModelReloader(
+            m.server, m.path, f"model {m.name} ({m.path})",
+            mode=lambda: self._live_cfg().on_model_change,
+            rebuild=lambda index, m=m: self._rebuild(m, index), guard=self.lock,
+            exit=self._exit_daemon, failed=lambda e, m=m: self._rebuild_failed(m, e),
+            notify=None if self._notify is None else
+            (lambda line, name=m.name: self._notify(f"model {name}: {line}")))
+        m.server.on_tick = lambda now, m=m: self._model_tick(m, now)
         self._last_ghost[m.name] = 0
 
+    def _exit_daemon(self, status: int) -> None:
+        if self._exit is not None:
+            self._exit(status)
+
+    def _model_tick(self, m: _Served, now: float) -> None:
+        """A model's own periodic task (its loop thread): its arena's link, its file."""
+        if m.cache is None:   # not served again after its file changed: being removed
+            return
+        r = m.cache.arena.check_link()
+        if r == "relinked":
+            log.warning("model %s: arena %s was unlinked; linked it back", m.name,
+                        m.cache.arena.path)
+        m.reloader.tick(now)
+
+    def _rebuild(self, m: _Served, index):
+        """``m``'s file was re-indexed (its loop thread, the lock held, its old cache retired):
+        its split member takes the new index, keeping its share as far as the new bounds
+        allow; the others follow; the new cache is sized to the share."""
+        from .split import SplitError
+        try:
+            self.split.replace(self._member(m.name, index, m.spec))
+        except SplitError as e:
+            raise ModelsError(f"model {m.name}: {e}") from None
+        m.cache = None
+        self.apply()   # the others first: memory for the new arena
+        m.cache = self._new_cache(m, index)
+        m.index = index
+        self._last_ghost[m.name] = 0
+        return m.cache
+
+    def _rebuild_failed(self, m: _Served, e: Exception) -> None:
+        """``m`` was re-indexed but could not be served again: it is removed, the others go
+        on (its clients' hellos are refused, their calls fail with model_changed)."""
+        log.error("model %s re-indexed but not served again: %s; removing it (add it again "
+                  "with moecache-ctl model add once the cause is fixed)", m.name, e)
+        with self.lock:
+            self.failed[m.name] = str(e)
+            if m.draining is None:
+                m.draining = time.monotonic() - DRAIN_S   # nothing to drain: its cache is gone
+
     def start(self, lock_fd):
-        """Open every configured model; the first one's server takes ``lock_fd`` (the
-        endpoint lock). Returns the first model's server (the caller runs its loop)."""
+        """Open every configured model and serve each in its thread; then bind the daemon's
+        endpoint (``lock_fd``: its lock) to a Server without a model, returned for the caller
+        to run its loop."""
+        from .server import Server
         from .split import Split, SplitError
-        specs = list(self.cfg.models)
-        opened = [self._open(s, i == 0) for i, s in enumerate(specs)]
+        opened = [self._open(s) for s in self.cfg.models]
         try:
             self.split = Split(self.total, [self._member(m.name, m.index, m.spec) for m in opened],
                                step=self.cfg.split_step, hysteresis=self.cfg.split_hysteresis)
         except SplitError as e:
             raise ModelsError(str(e)) from None
-        for i, m in enumerate(opened):
-            try:
-                self._start_cache(m, lock_fd if i == 0 else None)
-            except BaseException:
-                self.close()
-                raise
-            self.models[m.name] = m
-            if i == 0:
-                self.main = m
-        for m in opened[1:]:
+        try:
+            for m in opened:
+                self._start_cache(m)
+                self.models[m.name] = m
+            self.router = Server(None, endpoint=self.cfg.endpoint, endpoint_lock=lock_fd,
+                                 **self._server_kwargs)
+        except BaseException:
+            self.close()
+            raise
+        self.router.route_model = self.route
+        for m in opened:
             self._run_thread(m)
-        return self.main.server
+        return self.router
 
     def _run_thread(self, m: _Served):
         m.thread = threading.Thread(target=m.server.serve_forever, name=f"moecached-{m.name}",
@@ -200,7 +277,8 @@ class Models:
     def apply(self):
         """Shares -> caches: shrinks first (memory given back before any is taken), then grows;
         ghost sizes follow the shares."""
-        live = [m for m in self.models.values() if m.draining is None and m.name in self.split.shares]
+        live = [m for m in self.models.values() if m.draining is None and m.cache is not None
+                and m.name in self.split.shares]
         cur = {m.name: m.cache.stats()["budget"]["current_bytes"] for m in live}
         order = sorted(live, key=lambda m: self.split.shares[m.name] - cur[m.name])
         for m in order:
@@ -216,7 +294,7 @@ class Models:
         with self.lock:
             got = {}
             for m in self.models.values():
-                if m.draining is None:
+                if m.draining is None and m.cache is not None:
                     g = m.cache.c_ghost_hits
                     got[m.name] = g - self._last_ghost.get(m.name, 0)
                     self._last_ghost[m.name] = g
@@ -250,26 +328,18 @@ class Models:
             self.split.step = self.split._pick_step()
             self.next_split = time.monotonic() + cfg.split_interval_s
             for m in self.models.values():
-                if m.draining is None:
+                if m.draining is None and m.cache is not None:
                     m.cache.set_ghost(self.split.ghost_slots(m.name))
         return None
 
     def tick(self, now: float):
-        """The first model's periodic task: the split's period, removals that drained."""
+        """The endpoint's periodic task: the split's period, removals that drained."""
         if now >= self.next_split:
             self.next_split = now + self.cfg.split_interval_s
             self.rebalance()
         for m in list(self.models.values()):
             if m.draining is not None and (not m.server.leases or now - m.draining >= DRAIN_S):
                 self._finish_remove(m)
-            elif m.thread is not None and m.draining is None:
-                try:
-                    r = m.cache.arena.check_link()
-                    if r == "relinked":
-                        log.warning("model %s: arena %s was unlinked; linked it back", m.name,
-                                    m.cache.arena.path)
-                except Exception as e:  # never let one model's check stop the others
-                    log.error("model %s: arena check failed: %s", m.name, e)
 
     # ------------------------------------------------------------------ add / remove
     def add(self, spec: dict) -> dict:
@@ -293,7 +363,7 @@ class Models:
                                   + (" (being added)" if name in self.adding else ""))
             self.adding[name] = None
             self.failed.pop(name, None)
-        ep = model_endpoint(self.cfg.endpoint, name, False)
+        ep = model_endpoint(self.cfg.endpoint, name)
         threading.Thread(target=self._add, args=(dict(spec),), name=f"moecached-add-{name}",
                          daemon=True).start()
         return {"adding": name, "endpoint": ep}
@@ -302,7 +372,7 @@ class Models:
         from .split import SplitError
         name = spec["name"]
         try:
-            m = self._open(spec, False)
+            m = self._open(spec)
             with self.lock:
                 try:
                     self.split.add(self._member(name, m.index, spec))
@@ -335,9 +405,6 @@ class Models:
             if m is None:
                 raise ModelsError(f"model {name!r} is not served here (served: "
                                   + ", ".join(self.models) + ")")
-            if m is self.main:
-                raise ModelsError(f"model {name} is served on the daemon's endpoint (the first "
-                                  "model) and cannot be removed live; restart without it")
             if m.draining is None:
                 m.draining = time.monotonic()
                 log.info("model %s: removing; new hellos refused, %d leases to drain", name,
@@ -345,11 +412,18 @@ class Models:
         return {"removing": name, "leases": len(m.server.leases)}
 
     def _finish_remove(self, m: _Served):
+        from .stats import CACHE_STATS
         with self.lock:
             self.models.pop(m.name, None)
             m.server.stop()
         m.thread.join(timeout=10)
-        m.cache.close()
+        m.reloader.close()
+        if m.cache is not None:
+            st = m.cache.stats()
+            for row in CACHE_STATS:   # the daemon's totals keep counting what it did
+                if row.kind == "counter" and isinstance(st.get(row.key), int):
+                    self.retired[row.key] += st[row.key]
+            m.cache.close()
         with self.lock:
             self.split.remove(m.name)
             self._last_ghost.pop(m.name, None)
@@ -377,27 +451,67 @@ class Models:
     def summary(self) -> list:
         """Per model: share, residency, hit rate, bytes read (stats, status, metrics)."""
         from .stats import hit_rate
+        return [dict(name=m.name, path=m.path, endpoint=m.endpoint, state=state,
+                     share_bytes=share, budget_current_bytes=st["budget"]["current_bytes"],
+                     min_bytes=mb.min_bytes if mb else 0, max_bytes=mb.max_bytes if mb else 0,
+                     weight=mb.weight if mb else 0,
+                     slots=sum(c["slots"] for c in st["classes"]),
+                     resident=sum(c["used"] for c in st["classes"]), hits=st["hits"],
+                     prefetch_hits=st["prefetch_hits"], demand_misses=st["demand_misses"],
+                     hit_rate=hit_rate(st["hits"], st["prefetch_hits"], st["demand_misses"]),
+                     ghost_hits=st["ghost_hits"], bytes_read=st["bytes_read"],
+                     model_changed=st["model_changed"], reloads=m.reloader.reloads,
+                     clients=len(m.server.clients), leases=len(m.server.leases))
+                for m, st, state, share, mb in self._views()]
+
+    def _views(self) -> list:
+        """(model, its cache's stats, state, share, split member) of every model with a cache."""
         out = []
         with self.lock:
-            items = list(self.models.values())
-            split = self.split
-        for m in items:
-            st = m.cache.stats()
-            slots = sum(c["slots"] for c in st["classes"])
-            used = sum(c["used"] for c in st["classes"])
-            out.append({"name": m.name, "path": m.path, "endpoint": m.endpoint,
-                        "state": "removing" if m.draining is not None else "serving",
-                        "share_bytes": split.shares.get(m.name, 0),
-                        "budget_current_bytes": st["budget"]["current_bytes"],
-                        "min_bytes": split.members[m.name].min_bytes if m.name in split.members else 0,
-                        "max_bytes": split.members[m.name].max_bytes if m.name in split.members else 0,
-                        "weight": split.members[m.name].weight if m.name in split.members else 0,
-                        "slots": slots, "resident": used, "hits": st["hits"],
-                        "prefetch_hits": st["prefetch_hits"], "demand_misses": st["demand_misses"],
-                        "hit_rate": hit_rate(st["hits"], st["prefetch_hits"], st["demand_misses"]),
-                        "ghost_hits": st["ghost_hits"], "bytes_read": st["bytes_read"],
-                        "clients": len(m.server.clients), "leases": len(m.server.leases)})
+            for m in list(self.models.values()):
+                if m.cache is None:
+                    continue
+                state = ("removing" if m.draining is not None else
+                         "model changed" if m.cache.model_changed else "serving")
+                out.append((m, m.cache.stats(), state, self.split.shares.get(m.name, 0),
+                            self.split.members.get(m.name)))
         return out
+
+    def daemon_stats(self) -> dict:
+        """The daemon's endpoint's ``stats``: every cache counter and gauge summed over the
+        models (counters of removed models included), the budget, each model, the split."""
+        from .stats import CACHE_STATS
+        views = self._views()
+        st = {}
+        for row in CACHE_STATS:
+            vals = [v[1].get(row.key) for v in views]
+            if row.value is None or not all(isinstance(x, (int, float)) for x in vals):
+                continue
+            st[row.key] = sum(vals) + (self.retired[row.key] if row.kind == "counter" else 0)
+        st["budget"] = {"configured_bytes": int(self.cfg.budget), "current_bytes":
+                        sum(v[1]["budget"]["current_bytes"] for v in views)}
+        st["model_changed"] = next((f"model {v[0].name}: {v[1]['model_changed']}"
+                                    for v in views if v[1]["model_changed"]), None)
+        st["models"] = self.summary()
+        st["split"] = self.split_info()
+        return st
+
+    def daemon_status(self) -> dict:
+        """The daemon's endpoint's ``status``: sums over the models, and each model."""
+        from .stats import hit_rate
+        ms = self.summary()
+        hits, pf, miss = (sum(x[k] for x in ms) for k in ("hits", "prefetch_hits", "demand_misses"))
+        changed = [x for x in ms if x["model_changed"]]
+        return {"state": "model changed" if changed else "serving",
+                "model_changed": (f"model {changed[0]['name']}: {changed[0]['model_changed']}"
+                                  if changed else None),
+                "budget_configured_bytes": int(self.cfg.budget),
+                "budget_current_bytes": sum(x["budget_current_bytes"] for x in ms),
+                "slots": sum(x["slots"] for x in ms), "slots_used": sum(x["resident"] for x in ms),
+                "hits": hits, "prefetch_hits": pf, "demand_misses": miss,
+                "hit_rate": hit_rate(hits, pf, miss),
+                "clients": sum(x["clients"] for x in ms), "leases": sum(x["leases"] for x in ms),
+                "models": ms}
 
     def split_info(self) -> dict:
         with self.lock:
@@ -437,10 +551,16 @@ class Models:
                               "remove or rebalance")
 
     def close(self):
+        """Stop every model's server and close its cache (the endpoint's server closes itself
+        when its loop ends)."""
         for m in list(self.models.values()):
-            if m is not self.main and m.server is not None:
+            if m.server is not None:
                 m.server.stop()
                 if m.thread is not None:
                     m.thread.join(timeout=10)
-            if m.cache is not None and m is not self.main:
+                elif m.server is not None:
+                    m.server.close()   # never ran: its socket and lock files go
+            if m.reloader is not None:
+                m.reloader.close()
+            if m.cache is not None:
                 m.cache.close()

@@ -146,7 +146,8 @@ class RequestChecker:
 
     def __init__(self, expert_layers, n_experts: int, max_experts: int = MAX_ARRAY_LEN):
         self.layers = frozenset(int(x) for x in expert_layers)
-        self.lo, self.hi = min(self.layers), max(self.layers)
+        # no layers (a socket without a model): every layer is out of range
+        self.lo, self.hi = (min(self.layers), max(self.layers)) if self.layers else (0, -1)
         self.n_experts = n_experts
         self.max_experts = max_experts
 

@@ -245,9 +245,17 @@ class Server:
     releases and bye are never limited. ``client_max_prefetch``: prefetch loads one client may
     have in flight (None: the cache's ``max_prefetch_loads``, so a lone client is limited as
     before; 0: no own cap); its prefetches beyond it are dropped and counted per client.
+    With ``cache=None`` the server serves no model itself: it is the daemon's endpoint when
+    several models are served (``moecached.multi``). A hello there is redirected by
+    ``route_model`` to the model it names (or refused); a control connection (``model "*"``)
+    gets the daemon's ``stats`` / ``status`` / ``models`` (``extra_stats`` / ``extra_status``
+    add the models' view); every other op is refused ``unknown_model``.
     Raises:
         ServerError: another daemon holds the endpoint, or the endpoint cannot be bound.
     """
+
+    #: the ops a server without a model (the several-models endpoint) answers itself
+    ROUTER_OPS = ("hello", "ping", "bye", "stats", "status", "models")
 
     def __init__(self, cache, *, endpoint: str, model_path: str = "", heartbeat_s: float = 5.0,
                  socket_mode: int = 0o660, gid: int | None = None, on_tick=None, tick_s: float = 1.0,
@@ -257,22 +265,26 @@ class Server:
                  client_max_prefetch: int | None = None, pin_files: bool = True,
                  pin_quota: int | None = None):
         self.cache = cache
-        self.index = cache.index
+        self.index = cache.index if cache is not None else None
         self.endpoint = endpoint
         self.model_path = model_path
         self.heartbeat_s = float(heartbeat_s)
         self.on_tick = on_tick
         self.tick_s = tick_s
         self.session = int.from_bytes(os.urandom(8), "little") >> 1 | 1
-        # the arena's control block names the session it serves: leases of any other are void
-        cache.arena.set_epoch(self.session, STATE_SERVING)
         self.started = time.time()
-        self.checker = P.RequestChecker(self.index.expert_layers, self.index.n_experts,
-                                        max_experts=max_request_experts)
+        if cache is not None:
+            # the arena's control block names the session it serves: leases of any other are void
+            cache.arena.set_epoch(self.session, STATE_SERVING)
+            self.checker = P.RequestChecker(self.index.expert_layers, self.index.n_experts,
+                                            max_experts=max_request_experts)
+            self.moe_index = {l: i for i, l in enumerate(self.index.expert_layers)}
+        else:   # no model here: nothing is checked against an index
+            self.checker = P.RequestChecker((), 0, max_experts=max_request_experts)
+            self.moe_index = {}
         self.max_message_bytes = int(max_message_bytes)
         # default deadline of an acquire that gives no timeout_ms (on_pressure = wait gives up)
         self.acquire_timeout_s = acquire_timeout_s
-        self.moe_index = {l: i for i, l in enumerate(self.index.expert_layers)}
         # shared-memory hit path (config fast_path, fast_path_quota): a pin file per watched
         # client that asks for it in hello; pin_quota None or 0: the cache's default
         self.pin_files = bool(pin_files)
@@ -306,7 +318,8 @@ class Server:
         self._stopping = False
         self._loop_tid = None
         self._hup = False        # SIGHUP seen; the loop runs self._on_hup
-        self._ops = {op: getattr(self, "_op_" + op) for op in P.OPS}
+        self._ops = {op: getattr(self, "_op_" + op if cache is not None or op in self.ROUTER_OPS
+                                 else "_op_no_model") for op in P.OPS}
         self._packb = msgpack.Packer(use_bin_type=True).pack  # reused; the loop thread only
         # serve resident acquires / own noreply releases in Cython first
         self.fast_path = os.environ.get(HOT_PATH_ENV, "1") != "0"
@@ -522,7 +535,8 @@ class Server:
                     if now >= next_hb:
                         self._expire_clients(now)
                         next_hb = now + max(0.05, self.heartbeat_s / 4)
-                    if self.cache.pin_files and now >= next_sweep:
+                    cache = self.cache   # None: the several-models endpoint
+                    if cache is not None and cache.pin_files and now >= next_sweep:
                         next_sweep = now + self.PIN_DRAIN_MS / 1000
                         try:
                             self.cache.sweep_pins()
@@ -545,7 +559,8 @@ class Server:
                     want = idle_ms
                     if dl:
                         want = max(0, min(idle_ms, int((dl[0][0] - now) * 1000) + 1))
-                    if self.cache.pin_files:
+                    cache = self.cache
+                    if cache is not None and cache.pin_files:
                         want = min(want, self.PIN_DRAIN_MS)
                     if want != cur_ms:
                         sock.setsockopt(zmq.RCVTIMEO, want)
@@ -587,7 +602,7 @@ class Server:
         ``_handle``). Built again for each session; the hooks' live fields (request limits,
         tracing) are kept current by :meth:`set_request_limits` and the trace ops."""
         self._hooks = None
-        if not self.fast_path:
+        if not self.fast_path or self.cache is None:
             return lambda frames: False
         cache = self.cache
         self._hooks = hooks = ServerHooks(
@@ -697,7 +712,8 @@ class Server:
                 self._send_error(frames[0], 0, P.E_MALFORMED, f"request has {len(frames) - 1} frames: "
                                  "expected 1 (or an empty delimiter + 1)", delim=False)
             return
-        self.cache.drain_pins()   # hits taken through shared memory count first
+        if self.cache is not None:
+            self.cache.drain_pins()   # hits taken through shared memory count first
         if self.recorder is not None:
             self._record_fast_hits()
         now = time.monotonic()
@@ -985,6 +1001,14 @@ class Server:
         fast = msg.get("fast_path", False)
         if not isinstance(fast, bool):
             raise P.ProtocolError(P.E_BAD_TYPE, f"field 'fast_path' = {fast!r:.20}: expected true or false")
+        if self.cache is None:   # the several-models endpoint: a control connection
+            self._reply(c.ident, rid, protocol=P.PROTOCOL_VERSION, server=f"moecached {__version__}",
+                        fingerprint=None, model=None, model_name=None, arena=None, index=None,
+                        models=self.route_model(self, None, names=True), expert_layers=[],
+                        n_experts=0, top_k=0, heartbeat_s=self.heartbeat_s,
+                        lease_watch="process" if c.pidfd is not None else "heartbeat", pins=None,
+                        limits={"max_message_bytes": self.max_message_bytes})
+            return
         pins = self._open_pins(c) if fast else None
         if not fast:
             self._close_pins(c)
@@ -1002,6 +1026,11 @@ class Server:
                             "client_rate_limit": self.rate_limit.rate,
                             "client_rate_burst": self.rate_limit.burst,
                             "client_max_prefetch": self.client_max_prefetch or 0})
+
+    def _op_no_model(self, c: _Client, rid: int, msg: dict) -> None:
+        raise P.ProtocolError(P.E_UNKNOWN_MODEL, f"op {msg.get('op')}: the daemon's endpoint serves "
+                              "several models and none itself: name the model in hello "
+                              "(Client(endpoint, model=NAME), moecache-ctl --model NAME)")
 
     def _op_ping(self, c: _Client, rid: int, msg: dict) -> None:
         self._reply(c.ident, rid, t=time.time())
@@ -1090,12 +1119,14 @@ class Server:
         self._drop_client(c, "said bye")
 
     def stats(self) -> dict:
-        """Everything ``moecache-ctl stats`` shows: cache counters + server + per client."""
-        st = dict(self.cache.stats())
+        """Everything ``moecache-ctl stats`` shows: cache counters + server + per client
+        (without a model: the server's own, and what ``extra_stats`` adds)."""
+        st = dict(self.cache.stats()) if self.cache is not None else {}
         st.update(uptime_s=round(time.time() - self.started, 3), pid=os.getpid(),
                   version=__version__, model=self.model_path, model_name=self.model_name,
                   endpoint=self.endpoint,
-                  session=self.session, fingerprint=self.index.fingerprint(),
+                  session=self.session,
+                  fingerprint=self.index.fingerprint() if self.index is not None else None,
                   leases_held=len(self.leases),
                   server={**{k.key: 0 for k in SERVER_COUNTERS}, **self.counters},
                   clients=[c.summary() for c in self.clients.values()],
@@ -1115,7 +1146,7 @@ class Server:
         self._reply(c.ident, rid, stats=self.stats())
 
     def _op_status(self, c: _Client, rid: int, msg: dict) -> None:
-        st = self.cache.stats()
+        st = self.cache.stats() if self.cache is not None else {}
         budget = st.get("budget", {})
         classes = st.get("classes", [])
         changed = getattr(self.cache, "model_changed", None)

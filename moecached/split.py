@@ -192,6 +192,21 @@ class Split:
         self.table[member.name] = {}
         return dict(self.shares)
 
+    def replace(self, member: Member) -> dict:
+        """A model's file was re-indexed: ``member`` (same name, new index) takes its place and
+        keeps its share as far as its new bounds allow; what it learned is forgotten. Raises
+        SplitError (and changes nothing) when the minimums no longer fit."""
+        old_member = self.members[member.name]
+        self.members[member.name] = member
+        try:
+            self.shares = self._fill(self.total, dict(self.shares))
+        except SplitError:
+            self.members[member.name] = old_member
+            raise
+        self.table[member.name] = {}
+        self.step = self._pick_step()
+        return dict(self.shares)
+
     def remove(self, name: str) -> dict:
         """A model leaves: its share goes to the others in proportion to theirs."""
         self.members.pop(name)
@@ -247,15 +262,4 @@ class Split:
             self.shares[d] -= move
             self.moves += 1
             return d, r, move
-        return None
-        r = max(grow, key=lambda n: (gain[n], -names.index(n)))
-        shrink = [n for n in names if n != r and self.shares[n] - step >= self.members[n].min_bytes]
-        if not shrink:
-            return None
-        d = min(shrink, key=lambda n: (loss[n], names.index(n)))
-        if gain[r] > loss[d] * (1 + self.hysteresis) and gain[r] - loss[d] >= MIN_GAIN:
-            self.shares[r] += step
-            self.shares[d] -= step
-            self.moves += 1
-            return d, r, step
         return None

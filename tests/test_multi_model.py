@@ -109,7 +109,7 @@ def test_hello_names_the_model(models, tmp_path):
     try:
         q = Client(d.endpoint, model="qwen", fast_path=False)
         m = Client(d.endpoint, model="mix", fast_path=False)
-        assert q.endpoint == d.endpoint and m.endpoint == d.endpoint + ".mix"
+        assert q.endpoint == d.endpoint + ".qwen" and m.endpoint == d.endpoint + ".mix"
         assert (q.info["model_name"], m.info["model_name"]) == ("qwen", "mix")
         assert q.n_experts == 128 and m.n_experts == 8
         q.close()
@@ -129,6 +129,23 @@ def test_hello_names_the_model(models, tmp_path):
             Client(d.endpoint)
         with pytest.raises(ServerError, match=r"unknown_model: model 'nope' is not served here"):
             Client(d.endpoint, model="nope")
+        # the endpoint serves no model itself: its stats sum the models', engines' ops refused
+        per = d.models()
+        st = d.ctl.stats()
+        assert st["hits"] + st["demand_misses"] == sum(x["hits"] + x["demand_misses"]
+                                                       for x in per.values()) > 0
+        assert st["bytes_read"] == sum(x["bytes_read"] for x in per.values())
+        assert {x["name"] for x in st["models"]} == {"qwen", "mix"}
+        assert d.ctl.status()["slots"] == sum(x["slots"] for x in per.values())
+        with pytest.raises(ServerError, match="unknown_model: op acquire: the daemon's endpoint "
+                                              "serves several models and none itself"):
+            d.ctl.acquire(0, [1])
+        out = subprocess.run([sys.executable, "-m", "moecached.tools.ctl", "stats", "-e",
+                              d.endpoint], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        total_slots = sum(x["slots"] for x in per.values())
+        assert f"of {total_slots} slots resident" in out.stdout, out.stdout
+        assert "models    2 under one budget" in out.stdout and "  qwen (serving)" in out.stdout
     finally:
         d.stop()
 
@@ -256,8 +273,8 @@ def test_add_refusals(models, tmp_path):
             time.sleep(0.1)
         assert "minimum shares" in d.ctl.models()["split"]["failed"]["big"]
         assert set(d.models()) == {"qwen", "mix"}
-        with pytest.raises(ServerError, match="refused: model qwen is served on the daemon's endpoint"):
-            d.ctl.models("remove", name="qwen")
+        with pytest.raises(ServerError, match=r"refused: model 'nope' is not served here"):
+            d.ctl.models("remove", name="nope")
     finally:
         d.stop()
 
@@ -385,3 +402,132 @@ def test_sighup_applies_a_live_key_to_every_model(models, tmp_path):
         assert limit_of("mix") == 2, "the reloaded limit reached only the first model's socket"
     finally:
         d.stop()
+
+
+def test_any_model_can_be_removed_and_added_back(models, tmp_path):
+    # the model named first is no different: removed while its client holds a lease and the
+    # other model's client decodes, then added back under its name
+    from moecached.tools.synth import verify_expert_bytes
+    d = MultiDaemon(models, tmp_path, "1GiB", "--split-interval", "86400")
+    mc = None
+    try:
+        q = Client(d.endpoint, model="qwen", fast_path=False)
+        held = q.acquire(q.expert_layers[0], [3, 4])
+        mc = step_client(d.endpoint, "mix")
+        assert not ask(mc, [[0, [0, 1]], [1, [2, 3]]])["bad"]
+        r = d.ctl.models("remove", name="qwen")
+        assert (r["removing"], r["leases"]) == ("qwen", 1)
+        with pytest.raises(ServerError, match="unknown_model: model 'qwen' is being removed"):
+            Client(d.endpoint, model="qwen")
+        assert not ask(mc, [[0, [4, 5]], [1, [6, 7]]])["bad"]   # mix goes on meanwhile
+        for e in (3, 4):                                         # the held lease is still right
+            for part, view in held.parts(e).items():
+                assert verify_expert_bytes(view, q.expert_layers[0], part, e, 0) is None
+        held.release()
+        q.close()
+        deadline = time.time() + 30
+        while "qwen" in d.models() and time.time() < deadline:
+            time.sleep(0.1)
+        assert set(d.models()) == {"mix"}
+        assert d.models()["mix"]["share_bytes"] == d.ctl.models()["split"]["total_bytes"] or \
+            d.models()["mix"]["share_bytes"] == d.models()["mix"]["max_bytes"]
+        # one model left: a hello naming none is sent to it
+        with Client(d.endpoint, fast_path=False) as only:
+            assert only.info["model_name"] == "mix" and only.endpoint == d.endpoint + ".mix"
+        assert not ask(mc, [[0, [0, 7]], [1, [1, 2]]])["bad"]
+        d.ctl.models("add", name="qwen", path=models["qwen"])
+        deadline = time.time() + 120
+        while "qwen" in d.ctl.models()["split"]["adding"] and time.time() < deadline:
+            time.sleep(0.1)
+        assert d.models()["qwen"]["state"] == "serving"
+        qc = step_client(d.endpoint, "qwen")
+        assert not ask(qc, [[0, [0, 127]], [1, [5, 6]]])["bad"]
+        qc.stdin.close()
+        qc.wait(30)
+        assert not ask(mc, [[0, [3, 4]], [1, [5, 6]]])["bad"]
+        st = d.ctl.stats()     # the removed model's reads still count in the daemon's total
+        assert st["bytes_read"] > sum(x["bytes_read"] for x in st["models"])
+    finally:
+        if mc is not None:
+            mc.stdin.close()
+            mc.wait(30)
+        log = d.stop()
+    assert "model qwen removed" in log and "model qwen added" in log, log[-2000:]
+
+
+@pytest.fixture
+def own_models(models, tmp_path):
+    """Private copies of the two models (a test rewrites one), and qwen written with seed 1."""
+    import shutil
+    from fixtures import make_model as mk
+    d = tmp_path / "own"
+    d.mkdir()
+    out = {}
+    for n, p in models.items():
+        out[n] = str(d / f"{n}.gguf")
+        shutil.copyfile(p, out[n])
+    other = mk(tmp_path, "qwen3-30b-a3b-Q4_K_M", layers=2, experts=128, seed=1)
+    return out, other
+
+
+def test_changed_model_file_is_reloaded_alone(own_models, tmp_path):
+    import shutil
+    from moecache_client import DaemonRestarted
+    from moecached.tools.synth import verify_expert_bytes
+    paths, other = own_models
+    d = MultiDaemon(paths, tmp_path, "1GiB", "--on-model-change", "reload")
+    try:
+        q = Client(d.endpoint, model="qwen", fast_path=False)
+        m = Client(d.endpoint, model="mix", fast_path=False)
+        L, ML = q.expert_layers[0], m.expert_layers[1]
+        mheld = m.acquire(ML, [1, 2])
+        qheld = q.acquire(L, [7])
+        s_q, s_m = q.stats()["session"], m.stats()["session"]
+        tmp = paths["qwen"] + ".new"
+        shutil.copyfile(other, tmp)
+        os.rename(tmp, paths["qwen"])          # qwen's file replaced by another build
+
+        def qwen_reloaded():
+            return d.models()["qwen"]["reloads"] == 1
+        deadline = time.time() + 60
+        while not qwen_reloaded() and time.time() < deadline:
+            time.sleep(0.1)
+        assert qwen_reloaded(), d.models()["qwen"]
+        assert not qheld.valid()               # qwen's old session is void
+        got = None
+        for _ in range(3):
+            try:
+                got = q.acquire(L, [7, 8])
+                break
+            except DaemonRestarted:
+                continue
+        assert got is not None and q.stats()["session"] != s_q
+        for e in (7, 8):                       # the new file's bytes (seed 1)
+            for part, view in got.parts(e).items():
+                assert verify_expert_bytes(view, L, part, e, 1) is None
+        got.release()
+        # mix was not touched: same session, its lease still valid and right
+        assert m.stats()["session"] == s_m and mheld.valid()
+        for e in (1, 2):
+            for part, view in mheld.parts(e).items():
+                assert verify_expert_bytes(view, ML, part, e, 0) is None
+        mheld.release()
+        assert d.models()["qwen"]["state"] == "serving" and d.ctl.status()["state"] == "serving"
+        q.close()
+        m.close()
+    finally:
+        log = d.stop()
+    assert "model qwen" in log and "re-indexed and reloaded" in log, log[-2000:]
+
+
+def test_changed_model_file_exit_mode(own_models, tmp_path):
+    paths, other = own_models
+    d = MultiDaemon(paths, tmp_path, "1GiB", "--on-model-change", "exit")
+    try:
+        with open(other, "rb") as f, open(paths["mix"], "r+b") as g:   # in place, same size
+            g.write(f.read(4096))
+        d.p.wait(30)   # noticed by the watch (or the model's periodic check)
+    finally:
+        log = d.stop()
+    assert d.p.returncode == 3, log[-2000:]
+    assert "on_model_change = \"exit\"" in log

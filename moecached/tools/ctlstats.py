@@ -171,8 +171,12 @@ def summary(st: dict, layers: bool = False) -> list[str]:
            f"{st.get('endpoint', '?')}",
            f"hit rate  {_pct(hit_rate(hits, pf, miss))} ({hits} hits, {pf} prefetch hits, {miss} demand misses)",
            f"budget    {_gib(cur)}" + (f" (configured {_gib(conf)})" if cur != conf else "")
-           + f", used {_gib(used)} ({sum(x.get('used', 0) for x in classes)} of "
-             f"{sum(x.get('slots', 0) for x in classes)} slots, {st.get('pinned', 0)} pinned)",
+           + (f", used {_gib(used)} ({sum(x.get('used', 0) for x in classes)} of "
+              f"{sum(x.get('slots', 0) for x in classes)} slots, {st.get('pinned', 0)} pinned)"
+              if classes or not st.get("models") else   # the several-models endpoint: sums
+              f", {sum(x.get('resident', 0) for x in st['models'])} of "
+              f"{sum(x.get('slots', 0) for x in st['models'])} slots resident, "
+              f"{st.get('pinned', 0)} pinned"),
            f"reads     {st.get('reads', 0)} ({_gib(st.get('bytes_read'))}, {st.get('read_errors', 0)} errors, "
            f"{st.get('reads_in_flight', 0)} in flight), latency p50 {_ms(lat.get('p50_us'))}, "
            f"p99 {_ms(lat.get('p99_us'))}",

@@ -817,7 +817,8 @@ class Client:
         self._check_monitor(hello=True)
         # leases of an earlier session keep their own arena object (unmapped when they go)
         self._fast = None
-        arena = _Arena(rep["arena"]) if self.map_arena else None
+        # no arena: the daemon's endpoint when it serves several models (control only)
+        arena = _Arena(rep["arena"]) if self.map_arena and rep.get("arena") else None
         if arena is not None and _shm is not None:
             arena.shm = self._shm_session(arena, rep)
         self._arena = arena
