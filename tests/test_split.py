@@ -107,6 +107,28 @@ def test_total_scales_shares_and_add_remove():
     assert list(sp.shares) == ["qwen"] and sp.shares["qwen"] <= 2048 * MiB
 
 
+def test_replace_keeps_the_share_within_the_new_bounds():
+    # a model's file re-indexed: the member with the new index keeps its share where it fits,
+    # forgets what it learned; a minimum that no longer fits changes nothing
+    sp = Split(1536 * MiB, members(), step=100 * MiB)
+    for _ in range(3):
+        sp.rebalance({"qwen": 50, "mix": 0})
+    before = dict(sp.shares)
+    assert sp.table["qwen"]
+    q2 = qwen_idx(layers=2)                     # the new file has fewer layers: smaller max
+    new = Member("qwen", q2, least_share(q2, 8))
+    assert new.full_bytes < before["qwen"]
+    shares = sp.replace(new)
+    assert sp.members["qwen"] is new and sp.table["qwen"] == {}
+    assert shares["qwen"] == new.full_bytes     # clamped to all its experts
+    assert shares["mix"] >= before["mix"]       # what qwen no longer holds goes to mix
+    assert sum(shares.values()) <= 1536 * MiB
+    huge = Member("qwen", qwen_idx(), 1200 * MiB)   # its minimum leaves mix too little
+    with pytest.raises(SplitError, match="minimum shares"):
+        sp.replace(huge)
+    assert sp.members["qwen"] is new and sp.shares == shares
+
+
 def _mix_models(q_tokens=800):
     q = load_trace(trace_path("qwen3_30b_a3b_sharegpt_prefill_2050.npz")).window(0, q_tokens, layers=4)
     m = load_trace(trace_path("mixtral8x7b_humaneval0_full.npz")).window(0, None, layers=2)
