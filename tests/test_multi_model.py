@@ -23,6 +23,7 @@ from moecached.index import open_index
 from moecached.tools.mixsim import MixModel, interleaving, replay_mix
 from moecached.trace import load_trace
 
+from daemon_util import wait_for
 from fixtures import make_model, trace_path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -88,6 +89,14 @@ class MultiDaemon:
                 self.p.kill()
                 self.p.wait()
         return self.p.stdout.read()
+
+
+def lease_bad(lease, layer, experts, seed) -> list:
+    """What is wrong with the bytes ``lease`` holds for ``experts`` of ``layer`` (synth stamps
+    of ``seed``): empty when every part is right."""
+    from moecached.tools.synth import verify_expert_bytes
+    return [r for e in experts for part, view in lease.parts(e).items()
+            if (r := verify_expert_bytes(view, layer, part, e, seed)) is not None]
 
 
 def step_client(endpoint, model):
@@ -194,15 +203,13 @@ def test_add_and_remove_while_another_model_decodes(models, tmp_path):
     d = MultiDaemon(models, tmp_path, "1GiB", "--split-interval", "86400")
     free = None
     try:
-        from moecached.tools.synth import verify_expert_bytes
         m = Client(d.endpoint, model="mix", fast_path=False)
         held = m.acquire(m.expert_layers[1], [2, 3])    # held across the removal
         free = subprocess.Popen([sys.executable, os.path.join(HERE, "mix_client.py"), d.endpoint,
                                  "qwen", "0", "--free", str(sf), "40"],
                                 stdout=subprocess.PIPE, text=True)
-        deadline = time.time() + 60
-        while d.models()["qwen"]["resident"] < d.models()["qwen"]["slots"] and time.time() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: d.models()["qwen"]["resident"] >= d.models()["qwen"]["slots"],
+                 "qwen's share filled", 60)
         before = d.models()["qwen"]
         assert before["resident"] == before["slots"]   # warm: its share is full
         assert free.poll() is None                     # and still decoding
@@ -212,14 +219,10 @@ def test_add_and_remove_while_another_model_decodes(models, tmp_path):
             Client(d.endpoint, model="mix")
         time.sleep(1.5)                              # a few periodic ticks: still draining
         assert d.models()["mix"]["state"] == "removing"
-        for e in (2, 3):                             # its lease still holds the right bytes
-            for part, view in held.parts(e).items():
-                assert verify_expert_bytes(view, m.expert_layers[1], part, e, 0) is None
+        assert lease_bad(held, m.expert_layers[1], (2, 3), 0) == []   # its lease is still right
         held.release()
         m.close()
-        deadline = time.time() + 30
-        while "mix" in d.models() and time.time() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: "mix" not in d.models(), "mix removed", 30)
         assert "mix" not in d.models()
         after_remove = d.models()["qwen"]
         # mix's share went to qwen; none of qwen's warm experts went anywhere
@@ -233,9 +236,7 @@ def test_add_and_remove_while_another_model_decodes(models, tmp_path):
         assert r["adding"] == "mix2" and r["endpoint"] == d.endpoint + ".mix2"
         with pytest.raises(ServerError, match="refused: model mix2 is already served"):
             d.ctl.models("add", name="mix2", path=models["mix"])
-        deadline = time.time() + 120
-        while "mix2" in d.ctl.models()["split"]["adding"] and time.time() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: "mix2" not in d.ctl.models()["split"]["adding"], "mix2 added", 120)
         assert d.models()["mix2"]["state"] == "serving"
         q2 = d.models()["qwen"]
         # qwen gave the newcomer its share's cold tail only: what still fits stays resident
@@ -268,9 +269,7 @@ def test_add_refusals(models, tmp_path):
             d.ctl.models("add", name="a b", path=models["qwen"])
         # no room above the others' minimums: refused after indexing, said in the list
         d.ctl.models("add", name="big", path=models["mix"], min_budget=900 * MiB)
-        deadline = time.time() + 60
-        while "big" in d.ctl.models()["split"]["adding"] and time.time() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: "big" not in d.ctl.models()["split"]["adding"], "big refused", 60)
         assert "minimum shares" in d.ctl.models()["split"]["failed"]["big"]
         assert set(d.models()) == {"qwen", "mix"}
         with pytest.raises(ServerError, match=r"refused: model 'nope' is not served here"):
@@ -366,9 +365,7 @@ def test_sighup_adds_and_removes_models_of_the_file(models, tmp_path):
     try:
         write(["qwen", "mix2"])
         d.p.send_signal(signal.SIGHUP)
-        deadline = time.time() + 60
-        while set(d.models()) != {"qwen", "mix2"} and time.time() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: set(d.models()) == {"qwen", "mix2"}, "the file's models served", 60)
         assert set(d.models()) == {"qwen", "mix2"}
         assert d.models()["mix2"]["state"] == "serving"
     finally:
@@ -395,9 +392,7 @@ def test_sighup_applies_a_live_key_to_every_model(models, tmp_path):
         assert limit_of("qwen") == limit_of("mix") == 64
         write(2)
         d.p.send_signal(signal.SIGHUP)
-        deadline = time.time() + 30
-        while limit_of("qwen") != 2 and time.time() < deadline:
-            time.sleep(0.2)
+        wait_for(lambda: limit_of("qwen") == 2, "the new limit on qwen's socket", 30)
         assert limit_of("qwen") == 2
         assert limit_of("mix") == 2, "the reloaded limit reached only the first model's socket"
     finally:
@@ -407,7 +402,6 @@ def test_sighup_applies_a_live_key_to_every_model(models, tmp_path):
 def test_any_model_can_be_removed_and_added_back(models, tmp_path):
     # the model named first is no different: removed while its client holds a lease and the
     # other model's client decodes, then added back under its name
-    from moecached.tools.synth import verify_expert_bytes
     d = MultiDaemon(models, tmp_path, "1GiB", "--split-interval", "86400")
     mc = None
     try:
@@ -420,14 +414,10 @@ def test_any_model_can_be_removed_and_added_back(models, tmp_path):
         with pytest.raises(ServerError, match="unknown_model: model 'qwen' is being removed"):
             Client(d.endpoint, model="qwen")
         assert not ask(mc, [[0, [4, 5]], [1, [6, 7]]])["bad"]   # mix goes on meanwhile
-        for e in (3, 4):                                         # the held lease is still right
-            for part, view in held.parts(e).items():
-                assert verify_expert_bytes(view, q.expert_layers[0], part, e, 0) is None
+        assert lease_bad(held, q.expert_layers[0], (3, 4), 0) == []   # the held lease is still right
         held.release()
         q.close()
-        deadline = time.time() + 30
-        while "qwen" in d.models() and time.time() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: "qwen" not in d.models(), "qwen removed", 30)
         assert set(d.models()) == {"mix"}
         assert d.models()["mix"]["share_bytes"] == d.ctl.models()["split"]["total_bytes"] or \
             d.models()["mix"]["share_bytes"] == d.models()["mix"]["max_bytes"]
@@ -436,9 +426,7 @@ def test_any_model_can_be_removed_and_added_back(models, tmp_path):
             assert only.info["model_name"] == "mix" and only.endpoint == d.endpoint + ".mix"
         assert not ask(mc, [[0, [0, 7]], [1, [1, 2]]])["bad"]
         d.ctl.models("add", name="qwen", path=models["qwen"])
-        deadline = time.time() + 120
-        while "qwen" in d.ctl.models()["split"]["adding"] and time.time() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: "qwen" not in d.ctl.models()["split"]["adding"], "qwen added back", 120)
         assert d.models()["qwen"]["state"] == "serving"
         qc = step_client(d.endpoint, "qwen")
         assert not ask(qc, [[0, [0, 127]], [1, [5, 6]]])["bad"]
@@ -473,7 +461,6 @@ def own_models(models, tmp_path):
 def test_changed_model_file_is_reloaded_alone(own_models, tmp_path):
     import shutil
     from moecache_client import DaemonRestarted
-    from moecached.tools.synth import verify_expert_bytes
     paths, other = own_models
     d = MultiDaemon(paths, tmp_path, "1GiB", "--on-model-change", "reload")
     try:
@@ -486,13 +473,7 @@ def test_changed_model_file_is_reloaded_alone(own_models, tmp_path):
         tmp = paths["qwen"] + ".new"
         shutil.copyfile(other, tmp)
         os.rename(tmp, paths["qwen"])          # qwen's file replaced by another build
-
-        def qwen_reloaded():
-            return d.models()["qwen"]["reloads"] == 1
-        deadline = time.time() + 60
-        while not qwen_reloaded() and time.time() < deadline:
-            time.sleep(0.1)
-        assert qwen_reloaded(), d.models()["qwen"]
+        wait_for(lambda: d.models()["qwen"]["reloads"] == 1, "qwen re-indexed", 60)
         assert not qheld.valid()               # qwen's old session is void
         got = None
         for _ in range(3):
@@ -502,15 +483,11 @@ def test_changed_model_file_is_reloaded_alone(own_models, tmp_path):
             except DaemonRestarted:
                 continue
         assert got is not None and q.stats()["session"] != s_q
-        for e in (7, 8):                       # the new file's bytes (seed 1)
-            for part, view in got.parts(e).items():
-                assert verify_expert_bytes(view, L, part, e, 1) is None
+        assert lease_bad(got, L, (7, 8), 1) == []          # the new file's bytes (seed 1)
         got.release()
         # mix was not touched: same session, its lease still valid and right
         assert m.stats()["session"] == s_m and mheld.valid()
-        for e in (1, 2):
-            for part, view in mheld.parts(e).items():
-                assert verify_expert_bytes(view, ML, part, e, 0) is None
+        assert lease_bad(mheld, ML, (1, 2), 0) == []
         mheld.release()
         assert d.models()["qwen"]["state"] == "serving" and d.ctl.status()["state"] == "serving"
         q.close()
