@@ -23,7 +23,7 @@ from moecached.index import open_index
 from moecached.tools.mixsim import MixModel, interleaving, replay_mix
 from moecached.trace import load_trace
 
-from fixtures import make_model, trace_path
+from fixtures import file_bytes, make_model, trace_path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MiB = 1 << 20
@@ -392,24 +392,18 @@ def _check_bytes(endpoint, name, path, per_acquire):
     the model file; returns the mismatches."""
     idx = open_index(path)
     bad = []
-    with Client(endpoint, model=name, fast_path=False) as c, open(path, "rb") as f:
+    with Client(endpoint, model=name, fast_path=False) as c:
         for layer in c.expert_layers:
             for lo in range(0, c.n_experts, per_acquire):
                 ex = list(range(lo, min(lo + per_acquire, c.n_experts)))
                 with c.acquire(layer, ex) as lease:
-                    bad += _compare_with_file(lease, idx, f, layer, ex)
+                    bad += _compare_with_file(lease, idx, layer, ex)
     return bad
 
 
-def _compare_with_file(lease, idx, f, layer, experts):
-    bad = []
-    for e in experts:
-        got = lease.parts(e)
-        for s in idx.parts(layer, e):
-            f.seek(s.offset)
-            if bytes(got[s.part]) != f.read(s.nbytes):
-                bad.append(f"layer {layer} expert {e} {s.part}")
-    return bad
+def _compare_with_file(lease, idx, layer, experts):
+    return [f"layer {layer} expert {e} {part}" for e in experts
+            for part, want in file_bytes(idx, layer, e).items() if bytes(lease.parts(e)[part]) != want]
 
 
 @pytest.mark.slow
@@ -476,8 +470,7 @@ def test_memory_floor_shrinks_the_total_and_every_share(models, tmp_path):
             # serving right bytes under pressure: the held leases, then every expert again
             idxs = {n: open_index(p) for n, p in paths.items()}
             for n, lease in leases.items():
-                with open(paths[n], "rb") as f:
-                    assert _compare_with_file(lease, idxs[n], f, held[n].expert_layers[1], [0, 1]) == []
+                assert _compare_with_file(lease, idxs[n], held[n].expert_layers[1], [0, 1]) == []
                 lease.release()
                 held[n].close()
             for n in paths:
