@@ -461,6 +461,8 @@ def test_memory_floor_shrinks_the_total_and_every_share(models, tmp_path):
             assert st["floor"]["floor_bytes"] == floor and st["floor"]["configured_budget"] == budget
             lines = summary(st)
             assert f"models    2 under one budget of {total / GiB:.2f} GiB" in "\n".join(lines), lines
+            assert any(x.startswith("floor     ") and f"budget {total / GiB:.2f} GiB of 2.00 GiB, "
+                       f"{st['floor']['shrinks']} shrinks, 0 grows" in x for x in lines), lines
             for n, m in after.items():
                 assert any(x.startswith(f"  {n} (serving): share {m['share_bytes'] / GiB:.2f} GiB")
                            for x in lines), lines
