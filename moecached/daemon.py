@@ -267,7 +267,13 @@ def run_models(cfg: C.Config) -> int:
 
     router.on_tick = on_tick
     router.extra_stats = extra_stats
-    router.extra_status = models.daemon_status
+    def extra_status():
+        st = models.daemon_status()
+        if floor_box["floor"] is not None:
+            st["floor"] = floor_box["floor"].stats()
+        return st
+
+    router.extra_status = extra_status
     router.models_handler = models.handle
 
     def apply_key(key, new):

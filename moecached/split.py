@@ -21,7 +21,8 @@ of ``step`` bytes toward the model where one more step saves the most reads:
   exceeds the loss by at least ``min_gain`` ghost hits; every share stays within its model's
   ``[min_bytes, max_bytes]``. Ties go to the model named first.
 * **The total moves** (the memory floor): :meth:`Split.set_total` scales every share by the
-  same factor within its bounds, so the learned proportions survive.
+  same factor within its bounds, so the learned proportions survive: the factor applies to
+  the shares the last move left, so a total shrunk and grown back gives every share back.
 
 Everything here is pure and deterministic: the same counts in the same order give the same
 shares. The daemon calls :meth:`Split.rebalance` every ``split_interval_s`` with the ghost hits
@@ -116,6 +117,7 @@ class Split:
         self.table = {m: {} for m in self.members}   # name -> {share: ghost hits seen there}
         self.moves = 0
         self.shares = self._fill(self.total, shares)
+        self._base = dict(self.shares)   # the proportions set_total scales (module docstring)
 
     # ---------------------------------------------------------------- bounds and totals
     def _pick_step(self) -> int:
@@ -136,7 +138,8 @@ class Split:
                              "min_budget")
 
     def _fill(self, total: int, want: dict | None) -> dict:
-        """Shares summing to at most ``total``: ``want`` (or weights) scaled into the bounds."""
+        """Shares summing to ``total`` (less only when every share is at its max): ``want`` (or
+        weights) scaled into the bounds."""
         self._check(total)
         ms = list(self.members.values())
         if want is None:
@@ -157,18 +160,31 @@ class Split:
                     clamped = True
                     break
             if not clamped:
+                # largest remainder: the bytes rounding down leaves go one each to the shares
+                # rounded down the most, so the shares add up to the total
+                rem = {}
                 for m in free:
                     w = max(0, want.get(m.name, 0))
                     out[m.name] = int(left * w // tw)
+                    rem[m.name] = left * w % tw
+                spare = left - sum(out[m.name] for m in free)
+                for m in sorted(free, key=lambda m: -rem[m.name]):
+                    if spare <= 0:
+                        break
+                    if out[m.name] < m.max_bytes:
+                        out[m.name] += 1
+                        spare -= 1
                 break
         return {m.name: out[m.name] for m in ms}
 
     def set_total(self, total: int) -> dict:
         """The total changed (the memory floor, a new budget): every share scales by the same
-        factor within its bounds. Returns the new shares."""
+        factor within its bounds. The factor applies to the shares the last move, add or remove
+        left, not to the last scaled ones: a shrink that held a model at its minimum (or a
+        rounding) does not shift the split once the total grows back. Returns the new shares."""
         self.total = int(total)
         self.step = self._pick_step()
-        self.shares = self._fill(self.total, dict(self.shares))
+        self.shares = self._fill(self.total, dict(self._base))
         return dict(self.shares)
 
     def add(self, member: Member) -> dict:
@@ -190,6 +206,7 @@ class Split:
             raise
         self.step = self._pick_step()
         self.table[member.name] = {}
+        self._base = dict(self.shares)
         return dict(self.shares)
 
     def replace(self, member: Member) -> dict:
@@ -199,12 +216,13 @@ class Split:
         old_member = self.members[member.name]
         self.members[member.name] = member
         try:
-            self.shares = self._fill(self.total, dict(self.shares))
+            self.shares = self._fill(self.total, dict(self._base))
         except SplitError:
             self.members[member.name] = old_member
             raise
         self.table[member.name] = {}
         self.step = self._pick_step()
+        self._base = dict(self.shares)
         return dict(self.shares)
 
     def remove(self, name: str) -> dict:
@@ -214,7 +232,8 @@ class Split:
         self.shares.pop(name, None)
         if self.members:
             self.step = self._pick_step()
-            self.shares = self._fill(self.total, dict(self.shares))
+            self.shares = self._fill(self.total, dict(self._base))
+        self._base = dict(self.shares)
         return dict(self.shares)
 
     # ---------------------------------------------------------------- ghosts and moves
@@ -261,5 +280,6 @@ class Split:
             self.shares[r] += move
             self.shares[d] -= move
             self.moves += 1
+            self._base = dict(self.shares)
             return d, r, move
         return None

@@ -6,17 +6,25 @@
   for tests of the daemon as operators run it (``moecached.tools.daemonproc``, which the
   benchmarks use too; its output is a pipe that ``stop_daemon`` returns).
 
+Memory pressure for real (the memory floor, ``moecache-ctl guard``): :data:`HOG` is a process
+that touches memory until it holds what it was asked for; :func:`memory_hog` holds it while a
+``with`` block runs.
+
 Both honour ``MOECACHED_HOT_PATH`` (the ``hot_path`` fixture of tests/conftest.py sets it).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
 from moecached.tools.daemonproc import start_daemon, stop_daemon
 
-__all__ = ["Daemon", "start_daemon", "stop_daemon", "wait_for"]
+__all__ = ["Daemon", "HOG", "memory_hog", "start_daemon", "stop_daemon", "wait_for"]
 
 
 class Daemon:
@@ -72,3 +80,40 @@ def wait_for(cond, what: str, timeout: float = 30.0):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+#: ``python -c HOG BYTES [PIDFILE]``: touches BYTES of memory 64 MiB at a time, prints
+#: ``HOG-SURVIVED`` once it holds them all, then sleeps; with PIDFILE it first starts a sleeping
+#: grandchild in its process group and writes the grandchild's pid there.
+HOG = textwrap.dedent("""
+    import os, sys, time, subprocess
+    total, step = int(sys.argv[1]), 64 << 20
+    child = None
+    if len(sys.argv) > 2:   # a grandchild in the same process group, to check the group is killed
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        with open(sys.argv[2], "w") as f:
+            f.write(str(child.pid))
+    held = []
+    for _ in range(total // step):
+        held.append(b"\\x01" * step)   # touches every page
+        time.sleep(0.02)
+    print("HOG-SURVIVED", flush=True)
+    time.sleep(60)
+""")
+
+
+@contextlib.contextmanager
+def memory_hog(nbytes: int):
+    """Hold ``nbytes`` of memory (:data:`HOG`, in multiples of 64 MiB) for the ``with`` block:
+    entered once every page is touched, given back (the process killed) on leaving."""
+    p = subprocess.Popen([sys.executable, "-c", HOG, str(int(nbytes))], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        line = p.stdout.readline()
+        if line.strip() != "HOG-SURVIVED":
+            raise AssertionError(f"memory hog of {nbytes} bytes exited {p.poll()} before holding them")
+        yield p
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()

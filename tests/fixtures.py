@@ -122,6 +122,17 @@ def remove_models() -> None:
     _CACHE.clear()
 
 
+def file_bytes(idx, layer, expert) -> dict:
+    """The bytes of expert ``expert`` of ``layer`` in the model file(s) of ``idx``, by part name
+    (what a lease's ``parts(expert)`` must hold)."""
+    out = {}
+    for s in idx.parts(layer, expert):
+        with open(idx.files[s.file], "rb") as f:
+            f.seek(s.offset)
+            out[s.part] = f.read(s.nbytes)
+    return out
+
+
 def read_and_verify(idx, seed=0, experts=None) -> list[str]:
     """Read every expert part of every expert block through ``idx`` (plain reads at
     PartSpan.offset) and return the list of mismatch descriptions (empty when all slices

@@ -9,7 +9,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import psutil
@@ -19,24 +18,10 @@ from moecached.tools import guard
 from moecached.tools.guard import EXIT_FLOOR, MemoryProbe, MemorySample, run_guarded
 from moecached.units import format_bytes
 
+from daemon_util import HOG
+
 GiB = 1 << 30
 MiB = 1 << 20
-
-HOG = textwrap.dedent("""
-    import os, sys, time, subprocess
-    total, step = int(sys.argv[1]), 64 << 20
-    child = None
-    if len(sys.argv) > 2:   # a grandchild in the same process group, to check the group is killed
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-        with open(sys.argv[2], "w") as f:
-            f.write(str(child.pid))
-    held = []
-    for _ in range(total // step):
-        held.append(b"\\x01" * step)   # touches every page
-        time.sleep(0.02)
-    print("HOG-SURVIVED", flush=True)
-    time.sleep(60)
-""")
 
 
 def _ctl(*args, timeout=60):

@@ -149,6 +149,24 @@ def test_two_engines_through_one_daemon(models, reference, tmp_path):
         assert stats_of(results[i])["misses"] > 0
 
 
+def _replace_daemon_under(eng, p, model, sock, slots, timeout, what, when, sig=signal.SIGTERM):
+    """While engine ``eng`` decodes: once ``when()`` returns, stop daemon ``p`` with ``sig``,
+    start a new one (``slots`` slots) on the same socket and wait for the engine (``timeout``
+    seconds). Returns its (stdout, stderr); the engine and the new daemon never outlive it."""
+    p2 = None
+    try:
+        when()
+        assert eng.poll() is None, f"the engine finished before {what}"
+        stop_daemon(p, sig=sig)
+        p2 = start_daemon(model, sock, "--slots", slots)
+        return eng.communicate(timeout=timeout)
+    finally:
+        if eng.poll() is None:
+            eng.kill()
+        if p2:
+            stop_daemon(p2)
+
+
 def test_daemon_restart_mid_decode_is_an_error_or_a_correct_continuation(models, reference, tmp_path):
     quant = "f32"
     sock = str(tmp_path / "d.sock")
@@ -157,18 +175,8 @@ def test_daemon_restart_mid_decode_is_an_error_or_a_correct_continuation(models,
            "--dump", str(tmp_path / "out.bin"), "--moecached", f"ipc://{sock}",
            "--step-delay-ms", "50", "--retries", "40"]
     eng = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    p2 = None
-    try:
-        time.sleep(1.0)
-        assert eng.poll() is None, "the engine finished before the restart: make the decode longer"
-        stop_daemon(p)
-        p2 = start_daemon(models[quant], sock, "--slots", "12")
-        out, err = eng.communicate(timeout=300)
-    finally:
-        if eng.poll() is None:
-            eng.kill()
-        if p2:
-            stop_daemon(p2)
+    out, err = _replace_daemon_under(eng, p, models[quant], sock, "12", 300, "the restart: make "
+                                     "the decode longer", when=lambda: time.sleep(1.0))
     if eng.returncode == 0:
         # a correct continuation: every logits row equals the resident run's
         assert filecmp.cmp(reference[quant], tmp_path / "out.bin", shallow=False), "wrong logits after a restart"
@@ -193,8 +201,8 @@ def test_daemon_crash_while_a_lease_is_held_discards_the_batch_and_continues(mod
            "--dump", str(tmp_path / "out.bin"), "--moecached", f"ipc://{sock}", "--retries", "60"]
     eng = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env=dict(os.environ, LLAMA_MOECACHED_HOLD_US="3000000"))
-    p2 = None
-    try:
+
+    def holding():
         # kill only once the engine holds a lease (its first acquire granted): a fixed sleep
         # could kill the daemon while a loaded machine is still loading the model
         with Client(f"ipc://{sock}", name="watcher") as c:
@@ -202,15 +210,8 @@ def test_daemon_crash_while_a_lease_is_held_discards_the_batch_and_continues(mod
             while c.stats()["leases"] < 1 and eng.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert c.stats()["leases"] >= 1, "the engine acquired nothing in 120 s"
-        assert eng.poll() is None, "the engine finished before the crash"
-        stop_daemon(p, sig=signal.SIGKILL)
-        p2 = start_daemon(models[quant], sock, "--slots", "32")
-        out, err = eng.communicate(timeout=600)
-    finally:
-        if eng.poll() is None:
-            eng.kill()
-        if p2:
-            stop_daemon(p2)
+    out, err = _replace_daemon_under(eng, p, models[quant], sock, "32", 600, "the crash",
+                                     when=holding, sig=signal.SIGKILL)
     assert eng.returncode == 0, err[-2000:]
     assert "moecached error:" in err, err[-2000:]          # a batch was discarded, then retried
     row = (tmp_path / "out.bin").read_bytes()

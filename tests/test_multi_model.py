@@ -24,7 +24,7 @@ from moecached.tools.mixsim import MixModel, interleaving, replay_mix
 from moecached.trace import load_trace
 
 from daemon_util import wait_for
-from fixtures import make_model, trace_path
+from fixtures import file_bytes, make_model, trace_path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MiB = 1 << 20
@@ -508,3 +508,107 @@ def test_changed_model_file_exit_mode(own_models, tmp_path):
         log = d.stop()
     assert d.p.returncode == 3, log[-2000:]
     assert "on_model_change = \"exit\"" in log
+def _check_bytes(endpoint, name, path, per_acquire):
+    """Acquire every expert of ``name`` (``per_acquire`` at a time) and compare each part with
+    the model file; returns the mismatches."""
+    idx = open_index(path)
+    bad = []
+    with Client(endpoint, model=name, fast_path=False) as c:
+        for layer in c.expert_layers:
+            for lo in range(0, c.n_experts, per_acquire):
+                ex = list(range(lo, min(lo + per_acquire, c.n_experts)))
+                with c.acquire(layer, ex) as lease:
+                    bad += _compare_with_file(lease, idx, layer, ex)
+    return bad
+
+
+def _compare_with_file(lease, idx, layer, experts):
+    return [f"layer {layer} expert {e} {part}" for e in experts
+            for part, want in file_bytes(idx, layer, e).items() if bytes(lease.parts(e)[part]) != want]
+
+
+@pytest.mark.slow
+def test_memory_floor_shrinks_the_total_and_every_share(models, tmp_path):
+    """Available memory falls under the floor (a process holds memory for real, as in
+    tests/test_guard.py): the floor shrinks the daemon's total, the split absorbs it (every
+    model's share shrinks, none below its minimum, every cache follows its share), every model
+    serves the file's bytes during and after (a lease held across the shrink too), stats and
+    status show the floor and the shares; when the memory comes back the total grows back."""
+    import psutil
+    from daemon_util import memory_hog, wait_for
+    from moecached.floor import MIN_MARGIN
+    from moecached.tools.ctlstats import summary
+    GiB = 1 << 30
+    avail = psutil.virtual_memory().available
+    if avail < 6 * GiB:
+        pytest.skip(f"needs 6 GiB available, have {avail >> 20} MiB")
+    budget = 2 * GiB
+    # the arenas in tmpfs, as in service: a shrink punches holes and gives memory back for real;
+    # the floor 1.5 GiB under what is available once they are reserved
+    floor = avail - budget - 3 * GiB // 2
+    d = MultiDaemon(models, tmp_path, budget, "--arena-dir", "/dev/shm", "--floor", str(floor),
+                    "--floor-hysteresis", "64MiB", "--floor-interval", "0.2",
+                    "--floor-min-change", "0.5", "--split-interval", "86400")
+    paths = {"qwen": models["qwen"], "mix": models["mix"]}
+    per_acquire = {"qwen": 8, "mix": 2}
+    try:
+        before = d.models()
+        st = d.ctl.stats()
+        assert st["floor"]["shrinks"] == 0 and st["floor"]["configured_budget"] == budget, st["floor"]
+        assert d.ctl.models()["split"]["total_bytes"] == budget
+        for n, m in before.items():   # room to shrink above every minimum
+            assert m["min_bytes"] < m["share_bytes"] - 256 * MiB, m
+        for n in paths:
+            assert _check_bytes(d.endpoint, n, paths[n], per_acquire[n]) == []
+        held = {n: Client(d.endpoint, model=n, fast_path=False) for n in paths}
+        leases = {n: c.acquire(c.expert_layers[1], [0, 1]) for n, c in held.items()}
+        # up to 512 MiB under the floor (the floor may act before the hog holds it all)
+        hog = psutil.virtual_memory().available - floor + 512 * MiB
+        with memory_hog(hog):
+            st = wait_for(lambda: (lambda s: s if s["floor"]["shrinks"] >= 1 else None)(d.ctl.stats()),
+                          "the floor to shrink", timeout=60)
+            total = st["floor"]["current_budget"]
+            assert total <= budget - MIN_MARGIN, st["floor"]   # the deficit and a margin
+            after = d.models()
+            split = d.ctl.models()["split"]
+            assert split["total_bytes"] == total, (split, st["floor"])
+            assert sum(m["share_bytes"] for m in after.values()) == total
+            for n, m in after.items():
+                assert m["min_bytes"] <= m["share_bytes"] < before[n]["share_bytes"], (n, m, before[n])
+                assert m["budget_current_bytes"] <= m["share_bytes"], (n, m)   # the cache follows
+                assert m["slots"] <= before[n]["slots"], (n, m, before[n])
+            assert sum(m["slots"] for m in after.values()) < sum(m["slots"] for m in before.values())
+            # the view operators read: the floor's numbers and each model's share
+            assert st["floor"]["floor_bytes"] == floor and st["floor"]["configured_budget"] == budget
+            lines = summary(st)
+            assert f"models    2 under one budget of {total / GiB:.2f} GiB" in "\n".join(lines), lines
+            assert any(x.startswith("floor     ") and f"budget {total / GiB:.2f} GiB of 2.00 GiB, "
+                       f"{st['floor']['shrinks']} shrinks, 0 grows" in x for x in lines), lines
+            for n, m in after.items():
+                assert any(x.startswith(f"  {n} (serving): share {m['share_bytes'] / GiB:.2f} GiB")
+                           for x in lines), lines
+            status = d.ctl.status()
+            assert {m["name"]: m["share_bytes"] for m in status["models"]} == \
+                {n: m["share_bytes"] for n, m in after.items()}
+            # serving right bytes under pressure: the held leases, then every expert again
+            idxs = {n: open_index(p) for n, p in paths.items()}
+            for n, lease in leases.items():
+                assert _compare_with_file(lease, idxs[n], held[n].expert_layers[1], [0, 1]) == []
+                lease.release()
+                held[n].close()
+            for n in paths:
+                assert _check_bytes(d.endpoint, n, paths[n], per_acquire[n]) == []
+        # the memory is back: the total grows back to the budget, the shares with it
+        st = wait_for(lambda: (lambda s: s if s["floor"]["current_budget"] == budget else None)(d.ctl.stats()),
+                      "the total to grow back", timeout=60)
+        assert st["floor"]["grows"] >= 1
+        assert d.ctl.models()["split"]["total_bytes"] == budget
+        grown = d.models()
+        for n, m in grown.items():   # every share and every slot back
+            assert (m["share_bytes"], m["slots"]) == (before[n]["share_bytes"], before[n]["slots"]), \
+                (n, m, before[n])
+        for n in paths:
+            assert _check_bytes(d.endpoint, n, paths[n], per_acquire[n]) == []
+    finally:
+        log = d.stop()
+    assert "Traceback" not in log, log[-3000:]

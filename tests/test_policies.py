@@ -62,15 +62,37 @@ class RefLRU:
         return False
 
 
-class RefDaemonSLRU:
+class _Segments:
+    """Probation / protected lists of an SLRU: a hit in protected moves to its MRU end, a hit
+    in probation is promoted, the protected LRU going back to probation past ``prot_max()``."""
+
+    def resident(self, k):
+        return k in self.prob or k in self.prot
+
+    def hit(self, k):
+        if k in self.prot:
+            self.prot.remove(k)
+            self.prot.append(k)
+            return True
+        if k in self.prob:
+            self.prob.remove(k)
+            self.prot.append(k)
+            if len(self.prot) > self.prot_max():
+                self.prob.append(self.prot.pop(0))
+            return True
+        return False
+
+
+class RefDaemonSLRU(_Segments):
     """The daemon's ``SLRU`` (eviction = "slru"): probation / protected segments, protected at
     most ``n - max(1, round_half_up(n / 5))`` of the ``n`` keys present; as the daemon, a set's
     misses take their slots (victims) before its hits are used (``reserve``)."""
     def __init__(self, c, **_):
         self.c, self.prob, self.prot, self.pend = c, [], [], 0
 
-    def resident(self, k):
-        return k in self.prob or k in self.prot
+    def prot_max(self):
+        n = len(self.prob) + len(self.prot)
+        return n - max(1, (2 * n + 5) // 10)
 
     def reserve(self, misses, pinned):
         for _ in misses:
@@ -82,16 +104,7 @@ class RefDaemonSLRU:
             self.pend += 1
 
     def access(self, k, now, pinned):
-        if k in self.prot:
-            self.prot.remove(k)
-            self.prot.append(k)
-            return True
-        if k in self.prob:
-            self.prob.remove(k)
-            self.prot.append(k)
-            n = len(self.prob) + len(self.prot)
-            if len(self.prot) > n - max(1, (2 * n + 5) // 10):
-                self.prob.append(self.prot.pop(0))
+        if self.hit(k):
             return True
         self.pend -= 1
         self.prob.append(k)
@@ -163,24 +176,16 @@ class RefOPT:
         return False
 
 
-class RefSLRU:
+class RefSLRU(_Segments):
     def __init__(self, c, **_):
         self.c, self.prob, self.prot = c, [], []
         self.pmax = max(0, c - max(1, _rhu(20 * c, 100)))
 
-    def resident(self, k):
-        return k in self.prob or k in self.prot
+    def prot_max(self):
+        return self.pmax
 
     def access(self, k, now, pinned):
-        if k in self.prot:
-            self.prot.remove(k)
-            self.prot.append(k)
-            return True
-        if k in self.prob:
-            self.prob.remove(k)
-            self.prot.append(k)
-            if len(self.prot) > self.pmax:
-                self.prob.append(self.prot.pop(0))
+        if self.hit(k):
             return True
         if len(self.prob) + len(self.prot) >= self.c:
             v = cold_unpinned(self.prob, pinned)

@@ -89,32 +89,18 @@ def test_cold_admission_daemon_equals_simulator(daemon):
     assert plain["hits"] != g["hits"]
 
 
-def test_lfu_decay_daemon_equals_simulator(daemon):
-    """eviction = lfu-decay: the daemon's hits are the simulator's g-lfu-decay (the same
-    LFUDecay class) on the same window, and differ from g-lru."""
+@pytest.mark.parametrize("eviction, policy", [("lfu-decay", "g-lfu-decay"), ("slru", "g-slru")])
+def test_eviction_daemon_equals_simulator(daemon, eviction, policy):
+    """eviction = lfu-decay / slru: the daemon's hits are the simulator's g-lfu-decay / g-slru
+    (the same LFUDecay / SLRU class) on the same window, and differ from g-lru."""
     t = sliced(qwen_trace(), 2, 200)
     slots = 64
-    d, c = daemon(slots, ["--eviction", "lfu-decay"])
+    d, c = daemon(slots, ["--eviction", eviction])
     try:
         r = replay(c, t, warm_tokens=40, tokens=160, lookahead=0, overhead_tokens=0)
     finally:
         c.close()
-    g = simulate(t, "g-lfu-decay", slots, warmup=40, tokens=160)
-    assert (r["hits"], r["accesses"]) == (g["hits"], g["accesses"])
-    assert simulate(t, "g-lru", slots, warmup=40, tokens=160)["hits"] != g["hits"]
-
-
-def test_slru_daemon_equals_simulator(daemon):
-    """eviction = slru: the daemon's hits are the simulator's g-slru (the same SLRU class),
-    and differ from g-lru."""
-    t = sliced(qwen_trace(), 2, 200)
-    slots = 64
-    d, c = daemon(slots, ["--eviction", "slru"])
-    try:
-        r = replay(c, t, warm_tokens=40, tokens=160, lookahead=0, overhead_tokens=0)
-    finally:
-        c.close()
-    g = simulate(t, "g-slru", slots, warmup=40, tokens=160)
+    g = simulate(t, policy, slots, warmup=40, tokens=160)
     assert (r["hits"], r["accesses"]) == (g["hits"], g["accesses"])
     assert simulate(t, "g-lru", slots, warmup=40, tokens=160)["hits"] != g["hits"]
 

@@ -10,17 +10,9 @@ from moecached.server import Server, ServerError
 from moecache_client import Client, ServerError as CError
 
 from daemon_util import Daemon
+from fixtures import file_bytes
 
 pytestmark = pytest.mark.usefixtures("hot_path")
-
-
-def file_bytes(idx, layer, expert):
-    out = {}
-    for s in idx.parts(layer, expert):
-        with open(idx.files[s.file], "rb") as f:
-            f.seek(s.offset)
-            out[s.part] = f.read(s.nbytes)
-    return out
 
 
 @pytest.fixture

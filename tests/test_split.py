@@ -129,6 +129,33 @@ def test_replace_keeps_the_share_within_the_new_bounds():
     assert sp.members["qwen"] is new and sp.shares == shares
 
 
+def test_floor_round_trip_gives_every_share_back():
+    """The floor shrinks the total and grows it back: every share is what it was, the shares
+    add up to the total (no byte left to rounding), and a model that held all its experts holds
+    them all again (one byte short of its full size is one slot fewer)."""
+    q, m = qwen_idx(layers=2), mix_idx()
+    ms = [Member("qwen", q, least_share(q, 8)), Member("mix", m, least_share(m, 2))]
+    total = 2048 * MiB
+    for shrunk in (1850000000, 1950515200, 1700000000, 1234567891):
+        sp = Split(total, ms)
+        before = dict(sp.shares)
+        assert before["qwen"] == ms[0].full_bytes and sum(before.values()) == total
+        sp.set_total(shrunk)
+        assert sum(sp.shares.values()) == shrunk
+        assert all(sp.shares[n] < before[n] for n in before)
+        sp.set_total(shrunk - 1000)     # the floor often shrinks twice before it grows back
+        sp.set_total(total)
+        assert sp.shares == before, shrunk
+        assert ms[0].slots(sp.shares["qwen"]) == ms[0].slots(ms[0].full_bytes)
+    # a shrink deep enough to hold mix at its minimum does not move the split for good
+    sp = Split(1024 * MiB, ms)
+    before = dict(sp.shares)
+    sp.set_total(600 * MiB)
+    assert sp.shares["mix"] == ms[1].min_bytes
+    sp.set_total(1024 * MiB)
+    assert sp.shares == before
+
+
 def _mix_models(q_tokens=800):
     q = load_trace(trace_path("qwen3_30b_a3b_sharegpt_prefill_2050.npz")).window(0, q_tokens, layers=4)
     m = load_trace(trace_path("mixtral8x7b_humaneval0_full.npz")).window(0, None, layers=2)

@@ -13,6 +13,7 @@ from moecached.trace import Trace, load_trace, save_trace
 from moecache_client import Client, Subst
 
 from daemon_util import Daemon
+from fixtures import file_bytes
 
 pytestmark = pytest.mark.usefixtures("hot_path")
 
@@ -27,15 +28,6 @@ def weighted_trace(seed, T=120, hot=0.5):
             ex[t, l] = ex[t - 1, l] if t and rng.random() < hot else rng.choice(E, K, False)
     w = -np.sort(-rng.random((T, L, K)), axis=2).astype(np.float32)
     return Trace(experts=ex, is_prompt=np.zeros(T, bool), weights=w, meta={"n_experts": E})
-
-
-def file_bytes(idx, layer, expert):
-    out = {}
-    for s in idx.parts(layer, expert):
-        with open(idx.files[s.file], "rb") as f:
-            f.seek(s.offset)
-            out[s.part] = f.read(s.nbytes)
-    return out
 
 
 def replay(c, idx, t, r, cap, subst=True):

@@ -48,6 +48,21 @@ def test_roundtrip_extension_fields(tmp_path):
     assert u.meta["n_decode_tokens"] == 2 and u.meta["top_k"] == 2
 
 
+def _check_bad_trace(tmp_path, d, mutate, match):
+    """``mutate`` the arrays ``d`` of a good trace: loading the file, and saving the Trace, fail
+    with one line matching ``match`` (the file name first when loading)."""
+    mutate(d)
+    arrays = {k: v for k, v in d.items() if k != "meta"}
+    f = tmp_path / "bad.npz"
+    np.savez(f, meta=np.array(json.dumps(d["meta"])), **arrays)
+    with pytest.raises(TraceError, match=match) as ei:
+        load_trace(f)
+    msg = str(ei.value)
+    assert msg.startswith(str(f) + ": ") and "\n" not in msg
+    with pytest.raises(TraceError, match=match):
+        save_trace(tmp_path / "x.npz", Trace(**d))
+
+
 @pytest.mark.parametrize("mutate,match", [
     (lambda d: d.update(experts=d["experts"].astype(np.float32)), r"experts: found dtype float32"),
     (lambda d: d["experts"].__setitem__((1, 0, 1), 9), r"experts\[1, 0, 1\]: found 9, expected an expert id < n_experts = 4"),
@@ -64,16 +79,7 @@ def test_roundtrip_extension_fields(tmp_path):
 def test_validation_errors_name_file_array_value(tmp_path, mutate, match):
     d = dict(experts=small().experts.copy(), is_prompt=small().is_prompt.copy(),
              meta={"n_experts": 4})
-    mutate(d)
-    arrays = {k: v for k, v in d.items() if k != "meta"}
-    f = tmp_path / "bad.npz"
-    np.savez(f, meta=np.array(json.dumps(d["meta"])), **arrays)
-    with pytest.raises(TraceError, match=match) as ei:
-        load_trace(f)
-    msg = str(ei.value)
-    assert msg.startswith(str(f) + ": ") and "\n" not in msg
-    with pytest.raises(TraceError, match=match):
-        save_trace(tmp_path / "x.npz", Trace(**d))
+    _check_bad_trace(tmp_path, d, mutate, match)
 
 
 def test_missing_file_array_and_bad_meta(tmp_path):
@@ -389,16 +395,7 @@ def test_roundtrip_and_window_keep_substitution_candidates(tmp_path):
 def test_candidate_validation_errors_name_file_array_value(tmp_path, mutate, match):
     d = dict(experts=small().experts.copy(), is_prompt=small().is_prompt.copy(),
              meta={"n_experts": 4}, **candidate_arrays())
-    mutate(d)
-    arrays = {k: v for k, v in d.items() if k != "meta"}
-    f = tmp_path / "bad.npz"
-    np.savez(f, meta=np.array(json.dumps(d["meta"])), **arrays)
-    with pytest.raises(TraceError, match=match) as ei:
-        load_trace(f)
-    msg = str(ei.value)
-    assert msg.startswith(str(f) + ": ") and "\n" not in msg
-    with pytest.raises(TraceError, match=match):
-        save_trace(tmp_path / "x.npz", Trace(**d))
+    _check_bad_trace(tmp_path, d, mutate, match)
 
 
 def test_recorder_stores_scores_and_candidates(tmp_path):

@@ -156,9 +156,19 @@ def _duration(s) -> str:
     return f"{d}d{h:02d}h" if d else f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s"
 
 
+def _floor_line(floor) -> list[str]:
+    """The memory floor's line of the summary ([] while it is off): the budget (with several
+    models, the total they split) it leaves of the configured one."""
+    if not floor:
+        return []
+    return [f"floor     {_gib(floor.get('floor_bytes'))} ({_gib(floor.get('available'))} available): "
+            f"budget {_gib(floor.get('current_budget'))} of {_gib(floor.get('configured_budget'))}, "
+            f"{floor.get('shrinks', 0)} shrinks, {floor.get('grows', 0)} grows"]
+
+
 def summary(st: dict, layers: bool = False) -> list[str]:
-    """The short human view of a ``stats`` reply: hit rate, budget and use (GiB), reads, read
-    latency, one line per client; per-layer lines when ``layers``."""
+    """The short human view of a ``stats`` reply: hit rate, budget and use (GiB), the memory
+    floor, reads, read latency, one line per client; per-layer lines when ``layers``."""
     from ..stats import hit_rate
     budget = st.get("budget") or {}
     classes = st.get("classes") or []
@@ -177,6 +187,7 @@ def summary(st: dict, layers: bool = False) -> list[str]:
               f", {sum(x.get('resident', 0) for x in st['models'])} of "
               f"{sum(x.get('slots', 0) for x in st['models'])} slots resident, "
               f"{st.get('pinned', 0)} pinned"),
+           *_floor_line(st.get("floor")),
            f"reads     {st.get('reads', 0)} ({_gib(st.get('bytes_read'))}, {st.get('read_errors', 0)} errors, "
            f"{st.get('reads_in_flight', 0)} in flight), latency p50 {_ms(lat.get('p50_us'))}, "
            f"p99 {_ms(lat.get('p99_us'))}",

@@ -36,6 +36,7 @@ import numpy as np
 from ..policy import LRU
 from ..split import Member, Split, SplitError, least_share
 from ..trace import Trace, load_trace
+from .replay import pin_resident
 from .simulate import SimulationError, prepare
 
 __all__ = ["MixModel", "layout_index", "mix_members", "interleaving", "replay_mix", "run_mix", "main_mix",
@@ -172,15 +173,7 @@ class _Model:
         for layer, keys in sets:
             cid = self.cls_of[layer]
             lr, cap, g = self.lru[cid], self.cap[cid], self.ghost[cid]
-            miss = []
-            h = 0
-            for k in keys:
-                if lr.contains(k):
-                    lr.touch(k)
-                    lr.pin(k)
-                    h += 1
-                else:
-                    miss.append(k)
+            h, miss = pin_resident(lr, keys)
             if len(lr) + len(miss) > cap:   # slots for every miss first (the cache's _take_slots)
                 n = len(lr) + len(miss) - cap
                 for _ in range(n):

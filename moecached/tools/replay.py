@@ -57,7 +57,7 @@ import numpy as np
 from .. import MoecacheError
 from ..trace import Trace, load_trace
 
-__all__ = ["ReplayError", "Plan", "plan", "reference_lru", "replay", "probe_drive",
+__all__ = ["ReplayError", "Plan", "plan", "pin_resident", "reference_lru", "replay", "probe_drive",
            "format_table", "main", "parse_predictor", "drive_ceiling", "build_parser"]
 
 
@@ -142,6 +142,21 @@ def _step_sets(arr: np.ndarray, steps) -> list:
     return out
 
 
+def pin_resident(lr, keys) -> tuple:
+    """The first half of the daemon's acquire on one LRU (``moecached.policy.LRU``): touch and
+    pin every resident key of ``keys``, in order. Returns (hits, the missing keys in order)."""
+    miss = []
+    h = 0
+    for k in keys:
+        if lr.contains(k):
+            lr.touch(k)
+            lr.pin(k)
+            h += 1
+        else:
+            miss.append(k)
+    return h, miss
+
+
 def reference_lru(sets, counted, class_of_layer, class_caps, n_experts):
     """The daemon's global LRU on the request stream, without the daemon and apart from the
     simulator's replay kernel (a second check of ``simulate(.., "g-lru", ..)``): per (step, layer)
@@ -159,15 +174,7 @@ def reference_lru(sets, counted, class_of_layer, class_caps, n_experts):
                 continue
             g = class_of_layer[l]
             lr, cap = lrus[g], class_caps[g]
-            miss = []
-            h = 0
-            for k in keys:
-                if lr.contains(k):
-                    lr.touch(k)
-                    lr.pin(k)
-                    h += 1
-                else:
-                    miss.append(k)
+            h, miss = pin_resident(lr, keys)
             for k in miss:
                 if len(lr) >= cap:
                     lr.remove(lr.victim())

@@ -346,51 +346,27 @@ def subst_view(trace, warmup: Optional[int] = None, tokens: Optional[int] = None
     tv = Trace(experts=np.ascontiguousarray(t.experts[:, :, :h]), is_prompt=t.is_prompt,
                weights=np.ascontiguousarray(t.weights[:, :, :h]), step=t.step,
                meta={k: v for k, v in t.meta.items() if k != "top_k"} | {"n_experts": t.n_experts})
-    st = prepare(tv, warmup, tokens)
-    T, E = st.n_tokens, st.n_experts
-    step_start = t.window(0, T).step_starts()
     ex, w = t.experts, t.weights
-    S = len(st.set_layer)
-    key_score = np.zeros(len(st.keys), np.float64)
-    cand_start = np.zeros(S + 1, np.int64)
-    ck, cs = [], []
-    steps = np.searchsorted(step_start, st.set_tokens_before)
-    for s in range(S):
-        l = int(st.set_layer[s])
-        j = int(steps[s])
-        a, b = int(st.set_start[s]), int(st.set_start[s + 1])
-        best = {}
-        cand = {}
-        for tok in range(int(step_start[j]), int(step_start[j + 1])):
-            for rk in range(K):
-                e = int(ex[tok, l, rk])
-                if e < 0:
-                    continue
+
+    def scores(tok, l):
+        best, cand = {}, {}
+        for rk in range(K):
+            e = int(ex[tok, l, rk])
+            if e >= 0:
                 d = best if rk < h else cand
                 d[e] = max(d.get(e, 0.0), float(w[tok, l, rk]))
-        for i in range(a, b):
-            key_score[i] = best[int(st.keys[i]) - l * E]
-        for e, sc in cand.items():
-            if e not in best:
-                ck.append(l * E + e)
-                cs.append(sc)
-        cand_start[s + 1] = len(ck)
-    return SubstView(trace=tv, stream=st, key_score=key_score, cand_start=cand_start,
-                     cand_keys=np.array(ck, np.int64), cand_score=np.array(cs, np.float64),
-                     routed=h)
+        return best, cand
+    return _build_view(t, tv, warmup, tokens, scores, routed=h, view=SUBST_VIEW)
 
 
-def _recorded_view(t: Trace, warmup, tokens) -> SubstView:
-    """:func:`subst_view` of a trace with recorded ``scores``/``candidates``: the routed
-    experts are ``experts`` (score: the largest recorded score over the step's tokens), the
-    candidates of a set are the step's recorded candidates not routed in it (first-appearance
-    order, largest recorded score)."""
-    tv = Trace(experts=t.experts, is_prompt=t.is_prompt, weights=t.weights, step=t.step,
-               meta=dict(t.meta, n_experts=t.n_experts))
+def _build_view(t: Trace, tv: Trace, warmup, tokens, scores, routed: int, view: str) -> SubstView:
+    """The :class:`SubstView` of ``tv`` (the routed experts of ``t``): per set, the largest
+    score over the step's tokens of each routed key and of each candidate not routed in it.
+    ``scores(tok, layer) -> (routed, candidates)``, dicts expert -> score of one token; a
+    token's dicts are merged in token order (candidates keep first-appearance order)."""
     st = prepare(tv, warmup, tokens)
     T, E = st.n_tokens, st.n_experts
     step_start = t.window(0, T).step_starts()
-    ex, sc, cx, cw = t.experts, t.scores, t.candidates, t.candidate_scores
     S = len(st.set_layer)
     key_score = np.zeros(len(st.keys), np.float64)
     cand_start = np.zeros(S + 1, np.int64)
@@ -401,12 +377,11 @@ def _recorded_view(t: Trace, warmup, tokens) -> SubstView:
         j = int(steps[s])
         best, cand = {}, {}
         for tok in range(int(step_start[j]), int(step_start[j + 1])):
-            for e, v in zip(ex[tok, l].tolist(), sc[tok, l].tolist()):
-                if e >= 0:
-                    best[e] = max(best.get(e, 0.0), v)
-            for e, v in zip(cx[tok, l].tolist(), cw[tok, l].tolist()):
-                if e >= 0:
-                    cand[e] = max(cand.get(e, 0.0), v)
+            tb, tc = scores(tok, l)
+            for e, v in tb.items():
+                best[e] = max(best.get(e, 0.0), v)
+            for e, v in tc.items():
+                cand[e] = max(cand.get(e, 0.0), v)
         for i in range(int(st.set_start[s]), int(st.set_start[s + 1])):
             key_score[i] = best[int(st.keys[i]) - l * E]
         for e, v in cand.items():
@@ -416,7 +391,28 @@ def _recorded_view(t: Trace, warmup, tokens) -> SubstView:
         cand_start[s + 1] = len(ck)
     return SubstView(trace=tv, stream=st, key_score=key_score, cand_start=cand_start,
                      cand_keys=np.array(ck, np.int64), cand_score=np.array(cs, np.float64),
-                     routed=t.top_k, view=SUBST_VIEW_RECORDED)
+                     routed=routed, view=view)
+
+
+def _recorded_view(t: Trace, warmup, tokens) -> SubstView:
+    """:func:`subst_view` of a trace with recorded ``scores``/``candidates``: the routed
+    experts are ``experts`` (score: the largest recorded score over the step's tokens), the
+    candidates of a set are the step's recorded candidates not routed in it (first-appearance
+    order, largest recorded score)."""
+    tv = Trace(experts=t.experts, is_prompt=t.is_prompt, weights=t.weights, step=t.step,
+               meta=dict(t.meta, n_experts=t.n_experts))
+    ex, sc, cx, cw = t.experts, t.scores, t.candidates, t.candidate_scores
+
+    def scores(tok, l):
+        best, cand = {}, {}
+        for e, v in zip(ex[tok, l].tolist(), sc[tok, l].tolist()):
+            if e >= 0:
+                best[e] = max(best.get(e, 0.0), v)
+        for e, v in zip(cx[tok, l].tolist(), cw[tok, l].tolist()):
+            if e >= 0:
+                cand[e] = max(cand.get(e, 0.0), v)
+        return best, cand
+    return _build_view(t, tv, warmup, tokens, scores, routed=t.top_k, view=SUBST_VIEW_RECORDED)
 
 
 def simulate_subst(view: SubstView, policy: str, size, r: float, max_swaps: int = -1,
