@@ -67,12 +67,24 @@ def _floor_min_budget(cfg: C.Config, cache, configured_budget: int) -> int:
     return min(cfg.min_budget, configured_budget)
 
 
-def _make_floor(cfg: C.Config, cache, configured_budget: int):
+def _floor_target(cfg: C.Config, cache, floor_box: dict) -> tuple:
+    """What the memory floor drives: (configured budget, least budget, set_budget) of the
+    cache, or with several models (``floor_box["models"]``) of the split's total."""
+    models = floor_box.get("models")
+    if models is not None:
+        configured = int(cfg.budget)
+        least = min(max(models.least_total(), cfg.min_budget or 0), configured)
+        return configured, least, models.set_total
+    # never above the arena (sized down at start when the budget did not fit)
+    configured = min(_budget_bytes(cfg, cache) or cache.arena.size, cache.arena.size)
+    return configured, _floor_min_budget(cfg, cache, configured), cache.set_budget
+
+
+def _make_floor(cfg: C.Config, cache, floor_box: dict):
     from .floor import MemoryFloor
-    return MemoryFloor(cfg.floor, cfg.floor_hysteresis, configured_budget,
-                       _floor_min_budget(cfg, cache, configured_budget),
-                       cache.set_budget, interval=cfg.floor_interval_s,
-                       min_change_interval=cfg.floor_min_change_s,
+    configured, least, set_budget = _floor_target(cfg, cache, floor_box)
+    return MemoryFloor(cfg.floor, cfg.floor_hysteresis, configured, least, set_budget,
+                       interval=cfg.floor_interval_s, min_change_interval=cfg.floor_min_change_s,
                        log=logging.getLogger("moecached.floor"))
 
 
@@ -89,6 +101,8 @@ def _apply_live(key: str, new: C.Config, server, cache, floor_box: dict):
 def apply_budget(new: C.Config, cache, floor_box: dict):
     """SIGHUP changed ``budget`` or ``slots``: None when applied, else why not. While the
     memory floor is on it owns the budget: it gets the new configured budget."""
+    if floor_box.get("models") is not None:
+        return "several models: restart to change it"
     want = _budget_bytes(new, cache)
     if want is None:
         return "neither budget nor slots set"
@@ -110,28 +124,26 @@ def apply_budget(new: C.Config, cache, floor_box: dict):
 def apply_floor(new: C.Config, server, cache, floor_box: dict):
     """SIGHUP changed a memory-floor key. ``floor_box["floor"]`` is the running MemoryFloor or
     None; turning the floor on creates one (the server's periodic task drives it), turning it
-    off drops it and gives the cache back its configured budget."""
+    off drops it and gives the cache (or the models' split) back its configured budget."""
     floor = floor_box["floor"]
-    configured = _budget_bytes(new, cache) or cache.arena.size
+    configured, least, set_budget = _floor_target(new, cache, floor_box)
     if new.floor is None:
-        if floor is not None:  # off: the budget the floor took goes back to the cache
+        if floor is not None:  # off: the budget the floor took goes back
             floor_box["floor"], floor_box["off"] = None, floor  # kept: its counts go on
-            cache.set_budget(configured)
-            log.info("memory floor off; budget back to %d bytes",
-                     cache.stats()["budget"]["current_bytes"])
+            set_budget(configured)
+            log.info("memory floor off; budget back to %d bytes", configured)
         return None
     server.tick_s = min(1.0, new.floor_interval_s)
     if floor is None:      # on: starts with the next periodic tick
         floor = floor_box.pop("off", None)
         if floor is None:
-            floor = _make_floor(new, cache, configured)
+            floor = _make_floor(new, cache, floor_box)
         else:              # the one turned off earlier: counters go on where they were
             floor.resume(configured)
         floor_box["floor"] = floor
         log.info("memory floor on at %d bytes available", new.floor)
     floor.reconfigure(floor_bytes=new.floor, hysteresis_bytes=new.floor_hysteresis,
-                      configured_budget=configured,
-                      min_budget=_floor_min_budget(new, cache, configured))
+                      configured_budget=configured, min_budget=least)
     floor.interval = new.floor_interval_s
     floor.min_change_interval = new.floor_min_change_s
     return None
@@ -213,7 +225,6 @@ def _server_kwargs(cfg: C.Config, gid) -> dict:
 def run_models(cfg: C.Config) -> int:
     """Run the daemon with several models (``[[models]]`` / ``--model NAME=PATH``) until
     SIGTERM/SIGINT (``moecached.multi``). Returns the process exit code."""
-    from .floor import MemoryFloor
     from .arena import remove_stale_arenas
     from .multi import Models
     from .server import lock_endpoint, unlock_endpoint
@@ -244,12 +255,7 @@ def run_models(cfg: C.Config) -> int:
         return 1
     floor_box = {"floor": None, "models": models}
     if cfg.floor is not None:
-        least = sum(m.min_bytes for m in models.split.members.values())
-        floor_box["floor"] = MemoryFloor(cfg.floor, cfg.floor_hysteresis, models.total,
-                                         min(max(least, cfg.min_budget or 0), models.total),
-                                         models.set_total, interval=cfg.floor_interval_s,
-                                         min_change_interval=cfg.floor_min_change_s,
-                                         log=logging.getLogger("moecached.floor"))
+        floor_box["floor"] = _make_floor(cfg, None, floor_box)
     watchdog = notify.watchdog_ping if notify.watchdog_interval() else None
 
     def on_tick(now):
@@ -279,9 +285,7 @@ def run_models(cfg: C.Config) -> int:
     def apply_key(key, new):
         """A changed key: once for the daemon, or to every model (and socket) it reaches."""
         scope = C.KEYS[key].scope
-        if scope == "budget":
-            return "several models: restart to change it"
-        if scope == "daemon":
+        if scope in ("daemon", "budget"):   # budget: the floor drives the split's total
             return _apply_live(key, new, router, None, floor_box)
         targets = models.servers() + ([router] if scope == "socket" else [])
         for srv in targets:
@@ -360,8 +364,7 @@ def _build(cfg: C.Config, held: dict, t0: float):
     with stage(what, total=size * (2 if cfg.lock_memory else 1)) as st_arena:
         cache = _make_cache(cfg, idx, progress, fitted=(budget, slots))
     try:
-        arena = cache.arena
-        floor_box = {"floor": _make_floor(cfg, cache, arena.size) if cfg.floor is not None else None,
+        floor_box = {"floor": _make_floor(cfg, cache, {}) if cfg.floor is not None else None,
                      "timings": {"index_s": st_index.elapsed, "arena_s": st_arena.elapsed}}
 
         watchdog = notify.watchdog_ping if notify.watchdog_interval() else None
@@ -439,7 +442,7 @@ def run(cfg: C.Config) -> int:
     def installed(new):
         new_cfg = state["cfg"]
         if new_cfg.floor is not None:
-            floor_box["floor"] = _make_floor(new_cfg, new, _budget_bytes(new_cfg, new) or new.arena.size)
+            floor_box["floor"] = _make_floor(new_cfg, new, floor_box)
 
     reloader = ModelReloader(server, cfg.model, f"model {cfg.model}",
                              mode=lambda: state["cfg"].on_model_change, rebuild=rebuild,

@@ -307,6 +307,11 @@ class Models:
             self.apply()   # also finishes a shrink that pinned experts stopped short
             return mv
 
+    def least_total(self) -> int:
+        """The least total the models are served with: the sum of their minimum shares."""
+        with self.lock:
+            return sum(m.min_bytes for m in self.split.members.values())
+
     def set_total(self, total: int) -> dict:
         """The memory floor's ``set_budget``: the split absorbs a new total."""
         from .split import SplitError

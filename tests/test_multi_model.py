@@ -612,3 +612,40 @@ def test_memory_floor_shrinks_the_total_and_every_share(models, tmp_path):
     finally:
         log = d.stop()
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_sighup_turns_the_floor_on_and_off(models, tmp_path):
+    # with several models the floor's keys reload live too: on, it drives the split's total
+    # (here a floor above all the memory there is: the total falls to the models' minimums);
+    # off, the total is the budget again
+    import signal
+    import psutil
+    cfg = tmp_path / "m.toml"
+    tables = "".join(f'[[models]]\nname = "{n}"\npath = "{models[n]}"\n' for n in ("qwen", "mix"))
+    cfg.write_text(tables)
+    d = MultiDaemon(models, tmp_path, "1GiB", "--split-interval", "86400", config=cfg)
+    try:
+        q = Client(d.endpoint, model="qwen", fast_path=False)
+        held = q.acquire(q.expert_layers[0], [1, 2])
+        before = d.models()
+        high = psutil.virtual_memory().total + (8 << 30)
+        cfg.write_text(f"floor = {high}\nfloor_interval_s = 0.2\n" + tables)
+        d.p.send_signal(signal.SIGHUP)
+        least = sum(m["min_bytes"] for m in before.values())
+        wait_for(lambda: d.ctl.models()["split"]["total_bytes"] == least, "the total at the minimums")
+        ms = d.models()
+        assert all(ms[n]["share_bytes"] == ms[n]["min_bytes"] < before[n]["share_bytes"] for n in ms)
+        assert d.ctl.stats()["floor"]["shrinks"] >= 1
+        assert lease_bad(held, q.expert_layers[0], (1, 2), 0) == []
+        held.release()
+        with q.acquire(q.expert_layers[1], [5, 6, 7]) as lease:   # still serving, right bytes
+            assert lease_bad(lease, q.expert_layers[1], (5, 6, 7), 0) == []
+        cfg.write_text(tables)                                        # floor off
+        d.p.send_signal(signal.SIGHUP)
+        wait_for(lambda: d.ctl.models()["split"]["total_bytes"] == 1 << 30, "the total back")
+        assert {n: m["share_bytes"] for n, m in d.models().items()} == \
+            {n: m["share_bytes"] for n, m in before.items()}
+        q.close()
+    finally:
+        log = d.stop()
+    assert "memory floor off" in log, log[-3000:]
