@@ -180,9 +180,10 @@ def _fit_budget(cfg: C.Config, idx) -> tuple[int | None, int | None]:
     return budget, slots
 
 
-def _make_cache(cfg: C.Config, idx, progress=None, fitted=None):
+def _make_cache(cfg: C.Config, idx, progress=None, fitted=None, read_queue=None):
     """The ExpertCache of ``idx`` for ``cfg`` (its budget fitted to the memory this process may
-    use: ``fitted``, else ``_fit_budget``), its arena file given the configured mode/group."""
+    use: ``fitted``, else ``_fit_budget``), its arena file given the configured mode/group;
+    ``read_queue``: the daemon's shared ``ReadQueue`` (several models), else its own."""
     from .cache import ExpertCache
     budget, slots = fitted if fitted is not None else _fit_budget(cfg, idx)
     cache = ExpertCache(idx, budget_bytes=budget, slots=slots, policy=cfg.policy,
@@ -191,7 +192,8 @@ def _make_cache(cfg: C.Config, idx, progress=None, fitted=None):
                         shrunk_policy=cfg.on_pressure, max_prefetch_loads=cfg.max_prefetch_loads,
                         arena_progress=progress, admit_cold=cfg.admit_cold,
                         eviction=cfg.eviction, scan_admit=cfg.scan_admit,
-                        prefetch_min_confidence=cfg.prefetch_min_confidence)
+                        prefetch_min_confidence=cfg.prefetch_min_confidence,
+                        read_queue=read_queue)
     try:
         arena = cache.arena
         os.chmod(arena.path, cfg.arena_mode)
@@ -253,6 +255,7 @@ def run_models(cfg: C.Config) -> int:
     from .floor import MemoryFloor
     from .arena import remove_stale_arenas
     from .multi import Models
+    from .readers import ReadQueue
     from .server import lock_endpoint, unlock_endpoint
     gid = grp.getgrnam(cfg.group).gr_gid if cfg.group else None
     try:
@@ -261,12 +264,16 @@ def run_models(cfg: C.Config) -> int:
         log.error("%s", e)
         return 1
     remove_stale_arenas(cfg.arena_dir, log)
-    models = Models(cfg, lambda c, idx, size: _make_cache(c, idx, fitted=(size, None)),
+    # one set of reader threads and one queue for every model: one NVMe queue
+    read_queue = ReadQueue(threads=cfg.readers, chunk_bytes=cfg.chunk)
+    models = Models(cfg, lambda c, idx, size: _make_cache(c, idx, fitted=(size, None),
+                                                          read_queue=read_queue),
                     _server_kwargs(cfg, gid))
     try:
         with stage(f"indexing and reserving {len(cfg.models)} models"):
             server = models.start(lock)
     except MoecacheError as e:
+        read_queue.close()
         if models.main is None:
             unlock_endpoint(cfg.endpoint, lock)
         log.error("%s", e)
@@ -290,7 +297,8 @@ def run_models(cfg: C.Config) -> int:
             watchdog()
 
     def extra_stats():
-        st = {"models": models.summary(), "split": models.split_info()}
+        st = {"models": models.summary(), "split": models.split_info(),
+              "read_queue": read_queue.stats()}
         if floor_box["floor"] is not None:
             st["floor"] = floor_box["floor"].stats()
         return st
@@ -359,6 +367,7 @@ def run_models(cfg: C.Config) -> int:
         _notify("STOPPING=1")
         models.close()
         models.main.cache.close()
+        read_queue.close()
     log.info("stopped")
     return 0
 
