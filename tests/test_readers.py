@@ -595,7 +595,7 @@ def close_all(pools, queues):
 def demand_of_b_before_prefetch_of_a(paths, datas, monkeypatch, shared):
     pre, dem = Dest(2**20), Dest(2**20)
     g = GatedReads(monkeypatch, pre)
-    w = Waiter()
+    w, wb = Waiter(), Waiter()   # one per pool: job ids are per queue
     a, b, qs = two_pools(g, paths, [paths[1]], shared, threads=2, chunk_bytes=4096,
                          prefetch_chunks=2, prefetch_with_demand=1)
     try:
@@ -603,11 +603,12 @@ def demand_of_b_before_prefetch_of_a(paths, datas, monkeypatch, shared):
               for i in range(6)]
         g.wait_for(lambda: g.inside["p"] == 2)          # both threads on a's prefetches
         n0 = len(g.takes)
-        jb = b.submit([(0, 100, 3 * 4096, dem.addr)], priority=0, callback=w)   # 3 chunks
+        jb = b.submit([(0, 100, 3 * 4096, dem.addr)], priority=0, callback=wb)   # 3 chunks
         g.release_prefetches(6)     # b's demand read is held meanwhile
-        assert w.done.get(jb) is None
+        assert wb.done.get(jb) is None
         g.demand.set()
-        for j in pa + [jb]:
+        assert wb.wait(jb)[0] is None
+        for j in pa:
             assert w.wait(j)[0] is None
     finally:
         g.open_all()
@@ -632,20 +633,21 @@ def test_shared_queue_demand_of_one_pool_before_prefetch_of_another(files, monke
 def prefetch_caps_across_pools(paths, datas, monkeypatch, shared):
     pre, dem = Dest(2**20), Dest(2**20)
     g = GatedReads(monkeypatch, pre)
-    w = Waiter()
+    w, wb = Waiter(), Waiter()   # one per pool: job ids are per queue
     a, b, qs = two_pools(g, paths, paths, shared, threads=4, chunk_bytes=4096,
                          prefetch_chunks=2, prefetch_with_demand=1)
+    ws = {a: Waiter(), b: Waiter()}   # one per pool: job ids are per queue
     try:
-        jobs = [p.submit([(0, 4096 * i, 4096, pre.addr + 4096 * i)], priority=1, callback=w)
-                for i, p in enumerate([a, b] * 4)]
+        jobs = [(p, p.submit([(0, 4096 * i, 4096, pre.addr + 4096 * i)], priority=1,
+                             callback=ws[p])) for i, p in enumerate([a, b] * 4)]
         g.wait_for(lambda: g.inside["p"] >= 2)
-        jd = b.submit([(1, 0, 4096, dem.addr)], priority=0, callback=w)
+        jd = b.submit([(1, 0, 4096, dem.addr)], priority=0, callback=ws[b])
         g.wait_for(lambda: g.inside["d"] == 1)
         g.release_prefetches(8)
-        assert w.done.get(jd) is None
+        assert ws[b].done.get(jd) is None
         g.demand.set()
-        for j in jobs + [jd]:
-            assert w.wait(j)[0] is None
+        for p, j in jobs + [(b, jd)]:
+            assert ws[p].wait(j)[0] is None
     finally:
         g.open_all()
         close_all([a, b], qs)
@@ -653,7 +655,7 @@ def prefetch_caps_across_pools(paths, datas, monkeypatch, shared):
     assert len(pf) == 8 and {t[0] for t in pf} == {"a", "b"}
     assert max(t[3] for t in pf) == 2, g.takes                  # prefetch_chunks, both pools
     assert all(t[3] <= 1 for t in pf if t[4]), g.takes          # prefetch_with_demand
-    assert np.array_equal(pre.arr[:8 * 4096], np.concatenate([datas[0][:8 * 4096]]))
+    assert np.array_equal(pre.arr[:8 * 4096], datas[0][:8 * 4096])
     assert np.array_equal(dem.arr[:4096], datas[1][:4096])
 
 
@@ -662,3 +664,107 @@ def test_shared_queue_prefetch_caps_hold_across_pools(files, monkeypatch):
     queue together; with a queue per pool each pool has caps of its own."""
     paths, datas = files
     prefetch_caps_across_pools(paths, datas, monkeypatch, shared=True)
+
+
+def test_closing_one_pool_leaves_the_shared_queue_to_the_other(files, monkeypatch):
+    """close() of one pool fails its own jobs (those being read once their chunks in flight are
+    done) and returns after their callbacks; the other pool's jobs all load, bit-exact, and it
+    keeps loading on the same threads afterwards."""
+    paths, datas = files
+    real = readers_mod.read_many
+    gate, inside = threading.Event(), threading.Semaphore(0)
+    fds_a = []
+
+    def held(chunks, fds, *rest):   # a's reads wait for the gate
+        if fds is fds_a[0]:
+            inside.release()
+            assert gate.wait(30)
+        return real(chunks, fds, *rest)
+    monkeypatch.setattr(readers_mod, "read_many", held)
+    q = readers_mod.ReadQueue(threads=3, chunk_bytes=65536)
+    a, b = ReaderPool(paths, queue=q), ReaderPool(paths, queue=q)
+    fds_a.append(a._fds)
+    da, db = Dest(8 * 2**20), Dest(8 * 2**20)
+    wa, wb = Waiter(), Waiter()
+    try:
+        ja = [a.submit([(0, 2**19 * i + 32, 2**19, da.addr + 2**20 * i)], priority=i % 2, callback=wa)
+              for i in range(6)]
+        assert inside.acquire(timeout=30)          # a's first job is being read
+        jb = [b.submit([(i % 2, 4096 * i + 7, 300_000, db.addr + 2**20 * i)], priority=i % 2,
+                       callback=wb) for i in range(6)]
+        closer = threading.Thread(target=a.close)
+        closer.start()
+        deadline = time.time() + 30
+        while not a._closed and time.time() < deadline:
+            time.sleep(0.001)
+        with pytest.raises(ReadError, match="closed"):
+            a.submit([], priority=0, callback=wa)
+        gate.set()
+        closer.join(30)
+        assert not closer.is_alive()
+        # every job of a had its callback, once, before close returned: failed "closed"
+        assert sorted(wa.done) == sorted(ja) and all(c == 1 for c in wa.calls.values())
+        for j in ja:
+            err = wa.done[j][0]
+            assert isinstance(err, ReadError) and "reader pool closed" in str(err)
+        assert wa.done[ja[0]][0].dest_written is True      # it was being read
+        assert wa.done[ja[-1]][0].dest_written is False    # never started
+        for i, j in enumerate(jb):
+            assert wb.wait(j)[0] is None
+            f, off = i % 2, 4096 * i + 7
+            assert np.array_equal(db.arr[2**20 * i:2**20 * i + 300_000], datas[f][off:off + 300_000])
+        st = q.stats()
+        assert st["threads"] == 3 and st["pools"] == 1 and all(t.is_alive() for t in q._threads)
+        # b goes on loading on the shared threads
+        j = b.submit([(0, 12345, 2**20 + 3, db.addr + 7)], priority=0, callback=wb)
+        assert wb.wait(j)[0] is None
+        assert np.array_equal(db.arr[7:7 + 2**20 + 3], datas[0][12345:12345 + 2**20 + 3])
+        assert b.stats()["jobs"] == 7 and b.stats()["errors"] == 0
+    finally:
+        gate.set()
+        b.close()
+        q.close()
+    assert not any(t.is_alive() for t in q._threads)
+
+
+def test_model_change_in_one_pool_leaves_the_other(tmp_path):
+    """A changed file refuses the loads of its pool only: the other pool on the shared queue
+    keeps loading the right bytes and sees no change."""
+    pa, pb = str(tmp_path / "a.gguf"), str(tmp_path / "b.gguf")
+    data_a, data_b = write_random(pa, 2**20, 1), write_random(pb, 2**20, 2)
+    changes = []
+    with readers_mod.ReadQueue(threads=2, chunk_bytes=65536) as q:
+        a = ReaderPool([pa], queue=q, on_change=lambda msg: changes.append(("a", msg)))
+        b = ReaderPool([pb], queue=q, on_change=lambda msg: changes.append(("b", msg)))
+        dest = Dest(2**20)
+        w = Waiter()
+        os.truncate(pa, 2**19)
+        ja = a.submit([(0, 0, 4096, dest.addr)], priority=0, callback=w)
+        err = w.wait(ja)[0]
+        assert isinstance(err, ModelChanged) and pa in str(err) and "size changed" in str(err)
+        assert a.model_changed is not None and b.model_changed is None
+        assert [c[0] for c in changes] == ["a"]
+        with pytest.raises(ModelChanged):
+            a.submit([(0, 0, 4096, dest.addr)], priority=1, callback=w)
+        assert b.recheck() is None
+        jb = b.submit([(0, 33, 2**20 - 33, dest.addr)], priority=0, callback=w)
+        assert w.wait(jb)[0] is None
+        assert np.array_equal(dest.arr[:2**20 - 33], data_b[33:])
+        assert b.stats()["errors"] == 0 and b.model_changed is None and len(changes) == 1
+        a.close()
+        b.close()
+    del data_a
+
+
+def test_pool_on_a_shared_queue_takes_its_settings(files):
+    """threads, chunk_bytes, batch and the prefetch caps belong to the queue: a pool given one
+    says so when they are passed to it too, and cuts its reads at the queue's chunk size."""
+    paths, _ = files
+    with readers_mod.ReadQueue(threads=2, chunk_bytes=8192) as q:
+        with pytest.raises(ReadError, match="threads, chunk_bytes: set on the shared ReadQueue"):
+            ReaderPool(paths, queue=q, threads=4, chunk_bytes=65536)
+        with ReaderPool(paths, queue=q) as p:
+            assert p.chunk_bytes == 8192 and p.stats()["threads"] == 2
+            assert len(p._split([(0, 0, 65536, 1 << 20)])[0]) == 8
+    with pytest.raises(ReadError, match="closed"):
+        ReaderPool(paths, queue=q)
