@@ -385,3 +385,38 @@ def test_sighup_applies_a_live_key_to_every_model(models, tmp_path):
         assert limit_of("mix") == 2, "the reloaded limit reached only the first model's socket"
     finally:
         d.stop()
+
+
+def test_one_reader_queue_for_every_model(models, tmp_path):
+    """The models of a daemon share one set of reader threads (``readers`` in all) and one
+    queue: the daemon's threads grow by the change of ``readers``, not by it once per model,
+    and both models' experts load bit-exact through it."""
+    from moecached.tools.synth import verify_expert_bytes
+
+    def tasks(d):
+        return len(os.listdir(f"/proc/{d.p.pid}/task"))
+
+    counts, stats = {}, {}
+    for readers in (4, 12):
+        (tmp_path / str(readers)).mkdir()
+        d = MultiDaemon(models, tmp_path / str(readers), "1GiB", "--readers", str(readers),
+                        "--split-interval", "86400")
+        try:
+            for name, experts in (("qwen", [3, 70, 127]), ("mix", [0, 5])):
+                with Client(d.endpoint, model=name, fast_path=False) as c:
+                    for layer in c.expert_layers:
+                        with c.acquire(layer, experts) as lease:
+                            for e in experts:
+                                for part, view in lease.parts(e).items():
+                                    assert verify_expert_bytes(view, layer, part, e, 0) is None
+            stats[readers] = d.ctl.stats(), d.models()
+            counts[readers] = tasks(d)
+        finally:
+            d.stop()
+    assert counts[12] - counts[4] == 12 - 4, counts    # not (12 - 4) x 2 models
+    for readers, (st, ms) in stats.items():
+        rq = st["read_queue"]
+        assert rq["threads"] == readers and rq["pools"] == 2, rq
+        assert rq["queued_demand"] == rq["reading_demand"] == 0
+        assert st["readers"]["threads"] == readers
+        assert ms["qwen"]["bytes_read"] > 0 and ms["mix"]["bytes_read"] > 0
