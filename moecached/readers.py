@@ -238,6 +238,7 @@ class ReadQueue:
                         if pool._bounce_bytes > size:   # aligned bounce buffer for this pool's files
                             if buf is not None:
                                 buf.close()
+                                buf, bounce, size = None, 0, 0
                             buf, bounce, size = _bounce(pool._bounce_bytes)
                         ok, err = pool._read(chunks, bounce, size)
                     except Exception as e:  # never let a reader thread die
@@ -713,6 +714,9 @@ class ReaderPool:
         serving its other pools). Idempotent. Must not be called from a callback."""
         q = self.queue
         left = []
+        if threading.current_thread() in q._threads:
+            raise ReadError("reader pool closed from one of its reader callbacks: it would wait "
+                            "for itself; close it from another thread")
         with q._cond:
             if self._closed:
                 return
