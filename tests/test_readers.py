@@ -633,7 +633,6 @@ def test_shared_queue_demand_of_one_pool_before_prefetch_of_another(files, monke
 def prefetch_caps_across_pools(paths, datas, monkeypatch, shared):
     pre, dem = Dest(2**20), Dest(2**20)
     g = GatedReads(monkeypatch, pre)
-    w, wb = Waiter(), Waiter()   # one per pool: job ids are per queue
     a, b, qs = two_pools(g, paths, paths, shared, threads=4, chunk_bytes=4096,
                          prefetch_chunks=2, prefetch_with_demand=1)
     ws = {a: Waiter(), b: Waiter()}   # one per pool: job ids are per queue
