@@ -249,6 +249,9 @@ class ExpertCache:
             each size class gets the same share of its layers' experts). Neither: all experts.
         policy: ``"global"`` (one LRU per size class over all its layers) or ``"per-layer"``.
         readers: reader threads; chunk_bytes: read chunk size (bytes); direct_io: O_DIRECT.
+        read_queue: a ``ReadQueue`` shared with other caches (several models of one daemon): its
+            threads read this cache's experts and ``readers`` / ``chunk_bytes`` are its; closing
+            the cache leaves it running. None: a queue of the cache's own.
         arena_dir, arena_name, hugetlb, lock_memory: passed to ``Arena`` (``lock=lock_memory``).
         shrunk_policy: what an acquire that fits the class's configured size but not its current
             (``set_budget``-shrunk) size does: ``"wait"`` (queue until the budget grows) or
@@ -273,7 +276,7 @@ class ExpertCache:
                  chunk_bytes=256 * 1024, arena_dir="/dev/shm", arena_name=None, hugetlb=False,
                  lock_memory=True, direct_io=True, shrunk_policy="wait", max_prefetch_loads=None,
                  log=None, arena_progress=None, admit_cold="off", eviction="lru", scan_admit="cold",
-                 prefetch_min_confidence=0.0):
+                 prefetch_min_confidence=0.0, read_queue=None):
         from .arena import Arena, plan_slots
         from .readers import ReaderPool
 
@@ -311,9 +314,10 @@ class ExpertCache:
             if not sizes or not mtimes:  # duck-typed index: what the files are now
                 sts = [os.stat(f) for f in files]
                 sizes, mtimes = [st.st_size for st in sts], [st.st_mtime_ns for st in sts]
-            self.readers = ReaderPool(files, threads=readers, chunk_bytes=chunk_bytes,
-                                      direct=direct_io, file_sizes=sizes, file_mtimes_ns=mtimes,
-                                      file_identity=ident, log=self.log)
+            own = {} if read_queue is not None else dict(threads=readers, chunk_bytes=chunk_bytes)
+            self.readers = ReaderPool(files, direct=direct_io, file_sizes=sizes,
+                                      file_mtimes_ns=mtimes, file_identity=ident, log=self.log,
+                                      queue=read_queue, **own)
         except BaseException:
             self.arena.close(unlink=True)
             raise

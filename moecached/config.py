@@ -438,7 +438,8 @@ KEYS: dict[str, Key] = {
     "hugetlb": Key(_bool, "--hugetlb", "back the arena with huge pages (arena_dir on hugetlbfs)", kind="bool"),
     "lock_memory": Key(_bool, "--lock-memory", "mlock the arena (default on)", kind="bool"),
     "direct_io": Key(_bool, "--direct-io", "read the model with O_DIRECT (default on)", kind="bool"),
-    "readers": Key(_int_range(1, 1024), "--readers", "reader threads (default 16)", "N", "int"),
+    "readers": Key(_int_range(1, 1024), "--readers", "reader threads, shared by all models "
+                   "(default 16)", "N", "int"),
     "chunk": Key(_size(lo=4 * KiB, hi=64 * MiB, multiple=4 * KiB), "--chunk", "read size (default 256KiB)",
                  "SIZE", "size"),
     "policy": Key(_choice("global", "per-layer"), "--policy", "eviction scope: global or per-layer", "NAME"),

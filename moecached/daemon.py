@@ -184,9 +184,10 @@ def _fit_budget(cfg: C.Config, idx) -> tuple[int | None, int | None]:
     return budget, slots
 
 
-def _make_cache(cfg: C.Config, idx, progress=None, fitted=None):
+def _make_cache(cfg: C.Config, idx, progress=None, fitted=None, read_queue=None):
     """The ExpertCache of ``idx`` for ``cfg`` (its budget fitted to the memory this process may
-    use: ``fitted``, else ``_fit_budget``), its arena file given the configured mode/group."""
+    use: ``fitted``, else ``_fit_budget``), its arena file given the configured mode/group;
+    ``read_queue``: the daemon's shared ``ReadQueue`` (several models), else its own."""
     from .cache import ExpertCache
     budget, slots = fitted if fitted is not None else _fit_budget(cfg, idx)
     cache = ExpertCache(idx, budget_bytes=budget, slots=slots, policy=cfg.policy,
@@ -195,7 +196,8 @@ def _make_cache(cfg: C.Config, idx, progress=None, fitted=None):
                         shrunk_policy=cfg.on_pressure, max_prefetch_loads=cfg.max_prefetch_loads,
                         arena_progress=progress, admit_cold=cfg.admit_cold,
                         eviction=cfg.eviction, scan_admit=cfg.scan_admit,
-                        prefetch_min_confidence=cfg.prefetch_min_confidence)
+                        prefetch_min_confidence=cfg.prefetch_min_confidence,
+                        read_queue=read_queue)
     try:
         arena = cache.arena
         os.chmod(arena.path, cfg.arena_mode)
@@ -227,6 +229,7 @@ def run_models(cfg: C.Config) -> int:
     SIGTERM/SIGINT (``moecached.multi``). Returns the process exit code."""
     from .arena import remove_stale_arenas
     from .multi import Models
+    from .readers import ReadQueue
     from .server import lock_endpoint, unlock_endpoint
     gid = grp.getgrnam(cfg.group).gr_gid if cfg.group else None
     try:
@@ -241,13 +244,17 @@ def run_models(cfg: C.Config) -> int:
         state["exit"] = status
         models.router.stop()
 
-    models = Models(cfg, lambda c, idx, size: _make_cache(c, idx, fitted=(size, None)),
+    # one set of reader threads and one queue for every model: one NVMe queue
+    read_queue = ReadQueue(threads=cfg.readers, chunk_bytes=cfg.chunk)
+    models = Models(cfg, lambda c, idx, size: _make_cache(c, idx, fitted=(size, None),
+                                                          read_queue=read_queue),
                     _server_kwargs(cfg, gid), live_cfg=lambda: state["cfg"], exit=stop_with,
                     notify=lambda line: _notify(f"STATUS={line}"))
     try:
         with stage(f"indexing and reserving {len(cfg.models)} models"):
             router = models.start(lock)
     except MoecacheError as e:
+        read_queue.close()
         if models.router is None:
             unlock_endpoint(cfg.endpoint, lock)
         log.error("%s", e)
@@ -267,6 +274,7 @@ def run_models(cfg: C.Config) -> int:
 
     def extra_stats():
         st = models.daemon_stats()
+        st["read_queue"] = read_queue.stats()
         if floor_box["floor"] is not None:
             st["floor"] = floor_box["floor"].stats()
         return st
@@ -309,6 +317,7 @@ def run_models(cfg: C.Config) -> int:
     finally:
         _notify("STOPPING=1")
         models.close()
+        read_queue.close()
     if state["exit"]:
         return state["exit"]
     log.info("stopped")

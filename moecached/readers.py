@@ -1,11 +1,19 @@
 """Reader pool: threads loading byte ranges of the model files into memory, O_DIRECT by default.
 
+Two parts: a :class:`ReadQueue` (the reader threads, their bounce buffers and one priority queue
+of jobs) and a :class:`ReaderPool` per model (its files and fds, O_DIRECT alignment and the
+buffered fallback, model-change detection, its jobs' stats and latency). A pool either makes a
+queue of its own (one model) or is given a shared one: a daemon serving several models runs one
+queue for all of them, so every model's reads wait in one queue for one drive and the rules
+below hold across models (a demand load of one model goes before the prefetches of every
+model; the prefetch caps count the prefetch chunks of all models together).
+
 A *job* is a list of reads ``(file_id, file_offset, nbytes, dest_address)`` (one expert, all its
 parts). Each read is cut into the fewest chunks of at most ``chunk_bytes`` (equal sizes, inner
 cuts on the file's direct-I/O alignment, so widening adds < one alignment unit at the ends of a
-read, not per chunk). Chunks of all jobs are shared by all threads: a priority queue of jobs,
-demand (0) before prefetch (1), FIFO within a priority; the first queued job hands out its next
-chunk (or, for a demand job when many chunks are queued, its next ``batch`` chunks to one
+read, not per chunk). Chunks of all jobs of every pool on the queue are shared by all threads:
+a priority queue of jobs, demand (0) before prefetch (1), FIFO within a priority; the first
+queued job hands out its next chunk (or, for a demand job when many chunks are queued, its next ``batch`` chunks to one
 thread, read back to back in one ``moecached._io.read_many`` call: fewer GIL hand-offs).
 Prefetch chunks yield to demand at chunk level: they are handed out one at a time, at most
 ``prefetch_chunks`` of them are in flight at any time (so a demand job arriving finds at most
@@ -41,7 +49,7 @@ from . import MoecacheError
 from ._io import read_chunk, read_many  # noqa: F401  (read_chunk: tests wrap it)
 from .stats import LatencyHistogram
 
-__all__ = ["ReadError", "ModelChanged", "ReaderPool", "dio_alignment", "LATENCY_EDGES_S"]
+__all__ = ["ReadError", "ModelChanged", "ReadQueue", "ReaderPool", "dio_alignment", "LATENCY_EDGES_S"]
 
 # job latency histogram bucket upper edges, seconds (last bucket: > 5 s)
 LATENCY_EDGES_S = [50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3,
@@ -85,11 +93,12 @@ def dio_alignment(path: str) -> int:
 
 
 class _Job:
-    __slots__ = ("id", "priority", "chunks", "next", "inflight", "done", "error", "callback",
-                 "t0", "nbytes", "finished", "touched")
+    __slots__ = ("id", "pool", "priority", "chunks", "next", "inflight", "done", "error",
+                 "callback", "t0", "nbytes", "finished", "touched")
 
-    def __init__(self, jid, priority, chunks, callback, nbytes):
+    def __init__(self, jid, pool, priority, chunks, callback, nbytes):
         self.id = jid
+        self.pool = pool          # the ReaderPool whose files the chunks name
         self.priority = priority
         self.chunks = chunks      # list of (file_id, offset, nbytes, dest) or [None] for an empty job
         self.next = 0             # index of the next chunk to hand out
@@ -103,42 +112,279 @@ class _Job:
         self.touched = False      # a chunk was handed to a reader: dest may have been written
 
 
-class ReaderPool:
-    """Threads reading byte ranges of ``files`` into raw memory; see the module docstring.
+class ReadQueue:
+    """The reader threads and the one job queue they serve, for one or several :class:`ReaderPool`.
 
-    ``files``: absolute paths, indexed by ``file_id`` in reads. ``threads``: reader threads.
-    ``chunk_bytes``: largest chunk (bytes, >= 4096). ``direct``: try O_DIRECT (False: buffered
+    Every pool on a queue puts its jobs in the same priority heap, so the rules of the module
+    docstring hold across all of them: a demand job of any pool goes before every prefetch job,
+    and ``prefetch_chunks`` / ``prefetch_with_demand`` cap the prefetch chunks in flight of all
+    pools together. A pool owns its files; the queue owns the threads (named ``name-<i>``) and
+    their bounce buffers.
+
+    ``threads``: reader threads. ``chunk_bytes``: largest chunk (bytes, >= 4096); every pool on
+    the queue cuts its reads at this size. ``batch``, ``prefetch_chunks``,
+    ``prefetch_with_demand``: as :class:`ReaderPool` describes them.
+    """
+
+    def __init__(self, *, threads: int = 16, chunk_bytes: int = 256 * 1024, batch: int = 4,
+                 prefetch_chunks: int | None = None, prefetch_with_demand: int | None = None,
+                 name: str = "moecached-reader"):
+        if threads < 1 or chunk_bytes < 4096:
+            raise ReadError(f"threads={threads}, chunk_bytes={chunk_bytes}: need threads >= 1 and "
+                            f"chunk_bytes >= 4096")
+        self.chunk_bytes = int(chunk_bytes)
+        self.name = name
+        self._cond = threading.Condition(threading.Lock())
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._ids = itertools.count(1)
+        self._closing = False
+        self._pools: set = set()   # pools attached (not closed)
+        self._batch = max(1, min(int(batch), 64))
+        self._queued_chunks = 0
+        self._demand_jobs = 0      # demand-priority jobs not finished (submitted or promoted)
+        self._pf_chunks = 0        # prefetch chunks being read now
+        self._pf_max = max(1, int(prefetch_chunks) if prefetch_chunks is not None else threads // 2)
+        self._pf_with_demand = min(self._pf_max, max(
+            1, int(prefetch_with_demand) if prefetch_with_demand is not None else threads // 8))
+        self._threads = []
+        for t in range(threads):
+            th = threading.Thread(target=self._run, name=f"{name}-{t}", daemon=True)
+            th.start()
+            self._threads.append(th)
+
+    @property
+    def threads(self) -> int:
+        return len(self._threads)
+
+    # ---- jobs (caller holds self._cond) ---------------------------------------------------
+    def _push(self, job: _Job) -> None:
+        """Queue a new job (its pool registered it)."""
+        if job.priority == 0:
+            self._demand_jobs += 1
+        heapq.heappush(self._heap, (job.priority, next(self._seq), job))
+        self._queued_chunks += len(job.chunks)
+        # wake only threads that may take a chunk (prefetch: up to its cap), not a herd
+        self._cond.notify(min(len(job.chunks), len(self._threads) if job.priority == 0
+                              else max(0, self._pf_limit() - self._pf_chunks)))
+
+    def _cancel(self, job: _Job) -> None:
+        """Hand out no more chunks of ``job`` (its heap entry goes stale)."""
+        self._queued_chunks -= len(job.chunks) - job.next
+        job.next = len(job.chunks)
+
+    def _pf_limit(self) -> int:
+        """Most prefetch chunks in flight now."""
+        return self._pf_with_demand if self._demand_jobs else self._pf_max
+
+    def _take(self):
+        """Next (job, [chunks], priority taken at, error) or None when closing. Caller holds
+        self._cond.
+
+        Takes up to ``batch`` consecutive chunks of the first job when it is a demand job and
+        the queue is deep enough (queued chunks >= threads * k), else one. Waits instead of
+        taking a prefetch chunk when ``prefetch_chunks`` prefetch chunks are in flight
+        (``prefetch_with_demand`` while a demand job is unfinished). Before a job's first chunk
+        is handed out its pool's files are checked: a changed model fails the job (``error``:
+        :class:`ModelChanged`, the rest cancelled) before any byte of dest is written."""
+        heap = self._heap
+        while True:
+            if self._closing:
+                return None
+            while heap:
+                prio, _seq, job = heap[0]
+                if prio != job.priority or job.next >= len(job.chunks) or job.error is not None:
+                    heapq.heappop(heap)  # stale (promoted, exhausted, failed, withdrawn)
+                    continue
+                if prio:
+                    if self._pf_chunks >= self._pf_limit():
+                        break  # leave the drive to demand reads
+                    k = 1
+                    self._pf_chunks += 1
+                else:
+                    k = min(self._batch, self._queued_chunks // len(self._threads),
+                            len(job.chunks) - job.next)
+                    k = max(k, 1)
+                pre = job.pool._check_job_files(job) if job.next == 0 else None
+                take = job.chunks[job.next:job.next + k]
+                job.next += k
+                job.inflight += k
+                self._queued_chunks -= k
+                if pre is not None:
+                    job.error = pre
+                    self._cancel(job)
+                else:
+                    job.touched = True
+                if job.next >= len(job.chunks):
+                    heapq.heappop(heap)
+                return job, take, prio, pre
+            self._cond.wait()
+
+    def _run(self) -> None:
+        cond = self._cond
+        buf, bounce, size = None, 0, 0
+        try:
+            while True:
+                with cond:
+                    got = self._take()
+                if got is None:
+                    return
+                job, chunks, prio, pre = got
+                pool = job.pool
+                if pre is not None:
+                    ok, err = 0, pre
+                else:
+                    try:
+                        if pool._bounce_bytes > size:   # aligned bounce buffer for this pool's files
+                            if buf is not None:
+                                buf.close()
+                                buf, bounce, size = None, 0, 0
+                            buf, bounce, size = _bounce(pool._bounce_bytes)
+                        ok, err = pool._read(chunks, bounce, size)
+                    except Exception as e:  # never let a reader thread die
+                        ok, err = 0, ReadError(f"reader crashed on {pool.files[chunks[0][0]]} offset "
+                                               f"{chunks[0][1]}: {e!r}")
+                with cond:
+                    k = len(chunks)
+                    if prio:
+                        self._pf_chunks -= k
+                    job.inflight -= k
+                    job.done += k
+                    if chunks[0] is not None and pre is None:
+                        pool._stats["reads"] += ok + (err is not None)
+                        pool._stats["bytes"] += sum(c[2] for c in chunks[:ok])
+                    if err is not None and job.error is None:
+                        job.error = err
+                        self._cancel(job)
+                    fin = job.inflight == 0 and (job.error is not None or job.done == len(job.chunks))
+                    if fin:
+                        job.finished = True
+                        del pool._jobs[job.id]
+                        pool._finishing += 1   # its close waits for this callback
+                        if job.priority == 0:
+                            self._demand_jobs -= 1
+                            if not self._demand_jobs:  # prefetch chunks held back may go now
+                                cond.notify(max(0, self._pf_max - self._pf_chunks))
+                        dt = time.perf_counter() - job.t0
+                        if not pool._closed:
+                            pool._finish_stats(job, dt)
+                if fin:
+                    try:
+                        if job.error is None:
+                            # Bytes are published only if the file is still the one indexed (size,
+                            # mtime, ctime, inode): a model rewritten while this job read it must
+                            # not mix old and new bytes.
+                            job.error = pool._check_job_files(job)
+                        pool._callback(job, dt)
+                    finally:
+                        with cond:
+                            pool._finishing -= 1
+                            if pool._closed:
+                                cond.notify_all()
+        finally:
+            if buf is not None:
+                buf.close()
+
+    # ---- introspection / lifetime ---------------------------------------------------------
+    def stats(self) -> dict:
+        """The queue over all its pools: ``threads``, ``chunk_bytes``, ``pools`` (attached),
+        ``queued_demand`` / ``queued_prefetch`` (jobs with no chunk issued yet),
+        ``reading_demand`` / ``reading_prefetch`` (jobs started, not finished),
+        ``queued_chunks`` (chunks not handed out), ``prefetch_chunks_reading`` (now)."""
+        with self._cond:
+            n = {(q, p): 0 for q in (True, False) for p in (0, 1)}
+            for pool in self._pools:
+                for j in pool._jobs.values():
+                    n[(j.next == 0 and j.inflight == 0 and j.error is None, j.priority)] += 1
+            return {"threads": len(self._threads), "chunk_bytes": self.chunk_bytes,
+                    "pools": len(self._pools),
+                    "queued_demand": n[(True, 0)], "queued_prefetch": n[(True, 1)],
+                    "reading_demand": n[(False, 0)], "reading_prefetch": n[(False, 1)],
+                    "queued_chunks": self._queued_chunks, "prefetch_chunks_reading": self._pf_chunks}
+
+    def close(self) -> None:
+        """Close every pool still attached (their jobs fail with "reader pool closed"), then stop
+        the threads. Idempotent."""
+        with self._cond:
+            if self._closing:
+                return
+            pools = list(self._pools)
+        for pool in pools:
+            pool.close()
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        for th in self._threads:
+            th.join()
+        with self._cond:
+            self._heap.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _bounce(nbytes: int):
+    """A page-aligned anonymous buffer: (mmap, address, size)."""
+    buf = mmap.mmap(-1, nbytes)
+    anchor = ctypes.c_char.from_buffer(buf)
+    addr = ctypes.addressof(anchor)
+    del anchor
+    return buf, addr, nbytes
+
+
+class ReaderPool:
+    """Loads byte ranges of ``files`` (one model) into raw memory; see the module docstring.
+
+    ``files``: absolute paths, indexed by ``file_id`` in reads. ``queue``: a shared
+    :class:`ReadQueue` whose threads read this pool's jobs (several models of one daemon: one
+    queue); None (default): the pool makes its own, from ``threads``, ``chunk_bytes``, ``batch``,
+    ``prefetch_chunks`` and ``prefetch_with_demand`` (these belong to the queue and must be left
+    out when one is given). ``threads``: reader threads (default 16). ``chunk_bytes``: largest
+    chunk (bytes, >= 4096, default 256 KiB). ``direct``: try O_DIRECT (False: buffered
     reads + DONTNEED). ``file_sizes`` / ``file_mtimes_ns`` / ``file_identity`` (``(ctime_ns,
     dev, ino)`` per file): what the index saw (default: what fstat sees at open); a difference
     at open raises :class:`ReadError`. Later, a file whose size, mtime, ctime or inode differs
     is *changed*: checked before a job's
     first chunk is read and after its last, and by :meth:`recheck` (the daemon calls it on an
     inotify event). The first change found is kept in :attr:`model_changed` (logged once, then
-    ``on_change(message)`` is called); from then on every load fails with :class:`ModelChanged`
-    without reading. ctime cannot be set from user space, so a file rewritten in place with its
+    ``on_change(message)`` is called); from then on every load of this pool fails with
+    :class:`ModelChanged` without reading (other pools on the queue are not affected).
+    ctime cannot be set from user space, so a file rewritten in place with its
     mtime restored (``rsync --inplace -t``, ``cp -p``, ``touch -r``) is caught too.
     ``log``: a ``logging.Logger`` (default ``logging.getLogger("moecached.readers")``).
     ``batch``: most consecutive chunks of one job a thread takes at once (read one after another
     in a single GIL release) when at least ``threads * batch`` chunks are queued; fewer queued
     chunks are spread one per thread so a lone demand load still uses every thread. Prefetch
-    chunks are always taken one at a time.
+    chunks are always taken one at a time (default 4).
     ``prefetch_chunks``: most prefetch chunks in flight (default ``threads // 2``, at least 1);
     ``prefetch_with_demand``: most while a demand job is unfinished (default ``threads // 8``,
     at least 1).
     Raises :class:`ReadError` at construction if a file cannot be opened or already differs.
     """
 
-    def __init__(self, files: list[str], *, threads: int = 16, chunk_bytes: int = 256 * 1024,
-                 direct: bool = True, file_sizes=None, file_mtimes_ns=None, file_identity=None,
-                 log=None,
-                 batch: int = 4, on_change=None, prefetch_chunks: int | None = None,
-                 prefetch_with_demand: int | None = None):
-        if threads < 1 or chunk_bytes < 4096:
-            raise ReadError(f"threads={threads}, chunk_bytes={chunk_bytes}: need threads >= 1 and "
-                            f"chunk_bytes >= 4096")
+    def __init__(self, files: list[str], *, threads: int | None = None,
+                 chunk_bytes: int | None = None, direct: bool = True, file_sizes=None,
+                 file_mtimes_ns=None, file_identity=None, log=None, batch: int | None = None,
+                 on_change=None, prefetch_chunks: int | None = None,
+                 prefetch_with_demand: int | None = None, queue: ReadQueue | None = None):
+        own = {"threads": threads, "chunk_bytes": chunk_bytes, "batch": batch,
+               "prefetch_chunks": prefetch_chunks, "prefetch_with_demand": prefetch_with_demand}
+        if queue is not None:
+            given = [k for k, v in own.items() if v is not None]
+            if given:
+                raise ReadError(f"{', '.join(given)}: set on the shared ReadQueue, not on a pool "
+                                f"that uses one")
+        else:
+            threads = 16 if threads is None else threads
+            chunk_bytes = 256 * 1024 if chunk_bytes is None else chunk_bytes
+            if threads < 1 or chunk_bytes < 4096:
+                raise ReadError(f"threads={threads}, chunk_bytes={chunk_bytes}: need threads >= 1 "
+                                f"and chunk_bytes >= 4096")
         self.log = log or logging.getLogger("moecached.readers")
         self.files = [os.fspath(f) for f in files]
-        self.chunk_bytes = int(chunk_bytes)
         self._fds: list[int] = []
         self._direct: list[bool] = []
         self._align: list[int] = []
@@ -165,39 +411,30 @@ class ReaderPool:
                 os.close(fd)
             self._fds = []
             raise
+        self._own_queue = queue is None
+        if queue is None:
+            queue = ReadQueue(threads=threads, chunk_bytes=chunk_bytes,
+                              batch=4 if batch is None else batch, prefetch_chunks=prefetch_chunks,
+                              prefetch_with_demand=prefetch_with_demand)
+        #: the :class:`ReadQueue` whose threads read this pool's jobs
+        self.queue = queue
+        self.chunk_bytes = queue.chunk_bytes
         self._max_align = max(self._align, default=4096)
         # a chunk is <= chunk_bytes (+ up to one alignment unit from rounding a cut down), widened
         # by < one alignment unit at each end
         self._bounce_bytes = self.chunk_bytes + 3 * max(self._max_align, 4096)
-        self._cond = threading.Condition(threading.Lock())
-        self._heap: list = []
-        self._jobs: dict[int, _Job] = {}
-        self._seq = itertools.count()
-        self._ids = itertools.count(1)
-        self._closing = False
-        self._batch = max(1, min(int(batch), 64))
-        self._queued_chunks = 0
-        self._demand_jobs = 0      # demand-priority jobs not finished (submitted or promoted)
-        self._pf_chunks = 0        # prefetch chunks being read now
-        self._pf_max = max(1, int(prefetch_chunks) if prefetch_chunks is not None else threads // 2)
-        self._pf_with_demand = min(self._pf_max, max(
-            1, int(prefetch_with_demand) if prefetch_with_demand is not None else threads // 8))
+        self._jobs: dict[int, _Job] = {}   # this pool's unfinished jobs (under queue._cond)
+        self._finishing = 0                # callbacks of this pool running now
+        self._closed = False
         self._stats = {"reads": 0, "bytes": 0, "jobs": 0, "errors": 0}
         # read job latency, submit to completion: the one measurement of read latency; the
         # cache's ``read_latency`` and this pool's histogram are views of it
         self._latency = LatencyHistogram(edges=LATENCY_EDGES_S)
-        self._bounces = []
-        self._threads = []
-        for t in range(threads):
-            buf = mmap.mmap(-1, self._bounce_bytes)  # page-aligned
-            anchor = ctypes.c_char.from_buffer(buf)
-            addr = ctypes.addressof(anchor)
-            del anchor
-            self._bounces.append((buf, addr))
-            th = threading.Thread(target=self._run, args=(addr,), name=f"moecached-reader-{t}",
-                                  daemon=True)
-            th.start()
-            self._threads.append(th)
+        with queue._cond:
+            if queue._closing:
+                self._close_fds()
+                raise ReadError("read queue closed: cannot add a reader pool")
+            queue._pools.add(self)
 
     # ---- files ---------------------------------------------------------------------------
     def _open(self, i: int, path: str, direct: bool) -> None:
@@ -332,8 +569,8 @@ class ReaderPool:
         address that must stay valid and writable until the callback). ``priority``: 0 demand,
         1 prefetch. ``callback(job_id, error, nbytes, seconds)`` runs once from a reader thread:
         error None or :class:`ReadError`; nbytes = total requested bytes; seconds = submit to
-        completion. Must not block for long (it holds up a reader thread).
-        Raises :class:`ReadError` if the pool is closed or a read is malformed.
+        completion. Must not block for long (it holds up a reader thread of every pool on the
+        queue). Raises :class:`ReadError` if the pool is closed or a read is malformed.
         """
         if priority not in (0, 1):
             raise ReadError(f"priority {priority!r}: expected 0 (demand) or 1 (prefetch)")
@@ -342,108 +579,60 @@ class ReaderPool:
         chunks, total = self._split(reads)
         if not chunks:
             chunks = [None]  # empty job: still completes through a reader thread
-        with self._cond:
-            if self._closing:
+        q = self.queue
+        with q._cond:
+            if self._closed or q._closing:
                 raise ReadError("reader pool closed: cannot submit")
-            jid = next(self._ids)
-            job = _Job(jid, priority, chunks, callback, total)
+            jid = next(q._ids)
+            job = _Job(jid, self, priority, chunks, callback, total)
             self._jobs[jid] = job
-            if priority == 0:
-                self._demand_jobs += 1
-            heapq.heappush(self._heap, (priority, next(self._seq), job))
-            self._queued_chunks += len(chunks)
-            # wake only threads that may take a chunk (prefetch: up to its cap), not a herd
-            self._cond.notify(min(len(chunks), len(self._threads) if priority == 0
-                                  else max(0, self._pf_limit() - self._pf_chunks)))
+            q._push(job)
         return jid
 
     def promote(self, job_id: int) -> bool:
-        """Move a prefetch job's not-yet-issued chunks to demand priority (behind queued demand jobs).
+        """Move a prefetch job's not-yet-issued chunks to demand priority (behind queued demand
+        jobs, of every pool on the queue).
 
         Returns True if the job was prefetch priority and still had chunks waiting; False if it is
-        unknown, finished, already demand, or all its chunks are already being read.
+        unknown (or another pool's), finished, already demand, or all its chunks are already being
+        read.
         """
-        with self._cond:
+        q = self.queue
+        with q._cond:
             job = self._jobs.get(job_id)
             if job is None or job.priority == 0 or job.error is not None or job.next >= len(job.chunks):
                 return False
             job.priority = 0
-            self._demand_jobs += 1
-            heapq.heappush(self._heap, (0, next(self._seq), job))  # old entry goes stale
-            self._cond.notify()
+            q._demand_jobs += 1
+            heapq.heappush(q._heap, (0, next(q._seq), job))  # old entry goes stale
+            q._cond.notify()
             return True
 
     def withdraw(self, job_id: int) -> bool:
         """Take back a prefetch job no chunk of which was handed to a reader yet: it is
         forgotten and its callback never runs (dest untouched). Returns False, changing
-        nothing, when the job is unknown, finished, demand priority or already started."""
-        with self._cond:
+        nothing, when the job is unknown (or another pool's), finished, demand priority or
+        already started."""
+        q = self.queue
+        with q._cond:
             job = self._jobs.get(job_id)
             if job is None or job.priority == 0 or job.next or job.inflight or job.error is not None:
                 return False
             del self._jobs[job_id]
-            self._queued_chunks -= len(job.chunks)
-            job.next = len(job.chunks)   # its heap entry goes stale
+            q._cancel(job)   # its heap entry goes stale
             job.finished = True
             return True
 
-    def _pf_limit(self) -> int:
-        """Most prefetch chunks in flight now. Caller holds self._cond."""
-        return self._pf_with_demand if self._demand_jobs else self._pf_max
-
-    def _take(self):
-        """Next (job, [chunks], priority taken at, error) or None when closing. Caller holds
-        self._cond.
-
-        Takes up to ``batch`` consecutive chunks of the first job when it is a demand job and
-        the queue is deep enough (queued chunks >= threads * k), else one. Waits instead of
-        taking a prefetch chunk when ``prefetch_chunks`` prefetch chunks are in flight
-        (``prefetch_with_demand`` while a demand job is unfinished). Before a job's first chunk
-        is handed out its files are checked: a changed model fails the job (``error``:
-        :class:`ModelChanged`, the rest cancelled) before any byte of dest is written."""
-        heap = self._heap
-        while True:
-            if self._closing:
-                return None
-            while heap:
-                prio, _seq, job = heap[0]
-                if prio != job.priority or job.next >= len(job.chunks) or job.error is not None:
-                    heapq.heappop(heap)  # stale (promoted, exhausted, failed)
-                    continue
-                if prio:
-                    if self._pf_chunks >= self._pf_limit():
-                        break  # leave the drive to demand reads
-                    k = 1
-                    self._pf_chunks += 1
-                else:
-                    k = min(self._batch, self._queued_chunks // len(self._threads),
-                            len(job.chunks) - job.next)
-                    k = max(k, 1)
-                pre = self._check_job_files(job) if job.next == 0 else None
-                take = job.chunks[job.next:job.next + k]
-                job.next += k
-                job.inflight += k
-                self._queued_chunks -= k
-                if pre is not None:
-                    job.error = pre
-                    self._queued_chunks -= len(job.chunks) - job.next
-                    job.next = len(job.chunks)  # cancel the rest
-                else:
-                    job.touched = True
-                if job.next >= len(job.chunks):
-                    heapq.heappop(heap)
-                return job, take, prio, pre
-            self._cond.wait()
-
-    def _read(self, chunks, bounce: int):
-        """Read a run of chunks; returns (chunks done, None) or (chunks done, ReadError)."""
+    def _read(self, chunks, bounce: int, bounce_bytes: int):
+        """Read a run of chunks through the bounce buffer at ``bounce`` (``bounce_bytes`` long);
+        returns (chunks done, None) or (chunks done, ReadError)."""
         if chunks[0] is None:
             return 1, None
         done = 0
         retried = False
         while done < len(chunks):
             i, got = read_many(chunks[done:], self._fds, self._align, self._direct, bounce,
-                               self._bounce_bytes)
+                               bounce_bytes)
             done += i
             if done == len(chunks):
                 return done, None
@@ -466,53 +655,6 @@ class ReaderPool:
         return ReadError(f"short read at offset {off} of {path}: got {got} of {n} bytes; the file "
                          f"is shorter than the index expects: re-index the model")
 
-    def _run(self, bounce: int) -> None:
-        cond = self._cond
-        while True:
-            with cond:
-                got = self._take()
-            if got is None:
-                return
-            job, chunks, prio, pre = got
-            if pre is not None:
-                ok, err = 0, pre
-            else:
-                try:
-                    ok, err = self._read(chunks, bounce)
-                except Exception as e:  # never let a reader thread die
-                    ok, err = 0, ReadError(f"reader crashed on {self.files[chunks[0][0]]} offset "
-                                           f"{chunks[0][1]}: {e!r}")
-            with cond:
-                k = len(chunks)
-                if prio:
-                    self._pf_chunks -= k
-                job.inflight -= k
-                job.done += k
-                if chunks[0] is not None and pre is None:
-                    self._stats["reads"] += ok + (err is not None)
-                    self._stats["bytes"] += sum(c[2] for c in chunks[:ok])
-                if err is not None and job.error is None:
-                    job.error = err
-                    self._queued_chunks -= len(job.chunks) - job.next
-                    job.next = len(job.chunks)  # cancel the rest
-                fin = job.inflight == 0 and (job.error is not None or job.done == len(job.chunks))
-                if fin:
-                    job.finished = True
-                    del self._jobs[job.id]
-                    if job.priority == 0:
-                        self._demand_jobs -= 1
-                        if not self._demand_jobs:  # prefetch chunks held back may go now
-                            cond.notify(max(0, self._pf_max - self._pf_chunks))
-                    dt = time.perf_counter() - job.t0
-                    self._finish_stats(job, dt)
-            if fin:
-                if job.error is None:
-                    # Bytes are published only if the file is still the one indexed (size,
-                    # mtime, ctime, inode): a model rewritten while this job read it must not
-                    # mix old and new bytes.
-                    job.error = self._check_job_files(job)
-                self._callback(job, dt)
-
     def _finish_stats(self, job: _Job, dt: float) -> None:
         self._stats["jobs"] += 1
         if job.error is not None and not isinstance(job.error, ModelChanged):
@@ -529,14 +671,15 @@ class ReaderPool:
 
     # ---- introspection / lifetime ---------------------------------------------------------
     def stats(self) -> dict:
-        """Counters: ``reads`` (chunk reads issued), ``bytes`` (read OK), ``jobs`` (finished),
-        ``errors`` (failed jobs), ``in_flight`` (jobs submitted, not finished), ``queued_demand`` /
-        ``queued_prefetch`` (jobs with no chunk issued yet), ``latency_edges_s`` +
-        ``latency_hist`` (job latency counts; last bucket > last edge), ``p50_s`` / ``p99_s``
-        (over the last 8192 jobs; None if none; see :meth:`latency`), ``direct`` (bool per file), ``align`` (per file).
-        ``errors`` leaves out jobs refused because the model changed (:class:`ModelChanged`).
+        """Counters of this pool's jobs: ``reads`` (chunk reads issued), ``bytes`` (read OK),
+        ``jobs`` (finished), ``errors`` (failed jobs), ``in_flight`` (jobs submitted, not
+        finished), ``queued_demand`` / ``queued_prefetch`` (jobs with no chunk issued yet),
+        ``latency_edges_s`` + ``latency_hist`` (job latency counts; last bucket > last edge),
+        ``p50_s`` / ``p99_s`` (over the last 8192 jobs; None if none; see :meth:`latency`),
+        ``direct`` (bool per file), ``align`` (per file), ``threads`` (of its queue, shared or
+        not). ``errors`` leaves out jobs refused because the model changed (:class:`ModelChanged`).
         """
-        with self._cond:
+        with self.queue._cond:
             s = dict(self._stats)
             s["in_flight"] = len(self._jobs)
             qd = qp = 0
@@ -554,38 +697,53 @@ class ReaderPool:
         s["p99_s"] = None if lat["p99_us"] is None else lat["p99_us"] / 1e6
         s["direct"] = list(self._direct)
         s["align"] = list(self._align)
+        s["threads"] = self.queue.threads
         return s
 
     def latency(self) -> dict:
         """Read job latency, submit to completion (``LatencyHistogram.to_dict``: count, mean_us,
         max_us, p50_us, p99_us, buckets_us): the cache's ``read_latency``."""
-        with self._cond:
+        with self.queue._cond:
             return self._latency.to_dict()
 
     def close(self) -> None:
-        """Stop the threads (after their current chunk); every unfinished job's callback gets
-        ``ReadError("reader pool closed")``. Idempotent."""
-        with self._cond:
-            if self._closing:
+        """Finish this pool: its jobs not being read now fail at once, and a job being read
+        fails once its chunks in flight are done (the rest cancelled); every unfinished job's
+        callback gets ``ReadError("reader pool closed")`` and has returned when this returns.
+        Then its files are closed, and its own queue's threads stopped (a shared queue keeps
+        serving its other pools). Idempotent. Must not be called from a callback."""
+        q = self.queue
+        left = []
+        if threading.current_thread() in q._threads:
+            raise ReadError("reader pool closed from one of its reader callbacks: it would wait "
+                            "for itself; close it from another thread")
+        with q._cond:
+            if self._closed:
                 return
-            self._closing = True
-            self._cond.notify_all()
-        for th in self._threads:
-            th.join()
-        with self._cond:
-            left = list(self._jobs.values())
-            self._jobs.clear()
-            self._heap.clear()
+            self._closed = True
+            for job in list(self._jobs.values()):
+                if job.error is None:
+                    job.error = ReadError("reader pool closed")
+                    q._cancel(job)
+                if job.inflight == 0:   # no reader holds it: finished here
+                    del self._jobs[job.id]
+                    job.finished = True
+                    if job.priority == 0:
+                        q._demand_jobs -= 1
+                    left.append(job)
+            q._cond.notify_all()   # fewer demand jobs: held-back prefetch chunks may go
+            q._cond.wait_for(lambda: not self._jobs and not self._finishing)
+            q._pools.discard(self)
         for job in left:
-            job.error = ReadError("reader pool closed")
-            dt = time.perf_counter() - job.t0
-            self._callback(job, dt)
+            self._callback(job, time.perf_counter() - job.t0)
+        self._close_fds()
+        if self._own_queue:
+            q.close()
+
+    def _close_fds(self) -> None:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
-        for buf, _ in self._bounces:
-            buf.close()
-        self._bounces = []
 
     def __enter__(self):
         return self

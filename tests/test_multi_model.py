@@ -649,3 +649,35 @@ def test_sighup_turns_the_floor_on_and_off(models, tmp_path):
     finally:
         log = d.stop()
     assert "memory floor off" in log, log[-3000:]
+
+
+def test_one_reader_queue_for_every_model(models, tmp_path):
+    """The models of a daemon share one set of reader threads (``readers`` in all) and one
+    queue: the daemon's threads grow by the change of ``readers``, not by it once per model,
+    and both models' experts load bit-exact through it."""
+
+    def tasks(d):
+        return len(os.listdir(f"/proc/{d.p.pid}/task"))
+
+    counts, stats = {}, {}
+    for readers in (4, 12):
+        (tmp_path / str(readers)).mkdir()
+        d = MultiDaemon(models, tmp_path / str(readers), "1GiB", "--readers", str(readers),
+                        "--split-interval", "86400")
+        try:
+            for name, experts in (("qwen", [3, 70, 127]), ("mix", [0, 5])):
+                with Client(d.endpoint, model=name, fast_path=False) as c:
+                    for layer in c.expert_layers:
+                        with c.acquire(layer, experts) as lease:
+                            assert lease_bad(lease, layer, experts, 0) == []
+                    assert c.stats()["readers"]["threads"] == readers   # the model's view
+            stats[readers] = d.ctl.stats(), d.models()
+            counts[readers] = tasks(d)
+        finally:
+            d.stop()
+    assert counts[12] - counts[4] == 12 - 4, counts    # not (12 - 4) x 2 models
+    for readers, (st, ms) in stats.items():
+        rq = st["read_queue"]
+        assert rq["threads"] == readers and rq["pools"] == 2, rq
+        assert rq["queued_demand"] == rq["reading_demand"] == 0
+        assert ms["qwen"]["bytes_read"] > 0 and ms["mix"]["bytes_read"] > 0

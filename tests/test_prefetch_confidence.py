@@ -18,7 +18,7 @@ from test_cache import FileTruth, new_cache, wait_idle
 def prefetch_reads_held(cache):
     """No prefetch chunk is handed to a reader while inside: prefetch reads stay queued (not
     started), as behind a busy drive. Demand reads go on."""
-    rp = cache.readers
+    rp = cache.readers.queue
     with rp._cond:
         saved = rp._pf_max, rp._pf_with_demand
         rp._pf_max = rp._pf_with_demand = 0

@@ -510,3 +510,260 @@ def test_load_racing_an_in_place_rewrite_is_withheld(tmp_path, monkeypatch):
         assert pool.model_changed is not None
     finally:
         pool.close()
+
+
+# ---- several pools on one shared queue (several models of one daemon) -------------------------
+
+class GatedReads:
+    """Stands in for ``readers.read_many`` and wraps ``ReadQueue._take``: a prefetch read (its
+    dest in ``pre``) waits for a token (``release()``), a demand read for the ``demand`` gate.
+    ``takes`` logs what each queue handed out, in its order: (pool, kind, chunks, prefetch
+    chunks in flight after the take, demand jobs unfinished) summed over ``queues``."""
+
+    def __init__(self, monkeypatch, pre):
+        self.real, self.pre = readers_mod.read_many, pre
+        self.cond = threading.Condition()
+        self.names = {}                     # pool -> name
+        self.inside, self.ended, self.takes = {"p": 0, "d": 0}, {"p": 0, "d": 0}, []
+        self.tokens = threading.Semaphore(0)
+        self.demand = threading.Event()
+        self.queues = []
+        real_take = readers_mod.ReadQueue._take
+
+        def take(q):
+            got = real_take(q)
+            if got is not None:
+                self.takes.append((self.names[got[0].pool], "p" if got[2] else "d", len(got[1]),
+                                   sum(x._pf_chunks for x in self.queues),
+                                   sum(x._demand_jobs for x in self.queues)))
+            return got
+        monkeypatch.setattr(readers_mod.ReadQueue, "_take", take)
+        monkeypatch.setattr(readers_mod, "read_many", self)
+
+    def __call__(self, chunks, fds, aligns, directs, bounce, bb):
+        dest = chunks[0][3]
+        kind = "p" if self.pre.addr <= dest < self.pre.addr + len(self.pre.buf) else "d"
+        with self.cond:
+            self.inside[kind] += len(chunks)
+            self.cond.notify_all()
+        try:
+            assert (self.tokens.acquire(timeout=30) if kind == "p" else self.demand.wait(30))
+            return self.real(chunks, fds, aligns, directs, bounce, bb)
+        finally:
+            with self.cond:
+                self.inside[kind] -= len(chunks)
+                self.ended[kind] += len(chunks)
+                self.cond.notify_all()
+
+    def wait_for(self, pred):
+        with self.cond:
+            assert self.cond.wait_for(pred, 30), (self.takes, self.inside, self.ended)
+
+    def release_prefetches(self, n):
+        """Let ``n`` prefetch reads go, one at a time (each one ends before the next may)."""
+        for _ in range(n):
+            done = self.ended["p"]
+            self.tokens.release()
+            self.wait_for(lambda: self.ended["p"] == done + 1)
+
+    def open_all(self):
+        self.demand.set()
+        self.tokens.release(1000)
+
+
+def two_pools(g, files_a, files_b, shared, **kw):
+    """Pools a and b on one ReadQueue (``shared``) or each on a queue of its own of the same
+    size; returns (a, b, [queues])."""
+    if shared:
+        q = readers_mod.ReadQueue(**kw)
+        a, b, qs = ReaderPool(files_a, queue=q), ReaderPool(files_b, queue=q), [q]
+    else:
+        a, b = ReaderPool(files_a, **kw), ReaderPool(files_b, **kw)
+        qs = [a.queue, b.queue]
+    g.names.update({a: "a", b: "b"})
+    g.queues[:] = qs
+    return a, b, qs
+
+
+def close_all(pools, queues):
+    for p in pools:
+        p.close()
+    for q in queues:
+        q.close()
+
+
+def demand_of_b_before_prefetch_of_a(paths, datas, monkeypatch, shared):
+    pre, dem = Dest(2**20), Dest(2**20)
+    g = GatedReads(monkeypatch, pre)
+    w, wb = Waiter(), Waiter()   # one per pool: job ids are per queue
+    a, b, qs = two_pools(g, paths, [paths[1]], shared, threads=2, chunk_bytes=4096,
+                         prefetch_chunks=2, prefetch_with_demand=1)
+    try:
+        pa = [a.submit([(0, 4096 * i, 4096, pre.addr + 4096 * i)], priority=1, callback=w)
+              for i in range(6)]
+        g.wait_for(lambda: g.inside["p"] == 2)          # both threads on a's prefetches
+        n0 = len(g.takes)
+        jb = b.submit([(0, 100, 3 * 4096, dem.addr)], priority=0, callback=wb)   # 3 chunks
+        g.release_prefetches(6)     # b's demand read is held meanwhile
+        assert wb.done.get(jb) is None
+        g.demand.set()
+        assert wb.wait(jb)[0] is None
+        for j in pa:
+            assert w.wait(j)[0] is None
+    finally:
+        g.open_all()
+        close_all([a, b], qs)
+    # b's demand load is handed out before any more of a's prefetches ...
+    assert g.takes[n0][:2] == ("b", "d"), g.takes
+    # ... and while it is unfinished, a's prefetches go one chunk at a time
+    # (prefetch_with_demand = 1), not beside it at a's own cap
+    assert all(pf <= 1 for name, kind, n, pf, dj in g.takes[n0:] if kind == "p" and dj), g.takes
+    assert np.array_equal(dem.arr[:3 * 4096], datas[1][100:100 + 3 * 4096])
+    assert np.array_equal(pre.arr[:6 * 4096], datas[0][:6 * 4096])
+
+
+def test_shared_queue_demand_of_one_pool_before_prefetch_of_another(files, monkeypatch):
+    """Two pools (two models) on one queue: a demand load of b goes before prefetches a queued
+    earlier and holds them to prefetch_with_demand; with a queue per pool, a's prefetches go
+    on beside b's demand reads at a's own cap."""
+    paths, datas = files
+    demand_of_b_before_prefetch_of_a(paths, datas, monkeypatch, shared=True)
+
+
+def prefetch_caps_across_pools(paths, datas, monkeypatch, shared):
+    pre, dem = Dest(2**20), Dest(2**20)
+    g = GatedReads(monkeypatch, pre)
+    a, b, qs = two_pools(g, paths, paths, shared, threads=4, chunk_bytes=4096,
+                         prefetch_chunks=2, prefetch_with_demand=1)
+    ws = {a: Waiter(), b: Waiter()}   # one per pool: job ids are per queue
+    try:
+        jobs = [(p, p.submit([(0, 4096 * i, 4096, pre.addr + 4096 * i)], priority=1,
+                             callback=ws[p])) for i, p in enumerate([a, b] * 4)]
+        g.wait_for(lambda: g.inside["p"] >= 2)
+        jd = b.submit([(1, 0, 4096, dem.addr)], priority=0, callback=ws[b])
+        g.wait_for(lambda: g.inside["d"] == 1)
+        g.release_prefetches(8)
+        assert ws[b].done.get(jd) is None
+        g.demand.set()
+        for p, j in jobs + [(b, jd)]:
+            assert ws[p].wait(j)[0] is None
+    finally:
+        g.open_all()
+        close_all([a, b], qs)
+    pf = [t for t in g.takes if t[1] == "p"]
+    assert len(pf) == 8 and {t[0] for t in pf} == {"a", "b"}
+    assert max(t[3] for t in pf) == 2, g.takes                  # prefetch_chunks, both pools
+    assert all(t[3] <= 1 for t in pf if t[4]), g.takes          # prefetch_with_demand
+    assert np.array_equal(pre.arr[:8 * 4096], datas[0][:8 * 4096])
+    assert np.array_equal(dem.arr[:4096], datas[1][:4096])
+
+
+def test_shared_queue_prefetch_caps_hold_across_pools(files, monkeypatch):
+    """prefetch_chunks and prefetch_with_demand count the prefetch chunks of every pool on the
+    queue together; with a queue per pool each pool has caps of its own."""
+    paths, datas = files
+    prefetch_caps_across_pools(paths, datas, monkeypatch, shared=True)
+
+
+def test_closing_one_pool_leaves_the_shared_queue_to_the_other(files, monkeypatch):
+    """close() of one pool fails its own jobs (those being read once their chunks in flight are
+    done) and returns after their callbacks; the other pool's jobs all load, bit-exact, and it
+    keeps loading on the same threads afterwards."""
+    paths, datas = files
+    real = readers_mod.read_many
+    gate, inside = threading.Event(), threading.Semaphore(0)
+    fds_a = []
+
+    def held(chunks, fds, *rest):   # a's reads wait for the gate
+        if fds is fds_a[0]:
+            inside.release()
+            assert gate.wait(30)
+        return real(chunks, fds, *rest)
+    monkeypatch.setattr(readers_mod, "read_many", held)
+    q = readers_mod.ReadQueue(threads=3, chunk_bytes=65536)
+    a, b = ReaderPool(paths, queue=q), ReaderPool(paths, queue=q)
+    fds_a.append(a._fds)
+    da, db = Dest(8 * 2**20), Dest(8 * 2**20)
+    wa, wb = Waiter(), Waiter()
+    try:
+        ja = [a.submit([(0, 2**19 * i + 32, 2**19, da.addr + 2**20 * i)], priority=i % 2, callback=wa)
+              for i in range(6)]
+        assert inside.acquire(timeout=30)          # a's first job is being read
+        jb = [b.submit([(i % 2, 4096 * i + 7, 300_000, db.addr + 2**20 * i)], priority=i % 2,
+                       callback=wb) for i in range(6)]
+        closer = threading.Thread(target=a.close)
+        closer.start()
+        deadline = time.time() + 30
+        while not a._closed and time.time() < deadline:
+            time.sleep(0.001)
+        with pytest.raises(ReadError, match="closed"):
+            a.submit([], priority=0, callback=wa)
+        gate.set()
+        closer.join(30)
+        assert not closer.is_alive()
+        # every job of a had its callback, once, before close returned: failed "closed"
+        assert sorted(wa.done) == sorted(ja) and all(c == 1 for c in wa.calls.values())
+        for j in ja:
+            err = wa.done[j][0]
+            assert isinstance(err, ReadError) and "reader pool closed" in str(err)
+        assert wa.done[ja[0]][0].dest_written is True      # it was being read
+        assert wa.done[ja[-1]][0].dest_written is False    # never started
+        for i, j in enumerate(jb):
+            assert wb.wait(j)[0] is None
+            f, off = i % 2, 4096 * i + 7
+            assert np.array_equal(db.arr[2**20 * i:2**20 * i + 300_000], datas[f][off:off + 300_000])
+        st = q.stats()
+        assert st["threads"] == 3 and st["pools"] == 1 and all(t.is_alive() for t in q._threads)
+        # b goes on loading on the shared threads
+        j = b.submit([(0, 12345, 2**20 + 3, db.addr + 7)], priority=0, callback=wb)
+        assert wb.wait(j)[0] is None
+        assert np.array_equal(db.arr[7:7 + 2**20 + 3], datas[0][12345:12345 + 2**20 + 3])
+        assert b.stats()["jobs"] == 7 and b.stats()["errors"] == 0
+    finally:
+        gate.set()
+        b.close()
+        q.close()
+    assert not any(t.is_alive() for t in q._threads)
+
+
+def test_model_change_in_one_pool_leaves_the_other(tmp_path):
+    """A changed file refuses the loads of its pool only: the other pool on the shared queue
+    keeps loading the right bytes and sees no change."""
+    pa, pb = str(tmp_path / "a.gguf"), str(tmp_path / "b.gguf")
+    data_a, data_b = write_random(pa, 2**20, 1), write_random(pb, 2**20, 2)
+    changes = []
+    with readers_mod.ReadQueue(threads=2, chunk_bytes=65536) as q:
+        a = ReaderPool([pa], queue=q, on_change=lambda msg: changes.append(("a", msg)))
+        b = ReaderPool([pb], queue=q, on_change=lambda msg: changes.append(("b", msg)))
+        dest = Dest(2**20)
+        w = Waiter()
+        os.truncate(pa, 2**19)
+        ja = a.submit([(0, 0, 4096, dest.addr)], priority=0, callback=w)
+        err = w.wait(ja)[0]
+        assert isinstance(err, ModelChanged) and pa in str(err) and "size changed" in str(err)
+        assert a.model_changed is not None and b.model_changed is None
+        assert [c[0] for c in changes] == ["a"]
+        with pytest.raises(ModelChanged):
+            a.submit([(0, 0, 4096, dest.addr)], priority=1, callback=w)
+        assert b.recheck() is None
+        jb = b.submit([(0, 33, 2**20 - 33, dest.addr)], priority=0, callback=w)
+        assert w.wait(jb)[0] is None
+        assert np.array_equal(dest.arr[:2**20 - 33], data_b[33:])
+        assert b.stats()["errors"] == 0 and b.model_changed is None and len(changes) == 1
+        a.close()
+        b.close()
+    del data_a
+
+
+def test_pool_on_a_shared_queue_takes_its_settings(files):
+    """threads, chunk_bytes, batch and the prefetch caps belong to the queue: a pool given one
+    says so when they are passed to it too, and cuts its reads at the queue's chunk size."""
+    paths, _ = files
+    with readers_mod.ReadQueue(threads=2, chunk_bytes=8192) as q:
+        with pytest.raises(ReadError, match="threads, chunk_bytes: set on the shared ReadQueue"):
+            ReaderPool(paths, queue=q, threads=4, chunk_bytes=65536)
+        with ReaderPool(paths, queue=q) as p:
+            assert p.chunk_bytes == 8192 and p.stats()["threads"] == 2
+            assert len(p._split([(0, 0, 65536, 1 << 20)])[0]) == 8
+    with pytest.raises(ReadError, match="closed"):
+        ReaderPool(paths, queue=q)
