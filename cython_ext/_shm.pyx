@@ -90,6 +90,15 @@ cdef extern from *:
         MOECACHED_UNGUARD()
         return r;
     }
+    /* slots of [0, n_slots) the pin file pins now; -1 on a fault */
+    static long g_count_pinned(const mcshm_layout *m, mcshm_u64 *pf, uint32_t n_slots) {
+        MOECACHED_GUARD(return -1)
+        long c = 0;
+        for (uint32_t g = 0; g < n_slots; g++)
+            c += mcshm_pinned_by(m, &pf, 1, g) != 0;
+        MOECACHED_UNGUARD()
+        return c;
+    }
     static int g_pending(const mcshm_layout *m, mcshm_u64 *pf) {
         MOECACHED_GUARD(return -1)
         int r = mcshm_ring_pending(m, pf) != 0 || moecached_ring_implausible(m, pf);
@@ -126,6 +135,7 @@ cdef extern from *:
                     uint32_t cls, uint32_t slot) nogil
     int g_pinned(const mcshm_layout *m, mcshm_u64 *pf, uint32_t gslot) nogil
     int g_pending(const mcshm_layout *m, mcshm_u64 *pf) nogil
+    long g_count_pinned(const mcshm_layout *m, mcshm_u64 *pf, uint32_t n_slots) nogil
     long g_drain(const mcshm_layout *m, mcshm_u64 *pf, uint64_t *keys, uint64_t *ts,
                  uint32_t max) nogil
     int g_probe(mcshm_u64 *pf, size_t size) nogil
@@ -338,6 +348,23 @@ cdef class ShmArena:
 
     cpdef uint32_t global_slot(self, uint32_t cls, uint32_t slot):
         return self.L.slot_base[cls] + slot
+
+    def pinned_now(self) -> int:
+        """Slots pinned now, summed over the open pin files, honoured or not (a removal of the
+        model waits for them). One pass over every slot of every file: for periodic checks."""
+        cdef PinFile f
+        cdef long r, n = 0
+        if self.L.ctl == NULL:
+            return 0
+        for f in list(self.files):
+            if f.p == NULL:
+                continue
+            r = g_count_pinned(&self.L, f.p, self.n_slots_total)
+            if r < 0:
+                self._drop_broken()
+                continue
+            n += r
+        return n
 
     def sweep(self) -> set:
         """Forget honoured slots whose pin count went back to 0; returns the global slots some

@@ -548,6 +548,12 @@ class ExpertCache:
             if not self._closed:
                 self._drain_locked()
 
+    def pins_held(self) -> int:
+        """Slots clients pin through shared memory now (honoured or not), over all pin files:
+        leases the server never saw (a removal of the model waits for them)."""
+        with self._lock:
+            return 0 if self._closed else self._shm.pinned_now()
+
     def sweep_pins(self) -> None:
         """Drain the rings, forget fast-path pins that were released, and let waiting acquires
         use the slots they held (the server calls it every few milliseconds while pin files

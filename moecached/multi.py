@@ -106,6 +106,7 @@ class Models:
         self.failed: dict = {}            # name -> why its last add failed
         self.retired = Counter()          # counters of the models removed (daemon totals)
         self.router = None                # the Server on the daemon's endpoint (no model)
+        self._file_models = list(cfg.models)   # [[models]] as the file said when last read
 
     # ------------------------------------------------------------------ routing (any loop)
     def route(self, server, want, names: bool = False):
@@ -123,6 +124,9 @@ class Models:
                     return None   # a model's own endpoint: no name needed
                 if len(live) == 1:
                     return live[0].endpoint
+                if not live:
+                    raise P.ProtocolError(P.E_UNKNOWN_MODEL, "this daemon serves no model now: "
+                                          "add one (moecache-ctl model add NAME PATH)")
                 raise P.ProtocolError(P.E_UNKNOWN_MODEL, "this daemon serves several models ("
                                       + ", ".join(m.name for m in live) + "): name one in hello "
                                       "(Client(endpoint, model=NAME))")
@@ -143,8 +147,14 @@ class Models:
     def _member(self, name, index, spec):
         from .split import Member, least_share
         least = least_share(index, int(getattr(index, "top_k", 0) or 8))
-        return Member(name, index, max(least, spec.get("min_budget") or 0),
-                      spec.get("max_budget"), float(spec.get("weight") or 1.0))
+        hi = spec.get("max_budget")
+        if hi is not None and hi < least:
+            raise ModelsError(f"model {name}: max_budget {hi} bytes is below the least it is "
+                              f"served with ({least} bytes: two layers' top-k of every size "
+                              "class); raise max_budget")
+        w = spec.get("weight")
+        return Member(name, index, max(least, spec.get("min_budget") or 0), hi,
+                      1.0 if w is None else float(w))
 
     def _open(self, spec) -> _Served:
         from .index import open_index
@@ -156,8 +166,9 @@ class Models:
         m.endpoint = model_endpoint(self.cfg.endpoint, name)
         try:
             m.index = open_index(path)
-        except (MoecacheError, OSError) as e:
-            raise ModelsError(f"model {name}: {path}: {e}") from None
+        except (MoecacheError, OSError) as e:   # the error names the file when it knows it
+            raise ModelsError(f"model {name}: {e}" if path in str(e) else
+                              f"model {name}: {path}: {e}") from None
         return m
 
     def _arena_max(self, member) -> int:
@@ -172,6 +183,7 @@ class Models:
         cache = self._make_cache(self.cfg, index, self._arena_max(member))
         try:
             cache.set_budget(self.split.shares[m.name])   # give back what is not its share
+            cache.c_shrinks = 0   # that first cut to its share is not a shrink of its budget
             cache.set_ghost(self.split.ghost_slots(m.name))
         except BaseException:
             cache.close()
@@ -225,6 +237,7 @@ class Models:
             self.split.replace(self._member(m.name, index, m.spec))
         except SplitError as e:
             raise ModelsError(f"model {m.name}: {e}") from None
+        self._keep_counts(m, server=False)   # the retired cache's (its socket goes on)
         m.cache = None
         self.apply()   # the others first: memory for the new arena
         m.cache = self._new_cache(m, index)
@@ -337,13 +350,28 @@ class Models:
                     m.cache.set_ghost(self.split.ghost_slots(m.name))
         return None
 
+    @staticmethod
+    def _held(m: _Served) -> tuple:
+        """(leases granted over the socket, slots pinned through shared memory) of ``m``'s
+        clients now: what a removal waits for."""
+        if m.cache is None:
+            return len(m.server.leases), 0
+        return len(m.server.leases), m.cache.pins_held()
+
     def tick(self, now: float):
         """The endpoint's periodic task: the split's period, removals that drained."""
         if now >= self.next_split:
             self.next_split = now + self.cfg.split_interval_s
             self.rebalance()
         for m in list(self.models.values()):
-            if m.draining is not None and (not m.server.leases or now - m.draining >= DRAIN_S):
+            if m.draining is None:
+                continue
+            held = self._held(m)
+            if not any(held) or now - m.draining >= DRAIN_S:
+                if any(held):
+                    log.warning("model %s: %d leases and %d shared-memory pins still held after "
+                                "%g s; their clients' calls fail from now on", m.name, *held,
+                                DRAIN_S)
                 self._finish_remove(m)
 
     # ------------------------------------------------------------------ add / remove
@@ -412,44 +440,62 @@ class Models:
                                   + ", ".join(self.models) + ")")
             if m.draining is None:
                 m.draining = time.monotonic()
-                log.info("model %s: removing; new hellos refused, %d leases to drain", name,
-                         len(m.server.leases))
-        return {"removing": name, "leases": len(m.server.leases)}
+                log.info("model %s: removing; new hellos refused, %d leases and %d "
+                         "shared-memory pins to drain", name, *self._held(m))
+        leases, pins = self._held(m)
+        return {"removing": name, "leases": leases, "fast_pins": pins}
+
+    def _keep_counts(self, m: _Served, server: bool = True) -> None:
+        """``m``'s cache is going (removed, or its file re-indexed): the daemon's totals keep
+        counting what its counters (and, when ``server``, its socket's) counted."""
+        from .stats import CACHE_STATS
+        st = m.cache.stats()
+        for row in CACHE_STATS:
+            if row.kind == "counter" and isinstance(st.get(row.key), int):
+                self.retired[row.key] += st[row.key]
+        for k, v in (m.server.counters.items() if server else ()):
+            self.retired["server." + k] += v
 
     def _finish_remove(self, m: _Served):
-        from .stats import CACHE_STATS
         with self.lock:
             self.models.pop(m.name, None)
             m.server.stop()
         m.thread.join(timeout=10)
         m.reloader.close()
         if m.cache is not None:
-            st = m.cache.stats()
-            for row in CACHE_STATS:   # the daemon's totals keep counting what it did
-                if row.kind == "counter" and isinstance(st.get(row.key), int):
-                    self.retired[row.key] += st[row.key]
+            self._keep_counts(m)
             m.cache.close()
         with self.lock:
             self.split.remove(m.name)
             self._last_ghost.pop(m.name, None)
             self.apply()
-        log.info("model %s removed; its share went to %s", m.name, ", ".join(self.split.shares))
+        log.info("model %s removed; its share went to %s", m.name,
+                 ", ".join(self.split.shares) or "no model (none is served now)")
 
     def reload_models(self, cfg):
-        """SIGHUP: models added to or removed from ``[[models]]`` are added / removed live."""
-        want = {s["name"]: s for s in cfg.models}
-        have = {n for n, m in self.models.items() if m.draining is None}
+        """SIGHUP: the models added to or removed from ``[[models]]`` since the file was last
+        read are added / removed live (a model added or removed with ``moecache-ctl model``
+        stays so until the file changes for it); a table whose path changed needs the model
+        removed and added again."""
+        old = {s["name"]: s for s in self._file_models}
+        new = {s["name"]: s for s in cfg.models}
+        self._file_models = list(cfg.models)
         errors = []
-        for n in have - set(want):
-            try:
-                self.remove(n)
-            except ModelsError as e:
-                errors.append(str(e))
-        for n in [s["name"] for s in cfg.models if s["name"] not in have]:
-            try:
-                self.add(want[n])
-            except ModelsError as e:
-                errors.append(str(e))
+        for n in old:
+            if n not in new:
+                try:
+                    self.remove(n)
+                except ModelsError as e:
+                    errors.append(str(e))
+            elif new[n]["path"] != old[n]["path"]:
+                errors.append(f"model {n}: path changed in the file; remove and add it again "
+                              "(moecache-ctl model remove / add) to serve the new path")
+        for n in new:
+            if n not in old:
+                try:
+                    self.add(new[n])
+                except ModelsError as e:
+                    errors.append(str(e))
         return "; ".join(errors) or None
 
     # ------------------------------------------------------------------ views
@@ -466,11 +512,13 @@ class Models:
                      hit_rate=hit_rate(st["hits"], st["prefetch_hits"], st["demand_misses"]),
                      ghost_hits=st["ghost_hits"], bytes_read=st["bytes_read"],
                      model_changed=st["model_changed"], reloads=m.reloader.reloads,
-                     clients=len(m.server.clients), leases=len(m.server.leases))
-                for m, st, state, share, mb in self._views()]
+                     clients=len(m.server.clients), leases=len(m.server.leases),
+                     fast_pins=pins)
+                for m, st, state, share, mb, pins in self._views()]
 
     def _views(self) -> list:
-        """(model, its cache's stats, state, share, split member) of every model with a cache."""
+        """(model, its cache's stats, state, share, split member, slots pinned through shared
+        memory) of every model with a cache."""
         out = []
         with self.lock:
             for m in list(self.models.values()):
@@ -479,13 +527,13 @@ class Models:
                 state = ("removing" if m.draining is not None else
                          "model changed" if m.cache.model_changed else "serving")
                 out.append((m, m.cache.stats(), state, self.split.shares.get(m.name, 0),
-                            self.split.members.get(m.name)))
+                            self.split.members.get(m.name), m.cache.pins_held()))
         return out
 
     def daemon_stats(self) -> dict:
         """The daemon's endpoint's ``stats``: every cache counter and gauge summed over the
         models (counters of removed models included), the budget, each model, the split."""
-        from .stats import CACHE_STATS
+        from .stats import CACHE_STATS, SERVER_COUNTERS
         views = self._views()
         st = {}
         for row in CACHE_STATS:
@@ -497,6 +545,14 @@ class Models:
                         sum(v[1]["budget"]["current_bytes"] for v in views)}
         st["model_changed"] = next((f"model {v[0].name}: {v[1]['model_changed']}"
                                     for v in views if v[1]["model_changed"]), None)
+        # every model's clients, and the sockets' counters summed (the endpoint's own too)
+        st["clients"] = [dict(c.summary(), model=v[0].name) for v in views
+                         for c in list(v[0].server.clients.values())]
+        servers = [v[0].server.counters for v in views]
+        if self.router is not None:
+            servers.append(self.router.counters)
+        st["server"] = {row.key: sum(x.get(row.key, 0) for x in servers)
+                        + self.retired["server." + row.key] for row in SERVER_COUNTERS}
         st["models"] = self.summary()
         st["split"] = self.split_info()
         return st

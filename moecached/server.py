@@ -988,6 +988,8 @@ class Server:
             where = self.route_model(self, want)
             if where is not None:   # served on its own endpoint: the client says hello there
                 self._reply(c.ident, rid, redirect=where, model_name=want)
+                if self.cache is None:   # the several-models endpoint: it has gone there
+                    self.clients.pop(c.ident, None)
                 return
         name = msg.get("client")
         if name is not None:

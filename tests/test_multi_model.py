@@ -146,6 +146,11 @@ def test_hello_names_the_model(models, tmp_path):
         assert st["bytes_read"] == sum(x["bytes_read"] for x in per.values())
         assert {x["name"] for x in st["models"]} == {"qwen", "mix"}
         assert d.ctl.status()["slots"] == sum(x["slots"] for x in per.values())
+        with Client(d.endpoint, model="qwen", name="who", fast_path=False):
+            st = d.ctl.stats()    # the models' clients, not the endpoint's redirected hellos
+        assert [(x["name"], x["model"]) for x in st["clients"]] == [("who", "qwen")]
+        assert st["server"]["requests"] > sum(1 for _ in st["clients"])
+        assert st["shrink_events"] == 0      # cutting each arena to its share is no shrink
         with pytest.raises(ServerError, match="unknown_model: op acquire: the daemon's endpoint "
                                               "serves several models and none itself"):
             d.ctl.acquire(0, [1])
@@ -274,8 +279,25 @@ def test_add_refusals(models, tmp_path):
         assert set(d.models()) == {"qwen", "mix"}
         with pytest.raises(ServerError, match=r"refused: model 'nope' is not served here"):
             d.ctl.models("remove", name="nope")
+        # bounds and weights are refused naming the bound, not the split's arithmetic
+        for fields, why in (({"max_budget": 1 << 20}, "max_budget 1048576 bytes is below the "
+                             "least it is served with"),
+                            ({"weight": 0}, "weight = 0.0: expected a number > 0")):
+            d.ctl.models("add", name="w", path=models["mix"], **fields)
+            wait_for(lambda: "w" not in d.ctl.models()["split"]["adding"], "w refused", 60)
+            assert why in d.ctl.models()["split"]["failed"]["w"]
+        # every model removed: the daemon serves none, and says so
+        for n in ("qwen", "mix"):
+            d.ctl.models("remove", name=n)
+        wait_for(lambda: not d.models(), "every model removed")
+        with pytest.raises(ServerError, match=r"unknown_model: this daemon serves no model now"):
+            Client(d.endpoint)
+        out = subprocess.run([sys.executable, "-m", "moecached.tools.ctl", "model", "list", "-e",
+                              d.endpoint], capture_output=True, text=True, timeout=60)
+        assert out.stdout.startswith("no model served now"), out.stdout + out.stderr
     finally:
-        d.stop()
+        log = d.stop()
+    assert "its share went to no model" in log
 
 
 C_PROG = r"""
@@ -368,6 +390,19 @@ def test_sighup_adds_and_removes_models_of_the_file(models, tmp_path):
         wait_for(lambda: set(d.models()) == {"qwen", "mix2"}, "the file's models served", 60)
         assert set(d.models()) == {"qwen", "mix2"}
         assert d.models()["mix2"]["state"] == "serving"
+        # removed by hand, still in the file: a SIGHUP that does not change its table leaves
+        # it removed (the file is compared with the file, not with what is served)
+        d.ctl.models("remove", name="qwen")
+        wait_for(lambda: "qwen" not in d.models(), "qwen removed")
+        cfg.write_text("client_rate_burst = 5000\n" + cfg.read_text())
+        d.p.send_signal(signal.SIGHUP)
+
+
+        def burst():
+            with Client(d.endpoint, model="mix2", fast_path=False) as c:
+                return c.info["limits"]["client_rate_burst"]
+        wait_for(lambda: burst() == 5000, "the reload applied")
+        assert set(d.models()) == {"mix2"}
     finally:
         log = d.stop()
     assert "model mix removed" in log and "model mix2 added" in log
@@ -470,6 +505,8 @@ def test_changed_model_file_is_reloaded_alone(own_models, tmp_path):
         mheld = m.acquire(ML, [1, 2])
         qheld = q.acquire(L, [7])
         s_q, s_m = q.stats()["session"], m.stats()["session"]
+        hits0 = d.ctl.stats()["hits"] + d.ctl.stats()["demand_misses"]
+        assert hits0 >= 3
         tmp = paths["qwen"] + ".new"
         shutil.copyfile(other, tmp)
         os.rename(tmp, paths["qwen"])          # qwen's file replaced by another build
@@ -490,6 +527,8 @@ def test_changed_model_file_is_reloaded_alone(own_models, tmp_path):
         assert lease_bad(mheld, ML, (1, 2), 0) == []
         mheld.release()
         assert d.models()["qwen"]["state"] == "serving" and d.ctl.status()["state"] == "serving"
+        st = d.ctl.stats()   # the counts of qwen's retired cache stay in the daemon's totals
+        assert st["hits"] + st["demand_misses"] >= hits0 + 2
         q.close()
         m.close()
     finally:
@@ -681,3 +720,26 @@ def test_one_reader_queue_for_every_model(models, tmp_path):
         assert rq["threads"] == readers and rq["pools"] == 2, rq
         assert rq["queued_demand"] == rq["reading_demand"] == 0
         assert ms["qwen"]["bytes_read"] > 0 and ms["mix"]["bytes_read"] > 0
+
+
+def test_remove_waits_for_shared_memory_pins(models, tmp_path):
+    # a lease taken through shared memory (no message: the daemon sees the pin, not a lease)
+    # holds a removal like a lease granted over the socket
+    d = MultiDaemon(models, tmp_path, "1GiB", "--split-interval", "86400")
+    try:
+        m = Client(d.endpoint, model="mix")          # the shared-memory hit path on
+        L = m.expert_layers[0]
+        m.acquire(L, [5, 6]).release()               # resident now
+        held = m.acquire(L, [5, 6])                  # a hit: taken through shared memory
+        wait_for(lambda: d.models()["mix"]["fast_pins"] == 2, "the pins seen by the daemon")
+        r = d.ctl.models("remove", name="mix")
+        assert (r["leases"], r["fast_pins"]) == (0, 2), r
+        time.sleep(1.5)                              # a few periodic ticks: still draining
+        assert d.models()["mix"]["state"] == "removing"
+        assert held.valid() and lease_bad(held, L, (5, 6), 0) == []
+        held.release()
+        wait_for(lambda: "mix" not in d.models(), "mix removed once its pins are gone")
+        m.close()
+    finally:
+        log = d.stop()
+    assert "0 leases and 2 shared-memory pins to drain" in log, log[-2000:]

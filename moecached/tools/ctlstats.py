@@ -205,7 +205,9 @@ def summary(st: dict, layers: bool = False) -> list[str]:
             out.append(f"  {x['name']} ({x['state']}): share {_gib(x['share_bytes'])}, "
                        f"{x['resident']} of {x['slots']} slots resident, hit rate "
                        f"{_pct(x['hit_rate'])}, read {_gib(x['bytes_read'])}, {x['ghost_hits']} ghost "
-                       f"hits, {x['clients']} clients, {x['leases']} leases")
+                       f"hits, {x['clients']} clients, {x['leases']} leases"
+                       + (f", {x['fast_pins']} slots pinned through shared memory"
+                          if x.get("fast_pins") else ""))
     if layers:
         for name, x in (st.get("layers") or {}).items():
             out.append(f"layer {name}: hit rate {_pct(hit_rate(x['hits'], x['prefetch_hits'], x['demand_misses']))} "
@@ -312,6 +314,9 @@ def model_main(argv) -> int:
         c.close()
     r = {k: v for k, v in r.items() if k not in ("v", "id", "ok", "session")}
     if a.action == "list" and not a.json:
+        if not r.get("models"):
+            print("no model served now (add one: moecache-ctl model add NAME PATH)")
+            return 0
         st = {"models": r.get("models"), "split": r.get("split")}
         print("\n".join(summary(st)[-len(r.get("models") or []) - 1:]))
         return 0
