@@ -155,6 +155,13 @@ def test_hello_names_the_model(models, tmp_path):
         total_slots = sum(x["slots"] for x in per.values())
         assert f"of {total_slots} slots resident" in out.stdout, out.stdout
         assert "models    2 under one budget" in out.stdout and "  qwen (serving)" in out.stdout
+        # the daemon was reached and said no: its line, not "cannot reach"
+        out = subprocess.run([sys.executable, "-m", "moecached.tools.ctl", "stats", "-e",
+                              d.endpoint, "--model", "zz"], capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and out.stdout == ""
+        assert out.stderr.strip().splitlines() == [
+            f"moecache-ctl stats: error: moecached at {d.endpoint} (endpoint from --endpoint): "
+            "unknown_model: model 'zz' is not served here (served: qwen, mix)"], out.stderr
     finally:
         d.stop()
 
