@@ -413,7 +413,10 @@ class Client:
             and ``map_arena``). False: every acquire goes over the socket.
         model: the model to use when the daemon serves several (its name; optional when it
             serves one). The daemon answers hello with the model's own endpoint, where the
-            client connects and says hello again (``endpoint`` then names it).
+            client connects and says hello again (``endpoint`` then names it). A new session
+            (after a restart or a dropped connection) starts at the endpoint given here again,
+            so a removed model's calls raise ServerError ``unknown_model`` at once, and work
+            again once the model is added back.
     Raises:
         ClientError: an ``ipc://`` endpoint whose socket file does not exist (no daemon
             there): raised at once, without waiting ``connect_timeout``.
