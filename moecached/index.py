@@ -121,6 +121,12 @@ class _HeaderReader(GGUFReader):
 _GGUF_MIN_HEADER = 24  # magic u32, version u32, tensor count u64, KV count u64
 
 
+def _not_gguf(path: str) -> GGUFError:
+    """A file without the GGUF magic. Its bytes are not quoted: the daemon may read a file its
+    client cannot (``moecache-ctl model add NAME /etc/shadow``)."""
+    return GGUFError(f"{path}: not a GGUF file (expected the magic GGUF at its start)")
+
+
 
 def _check_file(path: str) -> None:
     """Refuse (GGUFError, one line) what cannot be a GGUF file before gguf tries to map it:
@@ -129,7 +135,7 @@ def _check_file(path: str) -> None:
     head, st = read_head(path, 4, GGUFError, "expected a GGUF file",
                      not_found="file: found no such file, expected a GGUF model")
     if head != b"GGUF"[:len(head)]:
-        raise GGUFError(f"{path}: magic: found {head!r}, expected b'GGUF'")
+        raise _not_gguf(path)
     if st.st_size < _GGUF_MIN_HEADER:
         raise GGUFError(f"{path}: file too short ({st.st_size} bytes), expected a GGUF file "
                         f"(a GGUF header takes at least {_GGUF_MIN_HEADER} bytes)")
@@ -150,9 +156,7 @@ def _read_header(path: str) -> _HeaderReader:
             raise GGUFError(f"{path}: key GGUF.version: found {m.group(1)}, expected one of [2, 3] "
                             f"(versions gguf {GGUF_VERSION_STR} reads)") from None
         if "magic" in msg:
-            with open(path, "rb") as f:
-                head = f.read(4)
-            raise GGUFError(f"{path}: magic: found {head!r}, expected b'GGUF'") from None
+            raise _not_gguf(path) from None
         raise GGUFError(f"{path}: header: found unreadable GGUF header ({e.__class__.__name__}: {msg}), "
                         f"expected a header gguf {GGUF_VERSION_STR} can read (truncated file?)") from None
     if r.byte_order != "I":

@@ -166,9 +166,10 @@ class Models:
         m.endpoint = model_endpoint(self.cfg.endpoint, name)
         try:
             m.index = open_index(path)
-        except (MoecacheError, OSError) as e:   # the error names the file when it knows it
-            raise ModelsError(f"model {name}: {e}" if path in str(e) else
-                              f"model {name}: {path}: {e}") from None
+        except MoecacheError as e:   # its one line names the file already
+            raise ModelsError(f"model {name}: {e}") from None
+        except OSError as e:
+            raise ModelsError(f"model {name}: {path}: {e.strerror or e}") from None
         return m
 
     def _arena_max(self, member) -> int:

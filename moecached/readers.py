@@ -69,8 +69,9 @@ class ModelChanged(ReadError):
     was refused or its bytes withheld. Not an I/O error; every later load fails the same way."""
 
 
-_CHANGED_FIX = ("load refused; restart the daemon (or let on_model_change = \"reload\" re-index "
-                "it) so the index is rebuilt")
+_CHANGED_FIX = ("load refused; the daemon re-indexes the model once its file is unchanged "
+                "(on_model_change = \"reload\") or exits so its service manager restarts it "
+                "(\"exit\")")
 
 
 def dio_alignment(path: str) -> int:

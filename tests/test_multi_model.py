@@ -160,6 +160,13 @@ def test_hello_names_the_model(models, tmp_path):
         total_slots = sum(x["slots"] for x in per.values())
         assert f"of {total_slots} slots resident" in out.stdout, out.stdout
         assert "models    2 under one budget" in out.stdout and "  qwen (serving)" in out.stdout
+        # the daemon was reached and said no: its line, not "cannot reach"
+        out = subprocess.run([sys.executable, "-m", "moecached.tools.ctl", "stats", "-e",
+                              d.endpoint, "--model", "zz"], capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and out.stdout == ""
+        assert out.stderr.strip().splitlines() == [
+            f"moecache-ctl stats: error: moecached at {d.endpoint} (endpoint from --endpoint): "
+            "unknown_model: model 'zz' is not served here (served: qwen, mix)"], out.stderr
     finally:
         d.stop()
 
@@ -286,6 +293,13 @@ def test_add_refusals(models, tmp_path):
             d.ctl.models("add", name="w", path=models["mix"], **fields)
             wait_for(lambda: "w" not in d.ctl.models()["split"]["adding"], "w refused", 60)
             assert why in d.ctl.models()["split"]["failed"]["w"]
+        # not a GGUF file: one line naming it once, without quoting its bytes
+        junk = tmp_path / "junk.gguf"
+        junk.write_text("root:x:0:0:root:/root:/bin/bash\n")
+        d.ctl.models("add", name="junk", path=str(junk))
+        wait_for(lambda: "junk" not in d.ctl.models()["split"]["adding"], "junk refused", 60)
+        assert d.ctl.models()["split"]["failed"]["junk"] == (
+            f"model junk: {junk}: not a GGUF file (expected the magic GGUF at its start)")
         # every model removed: the daemon serves none, and says so
         for n in ("qwen", "mix"):
             d.ctl.models("remove", name=n)
@@ -333,9 +347,10 @@ int main(int argc, char **argv) {
 """
 
 
-def test_c_client_names_its_model(models, tmp_path):
+def c_program(tmp_path, text, name):
+    """``text`` built against the C client library; the executable's path (skips without a C
+    toolchain or libzmq headers)."""
     import shutil
-    from moecached.tools.synth import verify_expert_bytes
     cdir = os.path.join(os.path.dirname(HERE), "clients", "c")
     if not shutil.which("cc") or not shutil.which("make"):
         pytest.skip("no C compiler or make")
@@ -345,13 +360,19 @@ def test_c_client_names_its_model(models, tmp_path):
     if r.returncode != 0 and "zmq.h" in r.stdout + r.stderr:
         pytest.skip("no libzmq headers")
     assert r.returncode == 0, r.stdout + r.stderr
-    src = tmp_path / "multi.c"
-    src.write_text(C_PROG)
-    exe = tmp_path / "multi"
+    src = tmp_path / f"{name}.c"
+    src.write_text(text)
+    exe = tmp_path / name
     r = subprocess.run(["cc", "-std=c11", "-I", os.path.join(cdir, "include"), str(src),
                         str(build / "libmoecache.a"), "-lzmq", "-lmsgpackc", "-lpthread",
                         "-o", str(exe)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    return exe
+
+
+def test_c_client_names_its_model(models, tmp_path):
+    from moecached.tools.synth import verify_expert_bytes
+    exe = c_program(tmp_path, C_PROG, "multi")
     d = MultiDaemon(models, tmp_path, "1GiB")
     try:
         for model, n_experts in (("mix", 8), ("qwen", 128)):
@@ -476,6 +497,135 @@ def test_any_model_can_be_removed_and_added_back(models, tmp_path):
             mc.wait(30)
         log = d.stop()
     assert "model qwen removed" in log and "model qwen added" in log, log[-2000:]
+
+
+def test_client_of_a_removed_model_is_refused_then_recovers(models, tmp_path):
+    # a client whose model goes away says its next hello to the daemon's endpoint (the
+    # model's own socket is gone): refused at once with the daemon's line, and served again,
+    # the same client, once the model is added back
+    from moecached.tools.synth import verify_expert_bytes
+    d = MultiDaemon(models, tmp_path, "1GiB", "--split-interval", "86400")
+    try:
+        q = Client(d.endpoint, model="qwen", fast_path=False, connect_timeout=20)
+        layer = q.expert_layers[0]
+        with q.acquire(layer, [3, 4]) as lease:
+            assert lease_bad(lease, layer, (3, 4), 0) == []
+        d.ctl.models("remove", name="qwen")
+        wait_for(lambda: "qwen" not in d.models(), "qwen removed", 30)
+        wait_for(lambda: q.session is None, "the client saw its model's socket go", 30)
+        for _ in range(2):    # every call until the model is back
+            with pytest.raises(ServerError, match=r"^unknown_model: model 'qwen' is not served "
+                                                  r"here \(served: mix\)"):
+                q.acquire(layer, [3, 4])
+        d.ctl.models("add", name="qwen", path=models["qwen"])
+        wait_for(lambda: "qwen" not in d.ctl.models()["split"]["adding"], "qwen added back", 120)
+        with q.acquire(layer, [5, 127]) as lease:
+            assert lease_bad(lease, layer, (5, 127), 0) == []
+        assert q.endpoint == d.endpoint + ".qwen"
+        q.close()
+    finally:
+        d.stop()
+
+
+C_RECOVER_PROG = r"""
+#include <stdio.h>
+#include "moecache.h"
+/* one acquire of experts 3 and 4 per line read; its parts are written to argv[3] */
+int main(int argc, char **argv) {
+    mc_options opt; mc_error err;
+    mc_options_init(&opt);
+    opt.model = argv[2];
+    opt.fast_path = 0;
+    mc_client *c = mc_connect(argv[1], "c-recover", &opt, &err);
+    if (!c) { printf("ERROR %s %s\n", mc_code_name(err.code), err.message); return 1; }
+    char line[64];
+    int n = 0;
+    printf("READY\n"); fflush(stdout);
+    while (fgets(line, sizeof line, stdin)) {
+        const mc_arena *a = NULL;
+        mc_lease *l = NULL;
+        int r = 0, ex[2] = {3, 4};
+        for (int tries = 0; tries < 5; tries++) {   /* a call in flight when the socket went */
+            a = mc_arena_get(c, &err);
+            r = a ? mc_acquire(c, a->expert_layers[0], ex, 2, 0, -1, &l, &err) : err.code;
+            if (r != MC_ERR_RESTARTED) break;
+        }
+        if (r != 0) {
+            printf("ERROR %s %s\n", err.daemon_code, err.message);
+            fflush(stdout);
+            continue;
+        }
+        int layer = a->expert_layers[0];
+        const mc_class *cl = &a->classes[mc_layer_class(a, layer)];
+        n++;
+        for (uint32_t i = 0; i < 2; i++)
+            for (uint32_t p = 0; p < cl->n_parts; p++) {
+                uint64_t nb = 0;
+                const void *d = mc_lease_part(l, i, cl->parts[p].name, &nb);
+                char path[512];
+                snprintf(path, sizeof path, "%s/%d_%d_%s.bin", argv[3], n, ex[i], cl->parts[p].name);
+                FILE *f = fopen(path, "wb"); fwrite(d, 1, nb, f); fclose(f);
+                printf("PART %d %d %s %s\n", layer, ex[i], cl->parts[p].name, path);
+            }
+        mc_release(l);
+        printf("OK\n"); fflush(stdout);
+    }
+    mc_close(c);
+    return 0;
+}
+"""
+
+
+def test_c_client_of_a_removed_model_is_refused_then_recovers(models, tmp_path):
+    from moecached.tools.synth import verify_expert_bytes
+    exe = c_program(tmp_path, C_RECOVER_PROG, "recover")
+    out = tmp_path / "parts"
+    out.mkdir()
+    d = MultiDaemon(models, tmp_path, "1GiB", "--split-interval", "86400")
+    p = None
+
+    def call():
+        p.stdin.write("acquire\n")
+        p.stdin.flush()
+        lines = []
+        while True:
+            line = p.stdout.readline().rstrip("\n")
+            assert line, "the C client exited"
+            if line.startswith("ERROR"):
+                return line, lines
+            if line == "OK":
+                return None, lines
+            lines.append(line.split())
+
+    def check(parts):
+        assert len(parts) >= 4
+        for _, layer, e, part, path in parts:
+            with open(path, "rb") as f:
+                assert verify_expert_bytes(f.read(), int(layer), part, int(e), 0) is None
+
+    try:
+        p = subprocess.Popen([str(exe), d.endpoint, "qwen", str(out)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline() == "READY\n"
+        err, parts = call()
+        assert err is None, err
+        check(parts)
+        d.ctl.models("remove", name="qwen")
+        wait_for(lambda: "qwen" not in d.models(), "qwen removed", 30)
+        for _ in range(2):
+            err, _ = call()
+            assert err == ("ERROR unknown_model hello: unknown_model: model 'qwen' is not served "
+                           "here (served: mix)"), err
+        d.ctl.models("add", name="qwen", path=models["qwen"])
+        wait_for(lambda: "qwen" not in d.ctl.models()["split"]["adding"], "qwen added back", 120)
+        err, parts = call()
+        assert err is None, err
+        check(parts)
+    finally:
+        if p is not None:
+            p.stdin.close()
+            p.wait(60)
+        d.stop()
 
 
 @pytest.fixture

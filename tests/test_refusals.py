@@ -281,7 +281,7 @@ def test_big_endian_file(tmp_path):
 def test_bad_magic(tmp_path):
     p, = tiny(tmp_path / "m.gguf")
     patch(p, 0, b"GGUX")
-    assert refusal(p) == f"{p}: magic: found b'GGUX', expected b'GGUF'"
+    assert refusal(p) == f"{p}: not a GGUF file (expected the magic GGUF at its start)"
 
 
 def test_truncated_header(tmp_path):

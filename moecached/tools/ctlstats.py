@@ -54,12 +54,14 @@ def _client(endpoint: str, timeout: float, source: str = "--endpoint", model: st
     (where it came from, see :func:`resolve_endpoint`). ``model``: the model to talk to when
     the daemon serves several (``*``: the endpoint's own, the daemon-wide view)."""
     try:
-        from moecache_client import Client, ClientError, Timeout  # noqa: F401
+        from moecache_client import Client, ServerError
     except ImportError as e:  # pragma: no cover
         raise MoecacheError(f"moecache_client is not installed: {e}")
     try:
         return Client(endpoint, name="moecache-ctl", timeout=timeout, connect_timeout=timeout,
                       map_arena=False, model=model)
+    except ServerError as e:   # reached: the daemon refused the hello (its line says why)
+        raise MoecacheError(f"moecached at {endpoint} (endpoint from {source}): {e}") from None
     except Exception as e:
         raise MoecacheError(f"cannot reach moecached at {endpoint} (endpoint from {source}): {e}")
 

@@ -108,7 +108,10 @@ typedef struct mc_options {
     int heartbeat_ms;         /* ping period when idle; 0: a third of the daemon's heartbeat_s */
     int send_pid;             /* send pid + pid_start in hello (be watched). Default 1 */
     const char *model;        /* the model to use when the daemon serves several (its name; the
-                               * daemon's endpoint redirects hello to the model's own socket).
+                               * daemon's endpoint redirects hello to the model's own socket;
+                               * every new session says hello to mc_connect's endpoint again,
+                               * so a removed model's calls fail at once with the daemon's
+                               * unknown_model line, and work again once it is added back).
                                * NULL: none (a daemon serving one model). Default NULL */
 } mc_options;
 

@@ -464,7 +464,8 @@ typedef struct call {
 } call;
 
 struct mc_client {
-    char *endpoint;
+    char *endpoint;            /* where the current session's socket connects */
+    char *origin;              /* where every new session says hello first (mc_connect's) */
     char *model;              /* opt.model, owned (NULL: none) */
     char name[65];
     mc_options opt;
@@ -846,19 +847,24 @@ static void call_init(call *k, const char *op, uint64_t id) {
 
 static int hello_locked(mc_client *c, mc_error *err);
 
+/* Replace the socket by one connected to `ep` (owned: taken over, freed on failure). */
+static int reconnect_locked(mc_client *c, char *ep, mc_error *err) {
+    if (!ep) return seterr(err, MC_ERR_SYSTEM, "out of memory");
+    sock_wait_locked(c);
+    close_socket(c);
+    free(c->endpoint);
+    c->endpoint = ep;
+    c->ipc = strncmp(ep, "ipc://", 6) == 0;
+    return new_socket(c, err);
+}
+
 /* A hello reply with "redirect": the model is served on its own endpoint; connect there and
  * say hello again (at most a few times). */
 static int follow_redirect_locked(mc_client *c, const msgpack_object *where, mc_error *err) {
     if (where->type != MSGPACK_OBJECT_STR || where->via.str.size == 0 || c->redirects >= 4)
         return seterr(err, MC_ERR_PROTOCOL, "hello: %s redirected model %s again or to no endpoint; "
                       "the daemon's models are inconsistent", c->endpoint, c->model ? c->model : "-");
-    char *ep = strndup(where->via.str.ptr, where->via.str.size);
-    if (!ep) return seterr(err, MC_ERR_SYSTEM, "out of memory");
-    close_socket(c);
-    free(c->endpoint);
-    c->endpoint = ep;
-    c->ipc = strncmp(ep, "ipc://", 6) == 0;
-    int r = new_socket(c, err);
+    int r = reconnect_locked(c, strndup(where->via.str.ptr, where->via.str.size), err);
     if (r != MC_OK) return r;
     c->redirects++;
     r = hello_locked(c, err);
@@ -867,6 +873,13 @@ static int follow_redirect_locked(mc_client *c, const msgpack_object *where, mc_
 }
 
 static int hello_locked(mc_client *c, mc_error *err) {
+    if (c->redirects == 0 && strcmp(c->endpoint, c->origin) != 0) {
+        /* a new session starts where the client was opened (the daemon's endpoint): it
+         * redirects again while the model is served, or refuses at once once it is not (the
+         * model's own endpoint may be gone with it) */
+        int r = reconnect_locked(c, strdup(c->origin), err);
+        if (r != MC_OK) return r;
+    }
     call k;
     call_init(&k, "hello", c->next_id++);
     msgpack_sbuffer sb;
@@ -1013,6 +1026,7 @@ mc_client *mc_connect(const char *endpoint, const char *name, const mc_options *
         return NULL;
     }
     c->endpoint = strdup(endpoint);
+    c->origin = strdup(endpoint);
     c->ipc = strncmp(endpoint, "ipc://", 6) == 0;
     c->model = c->opt.model ? strdup(c->opt.model) : NULL;
     c->opt.model = c->model;
@@ -1030,8 +1044,8 @@ mc_client *mc_connect(const char *endpoint, const char *name, const mc_options *
     c->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     c->ctx = zmq_ctx_new();
     c->last_tx = c->last_rx = now_s();
-    if (c->wakefd < 0 || !c->ctx) {
-        seterr(err, MC_ERR_SYSTEM, "eventfd/zmq_ctx_new: %s", strerror(errno));
+    if (c->wakefd < 0 || !c->ctx || !c->endpoint || !c->origin) {
+        seterr(err, MC_ERR_SYSTEM, "eventfd/zmq_ctx_new/strdup: %s", strerror(errno));
         mc_close(c);
         return NULL;
     }
@@ -1151,6 +1165,7 @@ void mc_close(mc_client *c) {
     pthread_cond_destroy(&c->hb_cv);
     free(c->relq);
     free(c->endpoint);
+    free(c->origin);
     free(c->model);
     free(c);
 }

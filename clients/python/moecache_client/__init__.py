@@ -413,7 +413,10 @@ class Client:
             and ``map_arena``). False: every acquire goes over the socket.
         model: the model to use when the daemon serves several (its name; optional when it
             serves one). The daemon answers hello with the model's own endpoint, where the
-            client connects and says hello again (``endpoint`` then names it).
+            client connects and says hello again (``endpoint`` then names it). A new session
+            (after a restart or a dropped connection) starts at the endpoint given here again,
+            so a removed model's calls raise ServerError ``unknown_model`` at once, and work
+            again once the model is added back.
     Raises:
         ClientError: an ``ipc://`` endpoint whose socket file does not exist (no daemon
             there): raised at once, without waiting ``connect_timeout``.
@@ -435,7 +438,8 @@ class Client:
                  timeout: float | None = 30.0, heartbeat_s: float | None = None,
                  connect_timeout: float = 10.0, map_arena: bool = True, fast_path: bool = True,
                  model: str | None = None):
-        self.endpoint = endpoint
+        self.endpoint = endpoint                # where the current session's socket connects
+        self._origin = endpoint                 # where every new session says hello first
         self.model = model
         self._ipc = endpoint.startswith("ipc://")
         path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
@@ -760,6 +764,13 @@ class Client:
         s.connect(self.endpoint)
         return s, mon
 
+    def _connect_locked(self, endpoint: str) -> None:
+        """Replace the socket by one connected to ``endpoint``."""
+        self._close_socket()
+        self.endpoint = endpoint
+        self._ipc = endpoint.startswith("ipc://")
+        self._sock, self._mon = self._new_socket()
+
     def _close_socket(self):
         try:
             self._sock.disable_monitor()
@@ -782,6 +793,11 @@ class Client:
         self._ping_sent = None
 
     def _hello_locked(self, timeout: float, redirects: int = 0) -> None:
+        if redirects == 0 and self.endpoint != self._origin:
+            # a new session starts where the client was opened (the daemon's endpoint): it
+            # redirects again while the model is served, or refuses at once once it is not
+            # (the model's own endpoint may be gone with it)
+            self._connect_locked(self._origin)
         rid = next(self._ids)
         fut = _Call(rid, "hello")
         self._pending[rid] = fut
@@ -807,10 +823,7 @@ class Client:
             if redirects >= 4 or not isinstance(where, str):
                 raise ClientError(f"hello: {self.endpoint} redirected model {self.model!r} "
                                   f"to {where!r} again; the daemon's models are inconsistent")
-            self._close_socket()
-            self.endpoint = where
-            self._ipc = where.startswith("ipc://")
-            self._sock, self._mon = self._new_socket()
+            self._connect_locked(where)
             return self._hello_locked(timeout, redirects + 1)
         # A disconnect the monitor reports now happened before this hello's connection was
         # made (the reply came through it): it belongs to the daemon before this hello.
