@@ -503,7 +503,6 @@ def test_client_of_a_removed_model_is_refused_then_recovers(models, tmp_path):
     # a client whose model goes away says its next hello to the daemon's endpoint (the
     # model's own socket is gone): refused at once with the daemon's line, and served again,
     # the same client, once the model is added back
-    from moecached.tools.synth import verify_expert_bytes
     d = MultiDaemon(models, tmp_path, "1GiB", "--split-interval", "86400")
     try:
         q = Client(d.endpoint, model="qwen", fast_path=False, connect_timeout=20)
