@@ -450,7 +450,7 @@ class Models:
         """``m``'s cache is going (removed, or its file re-indexed): the daemon's totals keep
         counting what its counters (and, when ``server``, its socket's) counted."""
         from .stats import CACHE_STATS
-        st = m.cache.stats()
+        st = m.cache.stats() if m.cache is not None else {}
         for row in CACHE_STATS:
             if row.kind == "counter" and isinstance(st.get(row.key), int):
                 self.retired[row.key] += st[row.key]
@@ -463,8 +463,8 @@ class Models:
             m.server.stop()
         m.thread.join(timeout=10)
         m.reloader.close()
+        self._keep_counts(m)
         if m.cache is not None:
-            self._keep_counts(m)
             m.cache.close()
         with self.lock:
             self.split.remove(m.name)

@@ -892,3 +892,32 @@ def test_remove_waits_for_shared_memory_pins(models, tmp_path):
     finally:
         log = d.stop()
     assert "0 leases and 2 shared-memory pins to drain" in log, log[-2000:]
+
+
+def test_changed_model_that_no_longer_fits_is_removed_alone(own_models, tmp_path):
+    # qwen's file becomes a model whose least share does not fit beside mix's minimum: qwen
+    # cannot be served again and is removed, with one line; mix goes on untouched
+    import shutil
+    paths, _ = own_models
+    d = MultiDaemon(paths, tmp_path, "600MiB", "--on-model-change", "reload")
+    try:
+        m = Client(d.endpoint, model="mix", fast_path=False)
+        ML = m.expert_layers[0]
+        held = m.acquire(ML, [1, 2])
+        s_m = m.stats()["session"]
+        tmp = paths["qwen"] + ".new"
+        shutil.copyfile(paths["mix"], tmp)      # a Mixtral where qwen was: 436 MiB at least
+        os.rename(tmp, paths["qwen"])
+        wait_for(lambda: "qwen" not in d.models(), "qwen removed", 60)
+        assert "minimum shares" in d.ctl.models()["split"]["failed"]["qwen"]
+        assert m.stats()["session"] == s_m and held.valid()
+        assert lease_bad(held, ML, (1, 2), 0) == []
+        held.release()
+        with m.acquire(m.expert_layers[1], [3, 4]) as lease:
+            assert lease_bad(lease, m.expert_layers[1], (3, 4), 0) == []
+        with pytest.raises(ServerError, match="unknown_model: model 'qwen' is not served here"):
+            Client(d.endpoint, model="qwen")
+        m.close()
+    finally:
+        log = d.stop()
+    assert "model qwen re-indexed but not served again" in log, log[-2000:]
