@@ -750,15 +750,25 @@ def test_memory_floor_shrinks_the_total_and_every_share(models, tmp_path):
             assert _check_bytes(d.endpoint, n, paths[n], per_acquire[n]) == []
         held = {n: Client(d.endpoint, model=n, fast_path=False) for n in paths}
         leases = {n: c.acquire(c.expert_layers[1], [0, 1]) for n, c in held.items()}
-        # up to 512 MiB under the floor (the floor may act before the hog holds it all)
-        hog = psutil.virtual_memory().available - floor + 512 * MiB
+        # up to 1 GiB under the floor (the floor may act before the hog holds it all)
+        hog = psutil.virtual_memory().available - floor + 1024 * MiB
         with memory_hog(hog):
-            st = wait_for(lambda: (lambda s: s if s["floor"]["shrinks"] >= 1 else None)(d.ctl.stats()),
-                          "the floor to shrink", timeout=60)
+            last = {}
+
+            def shrunk():
+                last["st"] = d.ctl.stats()
+                return last["st"] if last["st"]["floor"]["shrinks"] >= 1 else None
+            try:
+                st = wait_for(shrunk, "the floor to shrink", timeout=90)
+            except AssertionError:
+                raise AssertionError(f"the floor did not shrink: {last['st']['floor']}, "
+                                     f"available now {psutil.virtual_memory().available}") from None
+            # one reply: the floor, the split and the models as the endpoint's loop saw them
+            # together (the floor may shrink again between two replies)
             total = st["floor"]["current_budget"]
             assert total <= budget - MIN_MARGIN, st["floor"]   # the deficit and a margin
-            after = d.models()
-            split = d.ctl.models()["split"]
+            after = {m["name"]: m for m in st["models"]}
+            split = st["split"]
             assert split["total_bytes"] == total, (split, st["floor"])
             assert sum(m["share_bytes"] for m in after.values()) == total
             for n, m in after.items():
@@ -775,9 +785,9 @@ def test_memory_floor_shrinks_the_total_and_every_share(models, tmp_path):
             for n, m in after.items():
                 assert any(x.startswith(f"  {n} (serving): share {m['share_bytes'] / GiB:.2f} GiB")
                            for x in lines), lines
-            status = d.ctl.status()
-            assert {m["name"]: m["share_bytes"] for m in status["models"]} == \
-                {n: m["share_bytes"] for n, m in after.items()}
+            status = d.ctl.status()   # its own snapshot: the shares add up to the floor's total
+            assert sum(m["share_bytes"] for m in status["models"]) == \
+                status["floor"]["current_budget"] <= total
             # serving right bytes under pressure: the held leases, then every expert again
             idxs = {n: open_index(p) for n, p in paths.items()}
             for n, lease in leases.items():
