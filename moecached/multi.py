@@ -500,7 +500,7 @@ class Models:
         return "; ".join(errors) or None
 
     # ------------------------------------------------------------------ views
-    def summary(self) -> list:
+    def summary(self, views=None) -> list:
         """Per model: share, residency, hit rate, bytes read (stats, status, metrics)."""
         from .stats import hit_rate
         return [dict(name=m.name, path=m.path, endpoint=m.endpoint, state=state,
@@ -515,7 +515,7 @@ class Models:
                      model_changed=st["model_changed"], reloads=m.reloader.reloads,
                      clients=len(m.server.clients), leases=len(m.server.leases),
                      fast_pins=pins)
-                for m, st, state, share, mb, pins in self._views()]
+                for m, st, state, share, mb, pins in (views or self._views())]
 
     def _views(self) -> list:
         """(model, its cache's stats, state, share, split member, slots pinned through shared
@@ -554,7 +554,7 @@ class Models:
             servers.append(self.router.counters)
         st["server"] = {row.key: sum(x.get(row.key, 0) for x in servers)
                         + self.retired["server." + row.key] for row in SERVER_COUNTERS}
-        st["models"] = self.summary()
+        st["models"] = self.summary(views)   # the same snapshot: each cache read once
         st["split"] = self.split_info()
         return st
 
