@@ -23,6 +23,10 @@ must be multiples of 32); or any llama-quantize type name such as ``Q4_K_M`` whe
 ``quantize_bin`` names a built ``llama-quantize`` (F32 is written first, then quantised; Q4_K_M
 gives Q4_K and Q6_K expert tensors, so two size classes).
 
+Trained weights (``weights``: GGUF tensor name -> numpy array in numpy's reversed ggml shape, as
+:func:`tensor_shapes` lists them) replace the random ones, with their own vocabulary (``vocab``:
+tokens, scores, types) and head geometry; ``benchmarks/train_moe.py`` exports its model this way.
+
 ``geometry="qwen3-30b-a3b"`` takes the real expert geometry of Qwen3-30B-A3B (hidden 2048,
 expert FFN 768, 128 experts, top-8, 32 heads of 128, 4 KV heads) with ``blocks`` blocks (48 in
 the real model; fewer keep the per-expert sizes) for benchmarks.
@@ -61,17 +65,53 @@ def _vocab():
     return tokens, [0.0] * len(tokens), types
 
 
+def tensor_shapes(arch: str, blocks: int, *, hidden: int, expert_ff: int, experts: int, heads: int,
+                  kv_heads: int, head_dim: int, n_vocab: int = N_VOCAB) -> dict:
+    """GGUF tensor name -> numpy shape (reversed ggml shape) of every tensor the model has, in file order."""
+    H, F, E, nh, nkv, hd = hidden, expert_ff, experts, heads, kv_heads, head_dim
+    out = {"token_embd.weight": (n_vocab, H)}
+    for b in range(blocks):
+        p = f"blk.{b}."
+        out[p + "attn_norm.weight"] = (H,)
+        out[p + "attn_q.weight"] = (nh * hd, H)
+        out[p + "attn_k.weight"] = (nkv * hd, H)
+        out[p + "attn_v.weight"] = (nkv * hd, H)
+        out[p + "attn_output.weight"] = (H, nh * hd)
+        if arch == "qwen3moe":
+            out[p + "attn_q_norm.weight"] = (hd,)
+            out[p + "attn_k_norm.weight"] = (hd,)
+        elif arch == "olmoe":
+            out[p + "attn_q_norm.weight"] = (H,)
+            out[p + "attn_k_norm.weight"] = (H,)
+        out[p + "ffn_norm.weight"] = (H,)
+        out[p + "ffn_gate_inp.weight"] = (E, H)
+        out[p + "ffn_gate_exps.weight"] = (E, F, H)
+        out[p + "ffn_up_exps.weight"] = (E, F, H)
+        out[p + "ffn_down_exps.weight"] = (E, H, F)
+    out["output_norm.weight"] = (H,)
+    out["output.weight"] = (n_vocab, H)
+    return out
+
+
 def write_runnable(out: str, *, arch: str = "qwen3moe", blocks: int = 2, geometry: str = "tiny",
                    hidden: int | None = None, expert_ff: int | None = None, experts: int | None = None,
                    top_k: int | None = None, quant: str = "f32", seed: int = 0,
-                   quantize_bin: str | None = None) -> str:
-    """Write the model to ``out`` (overwritten); returns ``out``."""
+                   quantize_bin: str | None = None, heads: int | None = None, kv_heads: int | None = None,
+                   head_dim: int | None = None, rope_base: float = 1000000.0, context_length: int = 4096,
+                   weights=None, vocab=None, add_space_prefix: bool | None = None,
+                   name: str | None = None) -> str:
+    """Write the model to ``out`` (overwritten); returns ``out``. ``weights`` (name -> array, every
+    tensor of :func:`tensor_shapes`) replaces the random weights; ``vocab`` is (tokens, scores, types)
+    of a SentencePiece-style vocabulary (default: the byte-level one); ``add_space_prefix`` writes
+    ``tokenizer.ggml.add_space_prefix`` (llama.cpp's default for this vocabulary is true)."""
+    model_name = name   # (``name`` is reused below)
     if arch not in ARCHS:
         raise RunnableError(f"--arch {arch}: expected one of {', '.join(ARCHS)} (Mixtral-style MoE is llama)")
     if geometry not in GEOMETRIES:
         raise RunnableError(f"--geometry {geometry}: expected one of {', '.join(GEOMETRIES)}")
     g = dict(GEOMETRIES[geometry])
-    for k, v in (("hidden", hidden), ("expert_ff", expert_ff), ("experts", experts), ("top_k", top_k)):
+    for k, v in (("hidden", hidden), ("expert_ff", expert_ff), ("experts", experts), ("top_k", top_k),
+                 ("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim)):
         if v is not None:
             g[k] = v
     if blocks < 1:
@@ -98,7 +138,9 @@ def write_runnable(out: str, *, arch: str = "qwen3moe", blocks: int = 2, geometr
             f32 = os.path.join(td, "f32.gguf")
             write_runnable(f32, arch=arch, blocks=blocks, geometry=geometry, hidden=g["hidden"],
                            expert_ff=g["expert_ff"], experts=g["experts"], top_k=g["top_k"],
-                           quant="f32", seed=seed)
+                           quant="f32", seed=seed, heads=g["heads"], kv_heads=g["kv_heads"],
+                           head_dim=g["head_dim"], rope_base=rope_base, context_length=context_length,
+                           weights=weights, vocab=vocab, add_space_prefix=add_space_prefix, name=model_name)
             r = subprocess.run([quantize_bin, f32, out, quant], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
             if r.returncode != 0:
@@ -109,21 +151,30 @@ def write_runnable(out: str, *, arch: str = "qwen3moe", blocks: int = 2, geometr
     H, F, E, K = g["hidden"], g["expert_ff"], g["experts"], g["top_k"]
     nh, nkv, hd = g["heads"], g["kv_heads"], g["head_dim"]
     rng = np.random.default_rng(seed)
+    tokens, scores, types = vocab if vocab is not None else _vocab()
+    n_vocab = len(tokens)
+    if weights is not None:
+        want = tensor_shapes(arch, blocks, hidden=H, expert_ff=F, experts=E, heads=nh, kv_heads=nkv,
+                             head_dim=hd, n_vocab=n_vocab)
+        bad = [f"{k}: {tuple(np.shape(weights[k])) if k in weights else 'missing'} (expected {v})"
+               for k, v in want.items() if k not in weights or tuple(np.shape(weights[k])) != v]
+        if bad:
+            raise RunnableError(f"weights do not fit the model: {bad[0]}" + (f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""))
 
     def mat(*shape, fan_in):
         return (rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(fan_in))).astype(np.float32)
 
     w = GGUFWriter(out, arch)
-    w.add_name(f"moecached runnable {arch} {geometry} {blocks}x{E}")
+    w.add_name(model_name or f"moecached runnable {arch} {geometry} {blocks}x{E}")
     w.add_block_count(blocks)
-    w.add_context_length(4096)
+    w.add_context_length(context_length)
     w.add_embedding_length(H)
     w.add_feed_forward_length(F)   # the expert FFN size for llama and olmoe
     w.add_head_count(nh)
     w.add_head_count_kv(nkv)
     w.add_key_length(hd)
     w.add_value_length(hd)
-    w.add_rope_freq_base(1000000.0)
+    w.add_rope_freq_base(rope_base)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_expert_count(E)
     w.add_expert_used_count(K)
@@ -132,7 +183,6 @@ def write_runnable(out: str, *, arch: str = "qwen3moe", blocks: int = 2, geometr
     if arch == "llama":
         w.add_rope_dimension_count(hd)
     w.add_file_type(7 if q == "q8_0" else 0)
-    tokens, scores, types = _vocab()
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -143,11 +193,15 @@ def write_runnable(out: str, *, arch: str = "qwen3moe", blocks: int = 2, geometr
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
+    if add_space_prefix is not None:
+        w.add_add_space_prefix(add_space_prefix)
 
     # tensors are made one at a time while writing (real geometries do not fit in memory at once)
     plan = []   # (name, shape as numpy (reversed ggml), maker, quantized)
 
     def add(name, shape, maker, quantizable=True):
+        if weights is not None:   # trained weights replace the maker (same order, same shapes)
+            maker = (lambda n=name: np.ascontiguousarray(weights[n], dtype=np.float32))
         plan.append((name, shape, maker, q == "q8_0" and quantizable and len(shape) >= 2))
 
     def mat_maker(shape, fan_in, scale=1.0):
@@ -159,7 +213,7 @@ def write_runnable(out: str, *, arch: str = "qwen3moe", blocks: int = 2, geometr
 
     ones = lambda n: (lambda: np.ones(n, np.float32))
     # numpy shapes are reversed ggml shapes: (ne1, ne0) / (ne2, ne1, ne0)
-    add("token_embd.weight", (N_VOCAB, H), lambda: rng.standard_normal((N_VOCAB, H), dtype=np.float32))
+    add("token_embd.weight", (n_vocab, H), lambda: rng.standard_normal((n_vocab, H), dtype=np.float32))
     for b in range(blocks):
         p = f"blk.{b}."
         add(p + "attn_norm.weight", (H,), ones(H), False)
@@ -180,7 +234,7 @@ def write_runnable(out: str, *, arch: str = "qwen3moe", blocks: int = 2, geometr
         add(p + "ffn_up_exps.weight", (E, F, H), mat_maker((E, F, H), H))
         add(p + "ffn_down_exps.weight", (E, H, F), mat_maker((E, H, F), F))
     add("output_norm.weight", (H,), ones(H), False)
-    add("output.weight", (N_VOCAB, H), mat_maker((N_VOCAB, H), H))
+    add("output.weight", (n_vocab, H), mat_maker((n_vocab, H), H))
     q8 = GGMLQuantizationType.Q8_0
     for name, shape, _, quant_it in plan:
         if quant_it:
