@@ -203,7 +203,7 @@ class _Layer:
 
 class _Load:
     __slots__ = ("pool", "key", "slot", "layer", "expert", "demanded", "prefetched", "waiters",
-                 "job_id", "priority", "fids", "victim", "quota", "conf")
+                 "job_id", "priority", "fids", "victim", "quota", "conf", "gen")
 
     def __init__(self, pool, key, slot, layer, expert, demanded, fids, victim=None):
         self.pool, self.key, self.slot, self.layer, self.expert = pool, key, slot, layer, expert
@@ -216,6 +216,7 @@ class _Load:
         self.victim = victim    # (key, was_unused) evicted to free the slot, or None
         self.quota = None   # PrefetchQuota of the prefetch's sender while it counts there
         self.conf = 1.0     # the prefetch's confidence (lower ones are withdrawn first at a cap)
+        self.gen = -1       # the slot's generation when the load took it (checked at publish)
 
 
 class _Req:
@@ -351,6 +352,7 @@ class ExpertCache:
         self.c_bytes = 0
         self.c_reads = 0
         self.c_read_errors = 0
+        self.c_reads_discarded = 0   # completed reads whose slot's generation had moved (never published)
         self.c_inflight = 0
         self.c_evictions = 0
         self.c_leases = 0
@@ -642,6 +644,7 @@ class ExpertCache:
         if pool.ghost and pool.ghost.pop(k, 0) is None and demanded:
             self.c_ghost_hits += 1   # a hit one more step of budget would have had
         load = _Load(pool, k, slot, L.layer, expert, demanded, L.fids[expert], victim)
+        load.gen = self._gens[pool.cid][slot]
         pool.alloc[k] = slot
         pool.loading[k] = load
         if cold and demanded and self.scan_admit == "probation":
@@ -938,7 +941,9 @@ class ExpertCache:
         self.c_inflight -= 1
         self.c_reads += 1
         del pool.loading[k]
-        if error is None:
+        if error is None and self._gens[pool.cid][load.slot] != load.gen:
+            self._discard_load(load, done)
+        elif error is None:
             self.c_bytes += nbytes
             pool.res[k] = load.slot
             self._publish(pool, k, load.slot)
@@ -971,6 +976,28 @@ class ExpertCache:
         if self._waitq:
             self._kick(submits, promotes, done)
         return err
+
+    def _discard_load(self, load: _Load, done: list) -> None:
+        """A read landed in a slot whose generation moved after the load took it: the slot is
+        no longer this load's, so nothing is published, the slot is left to whoever holds it
+        now and every waiter fails. The life of a load (docs/operations.md) never gets here;
+        this is the check that makes a lease unable to lie if it ever did. Under the lock."""
+        pool, k = load.pool, load.key
+        self.c_reads_discarded += 1
+        if pool.alloc[k] == load.slot:
+            pool.alloc[k] = -1
+        pool.unused[k] = 0
+        pool.lru.unpin(k)
+        err = LoadError(f"load of layer {load.layer} expert {load.expert} discarded: size class "
+                        f"{pool.cid} slot {load.slot} changed hands while its read was in flight "
+                        f"(generation {load.gen} -> {self._gens[pool.cid][load.slot]}); internal "
+                        f"error, counted in reads_discarded: please report it")
+        self.log.error("moecached cache: %s", err)
+        for req in load.waiters:
+            if req.state == _Req.LOADING:
+                self._fail(req, err, done)
+        if pool.alloc[k] < 0 and pool.lru.pin_count(k) == 0:
+            pool.lru.remove(k)
 
     def _give_back_slot(self, load: _Load, untouched: bool) -> None:
         """A load that published nothing gives its slot back (under the lock): to the expert it

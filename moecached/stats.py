@@ -79,6 +79,9 @@ CACHE_STATS = (
     Stat("bytes_read", "counter", "read_bytes", "bytes read from the model files", "c_bytes"),
     Stat("reads", "counter", "reads", "completed expert reads", "c_reads"),
     Stat("read_errors", "counter", "read_errors", "failed expert reads", "c_read_errors"),
+    Stat("reads_discarded", "counter", "reads_discarded",
+         "completed reads not published: their slot's generation moved while they were in flight "
+         "(must stay 0)", "c_reads_discarded"),
     Stat("reads_in_flight", "gauge", "reads_in_flight", "expert reads queued or running now", "c_inflight"),
     Stat("leases", "counter", "leases", "leases granted", "c_leases"),
     Stat("leases_open", "gauge", "leases_open", "leases held by clients now", lambda c: len(c._leases)),

@@ -23,7 +23,11 @@ from moecached.index import open_index
 
 
 class FileTruth:
-    """Expected bytes of (layer, expert, part), read from the model files with normal reads."""
+    """Expected bytes of (layer, expert, part), read from the model files with normal reads.
+
+    Shared by the threads of a test: each part is read with ``os.pread`` at its own offset,
+    never through a shared file position (a seek then a read of one file object, interleaved
+    with another thread's, returns the other expert's bytes and the memo would keep them)."""
 
     def __init__(self, idx):
         self.idx = idx
@@ -36,9 +40,7 @@ class FileTruth:
         if got is None:
             got = {}
             for sp in self.idx.parts(layer, expert):
-                f = self._f[sp.file]
-                f.seek(sp.offset)
-                b = f.read(sp.nbytes)
+                b = os.pread(self._f[sp.file].fileno(), sp.nbytes, sp.offset)
                 assert len(b) == sp.nbytes
                 got[sp.part] = np.frombuffer(b, dtype=np.uint8)
             self._memo[key] = got
