@@ -370,6 +370,7 @@ def test_soak_prefetch_bytes_exact(path, model_factory, tmp_path):
     left = {c["name"]: c["left"] for c in final["departed_clients"] if c["left"] != "said bye"}
     assert not left, f"clients dropped by the daemon: {left}"
     assert final["read_errors"] == 0 and final["pinned"] == 0
+    assert final["reads_discarded"] == 0, "a read landed in a slot that had changed hands"
     assert "Traceback" not in said and "Traceback" not in (tmp_path / "daemon.log").read_text()
     assert tot["experts_verified"] > 100, "the soak read too little to mean anything"
     assert seen["prefetches_displaced"] > 0, "no queued prefetch read was withdrawn"
