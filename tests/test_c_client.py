@@ -8,6 +8,7 @@ Skipped, with the reason, when there is no C compiler, no make, or no libzmq/msg
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -67,19 +68,104 @@ def test_c_client_tsan():
     assert "test_concurrency: ok" in out and "test_daemon: ok" in out
 
 
+def _public_api() -> set[str]:
+    """The functions moecache.h exports (declared MC_API)."""
+    text = (CDIR / "include" / "moecache.h").read_text()
+    return set(re.findall(r"^MC_API [^(]*?\b(mc_\w+)\(", text, re.M))
+
+
 def test_c_client_install_and_cxx(tmp_path):
-    _make("install", f"PREFIX={tmp_path}", "B=build")
-    inc = tmp_path / "include"
-    assert (inc / "moecache.h").is_file() and (tmp_path / "lib" / "libmoecache.so").exists()
-    env = dict(os.environ, PKG_CONFIG_PATH=str(tmp_path / "lib" / "pkgconfig"))
+    """make install PREFIX=...: the pkg-config file alone builds and runs a program (its Libs carry
+    the rpath: no -Wl,-rpath here, no LD_LIBRARY_PATH); the library exports only the public API."""
+    prefix = tmp_path / "prefix"
+    _make("install", f"PREFIX={prefix}", f"B={tmp_path / 'build'}")
+    inc, lib = prefix / "include", prefix / "lib"
+    assert (inc / "moecache.h").is_file() and (lib / "libmoecache.so").exists()
+    env = dict(os.environ, PKG_CONFIG_PATH=str(lib / "pkgconfig"))
+    env.pop("LD_LIBRARY_PATH", None)
     flags = subprocess.run(["pkg-config", "--cflags", "--libs", "moecache"], env=env, text=True,
                            capture_output=True, check=True).stdout.split()
-    assert f"-I{inc}" in flags and "-lmoecache" in flags
+    assert f"-I{inc}" in flags and "-lmoecache" in flags and f"-Wl,-rpath,{lib}" in flags, flags
+    # symbols: exactly the MC_API functions of moecache.h (internal helpers hidden)
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(lib / "libmoecache.so")], text=True,
+                        capture_output=True, check=True).stdout
+    exported = {ln.split()[-1] for ln in nm.splitlines() if ln.split() and ln.split()[-2] in "TtDdBbRrWiV"}
+    api = _public_api()
+    assert len(api) >= 30 and exported == api, (sorted(exported - api), sorted(api - exported))
     exe = tmp_path / "cxx_smoke"
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         pytest.skip("no C++ compiler: the header's C++ side is not checked")
     subprocess.run([cxx, "-std=c++11", "-Wall", "-Werror", str(CDIR / "tests" / "cxx_smoke.cpp"), "-o", str(exe),
-                    f"-L{tmp_path / 'lib'}", f"-Wl,-rpath,{tmp_path / 'lib'}", *flags], check=True)
-    r = subprocess.run([str(exe)], text=True, capture_output=True, timeout=60)
+                    *flags], check=True, env=env)
+    r = subprocess.run([str(exe)], text=True, capture_output=True, timeout=60, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_installed_example_runs_without_ld_library_path(tmp_path, model_factory):
+    """The installed example (bin/moecache-replay, linked to lib/libmoecache.so.0 by rpath) finds the
+    library by itself and replays a trace against a daemon."""
+    from daemon_util import Daemon
+    prefix = tmp_path / "prefix"
+    _make("install", f"PREFIX={prefix}", f"B={tmp_path / 'build'}")
+    exe = prefix / "bin" / "moecache-replay"
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    ldd = subprocess.run(["ldd", str(exe)], text=True, capture_output=True, env=env).stdout
+    assert f"libmoecache.so.0 => {prefix / 'lib' / 'libmoecache.so.0'}" in ldd, ldd
+    model = model_factory("qwen3-30b-a3b-Q4_K_M", layers=2, experts=8)
+    trace = tmp_path / "trace.txt"
+    trace.write_text("".join(f"{t} {layer} {t % 8} {(t + 3) % 8}\n" for t in range(6) for layer in range(2)))
+    with Daemon(model, tmp_path, slots=8) as d:
+        r = subprocess.run([str(exe), d.endpoint, str(trace)], text=True, capture_output=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _make_fails(tmp_path, **tools) -> str:
+    p = subprocess.run(["make", "-C", str(CDIR), f"B={tmp_path / 'build'}", *(f"{k}={v}" for k, v in tools.items())],
+                       text=True, capture_output=True, timeout=120)
+    assert p.returncode != 0 and not (tmp_path / "build").exists(), p.stdout + p.stderr
+    lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip() and not ln.startswith("make:")]
+    assert len(lines) == 1, lines   # one line, before anything is compiled
+    return lines[0]
+
+
+def _tool(tmp_path, name: str, real: str, refuse: str) -> Path:
+    """A wrapper of `real` that fails whenever its arguments mention `refuse` (a missing library)."""
+    p = tmp_path / name
+    p.write_text(f'#!/bin/sh\ncase "$*" in *{refuse}*) exit 1;; esac\nexec {real} "$@"\n')
+    p.chmod(0o755)
+    return p
+
+
+def test_missing_dependencies_stop_make_with_the_package_to_install(tmp_path):
+    line = _make_fails(tmp_path, PKG_CONFIG=_tool(tmp_path, "pc", "pkg-config", "zmq"),
+                       CC=_tool(tmp_path, "cc", "cc", "zmq"))
+    assert "libzmq not found" in line and "libzmq3-dev" in line, line
+    line = _make_fails(tmp_path, PKG_CONFIG=_tool(tmp_path, "pc", "pkg-config", "msgpack"),
+                       CC=_tool(tmp_path, "cc", "cc", "msgpack"))
+    assert "msgpack-c not found" in line and "libmsgpack-c-dev" in line and "libmsgpack-dev" in line, line
+
+
+def test_dependencies_without_pkg_config_files_and_msgpack_c_6(tmp_path):
+    """No .pc files: plain -l flags that link, and moecache.pc names them in Libs.private; a
+    msgpack-c.pc (msgpack-c 6's name) is preferred over msgpack.pc."""
+    _make(f"B={tmp_path / 'plain'}", "PKG_CONFIG=false", f"PREFIX={tmp_path}", str(tmp_path / "plain" / "moecache.pc"),
+          str(tmp_path / "plain" / "libmoecache.so"))
+    pc = (tmp_path / "plain" / "moecache.pc").read_text()
+    assert re.search(r"^Requires.private: *$", pc, re.M) and re.search(r"^Libs.private: -lzmq -lmsgpack-?c -lpthread$", pc, re.M), pc
+    fake = tmp_path / "pc"
+    fake.mkdir()
+    msgpack_libs = subprocess.run(["pkg-config", "--libs", "msgpack"], text=True, capture_output=True).stdout.strip()
+    if not msgpack_libs:
+        pytest.skip("no msgpack.pc here to stand in for msgpack-c.pc")
+    (fake / "msgpack-c.pc").write_text(f"Name: msgpack-c\nDescription: stand-in\nVersion: 6.0.0\nLibs: {msgpack_libs}\nCflags:\n")
+    old = os.environ.get("PKG_CONFIG_PATH")
+    os.environ["PKG_CONFIG_PATH"] = os.pathsep.join([str(fake)] + ([old] if old else []))
+    try:
+        _make(f"B={tmp_path / 'six'}", f"PREFIX={tmp_path}", str(tmp_path / "six" / "moecache.pc"))
+    finally:
+        if old is None:
+            del os.environ["PKG_CONFIG_PATH"]
+        else:
+            os.environ["PKG_CONFIG_PATH"] = old
+    assert re.search(r"^Requires.private: libzmq msgpack-c$", (tmp_path / "six" / "moecache.pc").read_text(), re.M)

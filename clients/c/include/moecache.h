@@ -48,6 +48,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* MC_API marks the public functions: libmoecache.so is built with -fvisibility=hidden, so these
+ * are the only symbols it exports. */
+#ifndef MC_API
+#if defined(__GNUC__) && __GNUC__ >= 4
+#define MC_API __attribute__((visibility("default")))
+#else
+#define MC_API
+#endif
+#endif
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -96,9 +106,9 @@ typedef struct mc_error {
 } mc_error;
 
 /* The name of a code ("MC_OK", "MC_ERR_TIMEOUT", ...). */
-const char *mc_code_name(int code);
+MC_API const char *mc_code_name(int code);
 /* The daemon's code string -> mc_code (MC_ERR_D_OTHER for an unknown one). */
-int mc_code_from_daemon(const char *code);
+MC_API int mc_code_from_daemon(const char *code);
 
 typedef struct mc_options {
     int timeout_ms;           /* default wait for a reply (-1: forever). Default 30000 */
@@ -116,7 +126,7 @@ typedef struct mc_options {
 } mc_options;
 
 /* Fill *opt with the defaults. */
-void mc_options_init(mc_options *opt);
+MC_API void mc_options_init(mc_options *opt);
 
 typedef struct mc_client mc_client;
 typedef struct mc_lease mc_lease;
@@ -128,29 +138,29 @@ typedef struct mc_lease mc_lease;
  * err may be NULL): an ipc endpoint without a socket file fails at once (MC_ERR_SYSTEM, "no
  * daemon socket at ..."), a daemon that does not answer after connect_timeout_ms
  * (MC_ERR_TIMEOUT). opt may be NULL (defaults). name may be NULL ("pid<N>"). */
-mc_client *mc_connect(const char *endpoint, const char *name, const mc_options *opt, mc_error *err);
+MC_API mc_client *mc_connect(const char *endpoint, const char *name, const mc_options *opt, mc_error *err);
 
 /* Say bye (the daemon releases this client's leases), stop the heartbeat, close the socket. */
-void mc_close(mc_client *c);
+MC_API void mc_close(mc_client *c);
 
 /* Round trip to the daemon; *rtt_us (may be NULL) gets the microseconds. */
-int mc_ping(mc_client *c, double *rtt_us, mc_error *err);
+MC_API int mc_ping(mc_client *c, double *rtt_us, mc_error *err);
 
 /* Without the heartbeat thread: ping if idle, read late replies, notice a dropped connection.
  * Call at least every mc_heartbeat_ms(c) milliseconds. Harmless with the thread. */
-int mc_tick(mc_client *c, mc_error *err);
-int mc_heartbeat_ms(const mc_client *c);
+MC_API int mc_tick(mc_client *c, mc_error *err);
+MC_API int mc_heartbeat_ms(const mc_client *c);
 
 /* The daemon's session of the current hello (0 while none: after a restart, before the next
  * call). */
-uint64_t mc_session(const mc_client *c);
+MC_API uint64_t mc_session(const mc_client *c);
 /* 1 when the daemon watches this process (lease_watch "process"), 1 when the fast path is on. */
-int mc_watched(const mc_client *c);
-int mc_fast_path(const mc_client *c);
+MC_API int mc_watched(const mc_client *c);
+MC_API int mc_fast_path(const mc_client *c);
 
 /* The daemon's `stats` reply (every counter) as text in msgpack-c's JSON-like rendering
  * (malloc'd; free() it). NULL on error. */
-char *mc_stats_text(mc_client *c, mc_error *err);
+MC_API char *mc_stats_text(mc_client *c, mc_error *err);
 
 /* ----------------------------------------------------------------- the arena */
 
@@ -187,9 +197,9 @@ typedef struct mc_arena {
  * NULL then on error). The description stays readable until mc_close, even after a restart;
  * its `base` mapping stays while it is the current arena or a lease granted on it is held
  * (after MC_ERR_RESTARTED, call mc_arena_get again for the new one). */
-const mc_arena *mc_arena_get(mc_client *c, mc_error *err);
+MC_API const mc_arena *mc_arena_get(mc_client *c, mc_error *err);
 /* Class id of a GGUF block (-1 when it has no routed experts). */
-int mc_layer_class(const mc_arena *a, int layer);
+MC_API int mc_layer_class(const mc_arena *a, int layer);
 
 /* ----------------------------------------------------------------- leases */
 
@@ -217,10 +227,10 @@ enum {
  * socket for the whole set. timeout_ms: -1 = the client's default wait (mc_options.timeout_ms);
  * >= 0 is sent as the daemon's timeout_ms and the client waits one second longer, so the
  * daemon's answer (MC_ERR_D_TIMEOUT, nothing pinned) wins over a local MC_ERR_TIMEOUT. */
-int mc_acquire(mc_client *c, int layer, const int *experts, uint32_t n, int flags, int timeout_ms,
+MC_API int mc_acquire(mc_client *c, int layer, const int *experts, uint32_t n, int flags, int timeout_ms,
                mc_lease **out, mc_error *err);
 /* Several layers in one lease. */
-int mc_acquire_many(mc_client *c, const mc_request *reqs, uint32_t n_reqs, int flags, int timeout_ms,
+MC_API int mc_acquire_many(mc_client *c, const mc_request *reqs, uint32_t n_reqs, int flags, int timeout_ms,
                     mc_lease **out, mc_error *err);
 /* Substitution (docs/protocol.md, "Substitution"): the router's scores and further ranked
  * candidates; for each missing expert the daemon may grant a resident candidate scoring
@@ -247,48 +257,48 @@ typedef struct mc_subst {
  * to substitute, no message), else one acquire carrying the candidates. subst NULL: exactly
  * mc_acquire_many. The items name the substitutes in the places of the experts they replace;
  * mc_lease_subst says which. */
-int mc_acquire_subst(mc_client *c, const mc_request *reqs, uint32_t n_reqs, const mc_subst *subst, int flags,
+MC_API int mc_acquire_subst(mc_client *c, const mc_request *reqs, uint32_t n_reqs, const mc_subst *subst, int flags,
                      int timeout_ms, mc_lease **out, mc_error *err);
 /* Substitutions the daemon made in this lease (0 for a fast-path lease). */
-uint32_t mc_lease_n_subst(const mc_lease *l);
+MC_API uint32_t mc_lease_n_subst(const mc_lease *l);
 /* Substitution i: the layer, the missing expert and its substitute; 0 when i is out of range. */
-int mc_lease_subst(const mc_lease *l, uint32_t i, int *layer, int *missing, int *substitute);
+MC_API int mc_lease_subst(const mc_lease *l, uint32_t i, int *layer, int *missing, int *substitute);
 
 /* Queue reads only (no pins, noreply). */
-int mc_prefetch(mc_client *c, int layer, const int *experts, uint32_t n, mc_error *err);
-int mc_prefetch_many(mc_client *c, const mc_request *reqs, uint32_t n_reqs, mc_error *err);
+MC_API int mc_prefetch(mc_client *c, int layer, const int *experts, uint32_t n, mc_error *err);
+MC_API int mc_prefetch_many(mc_client *c, const mc_request *reqs, uint32_t n_reqs, mc_error *err);
 /* mc_prefetch_many with the predictor's confidence of each expert: conf[i][j] in [0, 1] for
  * expert j of reqs[i] (docs/protocol.md, prefetch "conf"). The daemon drops experts below its
  * prefetch_min_confidence and, at its prefetch caps, keeps the most confident. conf NULL:
  * exactly mc_prefetch_many. MC_ERR_INVALID_ARG (nothing sent) for a value outside [0, 1]. */
-int mc_prefetch_conf(mc_client *c, const mc_request *reqs, uint32_t n_reqs, const double *const *conf,
+MC_API int mc_prefetch_conf(mc_client *c, const mc_request *reqs, uint32_t n_reqs, const double *const *conf,
                      mc_error *err);
 
 /* The items in request order (layers in the order given, experts in the order given). */
-uint32_t mc_lease_n(const mc_lease *l);
-const mc_item *mc_lease_items(const mc_lease *l);
+MC_API uint32_t mc_lease_n(const mc_lease *l);
+MC_API const mc_item *mc_lease_items(const mc_lease *l);
 /* Slot of item i (== mc_lease_items(l)[i].slot). */
-uint32_t mc_lease_slot(const mc_lease *l, uint32_t i);
+MC_API uint32_t mc_lease_slot(const mc_lease *l, uint32_t i);
 /* Copies the slot of each item (request order) into out[0..cap); returns the item count. */
-uint32_t mc_lease_slots(const mc_lease *l, uint32_t *out, uint32_t cap);
+MC_API uint32_t mc_lease_slots(const mc_lease *l, uint32_t *out, uint32_t cap);
 /* 1 when the lease came from the shared-memory hit path (no message). */
-int mc_lease_fast(const mc_lease *l);
+MC_API int mc_lease_fast(const mc_lease *l);
 /* The daemon's counters for this request (0 for fast-path leases, which are all hits). */
-void mc_lease_counts(const mc_lease *l, uint32_t *hits, uint32_t *prefetch_hits, uint32_t *misses,
+MC_API void mc_lease_counts(const mc_lease *l, uint32_t *hits, uint32_t *prefetch_hits, uint32_t *misses,
                      uint64_t *stall_us);
 
 /* Zero-copy read-only bytes of part `part` of item idx; *bytes (may be NULL) gets the length.
  * NULL when the lease is not valid (released, restart, revoked), idx out of range or no such
  * part. Check mc_lease_valid() again after using the bytes. */
-const void *mc_lease_part(const mc_lease *l, uint32_t idx, const char *part, uint64_t *bytes);
+MC_API const void *mc_lease_part(const mc_lease *l, uint32_t idx, const char *part, uint64_t *bytes);
 
 /* 1 while the lease pins its experts: the arena epoch is the granting session and every
  * slot generation is the one granted. Bytes read before a call that returns 1 were the
  * granted experts'. A few shared-memory loads, no message, no lock. */
-int mc_lease_valid(const mc_lease *l);
+MC_API int mc_lease_valid(const mc_lease *l);
 
 /* Unpin and free the lease (fast path: atomic decrements; socket: a noreply release). */
-void mc_release(mc_lease *l);
+MC_API void mc_release(mc_lease *l);
 
 #ifdef __cplusplus
 }
