@@ -1,10 +1,10 @@
-"""Builds the Cython core: every cython_ext/<name>.pyx becomes the module moecached.<name>;
-and the client's shared-memory hit path, moecache_client._shm (clients/python/setup.py builds
-the same extension when the client is installed alone).
+"""Builds the Cython core: every cython_ext/<name>.pyx becomes the module moecached.<name>.
+The Python client, moecache_client and its shared-memory hit path moecache_client._shm, is its
+own distribution (clients/python/setup.py).
 
-``clients/c/include`` is on the C and the Cython include path: both ``_shm`` modules compile
-``moecache_shm.h``, the one implementation of the shared-memory hit path's rules, and cimport
-its declarations from ``moecache_shm.pxd`` beside it.
+``clients/c/include`` is on the C and the Cython include path: the daemon's ``_shm`` module and
+the client's compile ``moecache_shm.h``, the one implementation of the shared-memory hit path's
+rules, and cimport its declarations from ``moecache_shm.pxd`` beside it.
 
 Modules do not cimport each other (one .pyx per concept, each self-contained), so a plain
 `pip install .` needs nothing beyond the build requirements in pyproject.toml.
@@ -26,7 +26,5 @@ exts = [
     )
     for p in sorted(glob.glob("cython_ext/*.pyx"))
 ]
-exts.append(Extension("moecache_client._shm", ["clients/python/moecache_client/_shm.pyx"],
-                      include_dirs=["clients/c/include"], extra_compile_args=["-O2", "-std=gnu11"]))
 setup(ext_modules=cythonize(exts, language_level=3, include_path=["cython_ext", "clients/c/include"],
                             compiler_directives={"boundscheck": False, "wraparound": False}))

@@ -40,25 +40,34 @@ engine then uses.
 from __future__ import annotations
 
 import itertools
+import logging
 import mmap
 import numbers
 import operator
 import os
 import threading
 import time
+from collections.abc import Iterable, Sequence
+from types import EllipsisType
+from typing import Self
 
 import msgpack
 import numpy as np
 import zmq
 
+__version__ = "0.1.0"
+
+_NO_SHM = None   # why the extension is missing (None: loaded, or turned off by MOECACHE_CLIENT_PURE)
 if os.environ.get("MOECACHE_CLIENT_PURE", "") not in ("", "0"):
     _shm = None
 else:
     try:
         from . import _shm
-    except ImportError:
+    except ImportError as e:
         _shm = None
+        _NO_SHM = str(e) or "not built"
 IMPLEMENTATION = "python" if _shm is None else "cython"   # "python": socket path only
+log = logging.getLogger("moecache_client")
 
 __all__ = ["Client", "Lease", "Subst", "ClientError", "ServerError", "DaemonRestarted", "Timeout",
            "LeaseInvalid", "DEFAULT_ENDPOINT", "IMPLEMENTATION"]
@@ -66,6 +75,11 @@ __all__ = ["Client", "Lease", "Subst", "ClientError", "ServerError", "DaemonRest
 DEFAULT_ENDPOINT = "ipc:///run/moecached/moecached.sock"
 _INT_ONLY = frozenset((int,))
 PROTOCOL_VERSION = 1
+# the public API's argument types: a layer's experts (ints: a list, a tuple, a numpy array...),
+# several layers' requests, and a timeout where ``...`` means the client's default
+Experts = Iterable[int]
+Requests = Iterable[tuple[int, Experts]]
+TimeoutArg = float | None | EllipsisType
 DESCRIPTOR_VERSION = 2     # the arena descriptor this client reads (control block included)
 _CONTROL_MAGIC = b"MOECTL01"
 
@@ -93,6 +107,20 @@ class Timeout(ClientError):
 class LeaseInvalid(ClientError):
     """The lease no longer pins its experts (released, daemon restarted, or revoked and its
     slots reused): bytes read through it may belong to another expert."""
+
+
+_noted = False
+
+
+def _note_no_fast_path() -> None:
+    """Once per process: say that the shared-memory fast path is off and how to get it."""
+    global _noted
+    if not _noted:
+        _noted = True
+        log.warning("moecache_client: shared-memory fast path OFF (extension moecache_client._shm not built: %s); "
+                    "using the socket only. To build it: pip install 'Cython>=3.0' && pip install "
+                    "--no-build-isolation --force-reinstall ./clients/python (MOECACHE_CLIENT_PURE=1 silences this)",
+                    _NO_SHM)
 
 
 def _own_start_time() -> int | None:
@@ -231,7 +259,8 @@ class Subst:
     """
     __slots__ = ("r", "cap", "layers")
 
-    def __init__(self, r: float, cap: int | None, layers: dict):
+    def __init__(self, r: float, cap: int | None,
+                 layers: dict[int, tuple[Sequence[float], Iterable[tuple[int, float]]]]):
         if not (isinstance(r, (int, float)) and 0.0 <= r <= 1.0):
             raise ClientError(f"Subst r: found {r!r}, expected a number in [0, 1]")
         if cap is not None and (not isinstance(cap, int) or cap < 0):
@@ -390,10 +419,10 @@ class Lease:
             else:
                 self._client._release_lease(self)
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
@@ -447,6 +476,8 @@ class Client:
             raise ClientError(f"no daemon socket at {path}: is moecached running? (systemctl status moecached)")
         self.map_arena = map_arena
         self._want_fast = bool(fast_path) and map_arena and self._ipc and _shm is not None
+        if fast_path and map_arena and self._ipc and _NO_SHM is not None:
+            _note_no_fast_path()
         self._fast = None                      # (arena, Shm) while the current hello's session can pin in shm
         self._fast_ids = itertools.count(-1, -1)   # ids of leases taken without a message
         # the daemon keeps 64 characters of a name; a longer one would not fit its limits
@@ -493,7 +524,7 @@ class Client:
         return self.info["top_k"]
 
     @property
-    def arena(self):
+    def arena(self) -> _Arena | None:
         """This session's arena mapping (None with ``map_arena=False``): ``.address`` (int base
         address), ``.size`` (bytes), ``.descriptor`` (the hello's ``arena`` map)."""
         return self._arena
@@ -504,8 +535,8 @@ class Client:
         "Shared-memory hit path")."""
         return self._fast is not None
 
-    def acquire(self, layer: int, experts, *, tag: str | None = None,
-                timeout: float | None = ..., layers=None, subst: Subst | None = None) -> Lease:
+    def acquire(self, layer: int | None, experts: Experts | None, *, tag: str | None = None,
+                timeout: TimeoutArg = ..., layers: Requests | None = None, subst: Subst | None = None) -> Lease:
         """Pin ``experts`` of ``layer`` (GGUF block number), waiting for reads; returns a Lease.
 
         ``layers=[(layer, [experts]), ...]`` acquires several layers in one lease.
@@ -527,12 +558,14 @@ class Client:
         rep = self._wait(self._submit(msg), self._t(timeout), "acquire")
         return Lease(self, rep["session"], rep["_arena"], rep)
 
-    def acquire_many(self, requests, *, tag=None, timeout=..., subst: Subst | None = None) -> Lease:
+    def acquire_many(self, requests: Requests, *, tag: str | None = None, timeout: TimeoutArg = ...,
+                     subst: Subst | None = None) -> Lease:
         """Several layers in one lease: ``requests = [(layer, [experts]), ...]``."""
         return self.acquire(None, None, tag=tag, timeout=timeout, layers=requests, subst=subst)
 
-    def acquire_async(self, layer, experts, *, tag=None, layers=None, timeout_ms: int | None = None,
-                      subst: Subst | None = None) -> "LeaseFuture":
+    def acquire_async(self, layer: int | None, experts: Experts | None, *, tag: str | None = None,
+                      layers: Requests | None = None, timeout_ms: int | None = None,
+                      subst: Subst | None = None) -> LeaseFuture:
         """Non-blocking acquire for pipelining: returns a future; ``.result(timeout)`` -> Lease."""
         if self._fast is not None:
             lease = self._fast_acquire(layer, experts, layers)
@@ -548,8 +581,8 @@ class Client:
             msg["timeout_ms"] = int(timeout_ms)
         return LeaseFuture(self, self._submit(msg))
 
-    def prefetch(self, layer: int, experts=None, *, layers=None, wait: bool = False,
-                 conf=None) -> int | None:
+    def prefetch(self, layer: int | None, experts: Experts | None = None, *, layers: Requests | None = None,
+                 wait: bool = False, conf: Iterable[float] | Iterable[Iterable[float]] | None = None) -> int | None:
         """Queue reads only (no pins). ``wait=False`` sends without waiting for the reply.
         ``conf``: the predictor's confidence per expert, numbers in [0, 1]: ``[c, ...]``
         parallel to ``experts``, or ``[[c, ...], ...]`` parallel to ``layers`` (docs/protocol.md,
@@ -577,7 +610,7 @@ class Client:
         """A short status map: state, pid, uptime, budget, slots, hit rate, reads in flight."""
         return self._call({"op": "status"})["status"]
 
-    def models(self, action: str = "list", **fields) -> dict:
+    def models(self, action: str = "list", **fields: object) -> dict:
         """The daemon's models (several models under one budget): ``list`` (per model: share,
         residency, hit rate, bytes read; and the split), ``add`` (``name``, ``path``, optional
         ``min_budget``/``max_budget`` bytes, ``weight``), ``remove`` (``name``) or
@@ -623,10 +656,10 @@ class Client:
             self._fail_pending(lambda op: ClientError(f"{op}: client closed"))
             self._close_socket()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---- internals: calls -----------------------------------------------------------------
