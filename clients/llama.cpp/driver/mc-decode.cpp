@@ -4,6 +4,7 @@
 //   mc-decode -m MODEL [--moecached ENDPOINT] [-p PROMPT] [-n STEPS] [-t THREADS]
 //             [--ubatch N] [--dump FILE] [--step-delay-ms MS] [--retries N] [--rounds N]
 //             [--moecached-subst R] [--moecached-subst-cap N] [--dump-moe FILE]
+//   mc-decode --help      (-h) prints the options and exits 0
 //
 // Prints one line per step ("step I token T") and a final "timing" line:
 //   timing prompt_tokens=P prompt_s=S decode_tokens=N decode_s=S
@@ -48,6 +49,26 @@ static bool dump_moe(struct ggml_tensor * t, bool ask, void * ud) {
     return true;
 }
 
+static const char * USAGE =
+    "usage: mc-decode -m MODEL [--moecached ENDPOINT] [-p PROMPT] [-n STEPS] [-t THREADS]\n"
+    "                 [--ubatch N] [--dump FILE] [--step-delay-ms MS] [--retries N] [--rounds N]\n"
+    "                 [--moecached-subst R] [--moecached-subst-cap N] [--dump-moe FILE]\n"
+    "Greedy decode with llama.cpp, every step's logits dumped, through moecached or not.\n"
+    "  -m MODEL                  GGUF model (required)\n"
+    "  --moecached ENDPOINT      take the routed experts from the daemon at ENDPOINT\n"
+    "  -p PROMPT                 prompt (default: \"The quick brown fox jumps over the lazy dog.\")\n"
+    "  -n STEPS                  tokens to decode (default 32)\n"
+    "  -t THREADS                threads (default 2)\n"
+    "  --ubatch N                physical batch size of the prompt (default 512)\n"
+    "  --dump FILE               float32 logits of the prompt's last token and of each step\n"
+    "  --step-delay-ms MS        sleep between steps (default 0)\n"
+    "  --retries N               retries of a decode the daemon failed (default 0: exit 3)\n"
+    "  --rounds N                decode the prompt N times, in new contexts (default 1)\n"
+    "  --moecached-subst R       let the daemon substitute a resident expert scoring >= R x a missing one\n"
+    "  --moecached-subst-cap N   at most N substitutions per layer\n"
+    "  --dump-moe FILE           the router's probabilities, top-k, substituted ids and weights per MoE block\n"
+    "  -h, --help                print this and exit\n";
+
 static double now_s() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -61,7 +82,8 @@ int main(int argc, char ** argv) {
             if (i + 1 >= argc) { fprintf(stderr, "mc-decode: %s needs a value\n", a.c_str()); exit(2); }
             return argv[++i];
         };
-        if (a == "-m") model_path = next();
+        if (a == "-h" || a == "--help") { fputs(USAGE, stdout); return 0; }
+        else if (a == "-m") model_path = next();
         else if (a == "--moecached") endpoint = next();
         else if (a == "-p") prompt = next();
         else if (a == "-n") n_steps = atoi(next());
@@ -74,9 +96,9 @@ int main(int argc, char ** argv) {
         else if (a == "--moecached-subst") setenv("LLAMA_MOECACHED_SUBST", next(), 1);   // read at load
         else if (a == "--moecached-subst-cap") setenv("LLAMA_MOECACHED_SUBST_CAP", next(), 1);
         else if (a == "--dump-moe") dump_moe_path = next();
-        else { fprintf(stderr, "mc-decode: unknown argument %s\n", a.c_str()); return 2; }
+        else { fprintf(stderr, "mc-decode: unknown argument %s\n%s", a.c_str(), USAGE); return 2; }
     }
-    if (model_path.empty()) { fprintf(stderr, "mc-decode: -m MODEL is required\n"); return 2; }
+    if (model_path.empty()) { fprintf(stderr, "mc-decode: -m MODEL is required\n%s", USAGE); return 2; }
 
     llama_log_set([](ggml_log_level level, const char * text, void *) {
         if (level >= GGML_LOG_LEVEL_WARN || strstr(text, "moecached")) fputs(text, stderr);
