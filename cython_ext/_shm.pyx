@@ -17,6 +17,7 @@ from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport malloc, free
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
 
+cimport moecache_shm as H
 from moecache_shm cimport (MCSHM_MAX_CLASSES, MCSHM_PIN_HEADER_BYTES, mcshm_drain, mcshm_layout,
                            mcshm_pinned_by, mcshm_publish, mcshm_ring_pending, mcshm_ring_reset,
                            mcshm_try_evict, mcshm_u64)
@@ -142,8 +143,23 @@ cdef extern from *:
 
 #: Ring entries per pin file (a power of two): 16384 entries of 16 bytes, 256 KiB.
 RING_N = 16384
+# The shared-memory facts of moecache_shm.h, as Python values (the daemon's one source of them).
 MAX_CLASSES = MCSHM_MAX_CLASSES
 PIN_HEADER_BYTES = MCSHM_PIN_HEADER_BYTES
+CTL_HEADER_BYTES = H.MCSHM_CTL_HEADER_BYTES
+CTL_MAGIC = (<uint64_t> H.MCSHM_CTL_MAGIC).to_bytes(8, "little")
+PIN_MAGIC = (<uint64_t> H.MCSHM_PIN_MAGIC).to_bytes(8, "little")
+#: control block word indices
+CTL_W_EPOCH, CTL_W_STATE, CTL_W_NCLASSES, CTL_W_NKEYS, CTL_W_RESMAP_OFF = (
+    H.MCSHM_CTL_W_EPOCH, H.MCSHM_CTL_W_STATE, H.MCSHM_CTL_W_NCLASSES, H.MCSHM_CTL_W_NKEYS,
+    H.MCSHM_CTL_W_RESMAP_OFF)
+STATE_STOPPED, STATE_SERVING, STATE_MODEL_CHANGED = (
+    H.MCSHM_STATE_STOPPED, H.MCSHM_STATE_SERVING, H.MCSHM_STATE_MODEL_CHANGED)
+#: pin file word indices
+PIN_WORDS = {"magic": H.MCSHM_PIN_W_MAGIC, "epoch": H.MCSHM_PIN_W_EPOCH,
+             "n_slots": H.MCSHM_PIN_W_NSLOTS, "ring_n": H.MCSHM_PIN_W_RING_N,
+             "pins_off": H.MCSHM_PIN_W_PINS_OFF, "ring_off": H.MCSHM_PIN_W_RING_OFF,
+             "quota": H.MCSHM_PIN_W_QUOTA, "head": H.MCSHM_PIN_W_HEAD, "tail": H.MCSHM_PIN_W_TAIL}
 
 
 cdef class PinFile:

@@ -50,17 +50,20 @@ from fractions import Fraction
 
 import numpy as np
 
-from . import MoecacheError
+from . import MoecacheError, _shm
 
 __all__ = ["ArenaError", "ClassLayout", "Arena", "plan_slots", "planned_size"]
 
 DESCRIPTOR_VERSION = 2
-CONTROL_MAGIC = b"MOECTL01"
-PIN_MAGIC = b"MOEPIN01"      # a fast-path client's pin file (daemon-owned, same cleanup)
+# The control block's layout comes from clients/c/include/moecache_shm.h (through ._shm), a pin
+# file's magic too (a fast-path client's pin file: daemon-owned, same cleanup).
+CONTROL_MAGIC, PIN_MAGIC, CONTROL_HEADER_BYTES = _shm.CTL_MAGIC, _shm.PIN_MAGIC, _shm.CTL_HEADER_BYTES
 _OLD_ARENA_NAME = re.compile(r"\.?moecached-\d+-[0-9a-f]{8}")  # arenas from before the control block
-CONTROL_HEADER_BYTES = 64
-EPOCH_OFF, STATE_OFF, NCLASSES_OFF, NKEYS_OFF, RESMAP_OFF_OFF = 8, 16, 24, 32, 40  # header words
-STATE_STOPPED, STATE_SERVING, STATE_MODEL_CHANGED = 0, 1, 2
+EPOCH_OFF, STATE_OFF, NCLASSES_OFF, NKEYS_OFF, RESMAP_OFF_OFF = (   # header words, as byte offsets
+    8 * w for w in (_shm.CTL_W_EPOCH, _shm.CTL_W_STATE, _shm.CTL_W_NCLASSES, _shm.CTL_W_NKEYS,
+                    _shm.CTL_W_RESMAP_OFF))
+STATE_STOPPED, STATE_SERVING, STATE_MODEL_CHANGED = (
+    _shm.STATE_STOPPED, _shm.STATE_SERVING, _shm.STATE_MODEL_CHANGED)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]

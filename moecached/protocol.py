@@ -66,6 +66,10 @@ E_RATE_LIMITED = "rate_limited"    # the client is over its request rate limit (
 E_UNKNOWN_MODEL = "unknown_model"  # hello names a model this daemon does not serve (or is removing)
 E_INTERNAL = "internal"
 
+#: Every error code, in declaration order: the one table the views are held to (docs/protocol.md
+#: "Error codes", the C client's ``DAEMON_CODES`` / ``mc_code``; tests/test_one_table.py).
+ERROR_CODES = tuple(v for k, v in list(globals().items()) if k.startswith("E_"))
+
 
 class ProtocolError(MoecacheError):
     """A request the server refuses; becomes a structured error reply ``{code, message}``."""

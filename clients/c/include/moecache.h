@@ -96,6 +96,7 @@ typedef enum mc_code {
     MC_ERR_D_INTERNAL,
     MC_ERR_D_MODEL_CHANGED,
     MC_ERR_D_RATE_LIMITED,
+    MC_ERR_D_UNKNOWN_MODEL,   /* hello names a model the daemon does not serve (or is removing) */
     MC_ERR_D_OTHER            /* a code string this library does not know */
 } mc_code;
 

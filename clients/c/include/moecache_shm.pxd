@@ -29,12 +29,31 @@ cdef extern from "moecache_shm.h" nogil:
         MCSHM_MAX_CLASSES
         MCSHM_CTL_HEADER_BYTES
         MCSHM_PIN_HEADER_BYTES
+        MCSHM_CTL_W_MAGIC
+        MCSHM_CTL_W_EPOCH
+        MCSHM_CTL_W_STATE
+        MCSHM_CTL_W_NCLASSES
+        MCSHM_CTL_W_NKEYS
+        MCSHM_CTL_W_RESMAP_OFF
+        MCSHM_STATE_STOPPED
+        MCSHM_STATE_SERVING
+        MCSHM_STATE_MODEL_CHANGED
+        MCSHM_PIN_W_MAGIC
+        MCSHM_PIN_W_EPOCH
+        MCSHM_PIN_W_NSLOTS
+        MCSHM_PIN_W_RING_N
+        MCSHM_PIN_W_PINS_OFF
+        MCSHM_PIN_W_RING_OFF
+        MCSHM_PIN_W_QUOTA
+        MCSHM_PIN_W_HEAD
+        MCSHM_PIN_W_TAIL
         MCSHM_OK
         MCSHM_MISS
         MCSHM_STALE
         MCSHM_RING_FULL
         MCSHM_BAD
     uint64_t MCSHM_PIN_MAGIC
+    uint64_t MCSHM_CTL_MAGIC
     # the client's side
     int mcshm_pin(const mcshm_layout *m, const uint32_t *keys, uint32_t n, mcshm_item *out)
     void mcshm_unpin(const mcshm_layout *m, const mcshm_item *it, uint32_t n)

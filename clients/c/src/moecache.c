@@ -36,6 +36,7 @@ static const struct { const char *s; int code; } DAEMON_CODES[] = {
     {"shutdown", MC_ERR_D_SHUTDOWN}, {"invalid_state", MC_ERR_D_INVALID_STATE},
     {"refused", MC_ERR_D_REFUSED}, {"internal", MC_ERR_D_INTERNAL},
     {"model_changed", MC_ERR_D_MODEL_CHANGED}, {"rate_limited", MC_ERR_D_RATE_LIMITED},
+    {"unknown_model", MC_ERR_D_UNKNOWN_MODEL},
 };
 
 int mc_code_from_daemon(const char *code) {
@@ -73,6 +74,7 @@ const char *mc_code_name(int code) {
     case MC_ERR_D_INTERNAL: return "MC_ERR_D_INTERNAL";
     case MC_ERR_D_MODEL_CHANGED: return "MC_ERR_D_MODEL_CHANGED";
     case MC_ERR_D_RATE_LIMITED: return "MC_ERR_D_RATE_LIMITED";
+    case MC_ERR_D_UNKNOWN_MODEL: return "MC_ERR_D_UNKNOWN_MODEL";
     case MC_ERR_D_OTHER: return "MC_ERR_D_OTHER";
     default: return "MC_ERR_?";
     }
