@@ -1,4 +1,6 @@
-"""systemd/moecached.service passes ``systemd-analyze verify``; the sysusers snippet applies.
+"""systemd/moecached.service and moecached-metrics.service (the Prometheus exporter) pass
+``systemd-analyze verify``; the sysusers snippet applies; the exit status that stops restarts is
+the one the daemon gives a refused configuration.
 
 CI (Debian, root) needs ``apt-get install -y systemd`` for systemd-analyze / systemd-sysusers;
 the tests skip when they are missing. systemd need not be PID 1.
@@ -12,31 +14,43 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 UNIT = os.path.join(HERE, "..", "systemd", "moecached.service")
+METRICS_UNIT = os.path.join(HERE, "..", "systemd", "moecached-metrics.service")
 SYSUSERS = os.path.join(HERE, "..", "systemd", "moecached.sysusers")
 ANALYZE = shutil.which("systemd-analyze")
 SYSUSERS_BIN = shutil.which("systemd-sysusers")
 EXEC = "/usr/local/bin/moecached"
+METRICS_EXEC = "/usr/local/bin/moecache-ctl"
 
 
-def _verify(text, tmp_path, name="moecached.service"):
-    stub = tmp_path / "moecached"
+def _verify(text, tmp_path, name="moecached.service", exe=EXEC):
+    stub = tmp_path / os.path.basename(exe)
     stub.write_text("#!/bin/sh\nexit 0\n")
     stub.chmod(0o755)
-    assert f"ExecStart={EXEC} " in text
+    assert f"ExecStart={exe} " in text
     unit = tmp_path / name
-    unit.write_text(text.replace(f"ExecStart={EXEC} ", f"ExecStart={stub} "))
+    unit.write_text(text.replace(f"ExecStart={exe} ", f"ExecStart={stub} "))
     r = subprocess.run([ANALYZE, "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=120)
     return r.returncode, (r.stdout + r.stderr).strip()
 
 
-def _unit_text():
-    with open(UNIT) as f:
+def _unit_text(path=UNIT):
+    with open(path) as f:
         return f.read()
+
+
+def _settings(text) -> dict:
+    settings = {}
+    for line in text.splitlines():
+        m = re.match(r"^([A-Za-z]+)=(.*)$", line)
+        if m:
+            settings.setdefault(m.group(1), []).append(m.group(2))
+    return settings
 
 
 @pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze not installed (apt-get install -y systemd)")
@@ -81,3 +95,48 @@ def test_sysusers_creates_user_and_group(tmp_path):
     group = (tmp_path / "etc" / "group").read_text()
     assert re.search(r"^moecached:x:\d+:\d+:[^:]*:/:/usr/sbin/nologin$", passwd, re.M), passwd
     assert re.search(r"^moecached:x:\d+:", group, re.M), group
+
+
+@pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze not installed (apt-get install -y systemd)")
+def test_metrics_unit_verifies_cleanly(tmp_path):
+    rc, out = _verify(_unit_text(METRICS_UNIT), tmp_path, "moecached-metrics.service", METRICS_EXEC)
+    assert rc == 0 and out == "", out
+
+
+def test_metrics_unit_runs_the_exporter_on_the_daemons_socket():
+    st = _settings(_unit_text(METRICS_UNIT))
+    (cmd,) = st["ExecStart"]
+    argv = cmd.split()
+    assert argv[:2] == [METRICS_EXEC, "metrics"]
+    (daemon_cmd,) = _settings(_unit_text())["ExecStart"]
+    assert "--endpoint" in argv and argv[argv.index("--endpoint") + 1] == "ipc:///run/moecached/moecached.sock"
+    assert daemon_cmd.startswith(EXEC + " ")
+    assert st["SupplementaryGroups"] == ["moecached"] and st["DynamicUser"] == ["yes"]
+    assert st["After"] == ["moecached.service network.target"] and "Requires" not in st and "BindsTo" not in st
+    assert st["RestartPreventExitStatus"] == ["2"] and st["WantedBy"] == ["multi-user.target"]
+    # the exporter accepts the unit's arguments: one scrape with no daemon there says moecached_up 0
+    pytest.importorskip("prometheus_client")
+    r = subprocess.run([sys.executable, "-P", "-m", "moecached.tools.ctl", *argv[1:], "--once"],
+                       capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(HERE, ".."),
+                                                                        os.environ.get("PYTHONPATH", "")])))
+    assert r.returncode == 0 and re.search(r"^moecached_up 0(\.0)?$", r.stdout, re.M), r.stdout + r.stderr
+
+
+def test_restarts_stop_at_a_refused_configuration(tmp_path, capsys):
+    """RestartPreventExitStatus= lists what moecached returns for a configuration it refuses
+    (a bad value in the file, no model), and neither a failed start (1) nor the exit of a
+    changed model file (3), which a restart is for."""
+    from moecached import daemon
+    from moecached.reload import EXIT_MODEL_CHANGED
+    (prevent,) = _settings(_unit_text())["RestartPreventExitStatus"]
+    prevent = {int(x) for x in prevent.split()}
+    bad = tmp_path / "bad.toml"
+    bad.write_text('model = "/nonexistent/model.gguf"\nreaders = 0\n')
+    nomodel = tmp_path / "nomodel.toml"
+    nomodel.write_text("readers = 4\n")
+    for cfg in (bad, nomodel):
+        rc = daemon.main(["--config", str(cfg), "--endpoint", f"ipc://{tmp_path}/d.sock"])
+        err = capsys.readouterr().err
+        assert rc in prevent and err.startswith("moecached: error:") and len(err.strip().splitlines()) == 1, (rc, err)
+    assert not prevent & {0, 1, EXIT_MODEL_CHANGED}
