@@ -3,7 +3,7 @@ the replay example) plain, under ASan+UBSan and under TSan, install it and build
 installed pkg-config file, compile its header as C++.
 
 Skipped, with the reason, when there is no C compiler, no make, or no libzmq/msgpack-c headers
-(Debian: libzmq3-dev, libmsgpack-dev).
+(Debian: libzmq3-dev, and libmsgpack-c-dev or before Debian 13 libmsgpack-dev).
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def _missing() -> str | None:
     probe = subprocess.run(["cc", "-x", "c", "-fsyntax-only", "-"], input="#include <zmq.h>\n#include <msgpack.h>\n",
                            text=True, capture_output=True)
     if probe.returncode:
-        return "libzmq/msgpack-c headers missing (install libzmq3-dev and libmsgpack-dev): " + \
+        return "libzmq/msgpack-c headers missing (install libzmq3-dev and libmsgpack-c-dev, or libmsgpack-dev " \
+            "before Debian 13): " + \
             probe.stderr.strip().splitlines()[0]
     return None
 
