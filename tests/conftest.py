@@ -4,7 +4,31 @@ split=None, legacy=False, seed=0) -> path`` (see tests/fixtures.py).
 
 Disk: the models ``make_model`` wrote are deleted when the session ends (passed or not), and
 ``tmp_path_retention_policy = "failed"`` (pyproject.toml) has pytest delete the ``tmp_path`` of
-every passing test, so a run leaves only what failing tests wrote."""
+every passing test, so a run leaves only what failing tests wrote.
+
+Tiers: every test is sorted at collection (``pytest_collection_modifyitems``) into the heavy
+kinds it belongs to, as markers (registered in pyproject.toml):
+
+- ``daemon``: starts ``moecached`` processes -- uses ``start_daemon`` or the ``daemon_procs``
+  fixture, or runs ``python -m moecached...`` (the daemon, or ``moecache-ctl``) as a process;
+- ``build``: compiles (``make``, ``cc``: the C client);
+- ``engine``: runs the patched llama.cpp (``engine_llama``);
+- ``slow``: memory pressure (``memory_hog``, ``HOG``), the soaks (``test_soak*.py``), and the
+  in-process tests marked ``@pytest.mark.slow`` by hand because they take seconds.
+
+The first three are found in the test's source, the sources of the fixtures it uses and of the
+test module's own helpers, classes and constants it names (transitively), so a new test is
+sorted without anyone marking it. Every other test gets ``fast``: ``pytest -m fast`` is the
+inner loop (README.md). A test that starts a daemon process or a build without carrying its
+marker fails at once, naming itself (the tripwire around ``subprocess.Popen`` below), so the
+sorting cannot silently rot; tests/test_tiers.py checks the fast tier from the outside."""
+import ast
+import functools
+import inspect
+import json
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -61,3 +85,151 @@ def daemon_procs(model, tmp_path):
     for p in procs:
         out = stop_daemon(p)
         assert "Traceback" not in out, out
+
+
+# ---- tiers ---------------------------------------------------------------------------------
+
+HEAVY = ("daemon", "build", "engine", "slow")
+#: what in a test's source (or in what it uses) puts it in a heavy kind
+KIND_PATTERNS = {
+    "daemon": re.compile(r"\bstart_daemon\b|\bdaemon_procs\b|[\"']-m[\"'],\s*[\"']moecached\b|"
+                         r"\btools\.demo import [\w, ]*\bDaemon\b"),   # the demo's daemon process
+    "build": re.compile(r"[\"'](?:make|cc|c\+\+|cmake)[\"']|\bbuild\.sh\b|\bshm_shim\b"),   # shm_shim compiles
+    "engine": re.compile(r"\bengine_llama\b|\bllama_bin\b|\bengine_step\b"),
+    "slow": re.compile(r"\bmemory_hog\b|\bHOG\b"),
+}
+_IDENT = re.compile(r"\b[A-Za-z_]\w*\b")
+
+
+@functools.lru_cache(maxsize=None)
+def _module_defs(path: str) -> dict:
+    """Top-level functions, classes and assignments of a module: name -> source text."""
+    try:
+        text = Path(path).read_text()
+        tree = ast.parse(text)
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    defs = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [t.id for t in targets if isinstance(t, ast.Name)]
+        else:
+            continue
+        seg = ast.get_source_segment(text, node) or ""
+        for n in names:
+            if n != "pytestmark":
+                defs[n] = defs.get(n, "") + "\n" + seg
+    return defs
+
+
+def _kinds_in(src: str, path: str, seen: set) -> set:
+    """Heavy kinds in ``src`` and in the helpers of module ``path`` that it names, transitively."""
+    kinds = {k for k, rx in KIND_PATTERNS.items() if rx.search(src)}
+    defs = _module_defs(path)
+    for name in set(_IDENT.findall(src)) & defs.keys():
+        if (path, name) not in seen:
+            seen.add((path, name))
+            kinds |= _kinds_in(defs[name], path, seen)
+    return kinds
+
+
+def _source(func) -> tuple[str, str]:
+    try:
+        return inspect.getsource(func), inspect.getsourcefile(inspect.unwrap(func)) or ""
+    except (OSError, TypeError):
+        return "", ""
+
+
+def heavy_kinds(item) -> set:
+    """The heavy kinds of a collected test, from its source and its fixtures'."""
+    kinds = {k for k in HEAVY if item.get_closest_marker(k)}
+    if Path(str(item.fspath)).name.startswith("test_soak"):
+        kinds.add("slow")
+    func = getattr(item, "function", None)
+    if func is None:
+        return kinds
+    seen: set = set()
+    funcs = [func]
+    info = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        defs = info.name2fixturedefs.get(name) if info else None
+        if defs:
+            funcs.append(defs[-1].func)
+    for f in funcs:
+        src, path = _source(f)
+        kinds |= _kinds_in(src, path, seen)
+    return kinds
+
+
+@pytest.hookimpl(tryfirst=True)   # before -m deselects
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        kinds = heavy_kinds(item)
+        for k in sorted(kinds):
+            if not item.get_closest_marker(k):
+                item.add_marker(k)
+        if not kinds:
+            item.add_marker("fast")
+
+
+def pytest_collection_finish(session):
+    """``MOECACHED_TIERS_DUMP=FILE``: write what was selected (node id, fixtures, markers) as
+    JSON, for tests/test_tiers.py."""
+    out = os.environ.get("MOECACHED_TIERS_DUMP")
+    if out:
+        rows = [{"id": it.nodeid, "fixtures": list(getattr(it, "fixturenames", ())),
+                 "markers": sorted({m.name for m in it.iter_markers()}),
+                 "source": _source(it.function)[0] if hasattr(it, "function") else ""}
+                for it in session.items]
+        Path(out).write_text(json.dumps(rows))
+
+
+# The tripwire: while a test runs, a moecached daemon process or a compiler started by a test
+# not marked for it fails that test, naming the marker it lacks.
+_current: list = []
+_DAEMON_MODULES = {"moecached.daemon", "moecached.tools.ctl"}
+_DAEMON_SCRIPTS = {"moecached", "moecache-ctl"}
+_BUILD_TOOLS = {"make", "cc", "gcc", "g++", "c++", "clang", "cmake"}
+
+
+def _needs(args) -> str | None:
+    if isinstance(args, (str, bytes, os.PathLike)):
+        args = [args]
+    try:
+        argv = [os.fsdecode(a) for a in args]
+    except TypeError:
+        return None
+    if not argv:
+        return None
+    if os.path.basename(argv[0]) in _DAEMON_SCRIPTS or _DAEMON_MODULES & set(argv):
+        return "daemon"
+    if os.path.basename(argv[0]) in _BUILD_TOOLS:
+        return "build"
+    return None
+
+
+_popen_init = subprocess.Popen.__init__
+
+
+def _checked_popen_init(self, args, *a, **kw):
+    need = _needs(args)
+    if need and _current and not _current[-1].get_closest_marker(need):
+        pytest.fail(f"{_current[-1].nodeid} starts {args!r} but is not marked {need!r}: mark it "
+                    f"@pytest.mark.{need} (or name start_daemon/daemon_procs so tests/conftest.py "
+                    "sorts it)", pytrace=False)
+    _popen_init(self, args, *a, **kw)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current.append(item)
+    subprocess.Popen.__init__ = _checked_popen_init
+    try:
+        yield
+    finally:
+        _current.pop()
+        if not _current:
+            subprocess.Popen.__init__ = _popen_init

@@ -34,7 +34,8 @@ def _missing() -> str | None:
 
 
 MISSING = _missing()
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"C client not buildable: {MISSING}")
+pytestmark = [pytest.mark.skipif(MISSING is not None, reason=f"C client not buildable: {MISSING}"),
+              pytest.mark.timeout(1800)]   # a make may take its 600 s, and a test runs more than one
 
 
 def _env() -> dict:

@@ -70,6 +70,7 @@ def setup(tmp_path_factory):
     truth.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["global", "per-layer"])
 def test_trace_soak(setup, policy):
     idx, truth, traces = setup

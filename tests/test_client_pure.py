@@ -13,6 +13,7 @@ CLIENT_TESTS = ["test_client_fast.py", "test_client_fast_daemon.py", "test_clien
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)   # its pytest run may take its 600 s
 @pytest.mark.skipif(os.environ.get("MOECACHE_CLIENT_PURE", "") not in ("", "0"),
                     reason="already the pure implementation")
 def test_client_tests_pass_without_the_extension():

@@ -176,6 +176,7 @@ def test_rate_limit_refuses_and_drops_only_the_flooding_client(model_factory, tm
         d.stop()
 
 
+@pytest.mark.slow
 def test_defaults_do_not_limit_a_normal_decode_loop(model_factory, tmp_path):
     cfg = Config()
     # one acquire + one prefetch per layer and token, 48 layers at 100 tokens/s (releases

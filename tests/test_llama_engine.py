@@ -27,8 +27,9 @@ from moecached.index import open_index
 from moecached.tools.synth_runnable import write_runnable
 
 BIN = engine_llama.llama_bin()
-pytestmark = pytest.mark.skipif(BIN is None, reason="patched llama.cpp not built: run clients/llama.cpp/build.sh "
-                                                    "(or set MOECACHED_LLAMA_BIN to its bin directory)")
+pytestmark = [pytest.mark.skipif(BIN is None, reason="patched llama.cpp not built: run clients/llama.cpp/build.sh "
+                                                     "(or set MOECACHED_LLAMA_BIN to its bin directory)"),
+              pytest.mark.timeout(1200)]   # a test may decode twice, each run given 300 s
 PROMPT = "Experts in shared memory, served to every engine."
 STEPS = 40
 
@@ -395,6 +396,8 @@ def test_bad_substitution_setting_is_one_line(models, tmp_path, flag, value):
     assert lines and flag in lines[0] and value in lines[0], r.stderr[-2000:]
 
 
+@pytest.mark.engine
+@pytest.mark.daemon   # the demo's engine step starts its own daemon and llama.cpp
 def test_demo_engine_step_decodes_bit_identical(tmp_path):
     import argparse
     from moecached.tools.demo import engine_step

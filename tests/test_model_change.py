@@ -202,6 +202,7 @@ def test_reload_mode_serves_the_new_file(models, tmp_path, how):
     assert "reloaded" in out, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["in_place", "rename"])
 def test_change_while_the_arena_is_reserved_is_noticed(models, tmp_path, how):
     """The file changes after it was indexed but before the readers open it (the daemon is

@@ -481,6 +481,7 @@ def truncate(t: Trace, n) -> Trace:
 
 # ============================================================================ exact matches
 
+@pytest.mark.slow
 @need_traces
 @pytest.mark.parametrize("policy", ALL)
 def test_matches_reference_on_shared_traces(policy):
@@ -589,6 +590,7 @@ def test_cyclic_scan_lru_zero_belady_known(n, c):
     assert sim.simulate(t, "g-opt", c * 2, per_class_layers=[[0], [1]])["hits"] == r["hits"]
 
 
+@pytest.mark.slow
 @need_traces
 @pytest.mark.parametrize("size", [0.25, 0.5, 0.75])
 def test_belady_never_beaten_on_shared_traces(size):
@@ -812,6 +814,7 @@ def test_set_hits_first_then_misses():
         assert fast(t, policy, 3, warmup=3) == (1, 3) == ref_simulate(t, policy, 3, warmup=3)
 
 
+@pytest.mark.slow
 @need_traces
 @pytest.mark.parametrize("size", [0.25, 0.5])
 def test_glru_equals_daemon_lru_model(size):

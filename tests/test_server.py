@@ -228,6 +228,7 @@ def test_client_shared_between_threads(daemon):
     assert daemon.cache.pinned_count() == 0
 
 
+@pytest.mark.slow
 def test_timed_out_acquire_never_leaks_into_later_calls(model_factory, tmp_path):
     from moecache_client import Timeout
     d = Daemon(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8), tmp_path, sock="t.sock",

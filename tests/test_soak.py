@@ -24,6 +24,7 @@ from moecache_client import Client, ClientError
 HERE = Path(__file__).resolve().parent
 CDIR = HERE.parent / "clients" / "c"
 SOAK_S = float(os.environ.get("MOECACHED_SOAK_S", "40"))
+pytestmark = pytest.mark.timeout(600 + 2 * SOAK_S)   # a long soak is not a hang
 
 
 def c_worker(tmp_path, model):

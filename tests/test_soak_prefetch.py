@@ -48,6 +48,7 @@ import pytest
 
 SOAK_S = float(os.environ.get("MOECACHED_SOAK_S", "25"))
 SEED = int(os.environ.get("MOECACHED_SOAK_SEED", "1"))
+pytestmark = pytest.mark.timeout(600 + 2 * SOAK_S)   # a long soak is not a hang
 HERE = Path(__file__).resolve()
 
 #: the daemon's caps: few slots (evictions), 2 prefetch loads (withdrawals at the cap), few

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 
 INNER = '''
@@ -23,6 +25,7 @@ def test_fails(tmp_path):
 '''
 
 
+@pytest.mark.slow   # a pytest run of its own
 def test_a_run_leaves_no_models_behind(tmp_path):
     (tmp_path / "inner").mkdir()
     (tmp_path / "inner" / "test_inner.py").write_text(INNER)
