@@ -3,8 +3,8 @@ it against llama.cpp: a model whose routing is learned, for the engine tests and
 
     python benchmarks/train_moe.py train --out DIR [--device cuda] [--tokens 150M] [geometry flags]
     python benchmarks/train_moe.py export --weights DIR/weights.npz --out model.gguf [--quant q8_0]
-    python benchmarks/train_moe.py check --weights DIR/weights.npz --model model.gguf --text FILE
-    python benchmarks/train_moe.py route --weights DIR/weights.npz --text FILE --out trace.npz
+    python benchmarks/train_moe.py check --model model.gguf --text FILE [--weights DIR/weights.npz]
+    python benchmarks/train_moe.py route --model model.gguf|weights.npz --text FILE --out trace.npz
 
 The model (PyTorch, the same graph as llama.cpp's ``qwen3moe``): token embedding; per block an
 RMSNorm, GQA attention with per-head q/k RMSNorm and NeoX RoPE, an RMSNorm and a softmax router over
@@ -255,7 +255,7 @@ def build_model(cfg):
             return w
 
         def load_gguf_weights(self, w):
-            t = lambda a: torch.from_numpy(np.asarray(a, dtype=np.float32))
+            t = lambda a: torch.from_numpy(np.array(a, dtype=np.float32))
             with torch.no_grad():
                 self.tok_embd.copy_(t(w["token_embd.weight"]))
                 for i, b in enumerate(self.blocks):
@@ -279,6 +279,39 @@ def load_trained(weights_path, device="cpu"):
     model = build_model(cfg)
     model.load_gguf_weights(dict(np.load(weights_path)))
     return model.to(device).eval(), cfg
+
+
+def read_gguf(path):
+    """(weights, cfg) of a qwen3moe GGUF this script exported (F32 or Q8_0, dequantised)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    r = GGUFReader(path)
+
+    def kv(key):
+        f = r.fields[key]
+        return f.parts[f.data[0]].tolist()[0]
+
+    a = "qwen3moe."
+    cfg = dict(blocks=kv(a + "block_count"), hidden=kv(a + "embedding_length"), heads=kv(a + "attention.head_count"),
+               kv_heads=kv(a + "attention.head_count_kv"), head_dim=kv(a + "attention.key_length"),
+               experts=kv(a + "expert_count"), expert_ff=kv(a + "expert_feed_forward_length"),
+               top_k=kv(a + "expert_used_count"), rope_base=float(kv(a + "rope.freq_base")),
+               norm_eps=float(kv(a + "attention.layer_norm_rms_epsilon")), context=kv(a + "context_length"))
+    w = {}
+    for t in r.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        w[t.name] = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+    return w, cfg
+
+
+def load_model(path, device="cpu"):
+    """(model, cfg) from ``weights.npz`` (with the ``config.json`` beside it) or from an exported GGUF."""
+    if path.endswith(".gguf"):
+        w, cfg = read_gguf(path)
+        model = build_model(cfg)
+        model.load_gguf_weights(w)
+        return model.to(device).eval(), cfg
+    return load_trained(path, device)
 
 
 def count_params(model):
@@ -406,17 +439,22 @@ def cmd_train(a):
 
 def export(weights_path: str, out: str, quant: str = "f32", quantize_bin: str | None = None) -> str:
     """Write the trained model as a GGUF llama.cpp runs (qwen3moe)."""
-    from moecached.tools.synth_runnable import write_runnable
     with open(os.path.join(os.path.dirname(os.path.abspath(weights_path)), "config.json")) as f:
         meta = json.load(f)
-    c = meta["model"]
-    w = dict(np.load(weights_path))
+    name = f"moecached trained qwen3moe {meta['model']['blocks']}x{meta['model']['experts']} " \
+           f"(Python stdlib, {meta['tokens'] / 1e6:.0f}M tokens, seed {meta['seed']})"
+    return write_gguf(out, dict(np.load(weights_path)), meta["model"], quant, quantize_bin, name)
+
+
+def write_gguf(out: str, w: dict, c: dict, quant: str = "f32", quantize_bin: str | None = None,
+               name: str | None = None) -> str:
+    """GGUF tensors ``w`` of the model ``c`` (``config.json``'s ``model``) written by synth_runnable."""
+    from moecached.tools.synth_runnable import write_runnable
     return write_runnable(out, arch="qwen3moe", blocks=c["blocks"], hidden=c["hidden"], expert_ff=c["expert_ff"],
                           experts=c["experts"], top_k=c["top_k"], heads=c["heads"], kv_heads=c["kv_heads"],
                           head_dim=c["head_dim"], rope_base=c["rope_base"], context_length=c["context"],
                           quant=quant, quantize_bin=quantize_bin, weights=w, vocab=vocab(), add_space_prefix=False,
-                          name=f"moecached trained qwen3moe {c['blocks']}x{c['experts']} "
-                               f"(Python stdlib, {meta['tokens'] / 1e6:.0f}M tokens, seed {meta['seed']})")
+                          name=name or f"moecached trained qwen3moe {c['blocks']}x{c['experts']}")
 
 
 def cmd_export(a):
@@ -444,7 +482,7 @@ def cmd_check(a):
     import subprocess
     import tempfile
     from moecached.tools.engine_llama import decode as mc_decode, llama_bin
-    model, cfg = load_trained(a.weights)
+    model, cfg = load_model(a.weights or a.model)
     text = open(a.text, encoding="utf-8").read()
     prompt = text[a.offset:a.offset + a.chars]
     ids = [BOS] + encode(prompt).tolist()
@@ -488,9 +526,10 @@ def cmd_check(a):
 
 
 def cmd_route(a):
-    """Routing of held-out text through the PyTorch model, one token at a time, as a trace file."""
+    """Routing of held-out text through the PyTorch model as a decode trace (``moecached.trace``)."""
     import torch
-    model, cfg = load_trained(a.weights)
+    from moecached.trace import Trace, save_trace
+    model, cfg = load_model(a.model)
     text = open(a.text, encoding="utf-8").read()
     ids = encode(text)[: a.tokens]
     L, K = cfg["blocks"], cfg["top_k"]
@@ -502,7 +541,9 @@ def cmd_route(a):
             r = torch.stack(routes, 1)[0]   # [L, T, K]
             chunks.append(r[:, 1:].permute(1, 0, 2).numpy().astype(np.int32))   # [T, L, K], BOS dropped
     out = np.concatenate(chunks)
-    np.save(a.out, out)
+    save_trace(a.out, Trace(experts=out.astype(np.int16), is_prompt=np.zeros(len(out), bool),
+                            meta=dict(n_experts=cfg["experts"], source=f"train_moe.py route {os.path.basename(a.model)}",
+                                      text=os.path.basename(a.text))))
     print(f"{a.out}: {out.shape[0]} tokens x {L} blocks x top-{K}")
     return 0
 
@@ -533,15 +574,15 @@ def main(argv=None):
     e.add_argument("--quant", default="f32", help="f32, q8_0, or a llama-quantize type with --llama-quantize")
     e.add_argument("--llama-quantize")
     c = sub.add_parser("check", help="PyTorch against llama.cpp: prompt ids, logits, greedy tokens")
-    c.add_argument("--weights", required=True)
+    c.add_argument("--weights", help="weights.npz (default: the weights of --model, dequantised)")
     c.add_argument("--model", required=True, help="the exported GGUF")
     c.add_argument("--text", required=True, help="held-out text (heldout.txt)")
     c.add_argument("--offset", type=int, default=0)
     c.add_argument("--chars", type=int, default=200)
     c.add_argument("--steps", type=int, default=32)
     c.add_argument("--threads", type=int, default=2)
-    r = sub.add_parser("route", help="top-k routing of held-out text (tokens x blocks x k, .npy)")
-    r.add_argument("--weights", required=True)
+    r = sub.add_parser("route", help="top-k routing of held-out text as a trace file (.npz)")
+    r.add_argument("--model", required=True, help="weights.npz or a qwen3moe GGUF (e.g. synth --runnable's)")
     r.add_argument("--text", required=True)
     r.add_argument("--out", required=True)
     r.add_argument("--tokens", type=int, default=20000)
