@@ -103,7 +103,8 @@ _IDENT = re.compile(r"\b[A-Za-z_]\w*\b")
 
 @functools.lru_cache(maxsize=None)
 def _module_defs(path: str) -> dict:
-    """Top-level functions, classes and assignments of a module: name -> source text."""
+    """Top-level functions, classes, assignments and ``from`` imports of a module: name -> source
+    text (for an import, the one name's ``from X import name``)."""
     try:
         text = Path(path).read_text()
         tree = ast.parse(text)
@@ -111,6 +112,10 @@ def _module_defs(path: str) -> dict:
         return {}
     defs = {}
     for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module:   # a name stands for where it comes from
+            for a in node.names:
+                defs[a.asname or a.name] = f"from {node.module} import {a.name}"
+            continue
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names = [node.name]
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
