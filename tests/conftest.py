@@ -93,7 +93,7 @@ HEAVY = ("daemon", "build", "engine", "slow")
 #: what in a test's source (or in what it uses) puts it in a heavy kind
 KIND_PATTERNS = {
     "daemon": re.compile(r"\bstart_daemon\b|\bdaemon_procs\b|[\"']-m[\"'],\s*[\"']moecached\b|"
-                         r"\btools\.demo import [\w, ]*\bDaemon\b"),   # the demo's daemon process
+                         r"\btools\.demo import [\w, ]*\b(Daemon|engine_step)\b"),   # the demo's daemon process
     "build": re.compile(r"[\"'](?:make|cc|c\+\+|cmake)[\"']|\bbuild\.sh\b|\bshm_shim\b"),   # shm_shim compiles
     "engine": re.compile(r"\bengine_llama\b|\bllama_bin\b|\bengine_step\b"),
     "slow": re.compile(r"\bmemory_hog\b|\bHOG\b"),
