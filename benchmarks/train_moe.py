@@ -545,6 +545,20 @@ def cmd_route(a):
                             meta=dict(n_experts=cfg["experts"], source=f"train_moe.py route {os.path.basename(a.model)}",
                                       text=os.path.basename(a.text))))
     print(f"{a.out}: {out.shape[0]} tokens x {L} blocks x top-{K}")
+    # temporal locality: the fraction of a token's experts (per block) the previous token also used,
+    # against the same tokens in shuffled order and against uniform routing (k / E)
+    E = cfg["experts"]
+
+    def reuse(x):
+        m = np.zeros((len(x), L, E), bool)
+        np.put_along_axis(m, x.astype(np.int64), True, axis=2)
+        return float((m[1:] & m[:-1]).sum() / (len(x) - 1) / L / K)
+
+    perm = np.random.default_rng(0).permutation(len(out))
+    use = np.bincount(out.reshape(-1), minlength=E) / out.size
+    print(f"locality: {reuse(out):.3f} of a token's experts were the previous token's too "
+          f"(shuffled tokens {reuse(out[perm]):.3f}, uniform {K / E:.3f}); "
+          f"busiest expert {use.max() * E:.2f}x its fair share")
     return 0
 
 
