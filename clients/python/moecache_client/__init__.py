@@ -39,6 +39,7 @@ engine then uses.
 """
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import logging
 import mmap
@@ -65,7 +66,8 @@ else:
         from . import _shm
     except ImportError as e:
         _shm = None
-        _NO_SHM = str(e) or "not built"
+        # a module that is not there is "not built"; one that is there and fails says why
+        _NO_SHM = "not built" if importlib.util.find_spec(f"{__name__}._shm") is None else (str(e) or "not built")
 IMPLEMENTATION = "python" if _shm is None else "cython"   # "python": socket path only
 log = logging.getLogger("moecache_client")
 
@@ -117,7 +119,7 @@ def _note_no_fast_path() -> None:
     global _noted
     if not _noted:
         _noted = True
-        log.warning("moecache_client: shared-memory fast path OFF (extension moecache_client._shm not built: %s); "
+        log.warning("moecache_client: shared-memory fast path OFF (extension moecache_client._shm: %s); "
                     "using the socket only. To build it: pip install 'Cython>=3.0' && pip install "
                     "--no-build-isolation --force-reinstall ./clients/python (MOECACHE_CLIENT_PURE=1 silences this)",
                     _NO_SHM)
