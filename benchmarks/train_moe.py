@@ -359,7 +359,7 @@ def cmd_train(a):
     t0 = time.time()
     root = a.corpus or sysconfig.get_paths()["stdlib"]
     train, held, held_text, info = load_corpus(root)
-    print(f"corpus: {info['files']} files of Python {info['python']} ({root}), {info['train_tokens']} train tokens, "
+    print(f"corpus: {info['files']} files under {root} (Python {info['python']} running), {info['train_tokens']} train tokens, "
           f"{info['heldout_tokens']} held-out tokens ({info['heldout_files']} files), sha256 {info['sha256'][:16]}, "
           f"read in {time.time() - t0:.1f} s", flush=True)
     uni = unigram_ppl(train, held)
@@ -409,8 +409,12 @@ def cmd_train(a):
         opt.zero_grad(set_to_none=True)
         if s % a.log_every == 0 or s == steps - 1:
             el = time.time() - t_train
-            print(f"step {s}/{steps} loss {loss.item():.4f} aux {float(aux):.3f} lr {lr_at(s):.2e} "
+            print(f"step {s}/{steps} loss {loss.item():.4f} aux {aux.item():.3f} lr {lr_at(s):.2e} "
                   f"{(s + 1) * step_tokens / max(el, 1e-9) / 1e3:.0f} k tok/s {el:.0f} s", flush=True)
+        if a.eval_every and (s + 1) % a.eval_every == 0 and s + 1 < steps:
+            nll_s, _ = evaluate(model, held, a.seq, dev, 64 * a.seq)
+            print(f"eval step {s + 1}: held-out perplexity {math.exp(nll_s):.3f} (first {64 * a.seq} tokens; "
+                  f"train loss {loss.item():.4f})", flush=True)
         if a.max_seconds and time.time() - t_train > a.max_seconds:
             print(f"STOPPED by --max-seconds {a.max_seconds} at step {s + 1} of {steps}: the token budget was not reached",
                   flush=True)
@@ -579,6 +583,7 @@ def main(argv=None):
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--eval-tokens", type=parse_count, default=parse_count("1M"))
     t.add_argument("--log-every", type=int, default=100)
+    t.add_argument("--eval-every", type=int, default=1000, help="steps between short held-out evaluations (0: none)")
     t.add_argument("--max-seconds", type=float, default=0, help="stop early (and say so) after this long")
     for k, v in DEFAULTS.items():
         t.add_argument("--" + k.replace("_", "-"), type=type(v), default=v)
