@@ -2,7 +2,7 @@
 # Build llama.cpp with the moecached patch (experts served by the daemon).
 #
 #   clients/llama.cpp/build.sh [--cache DIR] [--backend cpu|vulkan|cuda] [--jobs N] [--tools]
-#                              [--target NAME]...
+#                              [--server] [--target NAME]...
 #
 # The llama.cpp tree is the one vendored by the llama-cpp-python sdist (pinned version and
 # sha256 below). Everything goes under DIR (default $MOECACHED_LLAMA_CACHE, else
@@ -13,8 +13,11 @@
 #   DIR/build-BACKEND/ the CMake build, reused (incremental) on the next run
 #   DIR/bin -> DIR/build-BACKEND/bin
 # Targets: mc-decode (the checking/benchmark driver) and llama-quantize; --tools adds
-# llama-completion, llama-cli and llama-perplexity (which take --moecached ENDPOINT);
-# --target NAME adds one CMake target (e.g. --target llama-perplexity).
+# llama-completion, llama-perplexity, llama-tokenize, llama-cli and llama-server; --server adds
+# llama-server alone (all of them take --moecached ENDPOINT); --target NAME adds one CMake
+# target (e.g. --target llama-bench). The server is built without its web UI (the pinned tree
+# would fetch it from Hugging Face or build it with npm; neither is done: no network needed),
+# so it serves the HTTP API only.
 # The last line printed is the bin directory.
 set -euo pipefail
 
@@ -28,6 +31,7 @@ CACHE=${MOECACHED_LLAMA_CACHE:-$HOME/.cache/moecached-llama}
 BACKEND=cpu
 JOBS=$(( $(nproc 2>/dev/null || echo 2) ))
 TOOLS=0
+SERVER=0
 EXTRA=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -35,8 +39,9 @@ while [ $# -gt 0 ]; do
         --backend) BACKEND=$2; shift 2 ;;
         --jobs|-j) JOBS=$2; shift 2 ;;
         --tools) TOOLS=1; shift ;;
+        --server) SERVER=1; shift ;;
         --target) EXTRA+=("$2"); shift 2 ;;
-        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
         *) echo "build.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -121,10 +126,13 @@ if [ -f "$BUILD/CMakeCache.txt" ] && ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$
     rm -rf "$BUILD"   # configured for another source tree
 fi
 TARGETS=(mc-decode llama-quantize)
-[ "$TOOLS" = 1 ] && TARGETS+=(llama-completion llama-cli llama-perplexity)
+# (llama-cli of this tree is a front end of the server's library: it needs LLAMA_BUILD_SERVER)
+[ "$TOOLS" = 1 ] && TARGETS+=(llama-completion llama-perplexity llama-tokenize llama-cli llama-server)
+[ "$SERVER" = 1 ] && [ "$TOOLS" = 0 ] && TARGETS+=(llama-server)
 TARGETS+=(${EXTRA[@]+"${EXTRA[@]}"})
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+    -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_MOECACHED_DIR="$MC" "${CMAKE_BACKEND[@]}" >"$CACHE/cmake-$BACKEND.log" 2>&1 \
     || { echo "build.sh: cmake configure failed; see $CACHE/cmake-$BACKEND.log" >&2; exit 1; }
 cmake --build "$BUILD" -j "$JOBS" --target "${TARGETS[@]}" >"$CACHE/build-$BACKEND.log" 2>&1 \

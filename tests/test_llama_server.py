@@ -1,0 +1,167 @@
+"""llama-server through moecached: two servers share one daemon and answer as a resident one.
+
+Needs the patched llama.cpp with its server (``clients/llama.cpp/build.sh --server``, or
+``--tools``); skipped with one line when ``llama-server`` is not in the build. One daemon holds
+every expert of a small runnable model; two ``llama-server -np 1 --moecached`` processes and a
+resident ``llama-server`` (no daemon) get the same greedy requests over plain HTTP: the three
+answer the same tokens and text, and the daemon read each expert at most once for both servers.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from daemon_util import start_daemon, stop_daemon
+from moecache_client import Client
+from moecached.index import open_index
+from moecached.tools import engine_llama
+from moecached.tools.synth_runnable import write_runnable
+
+BIN = engine_llama.llama_bin()
+SERVER = BIN / "llama-server" if BIN else None
+pytestmark = [pytest.mark.skipif(SERVER is None or not os.access(SERVER, os.X_OK),
+                                 reason="patched llama-server not built: run clients/llama.cpp/build.sh --server "
+                                        "(or set MOECACHED_LLAMA_BIN to its bin directory)"),
+              pytest.mark.timeout(300)]
+PROMPT = "Experts in shared memory, served to every engine."
+N_PREDICT = 24
+# the same flags for every server: one slot, one thread, the file's layout (no repacked CPU
+# buffers, as the daemon-served model runs: the same kernels over the same bytes)
+SERVER_ARGS = ["-np", "1", "-c", "512", "-t", "1", "-tb", "1", "--no-repack", "--no-webui"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(port: int, path: str, body: dict | None = None, timeout: float = 60) -> tuple[int, dict]:
+    """GET (``body`` None) or POST JSON to 127.0.0.1:PORT; (status, decoded JSON reply)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+class Server:
+    """A llama-server process on 127.0.0.1 (a free port); its output goes to ``log``."""
+
+    def __init__(self, model: str, log, *extra: str):
+        self.port = free_port()
+        self.log = log
+        self.out = open(log, "w")
+        self.p = subprocess.Popen([str(SERVER), "-m", model, "--host", "127.0.0.1", "--port", str(self.port),
+                                   *SERVER_ARGS, *extra],
+                                  stdout=self.out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def tail(self, n: int = 3000) -> str:
+        self.out.flush()
+        with open(self.log, errors="replace") as f:
+            return f.read()[-n:]
+
+    def wait_ready(self, timeout: float = 90):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.p.poll() is None, f"llama-server exited {self.p.returncode}:\n{self.tail()}"
+            try:
+                if http(self.port, "/health", timeout=5)[0] == 200:
+                    return
+            except (OSError, ValueError):
+                pass   # not listening yet, or answering while loading
+            time.sleep(0.2)
+        raise AssertionError(f"llama-server did not answer /health in {timeout:.0f} s:\n{self.tail()}")
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(15)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        self.out.close()
+
+
+def ask(port: int) -> dict:
+    """The same greedy request over both APIs: /completion (native, with the token ids) and
+    /v1/completions (OpenAI-style). Returns {tokens, content, oai_text}."""
+    st, r = http(port, "/completion", {"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0, "seed": 1,
+                                      "ignore_eos": True, "cache_prompt": False, "return_tokens": True})
+    assert st == 200, r
+    assert r["tokens_predicted"] == N_PREDICT and len(r["tokens"]) == N_PREDICT, r
+    st, o = http(port, "/v1/completions", {"prompt": PROMPT, "max_tokens": N_PREDICT, "temperature": 0,
+                                          "seed": 1, "ignore_eos": True, "cache_prompt": False})
+    assert st == 200, o
+    assert o["usage"]["completion_tokens"] == N_PREDICT, o
+    return {"tokens": r["tokens"], "content": r["content"], "oai_text": o["choices"][0]["text"]}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama-server-model")
+    return write_runnable(str(d / "q8_0.gguf"), arch="qwen3moe", blocks=3, experts=16, top_k=4,
+                          quant="q8_0", seed=2)
+
+
+def test_two_servers_through_one_daemon_answer_as_the_resident_server(model, tmp_path):
+    idx = open_index(model).to_json()
+    n_experts = len(idx["expert_layers"]) * idx["n_experts"]
+    sock = str(tmp_path / "d.sock")
+    servers: list[Server] = []
+    with contextlib.ExitStack() as stack:
+        p = start_daemon(model, sock, "--slots", str(n_experts))   # every expert fits: one copy each
+        stack.callback(stop_daemon, p)
+        for i in range(2):
+            s = Server(model, tmp_path / f"served{i}.log", "--moecached", f"ipc://{sock}")
+            stack.callback(s.stop)
+            servers.append(s)
+        resident = Server(model, tmp_path / "resident.log")
+        stack.callback(resident.stop)
+        for s in servers + [resident]:
+            s.wait_ready()
+
+        # the two served servers answer at the same time, then the resident one
+        got, errors = {}, []
+
+        def run(i):
+            try:
+                got[i] = ask(servers[i].port)
+            except BaseException as e:   # noqa: BLE001 (reported below)
+                errors.append(f"server {i}: {e!r}\n{servers[i].tail()}")
+        ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        assert not errors and len(got) == 2, "\n".join(errors) or "a request did not finish in 120 s"
+        want = ask(resident.port)
+
+        with Client(f"ipc://{sock}", name="test") as c:
+            st = c.stats()
+        pids = {s.p.pid for s in servers}
+        for s in servers + [resident]:
+            assert s.p.poll() is None, f"llama-server exited {s.p.returncode}:\n{s.tail()}"
+
+    assert len(set(want["tokens"])) > 1, f"greedy decode is degenerate: {want['tokens']}"
+    for i in range(2):
+        assert got[i] == want, f"server {i} through the daemon answers {got[i]}, the resident one {want}"
+    # one copy of each expert, both servers its clients and both served from it
+    assert 0 < st["reads"] <= n_experts, st["reads"]
+    mine = [c for c in st["clients"] if c["pid"] in pids]
+    assert {c["pid"] for c in mine} == pids, st["clients"]
+    for c in mine:
+        assert c["acquires"] > 0 and c["hits"] + c["demand_misses"] > 0, c
