@@ -41,7 +41,7 @@ while [ $# -gt 0 ]; do
         --tools) TOOLS=1; shift ;;
         --server) SERVER=1; shift ;;
         --target) EXTRA+=("$2"); shift 2 ;;
-        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "build.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
