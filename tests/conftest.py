@@ -222,6 +222,7 @@ _popen_init = subprocess.Popen.__init__
 def _checked_popen_init(self, args, *a, **kw):
     need = _needs(args)
     if need and _current and not _current[-1].get_closest_marker(need):
+        self._child_created = False   # what Popen.__del__ looks at
         pytest.fail(f"{_current[-1].nodeid} starts {args!r} but is not marked {need!r}: mark it "
                     f"@pytest.mark.{need} (or name start_daemon/daemon_procs so tests/conftest.py "
                     "sorts it)", pytrace=False)

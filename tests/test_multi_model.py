@@ -171,6 +171,7 @@ def test_hello_names_the_model(models, tmp_path):
         d.stop()
 
 
+@pytest.mark.timeout(1200)   # 480 s seen on 2 busy cores
 def test_daemon_equals_simulator_step_by_step(models, tmp_path):
     tr = traces()
     mms = [MixModel(n, tr[n], open_index(models[n])) for n in ("qwen", "mix")]
