@@ -12,6 +12,7 @@ outstanding, pins and in-flight counts add up, nothing leaks.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import os
 import threading
@@ -178,6 +179,18 @@ def manual_cache(idx, **kw):
     return cache, cache.readers
 
 
+@contextlib.contextmanager
+def manual(idx, **kw):
+    """``(cache, reads, truth)``: :func:`manual_cache` and a byte oracle, both closed after."""
+    truth = FileTruth(idx)
+    cache, reads = manual_cache(idx, **kw)
+    try:
+        yield cache, reads, truth
+    finally:
+        cache.close()
+        truth.close()
+
+
 def acquire_async(cache, layer, experts, box):
     """Start an acquire; its result lands in ``box[ticket]``."""
     def cb(res, _box=box):
@@ -290,11 +303,9 @@ def test_read_landing_after_its_slot_changed_hands_is_never_published(idx):
 
 
 def test_withdrawn_prefetch_gives_its_victim_back_with_exact_bytes(idx):
-    truth = FileTruth(idx)
-    cache, reads = manual_cache(idx, slots=2, max_prefetch_loads=1)
     layer = idx.expert_layers[0]
     box = {}
-    try:
+    with manual(idx, slots=2, max_prefetch_loads=1) as (cache, reads, truth):
         for e in (0, 1):
             acquire_async(cache, layer, [e], box)
         for jid in list(reads.jobs):
@@ -308,17 +319,12 @@ def test_withdrawn_prefetch_gives_its_victim_back_with_exact_bytes(idx):
         for jid in list(reads.jobs):
             reads.land(jid)
         check_invariants(cache, reads, truth, full=True)
-    finally:
-        cache.close()
-        truth.close()
 
 
 def test_started_prefetch_is_not_withdrawn_and_a_take_over_is_not_withdrawn(idx):
-    truth = FileTruth(idx)
-    cache, reads = manual_cache(idx, slots=4, max_prefetch_loads=2)
     layer = idx.expert_layers[1]
     box = {}
-    try:
+    with manual(idx, slots=4, max_prefetch_loads=2) as (cache, reads, truth):
         cache.prefetch_many([(layer, [0])], conf=[[0.1]])
         cache.prefetch_many([(layer, [1])], conf=[[0.2]])
         j0, j1 = sorted(reads.jobs)
@@ -334,20 +340,15 @@ def test_started_prefetch_is_not_withdrawn_and_a_take_over_is_not_withdrawn(idx)
         truth.check(cache, box[t])
         reads.land(j0)
         check_invariants(cache, reads, truth, full=True)
-    finally:
-        cache.close()
-        truth.close()
 
 
 def test_take_over_before_its_promotion_is_never_withdrawn(idx):
     """A demand takes a queued prefetch read over; before the reader pool hears of the promotion
     (the cache's lock is already dropped) a prefetch of higher confidence arrives at the cap:
     the withdrawal must pick another queued read, never the one the demand waits for."""
-    truth = FileTruth(idx)
-    cache, reads = manual_cache(idx, slots=6, max_prefetch_loads=2)
     layer = idx.expert_layers[0]
     box = {}
-    try:
+    with manual(idx, slots=6, max_prefetch_loads=2) as (cache, reads, truth):
         cache.prefetch_many([(layer, [0])], conf=[[0.1]])
         cache.prefetch_many([(layer, [1])], conf=[[0.2]])
         ja, jb = sorted(reads.jobs)
@@ -363,9 +364,6 @@ def test_take_over_before_its_promotion_is_never_withdrawn(idx):
         for jid in list(reads.jobs):
             reads.land(jid)
         check_invariants(cache, reads, truth, full=True)
-    finally:
-        cache.close()
-        truth.close()
 
 
 # ---------------------------------------------------------------------------- stateful search
