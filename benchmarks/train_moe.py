@@ -497,7 +497,7 @@ def cmd_check(a):
     res = {"prompt": prompt, "prompt_tokens": len(ids)}
     tok = bin_dir / "llama-tokenize"
     if tok.exists():
-        r = subprocess.run([str(tok), "-m", a.model, "-p", prompt, "--ids", "--log-disable"], stdout=subprocess.PIPE,
+        r = subprocess.run([str(tok), "-m", a.model, "-p", prompt, "--ids", "--no-escape", "--log-disable"], stdout=subprocess.PIPE,
                            stderr=subprocess.DEVNULL, text=True)
         got = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
         res["tokenizer_identical"] = got == ids
