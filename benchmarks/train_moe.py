@@ -532,8 +532,18 @@ def cmd_check(a):
 def cmd_route(a):
     """Routing of held-out text through the PyTorch model as a decode trace (``moecached.trace``)."""
     import torch
+    import tempfile
     from moecached.trace import Trace, save_trace
     model, cfg = load_model(a.model)
+    if a.random_weights:   # synth --runnable's random weights (seed) in the same geometry, for comparison
+        from moecached.tools.synth_runnable import write_runnable
+        with tempfile.TemporaryDirectory() as td:
+            rnd = write_runnable(os.path.join(td, "random.gguf"), blocks=cfg["blocks"], hidden=cfg["hidden"],
+                                 expert_ff=cfg["expert_ff"], experts=cfg["experts"], top_k=cfg["top_k"],
+                                 heads=cfg["heads"], kv_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
+                                 rope_base=cfg["rope_base"], context_length=cfg["context"], vocab=vocab(),
+                                 add_space_prefix=False, seed=a.seed)
+            model, cfg = load_model(rnd)
     text = open(a.text, encoding="utf-8").read()
     ids = encode(text)[: a.tokens]
     L, K = cfg["blocks"], cfg["top_k"]
@@ -546,7 +556,8 @@ def cmd_route(a):
             chunks.append(r[:, 1:].permute(1, 0, 2).numpy().astype(np.int32))   # [T, L, K], BOS dropped
     out = np.concatenate(chunks)
     save_trace(a.out, Trace(experts=out.astype(np.int16), is_prompt=np.zeros(len(out), bool),
-                            meta=dict(n_experts=cfg["experts"], source=f"train_moe.py route {os.path.basename(a.model)}",
+                            meta=dict(n_experts=cfg["experts"], source=f"train_moe.py route {os.path.basename(a.model)}"
+                                      + (f" --random-weights --seed {a.seed}" if a.random_weights else ""),
                                       text=os.path.basename(a.text))))
     print(f"{a.out}: {out.shape[0]} tokens x {L} blocks x top-{K}")
     # temporal locality: the fraction of a token's experts (per block) the previous token also used,
@@ -606,6 +617,9 @@ def main(argv=None):
     r.add_argument("--out", required=True)
     r.add_argument("--tokens", type=int, default=20000)
     r.add_argument("--seq", type=int, default=512)
+    r.add_argument("--random-weights", action="store_true",
+                   help="route through synth --runnable's random weights in --model's geometry instead")
+    r.add_argument("--seed", type=int, default=0, help="seed of --random-weights (default 0)")
     a = ap.parse_args(argv)
     if a.cmd == "train" and a.device == "cuda":
         import torch
