@@ -18,8 +18,8 @@ SPM path turns every space into ``‚ñÅ`` (U+2581), so a space (and a literal ``‚ñ
 every other byte its byte token; ``add_space_prefix`` is written false, so no space is prepended, and
 ``<s>`` (BOS) starts every sequence as llama.cpp starts every prompt.
 
-Corpus: the ``.py`` files of the running Python's standard library (``sysconfig`` ``stdlib``, without
-``site-packages``), sorted by path, each followed by ``</s>``; a file whose path's CRC-32 is 0 mod 20
+Corpus: the ``.py`` files under ``--corpus DIR`` (default: the running Python's standard library,
+``sysconfig`` ``stdlib``), without ``site-packages``, sorted by path, each followed by ``</s>``; a file whose path's CRC-32 is 0 mod 20
 is held out. ``train`` prints the corpus's size and SHA-256, the held-out perplexity and a unigram
 model's on the same tokens, and writes ``weights.npz`` (GGUF names and shapes, float32),
 ``config.json`` and ``heldout.txt`` (the first held-out text, for ``check`` and ``route``).
