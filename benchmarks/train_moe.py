@@ -549,7 +549,9 @@ def cmd_route(a):
     L, K = cfg["blocks"], cfg["top_k"]
     chunks = []
     with torch.no_grad():
-        for s in range(0, len(ids), a.seq - 1):
+        # windows as llama-perplexity -c SEQ cuts them: <s> then the next SEQ - 1 tokens, the SEQ-th
+        # token of each window skipped (its place is the next window's <s>)
+        for s in range(0, len(ids), a.seq):
             inp = torch.from_numpy(np.concatenate([[BOS], ids[s:s + a.seq - 1]]).astype(np.int64))[None]
             _, _, routes = model(inp, routing=True)
             r = torch.stack(routes, 1)[0]   # [L, T, K]
