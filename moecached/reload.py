@@ -12,7 +12,7 @@ on every load (the reader pool) and on every periodic tick. Misses then fail wit
   A file that cannot be indexed is tried again when it changes next.
 
 One :class:`ModelReloader` per served model, driven from its server's loop thread: with one
-model by ``moecached.daemon.run``, with several by ``moecached.multi`` (each model alone: the
+model by ``moecached.runtime.OneModel``, with several by ``moecached.multi`` (each model alone: the
 others keep serving). See docs/operations.md, "Model file changed".
 """
 from __future__ import annotations

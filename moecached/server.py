@@ -245,17 +245,12 @@ class Server:
     releases and bye are never limited. ``client_max_prefetch``: prefetch loads one client may
     have in flight (None: the cache's ``max_prefetch_loads``, so a lone client is limited as
     before; 0: no own cap); its prefetches beyond it are dropped and counted per client.
-    With ``cache=None`` the server serves no model itself: it is the daemon's endpoint when
-    several models are served (``moecached.multi``). A hello there is redirected by
-    ``route_model`` to the model it names (or refused); a control connection (``model "*"``)
-    gets the daemon's ``stats`` / ``status`` / ``models`` (``extra_stats`` / ``extra_status``
-    add the models' view); every other op is refused ``unknown_model``.
+    With several models, each model's server routes a hello that names another model
+    (``route_model``), and the daemon's endpoint is a :class:`moecached.router.Router`, a
+    server of no model.
     Raises:
         ServerError: another daemon holds the endpoint, or the endpoint cannot be bound.
     """
-
-    #: the ops a server without a model (the several-models endpoint) answers itself
-    ROUTER_OPS = ("hello", "ping", "bye", "stats", "status", "models")
 
     def __init__(self, cache, *, endpoint: str, model_path: str = "", heartbeat_s: float = 5.0,
                  socket_mode: int = 0o660, gid: int | None = None, on_tick=None, tick_s: float = 1.0,
@@ -265,7 +260,7 @@ class Server:
                  client_max_prefetch: int | None = None, pin_files: bool = True,
                  pin_quota: int | None = None):
         self.cache = cache
-        self.index = cache.index if cache is not None else None
+        self.index = cache.index if cache is not None else None   # None: a Router
         self.endpoint = endpoint
         self.model_path = model_path
         self.heartbeat_s = float(heartbeat_s)
@@ -273,15 +268,7 @@ class Server:
         self.tick_s = tick_s
         self.session = int.from_bytes(os.urandom(8), "little") >> 1 | 1
         self.started = time.time()
-        if cache is not None:
-            # the arena's control block names the session it serves: leases of any other are void
-            cache.arena.set_epoch(self.session, STATE_SERVING)
-            self.checker = P.RequestChecker(self.index.expert_layers, self.index.n_experts,
-                                            max_experts=max_request_experts)
-            self.moe_index = {l: i for i, l in enumerate(self.index.expert_layers)}
-        else:   # no model here: nothing is checked against an index
-            self.checker = P.RequestChecker((), 0, max_experts=max_request_experts)
-            self.moe_index = {}
+        self._set_model(max_request_experts)
         self.max_message_bytes = int(max_message_bytes)
         # default deadline of an acquire that gives no timeout_ms (on_pressure = wait gives up)
         self.acquire_timeout_s = acquire_timeout_s
@@ -318,8 +305,7 @@ class Server:
         self._stopping = False
         self._loop_tid = None
         self._hup = False        # SIGHUP seen; the loop runs self._on_hup
-        self._ops = {op: getattr(self, "_op_" + op if cache is not None or op in self.ROUTER_OPS
-                                 else "_op_no_model") for op in P.OPS}
+        self._ops = self._op_table()
         self._packb = msgpack.Packer(use_bin_type=True).pack  # reused; the loop thread only
         # serve resident acquires / own noreply releases in Cython first
         self.fast_path = os.environ.get(HOT_PATH_ENV, "1") != "0"
@@ -350,6 +336,18 @@ class Server:
         self._wake_sock.connect(wake_ep)
         self._wake_lock = threading.Lock()
         self._wake_pending = False
+
+    def _set_model(self, max_request_experts: int) -> None:
+        """The model this socket serves: requests are checked against its index, and the
+        arena's control block names the session it serves (leases of any other are void)."""
+        self.cache.arena.set_epoch(self.session, STATE_SERVING)
+        self.checker = P.RequestChecker(self.index.expert_layers, self.index.n_experts,
+                                        max_experts=max_request_experts)
+        self.moe_index = {l: i for i, l in enumerate(self.index.expert_layers)}
+
+    def _op_table(self) -> dict:
+        """op -> its handler."""
+        return {op: getattr(self, "_op_" + op) for op in P.OPS}
 
     # ---- start / stop -------------------------------------------------------------------
     def _bind(self, mode: int, gid: int | None) -> None:
@@ -535,7 +533,7 @@ class Server:
                     if now >= next_hb:
                         self._expire_clients(now)
                         next_hb = now + max(0.05, self.heartbeat_s / 4)
-                    cache = self.cache   # None: the several-models endpoint
+                    cache = self.cache   # None: a Router (no model)
                     if cache is not None and cache.pin_files and now >= next_sweep:
                         next_sweep = now + self.PIN_DRAIN_MS / 1000
                         try:
@@ -602,7 +600,7 @@ class Server:
         ``_handle``). Built again for each session; the hooks' live fields (request limits,
         tracing) are kept current by :meth:`set_request_limits` and the trace ops."""
         self._hooks = None
-        if not self.fast_path or self.cache is None:
+        if not self.fast_path:
             return lambda frames: False
         cache = self.cache
         self._hooks = hooks = ServerHooks(
@@ -988,9 +986,16 @@ class Server:
             where = self.route_model(self, want)
             if where is not None:   # served on its own endpoint: the client says hello there
                 self._reply(c.ident, rid, redirect=where, model_name=want)
-                if self.cache is None:   # the several-models endpoint: it has gone there
-                    self.clients.pop(c.ident, None)
+                self._redirected(c)
                 return
+        self._hello_reply(c, rid, self._hello_client(c, msg))
+
+    def _redirected(self, c: _Client) -> None:
+        """A client was sent to its model's own socket (a Router forgets it)."""
+
+    def _hello_client(self, c: _Client, msg: dict) -> bool:
+        """What hello says of the client (name, pid: watched): whether it asks for the
+        shared-memory hit path."""
         name = msg.get("client")
         if name is not None:
             if not isinstance(name, str) or not name:
@@ -1003,14 +1008,9 @@ class Server:
         fast = msg.get("fast_path", False)
         if not isinstance(fast, bool):
             raise P.ProtocolError(P.E_BAD_TYPE, f"field 'fast_path' = {fast!r:.20}: expected true or false")
-        if self.cache is None:   # the several-models endpoint: a control connection
-            self._reply(c.ident, rid, protocol=P.PROTOCOL_VERSION, server=f"moecached {__version__}",
-                        fingerprint=None, model=None, model_name=None, arena=None, index=None,
-                        models=self.route_model(self, None, names=True), expert_layers=[],
-                        n_experts=0, top_k=0, heartbeat_s=self.heartbeat_s,
-                        lease_watch="process" if c.pidfd is not None else "heartbeat", pins=None,
-                        limits={"max_message_bytes": self.max_message_bytes})
-            return
+        return fast
+
+    def _hello_reply(self, c: _Client, rid: int, fast: bool) -> None:
         pins = self._open_pins(c) if fast else None
         if not fast:
             self._close_pins(c)
@@ -1028,11 +1028,6 @@ class Server:
                             "client_rate_limit": self.rate_limit.rate,
                             "client_rate_burst": self.rate_limit.burst,
                             "client_max_prefetch": self.client_max_prefetch or 0})
-
-    def _op_no_model(self, c: _Client, rid: int, msg: dict) -> None:
-        raise P.ProtocolError(P.E_UNKNOWN_MODEL, f"op {msg.get('op')}: the daemon's endpoint serves "
-                              "several models and none itself: name the model in hello "
-                              "(Client(endpoint, model=NAME), moecache-ctl --model NAME)")
 
     def _op_ping(self, c: _Client, rid: int, msg: dict) -> None:
         self._reply(c.ident, rid, t=time.time())
@@ -1120,10 +1115,13 @@ class Server:
         self._reply(c.ident, rid, released=n)
         self._drop_client(c, "said bye")
 
+    def _cache_stats(self) -> dict:
+        return dict(self.cache.stats())
+
     def stats(self) -> dict:
         """Everything ``moecache-ctl stats`` shows: cache counters + server + per client
         (without a model: the server's own, and what ``extra_stats`` adds)."""
-        st = dict(self.cache.stats()) if self.cache is not None else {}
+        st = self._cache_stats()
         st.update(uptime_s=round(time.time() - self.started, 3), pid=os.getpid(),
                   version=__version__, model=self.model_path, model_name=self.model_name,
                   endpoint=self.endpoint,
@@ -1148,7 +1146,7 @@ class Server:
         self._reply(c.ident, rid, stats=self.stats())
 
     def _op_status(self, c: _Client, rid: int, msg: dict) -> None:
-        st = self.cache.stats() if self.cache is not None else {}
+        st = self._cache_stats()
         budget = st.get("budget", {})
         classes = st.get("classes", [])
         changed = getattr(self.cache, "model_changed", None)
