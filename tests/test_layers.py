@@ -15,7 +15,7 @@ LAYERS = {
     "facts": ["moecached", "units", "files", "layout", "protocol", "stats"],
     "engine": ["arena", "policy", "readers", "index", "trace", "cache",
                "_io", "_policy", "_shm"],
-    "service": ["server", "router", "_serve"],
+    "service": ["server", "endpoint", "clients", "views", "router", "_serve"],
     "daemon": ["runtime", "daemon", "assemble", "multi", "config", "confvalues", "floor", "split", "reload",
                "watch", "notify", "logs"],
     "tools": ["tools", "tools.*"],
