@@ -32,7 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from . import MoecacheError
-from .units import SIZE_EXPECTED, SizeError, parse_size
+from .confvalues import (MAX_IPC_PATH, MODEL_NAME, GiB, KiB, MiB, _abs_path, _admit_cold,  # noqa: F401
+                         _Bad, _bool, _choice, _endpoint, _float_range, _fraction, _group, _human,
+                         _hysteresis, _int_range, _log_level, _mode, _model, _MODEL_FIELDS, _models,
+                         _rate, _size)
 
 __all__ = ["Config", "ConfigError", "KEYS", "DEFAULT_PATH", "DEFAULT_ENDPOINT", "RELOADABLE",
            "load_config", "add_cli_args", "config_from_args", "reload_changes", "dump_toml"]
@@ -40,9 +43,6 @@ __all__ = ["Config", "ConfigError", "KEYS", "DEFAULT_PATH", "DEFAULT_ENDPOINT", 
 DEFAULT_PATH = "/etc/moecached/moecached.toml"
 DEFAULT_ENDPOINT = "ipc:///run/moecached/moecached.sock"
 DEFAULT_GROUP = "moecached"
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-#: Longest ipc:// path: sizeof(sockaddr_un.sun_path) - 1.
-MAX_IPC_PATH = 107
 
 
 class ConfigError(MoecacheError):
@@ -109,313 +109,23 @@ class Config:
         return {k: getattr(self, k) for k in KEYS}
 
 
-# -- validators: value -> parsed value, or raise _Bad(expected) -----------------------------------
-
-class _Bad(Exception):
-    def __init__(self, expected: str):
-        super().__init__(expected)
-        self.expected = expected
-
-
-def _int_range(lo: int, hi: int) -> Callable:
-    def v(x):
-        if isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi:
-            raise _Bad(f"an integer from {lo} to {hi}")
-        return x
-    return v
-
-
-def _float_range(lo: float, hi: float, lo_open: bool = False) -> Callable:
-    desc = f"a number of seconds {'>' if lo_open else '>='} {lo:g} and <= {hi:g}"
-
-    def v(x):
-        if isinstance(x, bool) or not isinstance(x, (int, float)):
-            raise _Bad(desc)
-        x = float(x)
-        if not (x > lo if lo_open else x >= lo) or not x <= hi:
-            raise _Bad(desc)
-        return x
-    return v
-
-
-def _rate(x):
-    desc = "a number of requests per second from 0 (off) to 1e9"
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1e9:
-        raise _Bad(desc)
-    return float(x)
-
-
-def _fraction(x):
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1:
-        raise _Bad("a number from 0 to 1")
-    return float(x)
-
-
-def _bool(x):
-    if not isinstance(x, bool):
-        raise _Bad("true or false")
-    return x
-
-
-def _admit_cold(x):
-    """``admit_cold``: "off", "prompt" or a width N >= 1 (int, or its digits as a string)."""
-    if isinstance(x, str) and x.strip().lower() in ("off", "prompt"):
-        return x.strip().lower()
-    if isinstance(x, str) and x.strip().isdigit():
-        x = int(x.strip())
-    if isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= 1 << 24:
-        raise _Bad('"off", "prompt" or a width from 1 to 16777216 (experts of one layer in '
-                   'one acquire)')
-    return x
-
-
-def _choice(*opts: str) -> Callable:
-    desc = " or ".join(f'"{o}"' for o in opts)
-
-    def v(x):
-        if not isinstance(x, str) or x.lower() not in opts:
-            raise _Bad(desc)
-        return x.lower()
-    return v
-
-
-#: no size key takes more than this (1 EiB): larger values are typos, and stats carry sizes
-#: as msgpack integers (< 2**64)
-MAX_SIZE = 1 << 60
-
-
-def _size(lo: int = 0, multiple: int = 1, hi: Optional[int] = None, optional_zero: bool = False) -> Callable:
-    extra = []
-    if lo == 1:
-        extra.append("more than 0 bytes")
-    elif lo > 0:
-        extra.append(f"at least {_human(lo)}")
-    if hi is not None:
-        extra.append(f"at most {_human(hi)}")
-    if multiple > 1:
-        extra.append(f"a multiple of {_human(multiple)}")
-    desc = SIZE_EXPECTED + (", " + ", ".join(extra) if extra else "")
-    if optional_zero:
-        desc += "; 0 or false turns it off"
-
-    def v(x):
-        if optional_zero and (x is False or x == 0 or x == "0"):
-            return None
-        try:
-            n = parse_size(x)
-        except SizeError:
-            raise _Bad(desc) from None
-        if n < lo or (hi is not None and n > hi) or n % multiple:
-            raise _Bad(desc)
-        if n > MAX_SIZE:
-            raise _Bad(f"{desc}, at most {_human(MAX_SIZE)}")
-        return n
-    return v
-
-
-def _human(n: int) -> str:
-    for unit, f in (("EiB", MAX_SIZE), ("TiB", 1 << 40), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= f and n % f == 0:
-            return f"{n // f} {unit}"
-    return f"{n} B"
-
-
-def _mode(x):
-    desc = 'a file mode from 0o000 to 0o777: 0o660 (a TOML octal integer) or "0660"'
-    if isinstance(x, str) and re.fullmatch(r"(0o|0)?[0-7]{1,4}", x.strip()):
-        s = x.strip()
-        n = int(s[2:] if s.startswith("0o") else s, 8)
-    elif isinstance(x, int) and not isinstance(x, bool):
-        n = x
-    else:
-        raise _Bad(desc)
-    if not 0 <= n <= 0o777:
-        raise _Bad(desc)
-    return n
-
-
-def _abs_path(x):
-    if not isinstance(x, str) or not x.startswith("/") or "\0" in x:
-        raise _Bad("an absolute path")
-    return os.path.normpath(x)
-
-
-def _model(x):
-    if not isinstance(x, str) or not x or "\0" in x:
-        raise _Bad("the path of a GGUF file")
-    return x
-
-
-MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}")
-_MODEL_FIELDS = ("name", "path", "min_budget", "max_budget", "weight")
-
-
-def _models(x):
-    """``[[models]]`` tables (or ``--model NAME=PATH`` flags): a list of dicts with ``name``,
-    ``path`` and optional ``min_budget``/``max_budget`` (sizes) and ``weight`` (> 0)."""
-    want = ("a list of tables with name (letters, digits, _ . -, at most 32), path (a GGUF "
-            "file) and optional min_budget, max_budget (sizes) and weight (> 0)")
-    if not isinstance(x, list):
-        raise _Bad(want)
-    out, seen = [], set()
-    for i, t in enumerate(x):
-        if not isinstance(t, dict):
-            raise _Bad(want)
-        extra = [k for k in t if k not in _MODEL_FIELDS]
-        if extra:
-            raise _Bad(f"{want}; models[{i}] has unknown field {extra[0]!r}")
-        name, path = t.get("name"), t.get("path")
-        if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
-            raise _Bad(f"{want}; models[{i}].name = {name!r} is not such a name")
-        if name in seen:
-            raise _Bad(f"{want}; model name {name!r} appears twice")
-        seen.add(name)
-        if not isinstance(path, str) or not path or "\0" in path:
-            raise _Bad(f"{want}; models[{i}].path is missing")
-        m = {"name": name, "path": path, "min_budget": None, "max_budget": None, "weight": 1.0}
-        for k in ("min_budget", "max_budget"):
-            if t.get(k) is not None:
-                try:
-                    m[k] = _size(lo=1)(t[k])
-                except _Bad as e:
-                    raise _Bad(f"models[{i}].{k} = {t[k]!r}: {e.expected}") from None
-        w = t.get("weight", 1.0)
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= 1e6:
-            raise _Bad(f"{want}; models[{i}].weight = {w!r} is not a number > 0")
-        m["weight"] = float(w)
-        if m["min_budget"] and m["max_budget"] and m["min_budget"] > m["max_budget"]:
-            raise _Bad(f"models[{i}] ({name}): min_budget above max_budget; lower min_budget")
-        out.append(m)
-    return out
-
-
-def _hysteresis(x):
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 100:
-        raise _Bad("a number from 0 to 100 (0.25: a move must gain 25 % more than it loses)")
-    return float(x)
-
-
-def _endpoint(x):
-    desc = (f"ipc:///absolute/path (at most {MAX_IPC_PATH} bytes) or tcp://HOST:PORT")
-    if not isinstance(x, str):
-        raise _Bad(desc)
-    if x.startswith("ipc://"):
-        p = x[len("ipc://"):]
-        if not p.startswith("/") or len(p.encode()) > MAX_IPC_PATH or "\0" in p:
-            raise _Bad(desc)
-        return x
-    if re.fullmatch(r"tcp://(\*|\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}", x) and \
-            0 < int(x.rsplit(":", 1)[1]) < 65536:
-        return x
-    raise _Bad(desc)
-
-
-def _group(x):
-    if x is None or x == "" or x is False:
-        return None
-    if isinstance(x, int) and not isinstance(x, bool):
-        try:
-            return grp.getgrgid(x).gr_name
-        except KeyError:
-            raise _Bad("an existing group (name or gid), or \"\" for none") from None
-    if isinstance(x, str):
-        try:
-            grp.getgrnam(x)
-            return x
-        except KeyError:
-            raise _Bad("an existing group (name or gid), or \"\" for none") from None
-    raise _Bad("an existing group (name or gid), or \"\" for none")
-
-
-def _log_level(x):
-    if isinstance(x, str) and x.lower() == "warn":
-        return "warning"
-    return _choice("debug", "info", "warning", "error")(x)
-
-
-# -- live reload: what a SIGHUP does for each key that can change while the daemon runs ----------
-# ``reload(new_cfg, server, cache, floor_box)`` applies the key's new value to the running
-# daemon (``floor_box["floor"]``: the running MemoryFloor or None); it returns None when
-# applied, or a string saying why not (the key then needs a restart). Several keys may share
-# one function (it applies their values together).
-
-def _live_log_level(new, server, cache, floor_box):
-    import logging
-    logging.getLogger().setLevel(new.log_level.upper())
-
-
-def _live_heartbeat(new, server, cache, floor_box):
-    server.heartbeat_s = new.heartbeat_s
-
-
-def _live_request_limits(new, server, cache, floor_box):
-    server.set_request_limits(new.max_request_experts, new.max_message_bytes)
-
-
-def _live_admit_cold(new, server, cache, floor_box):
-    cache.admit_cold = new.admit_cold
-
-
-def _live_scan_admit(new, server, cache, floor_box):
-    cache.scan_admit = new.scan_admit
-
-
-def _live_prefetch_min_confidence(new, server, cache, floor_box):
-    cache.prefetch_min_confidence = new.prefetch_min_confidence
-
-
-def _live_client_limits(new, server, cache, floor_box):
-    server.set_client_limits(new.client_rate_limit, new.client_rate_burst, new.client_max_prefetch)
-
-
-def _live_on_pressure(new, server, cache, floor_box):
-    cache.shrunk_policy = new.on_pressure
-    server.acquire_timeout_s = new.pressure_timeout_s if new.on_pressure == "wait" else None
-
-
-def _live_pressure_timeout(new, server, cache, floor_box):
-    if new.on_pressure == "wait":
-        server.acquire_timeout_s = new.pressure_timeout_s
-
-
-def _live_read_when_used(new, server, cache, floor_box):
-    """Nothing to do: the daemon reads the value when it needs it."""
-
-
-def _live_budget(new, server, cache, floor_box):
-    from .daemon import apply_budget
-    return apply_budget(new, cache, floor_box)
-
-
-def _live_split(new, server, cache, floor_box):
-    models = floor_box.get("models")
-    if models is None:
-        return "only with several models"
-    return models.configure(new)
-
-
-def _live_models(new, server, cache, floor_box):
-    models = floor_box.get("models")
-    if models is None:
-        return "the daemon was started with one model (--model PATH): restart it with --model NAME=PATH"
-    return models.reload_models(new)
-
-
-def _live_floor(new, server, cache, floor_box):
-    from .daemon import apply_floor
-    return apply_floor(new, server, cache, floor_box)
-
+# -- live reload ---------------------------------------------------------------------------------
+# A key that can change while the daemon runs declares *how* in its row: ``reload`` names the
+# change ("floor", "client_limits", ...; several keys may share one name, their values are then
+# applied together) and ``scope`` what it reaches. The table only declares: the daemon
+# (``moecached.runtime.Daemon.apply``) maps each name to the method that applies it.
 
 @dataclass(frozen=True)
 class Key:
     """One configuration key: its validator, CLI flag, metavar, help, and ``reload``: None when
-    a change needs a restart, else the function a SIGHUP applies it with (see above)."""
+    a change needs a restart, else the name of the live change a SIGHUP applies it with (see
+    above)."""
     check: Callable
     flag: str
     help: str
     metavar: Optional[str] = None
     kind: str = "str"    # str | int | float | bool | size | mode (how CLI strings are read)
-    reload: Optional[Callable] = None
+    reload: Optional[str] = None
     #: what a live change reaches: "model" (each model's cache and socket), "socket" (every
     #: socket, the several-models endpoint's too), "daemon" (applied once), "budget" (the
     #: budget and the memory floor: with several models, a restart)
@@ -427,11 +137,11 @@ KEYS: dict[str, Key] = {
                  "repeated, serves several models under one budget", "[NAME=]PATH"),
     "models": Key(_models, "--model", "several models ([[models]] tables in the file; on the "
                   "command line give --model NAME=PATH per model)", "-", "list",
-        reload=_live_models, scope="daemon"),
+        reload="models", scope="daemon"),
     "budget": Key(_size(lo=1), "--budget", "cache size, e.g. 16GiB (or give --slots)", "SIZE", "size",
-        reload=_live_budget, scope="budget"),
+        reload="budget", scope="budget"),
     "slots": Key(_int_range(1, 1 << 24), "--slots", "cache size in expert slots (or give --budget)", "N", "int",
-        reload=_live_budget, scope="budget"),
+        reload="budget", scope="budget"),
     "endpoint": Key(_endpoint, "--endpoint", f"ZeroMQ endpoint (default {DEFAULT_ENDPOINT})", "URL"),
     "allow_tcp": Key(_bool, "--allow-tcp", "permit a tcp:// endpoint (it has no access control)", kind="bool"),
     "arena_dir": Key(_abs_path, "--arena-dir", "directory of the arena file (default /dev/shm)", "DIR"),
@@ -451,11 +161,11 @@ KEYS: dict[str, Key] = {
     "scan_admit": Key(_choice("cold", "probation"), "--scan-admit",
                       "where admit_cold puts a miss: the cold end (cold, default) or the "
                       "probation point, a fifth of the cached experts from the cold end "
-                      "(probation)", "cold|probation", reload=_live_scan_admit),
+                      "(probation)", "cold|probation", reload="scan_admit"),
     "admit_cold": Key(_admit_cold, "--admit-cold",
                       "scan-resistant admission: the misses of prompt-tagged acquires (prompt) "
                       "or of one layer's experts wider than N (N) enter the LRU at the cold "
-                      "end (default off)", "off|prompt|N", reload=_live_admit_cold),
+                      "end (default off)", "off|prompt|N", reload="admit_cold"),
     "max_prefetch_loads": Key(_int_range(0, 1 << 20), "--max-prefetch-loads",
                               "prefetch loads in flight before new prefetches are dropped "
                               "(default: 2 x top-k x size classes, at least 16; 0 turns prefetch off)",
@@ -464,60 +174,60 @@ KEYS: dict[str, Key] = {
                                "prefetch loads one client may have in flight before its new "
                                "prefetches are dropped (default: max_prefetch_loads; 0: no "
                                "per-client cap)", "N", "int",
-        reload=_live_client_limits, scope="socket"),
+        reload="client_limits", scope="socket"),
     "prefetch_min_confidence": Key(_fraction, "--prefetch-min-confidence",
                                    "prefetched experts whose confidence (the prefetch's conf "
                                    "field) is below C are dropped (default 0: none)", "C", "float",
-        reload=_live_prefetch_min_confidence),
+        reload="prefetch_min_confidence"),
     "client_rate_limit": Key(_rate, "--client-rate-limit",
                              "requests per second per client before it is refused rate_limited "
                              "(noreply prefetches dropped); releases never count (default 40000; "
                              "0 turns it off)", "R", "float",
-        reload=_live_client_limits, scope="socket"),
+        reload="client_limits", scope="socket"),
     "client_rate_burst": Key(_int_range(1, 1 << 30), "--client-rate-burst",
                              "requests a client may send at once above its rate (default 40000)",
                              "N", "int",
-        reload=_live_client_limits, scope="socket"),
+        reload="client_limits", scope="socket"),
     "floor": Key(_size(optional_zero=True), "--floor",
                  "shrink the cache when available memory falls under SIZE (default off)", "SIZE", "size",
-        reload=_live_floor, scope="budget"),
+        reload="floor", scope="budget"),
     "floor_hysteresis": Key(_size(), "--floor-hysteresis", "grow back above floor + SIZE (default 1GiB)",
                             "SIZE", "size",
-        reload=_live_floor, scope="budget"),
+        reload="floor", scope="budget"),
     "floor_interval_s": Key(_float_range(0, 60, lo_open=True), "--floor-interval",
                             "seconds between memory samples (default 1)", "S", "float",
-        reload=_live_floor, scope="budget"),
+        reload="floor", scope="budget"),
     "floor_min_change_s": Key(_float_range(0, 3600), "--floor-min-change",
                               "seconds a surplus must last before growing back (default 5)", "S", "float",
-        reload=_live_floor, scope="budget"),
+        reload="floor", scope="budget"),
     "min_budget": Key(_size(), "--min-budget", "the floor never shrinks the cache below SIZE", "SIZE", "size",
-        reload=_live_floor, scope="budget"),
+        reload="floor", scope="budget"),
     "on_pressure": Key(_choice("error", "wait"), "--on-pressure",
                        "an acquire that cannot fit: error (default) or wait", "MODE",
-        reload=_live_on_pressure),
+        reload="on_pressure"),
     "pressure_timeout_s": Key(_float_range(0, 3600), "--pressure-timeout",
                               "with on_pressure=wait, give up after S seconds (default 30)", "S", "float",
-        reload=_live_pressure_timeout),
+        reload="pressure_timeout"),
     "on_model_change": Key(_choice("reload", "exit"), "--on-model-change",
                            "the model file changed under the daemon: reload (default: re-index "
                            "it once quiet, new session) or exit (non-zero: the service manager "
                            "restarts it)", "MODE",
-        reload=_live_read_when_used, scope="daemon"),
+        reload="read_when_used", scope="daemon"),
     "heartbeat_s": Key(_float_range(0, 3600, lo_open=True), "--heartbeat",
                        "client heartbeat period, seconds (default 5)", "S", "float",
-        reload=_live_heartbeat, scope="socket"),
+        reload="heartbeat", scope="socket"),
     "socket_mode": Key(_mode, "--socket-mode", "mode of the socket file (default 0660)", "MODE", "mode"),
     "arena_mode": Key(_mode, "--arena-mode", "mode of the arena file (default 0640)", "MODE", "mode"),
     "group": Key(_group, "--group", 'group owning socket and arena (default "moecached" if it exists; "" for none)',
                  "GROUP"),
     "log_level": Key(_log_level, "--log-level", "debug, info (default), warning or error", "LEVEL",
-        reload=_live_log_level, scope="daemon"),
+        reload="log_level", scope="daemon"),
     "max_request_experts": Key(_int_range(1, 1 << 24), "--max-request-experts",
                                "most experts one request may name (default 16384)", "N", "int",
-        reload=_live_request_limits, scope="socket"),
+        reload="request_limits", scope="socket"),
     "max_message_bytes": Key(_size(lo=4 * KiB, hi=1 * GiB), "--max-message-bytes",
                              "largest request message (default 4MiB)", "SIZE", "size",
-        reload=_live_request_limits, scope="socket"),
+        reload="request_limits", scope="socket"),
     "fast_path": Key(_bool, "--fast-path", "offer local clients the shared-memory hit path (default on)",
                      kind="bool"),
     "fast_path_quota": Key(_int_range(0, 1 << 24), "--fast-path-quota",
@@ -525,16 +235,16 @@ KEYS: dict[str, Key] = {
                            "(default 0: 4 x top-k x MoE layers, at most half the slots)", "N", "int"),
     "split_interval_s": Key(_float_range(0, 86400, lo_open=True), "--split-interval",
                             "several models: seconds between rebalances of the shared budget (default 10)",
-                            "S", "float", reload=_live_split, scope="daemon"),
+                            "S", "float", reload="split", scope="daemon"),
     "split_step": Key(_size(lo=1), "--split-step", "several models: bytes a share moves by "
                       "(default: budget / 32, at least one slot of every size class)", "SIZE", "size",
-        reload=_live_split, scope="daemon"),
+        reload="split", scope="daemon"),
     "split_hysteresis": Key(_hysteresis, "--split-hysteresis", "several models: a move's gain "
                             "must beat its loss by this factor (default 0.25)", "X", "float",
-        reload=_live_split, scope="daemon"),
+        reload="split", scope="daemon"),
 }
 
-#: Keys a SIGHUP can apply to a running daemon (those with a ``reload`` function); others need
+#: Keys a SIGHUP can apply to a running daemon (those with a ``reload`` name); others need
 #: a restart.
 RELOADABLE = frozenset(k for k, key in KEYS.items() if key.reload is not None)
 

@@ -31,9 +31,18 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 
 from . import MoecacheError
 from . import protocol as P
+from .confvalues import MODEL_NAME
+from .index import open_index
+from .logs import stage
+from .reload import ModelReloader
+from .router import Router
+from .server import Server
+from .split import Member, Split, SplitError, least_share
+from .stats import CACHE_STATS, SERVER_COUNTERS, hit_rate
 
 log = logging.getLogger("moecached.models")
 
@@ -75,7 +84,10 @@ def model_endpoint(endpoint: str, name: str) -> str:
 
 class Models:
     """The models served and their split; built by :func:`start`, driven from the endpoint's
-    loop (its periodic task) and from any socket's hello (``route``).
+    loop (its periodic task) and from any socket's hello (``route``). The daemon
+    (``moecached.runtime.Daemon``) uses it as it uses ``OneModel``: ``start``, ``tick``,
+    ``targets``, ``floor_target``, ``live_*``, ``stats``, ``status``, ``ready_message``,
+    ``close``.
 
     Args:
         cfg: the daemon's Config at start.
@@ -87,8 +99,6 @@ class Models:
     """
 
     def __init__(self, cfg, make_cache, server_kwargs, live_cfg=None, exit=None, notify=None):
-        from collections import Counter
-        from .split import Split
         self.cfg = cfg
         self._make_cache = make_cache
         self._server_kwargs = server_kwargs
@@ -105,7 +115,8 @@ class Models:
         self.adding: dict = {}            # names being added (indexing, arena) now
         self.failed: dict = {}            # name -> why its last add failed
         self.retired = Counter()          # counters of the models removed (daemon totals)
-        self.router = None                # the Server on the daemon's endpoint (no model)
+        self.router = None                # the Router on the daemon's endpoint (no model)
+        self.timings: dict = {}           # start-up: the daemon's total_s
         self._file_models = list(cfg.models)   # [[models]] as the file said when last read
 
     # ------------------------------------------------------------------ routing (any loop)
@@ -145,7 +156,6 @@ class Models:
 
     # ------------------------------------------------------------------ building
     def _member(self, name, index, spec):
-        from .split import Member, least_share
         least = least_share(index, int(getattr(index, "top_k", 0) or 8))
         hi = spec.get("max_budget")
         if hi is not None and hi < least:
@@ -157,7 +167,6 @@ class Models:
                       1.0 if w is None else float(w))
 
     def _open(self, spec) -> _Served:
-        from .index import open_index
         name, path = spec["name"], spec["path"]
         if not os.path.isfile(path):
             raise ModelsError(f"model {name}: path {path}: expected an existing GGUF file")
@@ -194,8 +203,6 @@ class Models:
     def _start_cache(self, m: _Served):
         """Cache (sized to its share), server and file watch of ``m``; its server is run by
         :meth:`_run_thread`."""
-        from .reload import ModelReloader
-        from .server import Server
         m.cache = self._new_cache(m, m.index)
         try:
             m.server = Server(m.cache, endpoint=m.endpoint, model_path=m.path,
@@ -233,7 +240,6 @@ class Models:
         """``m``'s file was re-indexed (its loop thread, the lock held, its old cache retired):
         its split member takes the new index, keeping its share as far as the new bounds
         allow; the others follow; the new cache is sized to the share."""
-        from .split import SplitError
         try:
             self.split.replace(self._member(m.name, index, m.spec))
         except SplitError as e:
@@ -256,28 +262,28 @@ class Models:
             if m.draining is None:
                 m.draining = time.monotonic() - DRAIN_S   # nothing to drain: its cache is gone
 
-    def start(self, lock_fd):
+    def start(self, held: dict):
         """Open every configured model and serve each in its thread; then bind the daemon's
-        endpoint (``lock_fd``: its lock) to a Server without a model, returned for the caller
-        to run its loop."""
-        from .server import Server
-        from .split import Split, SplitError
-        opened = [self._open(s) for s in self.cfg.models]
-        try:
-            self.split = Split(self.total, [self._member(m.name, m.index, m.spec) for m in opened],
-                               step=self.cfg.split_step, hysteresis=self.cfg.split_hysteresis)
-        except SplitError as e:
-            raise ModelsError(str(e)) from None
-        try:
-            for m in opened:
-                self._start_cache(m)
-                self.models[m.name] = m
-            self.router = Server(None, endpoint=self.cfg.endpoint, endpoint_lock=lock_fd,
-                                 **self._server_kwargs)
-        except BaseException:
-            self.close()
-            raise
-        self.router.route_model = self.route
+        endpoint (its lock: ``held["lock"]``, handed over) to the router, returned for the
+        caller to run its loop."""
+        with stage(f"indexing and reserving {len(self.cfg.models)} models"):
+            opened = [self._open(s) for s in self.cfg.models]
+            try:
+                self.split = Split(self.total, [self._member(m.name, m.index, m.spec)
+                                                for m in opened],
+                                   step=self.cfg.split_step, hysteresis=self.cfg.split_hysteresis)
+            except SplitError as e:
+                raise ModelsError(str(e)) from None
+            try:
+                for m in opened:
+                    self._start_cache(m)
+                    self.models[m.name] = m
+                lock_fd, held["lock"] = held["lock"], None   # the router owns it from here
+                self.router = Router(self.route, self.handle, endpoint=self.cfg.endpoint,
+                                     endpoint_lock=lock_fd, **self._server_kwargs)
+            except BaseException:
+                self.close()
+                raise
         for m in opened:
             self._run_thread(m)
         return self.router
@@ -328,7 +334,6 @@ class Models:
 
     def set_total(self, total: int) -> dict:
         """The memory floor's ``set_budget``: the split absorbs a new total."""
-        from .split import SplitError
         with self.lock:
             try:
                 self.split.set_total(int(total))
@@ -381,7 +386,6 @@ class Models:
         only their coldest experts go) and started in a thread of its own, so no model's loop
         waits for the index or the new arena. ``model list`` shows it ``adding`` meanwhile, and
         the reason when it could not be added."""
-        from .config import MODEL_NAME
         name = spec.get("name")
         if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
             raise ModelsError(f"model name {name!r}: expected letters, digits, _ . - (at most 32)")
@@ -403,7 +407,6 @@ class Models:
         return {"adding": name, "endpoint": ep}
 
     def _add(self, spec: dict) -> None:
-        from .split import SplitError
         name = spec["name"]
         try:
             m = self._open(spec)
@@ -449,7 +452,6 @@ class Models:
     def _keep_counts(self, m: _Served, server: bool = True) -> None:
         """``m``'s cache is going (removed, or its file re-indexed): the daemon's totals keep
         counting what its counters (and, when ``server``, its socket's) counted."""
-        from .stats import CACHE_STATS
         st = m.cache.stats() if m.cache is not None else {}
         for row in CACHE_STATS:
             if row.kind == "counter" and isinstance(st.get(row.key), int):
@@ -502,7 +504,6 @@ class Models:
     # ------------------------------------------------------------------ views
     def summary(self, views=None) -> list:
         """Per model: share, residency, hit rate, bytes read (stats, status, metrics)."""
-        from .stats import hit_rate
         return [dict(name=m.name, path=m.path, endpoint=m.endpoint, state=state,
                      share_bytes=share, budget_current_bytes=st["budget"]["current_bytes"],
                      min_bytes=mb.min_bytes if mb else 0, max_bytes=mb.max_bytes if mb else 0,
@@ -534,7 +535,6 @@ class Models:
     def daemon_stats(self) -> dict:
         """The daemon's endpoint's ``stats``: every cache counter and gauge summed over the
         models (counters of removed models included), the budget, each model, the split."""
-        from .stats import CACHE_STATS, SERVER_COUNTERS
         views = self._views()
         st = {}
         for row in CACHE_STATS:
@@ -560,7 +560,6 @@ class Models:
 
     def daemon_status(self) -> dict:
         """The daemon's endpoint's ``status``: sums over the models, and each model."""
-        from .stats import hit_rate
         ms = self.summary()
         hits, pf, miss = (sum(x[k] for x in ms) for k in ("hits", "prefetch_hits", "demand_misses"))
         changed = [x for x in ms if x["model_changed"]]
@@ -611,6 +610,43 @@ class Models:
             raise P.ProtocolError(P.E_REFUSED, str(e)) from None
         raise P.ProtocolError(P.E_BAD_TYPE, f"field 'action' = {action!r:.20}: expected list, add, "
                               "remove or rebalance")
+
+    # ------------------------------------------------------------------ the daemon's view
+    several = True
+    keep_new = ("models",)   # applied in part: the file's tables are read as they are now
+
+    def targets(self, scope: str) -> list:
+        """(server, cache) pairs a per-model live change reaches: every model's, and the
+        endpoint's (no cache) for what every socket has (``scope`` "socket")."""
+        out = [(srv, srv.cache) for srv in self.servers()]
+        return out + ([(self.router, None)] if scope == "socket" else [])
+
+    def floor_target(self, cfg) -> tuple:
+        """(configured total, least total, set_total): the memory floor shrinks the split's
+        total and the split absorbs it."""
+        configured = int(cfg.budget)
+        least = min(max(self.least_total(), cfg.min_budget or 0), configured)
+        return configured, least, self.set_total
+
+    def live_budget(self, new, floor):
+        return "several models: restart to change it"
+
+    def live_split(self, new):
+        return self.configure(new)
+
+    def live_models(self, new):
+        return self.reload_models(new)
+
+    def stats(self) -> dict:
+        return self.daemon_stats()
+
+    def status(self) -> dict:
+        return self.daemon_status()
+
+    def ready_message(self) -> tuple[str, str]:
+        return (f"serving {len(self.models)} models ("
+                + ", ".join(f"{n} {s / 2**30:.2f} GiB" for n, s in self.split.shares.items())
+                + f") on {self.cfg.endpoint}", "")
 
     def close(self):
         """Stop every model's server and close its cache (the endpoint's server closes itself

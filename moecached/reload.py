@@ -12,7 +12,7 @@ on every load (the reader pool) and on every periodic tick. Misses then fail wit
   A file that cannot be indexed is tried again when it changes next.
 
 One :class:`ModelReloader` per served model, driven from its server's loop thread: with one
-model by ``moecached.daemon.run``, with several by ``moecached.multi`` (each model alone: the
+model by ``moecached.runtime.OneModel``, with several by ``moecached.multi`` (each model alone: the
 others keep serving). See docs/operations.md, "Model file changed".
 """
 from __future__ import annotations
@@ -23,6 +23,8 @@ import os
 import time
 
 from . import MoecacheError
+from .index import open_index
+from .watch import ModelWatch, WatchError
 
 log = logging.getLogger("moecached")
 
@@ -51,7 +53,6 @@ def model_files(cache) -> list[str]:
 def start_watch(cache):
     """An inotify watch on ``cache``'s model files that rechecks them on every event, or None
     (with one warning) when inotify is unavailable: the periodic check still notices."""
-    from .watch import ModelWatch, WatchError
     try:
         return ModelWatch(model_files(cache), cache.readers.recheck,
                           log=logging.getLogger("moecached.watch"))
@@ -129,7 +130,6 @@ class ModelReloader:
 
     def _reload(self, r: dict, sig: tuple) -> None:
         """Re-index the model file and serve it under a new session (loop thread)."""
-        from .index import open_index
         try:
             idx = open_index(self.path)
         except (MoecacheError, OSError) as e:

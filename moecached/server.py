@@ -18,12 +18,15 @@ nothing for ``heartbeat_s`` seconds loses its leases; the Python client pings on
 while idle. Wherever a lease is released without its holder's word, the generations of its
 slots in the arena's control block move before the slots are reused, so the holder can tell
 (docs/protocol.md, "Lease validity").
+
+The endpoint's lock: ``moecached.endpoint``; the clients and their pin files:
+``moecached.clients``; stats, status and the trace ops: ``moecached.views``; the several-models
+endpoint: ``moecached.router``.
 """
 from __future__ import annotations
 
 import collections
 import errno
-import fcntl
 import functools
 import heapq
 import logging
@@ -38,11 +41,12 @@ import zmq
 
 from . import MoecacheError, __version__
 from . import protocol as P
-from ._serve import FastPath, RateLimit, ServerHooks, TokenBucket
-from ._shm import RING_N
+from ._serve import FastPath, RateLimit, ServerHooks
 from .arena import STATE_MODEL_CHANGED, STATE_SERVING
-from .cache import PrefetchQuota
-from .stats import CLIENT_STATS, SERVER_COUNTERS, hit_rate
+from .clients import ServerClients, _Client
+from .endpoint import (ServerError, _ipc_path, lock_endpoint,  # noqa: F401 (re-exported)
+                       process_start_time, unlock_endpoint)
+from .views import ServerViews
 
 log = logging.getLogger("moecached.server")
 
@@ -55,168 +59,7 @@ HOT_PATH_ENV = "MOECACHED_HOT_PATH"
 _UNLIMITED_OPS = frozenset({"release", "bye"})
 
 
-class ServerError(MoecacheError):
-    """Start-up problems: endpoint in use, bad endpoint, socket permissions."""
-
-
-class _Client:
-    __slots__ = ("ident", "delim", "name", "pid", "first_seen", "last_seen", "leases", "pending",
-                 "requests", "acquires", "hits", "misses", "prefetch_hits", "prefetches",
-                 "errors", "stall_s", "pidfd", "bucket", "pf", "rate_limited", "pins", "fast_closed",
-                 "subst")
-
-    def __init__(self, ident: bytes, now: float, burst: float = 1.0, max_prefetch=None):
-        self.ident = ident
-        self.delim = False  # the client frames requests REQ-style (empty delimiter first)
-        self.name = ident.hex()
-        self.pid = None
-        self.first_seen = self.last_seen = now
-        self.leases: set[int] = set()
-        self.pending: dict[int, int] = {}  # ticket -> request id
-        self.requests = self.acquires = self.hits = self.misses = 0
-        self.prefetch_hits = self.prefetches = self.errors = 0
-        self.stall_s = 0.0
-        self.subst: dict[int, int] = {}   # layer -> its missing experts replaced by a substitute
-        self.pidfd = None  # pidfd of the client's process when watched (ipc + verified pid)
-        self.bucket = TokenBucket(burst, now)    # request rate limit (Server.rate_limit)
-        self.pf = PrefetchQuota(max_prefetch)     # its prefetch loads in flight / dropped
-        self.rate_limited = 0                     # requests refused or dropped: over the rate limit
-        self.pins = None   # its pin file (moecached._shm.PinFile) when it uses the fast path
-        # counters of its pin files already closed (a new hello, a reload)
-        self.fast_closed = dict.fromkeys(("fast_hits", "ring_drops", "ring_resets", "pins_ignored"), 0)
-
-    def fold_pins(self) -> None:
-        """Its pin file is closing: keep what it counted (hits go to the socket counters)."""
-        pf, self.pins = self.pins, None
-        if pf is not None:
-            self.hits += pf.hits
-            self.prefetch_hits += pf.prefetch_hits
-            info = pf.info()
-            for k in self.fast_closed:
-                self.fast_closed[k] += info[k]
-
-    def fast_counts(self) -> dict:
-        """Its shared-memory hit-path counts (closed pin files plus the open one), with ``hits``
-        and ``prefetch_hits`` its open pin file took (they count as socket hits would)."""
-        pf = self.pins
-        fast = dict(self.fast_closed, pins_honoured=0, hits=0, prefetch_hits=0)
-        if pf is not None:
-            fast["hits"], fast["prefetch_hits"] = pf.hits, pf.prefetch_hits
-            for k, v in pf.info().items():
-                fast[k] += v
-        return fast
-
-    def summary(self) -> dict:
-        """Its ``stats["clients"][]`` entry: the rows of ``moecached.stats.CLIENT_STATS`` plus
-        name, id, pid, hit_rate, fast_path and watched."""
-        fast = self.fast_counts()
-        out = {"name": self.name, "id": self.ident.hex(), "pid": self.pid}
-        out.update((s.key, s.value(self, fast)) for s in CLIENT_STATS)
-        out.update(hit_rate=hit_rate(out["hits"], out["prefetch_hits"], out["demand_misses"]),
-                   substitutions_by_layer={str(k): v for k, v in sorted(self.subst.items())},
-                   fast_path=self.pins is not None,
-                   watched="process" if self.pidfd is not None else "heartbeat")
-        return out
-
-
-def process_start_time(pid: int) -> int | None:
-    """Start time of process ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22),
-    or None when there is no such process here. With the pid it names one process for good:
-    a pid reused later has another start time."""
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            data = f.read()
-        return int(data[data.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _client_uid(pid) -> int | None:
-    """Effective uid of process ``pid`` (``/proc/PID/status``), or None."""
-    try:
-        with open(f"/proc/{int(pid)}/status") as f:
-            for line in f:
-                if line.startswith("Uid:"):
-                    return int(line.split()[2])
-    except (OSError, ValueError, IndexError, TypeError):
-        pass
-    return None
-
-
-def _pidfd_open(pid: int) -> int | None:
-    try:
-        return os.pidfd_open(pid)
-    except (OSError, AttributeError, OverflowError):   # OverflowError: no pid_t holds it
-        return None
-
-
-def _ipc_path(endpoint: str) -> str | None:
-    return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
-
-
-def lock_endpoint(endpoint: str) -> int | None:
-    """Take the endpoint's lock (exclusive ``flock`` on ``<socket>.lock``, holding our pid) and
-    return its fd; None for a non-ipc endpoint. The daemon takes it before it indexes or
-    reserves anything, so a second daemon on a live endpoint is refused at once, having touched
-    nothing; :class:`Server` takes it over (``endpoint_lock=``) and releases it in ``close()``.
-    Raises :class:`ServerError` when another daemon holds it or the directory is missing."""
-    ipc = _ipc_path(endpoint)
-    if not ipc:
-        return None
-    d = os.path.dirname(ipc) or "."
-    if not os.path.isdir(d):
-        raise ServerError(f"endpoint {endpoint}: directory {d} does not exist "
-                          "(systemd creates /run/moecached via RuntimeDirectory=; create it or pick another path)")
-    fd = os.open(ipc + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        try:
-            other = os.pread(fd, 32, 0).decode().strip() or "?"
-        except OSError:
-            other = "?"
-        os.close(fd)
-        raise ServerError(f"endpoint {endpoint}: another moecached (pid {other}) is serving it; "
-                          "stop it first or choose another --endpoint")
-    if _listening(ipc):
-        # the lock is ours only because someone removed the lock file of a live daemon
-        os.close(fd)
-        raise ServerError(f"endpoint {endpoint}: a process is listening on {ipc} although its lock "
-                          f"file {ipc}.lock was removed (another moecached?); stop it first or "
-                          "choose another --endpoint")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def _listening(path: str) -> bool:
-    """True when something accepts connections on the unix socket ``path`` (not a stale file)."""
-    import socket
-    if not os.path.exists(path):
-        return False
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(1.0)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
-def unlock_endpoint(endpoint: str, fd: int | None) -> None:
-    """Release a lock from :func:`lock_endpoint` that no Server took over (start-up failed)."""
-    if fd is None:
-        return
-    try:
-        os.unlink(_ipc_path(endpoint) + ".lock")
-    except (FileNotFoundError, TypeError):
-        pass
-    os.close(fd)
-
-
-class Server:
+class Server(ServerClients, ServerViews):
     """Serves one ExpertCache on one ZeroMQ endpoint.
 
     Args:
@@ -245,17 +88,12 @@ class Server:
     releases and bye are never limited. ``client_max_prefetch``: prefetch loads one client may
     have in flight (None: the cache's ``max_prefetch_loads``, so a lone client is limited as
     before; 0: no own cap); its prefetches beyond it are dropped and counted per client.
-    With ``cache=None`` the server serves no model itself: it is the daemon's endpoint when
-    several models are served (``moecached.multi``). A hello there is redirected by
-    ``route_model`` to the model it names (or refused); a control connection (``model "*"``)
-    gets the daemon's ``stats`` / ``status`` / ``models`` (``extra_stats`` / ``extra_status``
-    add the models' view); every other op is refused ``unknown_model``.
+    With several models, each model's server routes a hello that names another model
+    (``route_model``), and the daemon's endpoint is a :class:`moecached.router.Router`, a
+    server of no model.
     Raises:
         ServerError: another daemon holds the endpoint, or the endpoint cannot be bound.
     """
-
-    #: the ops a server without a model (the several-models endpoint) answers itself
-    ROUTER_OPS = ("hello", "ping", "bye", "stats", "status", "models")
 
     def __init__(self, cache, *, endpoint: str, model_path: str = "", heartbeat_s: float = 5.0,
                  socket_mode: int = 0o660, gid: int | None = None, on_tick=None, tick_s: float = 1.0,
@@ -265,7 +103,7 @@ class Server:
                  client_max_prefetch: int | None = None, pin_files: bool = True,
                  pin_quota: int | None = None):
         self.cache = cache
-        self.index = cache.index if cache is not None else None
+        self.index = cache.index if cache is not None else None   # None: a Router
         self.endpoint = endpoint
         self.model_path = model_path
         self.heartbeat_s = float(heartbeat_s)
@@ -273,15 +111,7 @@ class Server:
         self.tick_s = tick_s
         self.session = int.from_bytes(os.urandom(8), "little") >> 1 | 1
         self.started = time.time()
-        if cache is not None:
-            # the arena's control block names the session it serves: leases of any other are void
-            cache.arena.set_epoch(self.session, STATE_SERVING)
-            self.checker = P.RequestChecker(self.index.expert_layers, self.index.n_experts,
-                                            max_experts=max_request_experts)
-            self.moe_index = {l: i for i, l in enumerate(self.index.expert_layers)}
-        else:   # no model here: nothing is checked against an index
-            self.checker = P.RequestChecker((), 0, max_experts=max_request_experts)
-            self.moe_index = {}
+        self._set_model(max_request_experts)
         self.max_message_bytes = int(max_message_bytes)
         # default deadline of an acquire that gives no timeout_ms (on_pressure = wait gives up)
         self.acquire_timeout_s = acquire_timeout_s
@@ -318,8 +148,7 @@ class Server:
         self._stopping = False
         self._loop_tid = None
         self._hup = False        # SIGHUP seen; the loop runs self._on_hup
-        self._ops = {op: getattr(self, "_op_" + op if cache is not None or op in self.ROUTER_OPS
-                                 else "_op_no_model") for op in P.OPS}
+        self._ops = self._op_table()
         self._packb = msgpack.Packer(use_bin_type=True).pack  # reused; the loop thread only
         # serve resident acquires / own noreply releases in Cython first
         self.fast_path = os.environ.get(HOT_PATH_ENV, "1") != "0"
@@ -350,6 +179,18 @@ class Server:
         self._wake_sock.connect(wake_ep)
         self._wake_lock = threading.Lock()
         self._wake_pending = False
+
+    def _set_model(self, max_request_experts: int) -> None:
+        """The model this socket serves: requests are checked against its index, and the
+        arena's control block names the session it serves (leases of any other are void)."""
+        self.cache.arena.set_epoch(self.session, STATE_SERVING)
+        self.checker = P.RequestChecker(self.index.expert_layers, self.index.n_experts,
+                                        max_experts=max_request_experts)
+        self.moe_index = {l: i for i, l in enumerate(self.index.expert_layers)}
+
+    def _op_table(self) -> dict:
+        """op -> its handler."""
+        return {op: getattr(self, "_op_" + op) for op in P.OPS}
 
     # ---- start / stop -------------------------------------------------------------------
     def _bind(self, mode: int, gid: int | None) -> None:
@@ -535,7 +376,7 @@ class Server:
                     if now >= next_hb:
                         self._expire_clients(now)
                         next_hb = now + max(0.05, self.heartbeat_s / 4)
-                    cache = self.cache   # None: the several-models endpoint
+                    cache = self.cache   # None: a Router (no model)
                     if cache is not None and cache.pin_files and now >= next_sweep:
                         next_sweep = now + self.PIN_DRAIN_MS / 1000
                         try:
@@ -602,7 +443,7 @@ class Server:
         ``_handle``). Built again for each session; the hooks' live fields (request limits,
         tracing) are kept current by :meth:`set_request_limits` and the trace ops."""
         self._hooks = None
-        if not self.fast_path or self.cache is None:
+        if not self.fast_path:
             return lambda frames: False
         cache = self.cache
         self._hooks = hooks = ServerHooks(
@@ -796,110 +637,6 @@ class Server:
             return self._send(ident, msg)
         return self._send_frame(ident, delim, P.pack(msg))
 
-    # ---- client lifetime --------------------------------------------------------------
-    def _drop_client(self, c: _Client, why: str, tell: bool = False) -> None:
-        """Release ``c``'s leases and pending acquires and forget it. ``tell``: the client may
-        still be there (it was only silent): answer each pending acquire with an error rather
-        than leave it waiting for a reply that would never come."""
-        for ticket, rid in list(c.pending.items()):
-            self.cache.cancel(ticket)
-            if tell:
-                self._send_error(c.ident, rid, P.E_TIMEOUT,
-                                 f"client {c.name} was {why} (heartbeat_s {self.heartbeat_s:g}): its "
-                                 "pending acquires and leases were released; ping while idle, retry")
-        c.pending.clear()
-        n = 0
-        for lid in list(c.leases):
-            _, lease = self.leases.pop(lid)
-            self.cache.release(lease)
-            n += 1
-        c.leases.clear()
-        self._close_pins(c)
-        self._unwatch(c)
-        self.clients.pop(c.ident, None)
-        self.counters["clients_dropped"] += 1
-        gone = c.summary()
-        gone["left"] = why
-        self.departed.append(gone)
-        if n:
-            log.info("client %s (pid %s) %s: released %d leases", c.name, c.pid, why, n)
-
-    def _expire_clients(self, now: float) -> None:
-        """Release the leases of watched clients whose process exited, and of unwatched ones
-        silent for longer than ``heartbeat_s`` (a watched client may stall for any time)."""
-        if self._watched:
-            for fd, _ in self._watch.poll(0):
-                c = self._watched.get(fd)
-                if c is not None:
-                    self._drop_client(c, "process exited")
-        for c in list(self.clients.values()):
-            if c.pidfd is None and now - c.last_seen > self.heartbeat_s:
-                self._drop_client(c, f"silent for {now - c.last_seen:.1f}s", tell=True)
-
-    def _watch_client(self, c: _Client, pid, pid_start) -> None:
-        """Watch ``c``'s process when it is local and its pid is verified by its start time."""
-        self._unwatch(c)
-        if not self._ipc or type(pid) is not int or type(pid_start) is not int or pid <= 0:
-            return
-        fd = _pidfd_open(pid)
-        if fd is None:
-            return
-        if process_start_time(pid) != pid_start:   # not that process (other pid namespace, reused)
-            os.close(fd)
-            return
-        c.pidfd = fd
-        self._watched[fd] = c
-        self._watch.register(fd, select.POLLIN)
-
-    def _open_pins(self, c: _Client) -> dict | None:
-        """A pin file for watched client ``c`` (its hello asked for the fast path): the
-        ``pins`` field of the hello reply, or None (fast path off, client not watched, or the
-        file could not be made: logged, and everything goes over the socket)."""
-        self._close_pins(c)
-        if not self.pin_files or c.pidfd is None:
-            return None
-        cache = self.cache
-        quota = int(self.pin_quota or cache.default_pin_quota())
-        self._pin_seq += 1
-        name = f"moecached-pins-{self.session:016x}-{self._pin_seq}"
-        try:
-            f = cache.open_pin_file(name, self.session, quota, _client_uid(c.pid) if os.geteuid() == 0 else None)
-        except OSError as e:
-            self.counters["pin_file_errors"] += 1
-            log.warning("cannot create pin file %s for client %s (pid %s): %s; it uses the socket",
-                        name, c.name, c.pid, e.strerror or e)
-            return None
-        c.pins = f
-        return {"path": f.path, "size": f.size, "ring_n": RING_N,
-                "pins_off": cache._shm.pins_off, "ring_off": cache._shm.ring_off, "quota": quota}
-
-    def _drop_broken_pins(self, f) -> None:
-        """``f`` was truncated under the daemon (its client's doing): drop that client."""
-        self.counters["pin_files_truncated"] += 1
-        c = next((c for c in self.clients.values() if c.pins is f), None)
-        if c is None:
-            self.cache.close_pin_file(f)
-            return
-        log.warning("client %s (pid %s) truncated its pin file %s: dropped (its leases released)",
-                    c.name, c.pid, f.path)
-        self._drop_client(c, "pin file truncated")
-
-    def _close_pins(self, c: _Client) -> None:
-        f = c.pins
-        c.fold_pins()
-        if f is not None:
-            self.cache.close_pin_file(f)
-
-    def _unwatch(self, c: _Client) -> None:
-        fd, c.pidfd = c.pidfd, None
-        if fd is not None:
-            self._watched.pop(fd, None)
-            try:
-                self._watch.unregister(fd)
-            except (KeyError, ValueError):
-                pass
-            os.close(fd)
-
     # ---- completions from reader threads ----------------------------------------------
     def _complete(self, ident: bytes, rid: int, ticket_box: list, tag, result) -> None:
         """Cache callback (any thread): queue the result for the loop."""
@@ -988,9 +725,16 @@ class Server:
             where = self.route_model(self, want)
             if where is not None:   # served on its own endpoint: the client says hello there
                 self._reply(c.ident, rid, redirect=where, model_name=want)
-                if self.cache is None:   # the several-models endpoint: it has gone there
-                    self.clients.pop(c.ident, None)
+                self._redirected(c)
                 return
+        self._hello_reply(c, rid, self._hello_client(c, msg))
+
+    def _redirected(self, c: _Client) -> None:
+        """A client was sent to its model's own socket (a Router forgets it)."""
+
+    def _hello_client(self, c: _Client, msg: dict) -> bool:
+        """What hello says of the client (name, pid: watched): whether it asks for the
+        shared-memory hit path."""
         name = msg.get("client")
         if name is not None:
             if not isinstance(name, str) or not name:
@@ -1003,14 +747,9 @@ class Server:
         fast = msg.get("fast_path", False)
         if not isinstance(fast, bool):
             raise P.ProtocolError(P.E_BAD_TYPE, f"field 'fast_path' = {fast!r:.20}: expected true or false")
-        if self.cache is None:   # the several-models endpoint: a control connection
-            self._reply(c.ident, rid, protocol=P.PROTOCOL_VERSION, server=f"moecached {__version__}",
-                        fingerprint=None, model=None, model_name=None, arena=None, index=None,
-                        models=self.route_model(self, None, names=True), expert_layers=[],
-                        n_experts=0, top_k=0, heartbeat_s=self.heartbeat_s,
-                        lease_watch="process" if c.pidfd is not None else "heartbeat", pins=None,
-                        limits={"max_message_bytes": self.max_message_bytes})
-            return
+        return fast
+
+    def _hello_reply(self, c: _Client, rid: int, fast: bool) -> None:
         pins = self._open_pins(c) if fast else None
         if not fast:
             self._close_pins(c)
@@ -1028,11 +767,6 @@ class Server:
                             "client_rate_limit": self.rate_limit.rate,
                             "client_rate_burst": self.rate_limit.burst,
                             "client_max_prefetch": self.client_max_prefetch or 0})
-
-    def _op_no_model(self, c: _Client, rid: int, msg: dict) -> None:
-        raise P.ProtocolError(P.E_UNKNOWN_MODEL, f"op {msg.get('op')}: the daemon's endpoint serves "
-                              "several models and none itself: name the model in hello "
-                              "(Client(endpoint, model=NAME), moecache-ctl --model NAME)")
 
     def _op_ping(self, c: _Client, rid: int, msg: dict) -> None:
         self._reply(c.ident, rid, t=time.time())
@@ -1119,133 +853,6 @@ class Server:
         n = len(c.leases)
         self._reply(c.ident, rid, released=n)
         self._drop_client(c, "said bye")
-
-    def stats(self) -> dict:
-        """Everything ``moecache-ctl stats`` shows: cache counters + server + per client
-        (without a model: the server's own, and what ``extra_stats`` adds)."""
-        st = dict(self.cache.stats()) if self.cache is not None else {}
-        st.update(uptime_s=round(time.time() - self.started, 3), pid=os.getpid(),
-                  version=__version__, model=self.model_path, model_name=self.model_name,
-                  endpoint=self.endpoint,
-                  session=self.session,
-                  fingerprint=self.index.fingerprint() if self.index is not None else None,
-                  leases_held=len(self.leases),
-                  server={**{k.key: 0 for k in SERVER_COUNTERS}, **self.counters},
-                  clients=[c.summary() for c in self.clients.values()],
-                  departed_clients=list(self.departed),
-                  tracing=(self.recorder.path if self.recorder is not None else None))
-        if self.extra_stats is not None:
-            st.update(self.extra_stats())
-        return st
-
-    def _op_models(self, c: _Client, rid: int, msg: dict) -> None:
-        if self.models_handler is None:
-            raise P.ProtocolError(P.E_REFUSED, "this daemon serves one model (--model PATH); start "
-                                  "it with --model NAME=PATH (or [[models]]) to add models live")
-        self._reply(c.ident, rid, **self.models_handler(msg))
-
-    def _op_stats(self, c: _Client, rid: int, msg: dict) -> None:
-        self._reply(c.ident, rid, stats=self.stats())
-
-    def _op_status(self, c: _Client, rid: int, msg: dict) -> None:
-        st = self.cache.stats() if self.cache is not None else {}
-        budget = st.get("budget", {})
-        classes = st.get("classes", [])
-        changed = getattr(self.cache, "model_changed", None)
-        status = {
-            "state": "model changed" if changed else "serving", "model_changed": changed,
-            "pid": os.getpid(), "version": __version__,
-            "uptime_s": round(time.time() - self.started, 3), "model": self.model_path,
-            "model_name": self.model_name,
-            "endpoint": self.endpoint, "clients": len(self.clients), "leases": len(self.leases),
-            "budget_configured_bytes": budget.get("configured_bytes"),
-            "budget_current_bytes": budget.get("current_bytes"),
-            "slots": sum(x.get("slots", 0) for x in classes),
-            "slots_used": sum(x.get("used", 0) for x in classes),
-            "pinned": st.get("pinned"), "hits": st.get("hits"),
-            "prefetch_hits": st.get("prefetch_hits"), "demand_misses": st.get("demand_misses"),
-            "hit_rate": hit_rate(st.get("hits", 0), st.get("prefetch_hits", 0), st.get("demand_misses", 0)),
-            "reads_in_flight": st.get("reads_in_flight")}
-        if self.extra_status is not None:
-            status.update(self.extra_status())
-        self._reply(c.ident, rid, status=status)
-
-    def _op_trace_start(self, c: _Client, rid: int, msg: dict) -> None:
-        path = msg.get("path")
-        if not isinstance(path, str) or not path:
-            raise P.ProtocolError(P.E_BAD_TYPE, "field 'path' must be a file path string")
-        who = msg.get("client")
-        if who is not None and not isinstance(who, str):
-            raise P.ProtocolError(P.E_BAD_TYPE, "field 'client' must be a string")
-        # The daemon may run as root: it only ever creates a new file in an existing directory.
-        if not os.path.isabs(path):
-            raise P.ProtocolError(P.E_REFUSED, f"trace path {path!r}: expected an absolute path")
-        parent = os.path.dirname(path)
-        if not os.path.isdir(parent):
-            raise P.ProtocolError(P.E_REFUSED, f"trace path {path}: directory {parent} does not exist")
-        if self.recorder is not None:
-            raise P.ProtocolError(P.E_INVALID_STATE, f"a trace is already being recorded to {self.recorder.path}; stop it first")
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
-            os.close(fd)
-        except FileExistsError:
-            raise P.ProtocolError(P.E_REFUSED, f"trace path {path}: file exists; the daemon never overwrites a file")
-        except OSError as e:
-            raise P.ProtocolError(P.E_REFUSED, f"trace path {path}: {e.strerror}")
-        from .trace import TraceRecorder
-        idx = self.index
-        self.cache.drain_pins()   # hits from before the start are not part of the trace
-        self.cache.take_fast_log()
-        self.cache.fast_log = []
-        self.recorder = TraceRecorder(path, len(idx.expert_layers), idx.top_k, idx.n_experts, client=who)
-        self.recorder_client = who
-        if self._hooks is not None:
-            self._hooks.tracing = True
-        self._reply(c.ident, rid, path=path)
-
-    def _record_fast_hits(self) -> None:
-        """Put the acquires clients took through shared memory into the trace being recorded,
-        in the order the daemon applied them: the entries of one pin call (one time stamp)
-        are one acquire, grouped by layer; recorded as decode (a fast acquire has no tag)."""
-        log = self.cache.take_fast_log()
-        if not log:
-            return
-        names = {id(c.pins): c.name for c in self.clients.values() if getattr(c, "pins", None) is not None}
-        i = 0
-        while i < len(log):
-            f, t = log[i][0], log[i][1]
-            j = i
-            by_layer: dict = {}
-            while j < len(log) and log[j][0] is f and log[j][1] == t:
-                by_layer.setdefault(log[j][2], []).append(log[j][3])
-                j += 1
-            name = names.get(id(f), "?")
-            if self.recorder_client in (None, name):
-                for layer, experts in by_layer.items():
-                    self.recorder.record(self.moe_index[layer], experts, False, name)
-            i = j
-
-    def _trace_stop(self) -> dict:
-        self.cache.drain_pins()
-        if self.recorder is not None:
-            self._record_fast_hits()
-        self.cache.fast_log = None
-        rec, self.recorder = self.recorder, None
-        if self._hooks is not None:
-            self._hooks.tracing = False
-        tr = rec.close() if rec is not None else None
-        info = None
-        if tr is not None and hasattr(tr, "experts"):
-            info = {"tokens": int(tr.experts.shape[0]), "moe_layers": int(tr.experts.shape[1]),
-                    "top_k": int(tr.experts.shape[2]),
-                    "prompt_tokens": int(tr.is_prompt.sum()),
-                    "decode_tokens": int((~tr.is_prompt).sum())}
-        return {"path": getattr(rec, "path", None), "info": info}
-
-    def _op_trace_stop(self, c: _Client, rid: int, msg: dict) -> None:
-        if self.recorder is None:
-            raise P.ProtocolError(P.E_INVALID_STATE, "no trace is being recorded")
-        self._reply(c.ident, rid, **self._trace_stop())
 
 
 def _group(items):

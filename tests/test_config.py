@@ -328,7 +328,7 @@ def test_sizes_over_one_eib_are_refused(tmp_path, value):
 
 def test_docs_mark_exactly_the_reloadable_keys():
     """docs/operations.md's configuration table marks *reload* exactly the keys whose row in
-    config.KEYS carries a reload function, and lists every key."""
+    config.KEYS names a live change (reload), and lists every key."""
     import re
     from pathlib import Path
     from moecached.config import KEYS, RELOADABLE

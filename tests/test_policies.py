@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from moecached.tools import simulate as sim
+from moecached.tools.policycli import main as policy_main
 from moecached.policy import (LFU_DECAY_HALVE_AFTER, LFU_SUBST_HALVE_AFTER, LFU_SUBST_USE, LRU,
                               POLICIES, expand_policies)
 from moecached.tools.replay import reference_lru
@@ -761,7 +762,7 @@ def test_cli_json_layout_and_plot(tmp_path, capsys):
     args = [str(trace), "--policies", "lru,g-lru,g-opt", "--sizes", "0.25,50%,0.125"]
     if layout is not None:
         args += ["--layout", str(layout), "--compute-ms", "20"]
-    assert sim.main(args + ["--json"]) == 0
+    assert policy_main(args + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     res = {(r["policy"], r["size"]): r for r in out[0]["results"]}
     assert "error" in res[("lru", 0.125)]              # 1 slot < top-2
@@ -770,12 +771,12 @@ def test_cli_json_layout_and_plot(tmp_path, capsys):
     assert r["hits"] == sim.simulate(trace, "g-lru", 0.5, per_class_layers=classes)["hits"]
     if layout is not None:
         assert r["bytes_per_token"] > 0 and r["tok_s_with_compute"] < r["drive_tok_s"]
-    assert sim.main(args) == 0
+    assert policy_main(args) == 0
     txt = capsys.readouterr().out
     assert "hit rate" in txt and "n/a" in txt
     pytest.importorskip("matplotlib")
     png = tmp_path / "p.png"
-    assert sim.main(args + ["--plot", str(png)]) == 0
+    assert policy_main(args + ["--plot", str(png)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -790,7 +791,7 @@ def test_model_bytes_from_gguf(tmp_path, capsys):
     save_path = tmp_path / "t.npz"
     from moecached.trace import save_trace
     save_trace(save_path, t)
-    assert sim.main([str(save_path), "--model", model, "--policies", "g-lru", "--sizes", "0.5",
+    assert policy_main([str(save_path), "--model", model, "--policies", "g-lru", "--sizes", "0.5",
                      "--json"]) == 0
     r = json.loads(capsys.readouterr().out)[0]["results"][0]
     assert r["class_caps"] == [24, 8]
@@ -848,13 +849,13 @@ def test_tokens_window(tmp_path, capsys):
     assert sim.window_end(t, 10, 7) == 17
     from moecached.trace import save_trace
     save_trace(tmp_path / "t.npz", t)
-    assert sim.main([str(tmp_path / "t.npz"), "--policies", "g-lru", "--sizes", "0.5",
+    assert policy_main([str(tmp_path / "t.npz"), "--policies", "g-lru", "--sizes", "0.5",
                      "--warmup", "10", "--tokens", "7", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)[0]
     assert out["counted_tokens"] == 7
     assert out["results"][0]["hits"] == fast(truncate(t, 17), "g-lru", 0.5, warmup=10)[0]
     with pytest.raises(sim.SimulationError, match="tokens"):
-        sim.main([str(tmp_path / "t.npz"), "--tokens", "0"])
+        policy_main([str(tmp_path / "t.npz"), "--tokens", "0"])
 
 
 # -- CLI input validation (one-line errors, non-zero exit) -------------------------------------

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from moecached.tools import simulate as sim
+from moecached.tools.policycli import main as policy_main
 from moecached.policy import (EVICTIONS, LFUDecay, LRU, SLRU, NEEDS_FUTURE, make_eviction, POLICIES, build_stream, make_policy,
                               next_use, replay, replay_subst)
 from moecached.trace import Trace, save_trace
@@ -284,7 +285,7 @@ def test_cli_subst_json_and_skips_traces_without_weights(tmp_path, capsys):
     q = tmp_path / "now.npz"
     t = weighted_trace(3)
     save_trace(q, Trace(experts=t.experts, is_prompt=t.is_prompt, meta=t.meta))
-    assert sim.main([str(p), str(q), "--subst", "0.5", "--subst-cap", "1", "--sizes", "0.25",
+    assert policy_main([str(p), str(q), "--subst", "0.5", "--subst-cap", "1", "--sizes", "0.25",
                      "--json"]) == 0
     js = json.loads(capsys.readouterr().out)
     r = js[0]["results"][0]
@@ -293,7 +294,7 @@ def test_cli_subst_json_and_skips_traces_without_weights(tmp_path, capsys):
                                             / (r["g_opt"] - r["g_lru"]))
     assert "view" in js[0] and "routed" in js[0]["view"]
     assert "weights" in js[1]["skipped"] and js[1]["results"] == []
-    assert sim.main([str(p), "--subst", "0.5,0.8", "--subst-cap", "1,none",
+    assert policy_main([str(p), "--subst", "0.5,0.8", "--subst-cap", "1,none",
                      "--sizes", "0.25"]) == 0
     out = capsys.readouterr().out
     assert "g-lru subst r=0.8 cap=none" in out and "candidates" in out
@@ -307,7 +308,7 @@ def test_cli_subst_bad_input(tmp_path, argv, msg):
     p = tmp_path / "w.npz"
     save_trace(p, weighted_trace(2))
     with pytest.raises(sim.SimulationError, match=msg):
-        sim.main([str(p)] + argv)
+        policy_main([str(p)] + argv)
 
 
 # ------------------------------------------------------------------ scan-resistant admission
@@ -370,7 +371,7 @@ def test_cli_admit_cold_bad_value(tmp_path, bad):
     p = tmp_path / "w.npz"
     save_trace(p, weighted_trace(2))
     with pytest.raises(sim.SimulationError, match="--admit-cold"):
-        sim.main([str(p), "--admit-cold", bad])
+        policy_main([str(p), "--admit-cold", bad])
 
 
 # ------------------------------------------------------------------ daemon eviction orders

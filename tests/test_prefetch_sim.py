@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from moecached.tools import simulate as sim
+from moecached.tools.policycli import main as policy_main
 from moecached.trace import Trace, save_trace
 
 L, E, K = 3, 16, 2
@@ -79,10 +80,10 @@ def test_bad_predictor_and_lookahead():
 def test_cli_table_and_json(tmp_path, capsys):
     p = tmp_path / "t.npz"
     save_trace(p, random_trace(5))
-    assert sim.main([str(p), "--predictor", "cooc", "--lookahead", "2", "--sizes", "0.25,0.5"]) == 0
+    assert policy_main([str(p), "--predictor", "cooc", "--lookahead", "2", "--sizes", "0.25,0.5"]) == 0
     out = capsys.readouterr().out
     assert "prefetch hits" in out and "reads/token" in out and "wasted" in out
-    assert sim.main([str(p), "--predictor", "oracle", "--sizes", "0.25", "--json"]) == 0
+    assert policy_main([str(p), "--predictor", "oracle", "--sizes", "0.25", "--json"]) == 0
     js = json.loads(capsys.readouterr().out)
     r = js[0]["results"][0]
     assert {"demand_hits", "prefetch_hits", "misses", "wasted", "reads_per_token"} <= set(r)

@@ -7,6 +7,7 @@ import pytest
 
 from moecached.split import MIN_GAIN, Member, Split, SplitError, least_share
 from moecached.tools import simulate as sim
+from moecached.tools.policycli import main as policy_main
 from moecached.tools.mixsim import MixModel, layout_index, replay_mix, run_mix
 from moecached.trace import load_trace
 
@@ -195,13 +196,13 @@ def test_mix_cli(capsys, tmp_path):
         from moecached.trace import save_trace
         save_trace(p, x.trace)
         paths.append(str(p))
-    rc = sim.main(["--mix", ",".join(paths), "--names", "qwen,mix", "--budget", "1GiB",
+    rc = policy_main(["--mix", ",".join(paths), "--names", "qwen,mix", "--budget", "1GiB",
                    "--layouts", layout_path("qwen3-30b-a3b-Q4_K_M") + ","
                    + layout_path("mixtral-8x7b-Q4_K_M")])
     out = capsys.readouterr().out
     assert rc == 0 and "shared (final" in out and "equal" in out and "static (best)" in out
     with pytest.raises(sim.SimulationError, match="--budget"):
-        sim.main(["--mix", ",".join(paths)])
+        policy_main(["--mix", ",".join(paths)])
     with pytest.raises(sim.SimulationError, match="--rates: found 1 entries, expected 2"):
-        sim.main(["--mix", ",".join(paths), "--budget", "1GiB", "--rates", "1",
+        policy_main(["--mix", ",".join(paths), "--budget", "1GiB", "--rates", "1",
                   "--layouts", "a,b"])

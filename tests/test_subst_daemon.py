@@ -9,6 +9,7 @@ import pytest
 import zmq
 
 from moecached.tools import simulate as sim
+from moecached.tools.policycli import main as policy_main
 from moecached.trace import Trace, load_trace, save_trace
 from moecache_client import Client, Subst
 
@@ -232,7 +233,7 @@ def test_simulator_cli_names_the_view(tmp_path, capsys):
     save_trace(tmp_path / "rec.npz", Trace(**base, scores=np.ones((2, 1, 2), np.float32),
                                            candidates=np.array([[[-1]], [[0]]], np.int16),
                                            candidate_scores=np.float32([[[0]], [[0.9]]])))
-    assert sim.main([str(tmp_path / "half.npz"), str(tmp_path / "rec.npz"), "--subst", "0.5",
+    assert policy_main([str(tmp_path / "half.npz"), str(tmp_path / "rec.npz"), "--subst", "0.5",
                      "--sizes", "2", "--warmup", "0"]) == 0
     text = capsys.readouterr().out
     assert f"half.npz: substitution view: {sim.SUBST_VIEW}" in text

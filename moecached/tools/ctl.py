@@ -19,7 +19,7 @@ COMMANDS = {
     "model": ("moecached.tools.ctlstats", "model_main", "list, add or remove the models a daemon serves under one budget"),
     "trace": ("moecached.tools.tracetools", "main", "start/stop routing-trace recording in the daemon; convert JSONL logs"),
     "metrics": ("moecached.tools.metrics", "main", "serve the daemon's counters to Prometheus (HTTP exporter)"),
-    "policy": ("moecached.tools.simulate", "main", "replay routing traces through cache policies (simulator)"),
+    "policy": ("moecached.tools.policycli", "main", "replay routing traces through cache policies (simulator)"),
     "replay": ("moecached.tools.replay", "main", "replay a routing trace against a live daemon"),
     "guard": ("moecached.tools.guard", "main", "run a command, kill it if MemAvailable falls under a floor"),
 }

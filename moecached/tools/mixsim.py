@@ -359,7 +359,7 @@ def _split_list(text, what, n):
 
 
 def main_mix(a) -> int:
-    """``moecache-ctl policy --mix`` (arguments parsed by ``simulate.main``)."""
+    """``moecache-ctl policy --mix`` (arguments parsed by ``policycli.main``)."""
     from ..units import parse_size
     traces = [x.strip() for x in a.mix.split(",") if x.strip()]
     if len(traces) < 2:

@@ -1,0 +1,153 @@
+"""The package's modules stand in layers, each importing only from its own layer or those
+below: shared facts -> engine -> service -> daemon -> tools. Every import of every module is
+read (the AST: imports inside functions included) and checked against :data:`LAYERS`; an
+import of a higher layer, or a circle of imports (even within one layer), fails, and so does
+a module the map does not place."""
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "moecached"
+
+#: lowest first; a name is a module of the package (``tools.*``: every module under tools/)
+LAYERS = {
+    "facts": ["moecached", "units", "files", "layout", "protocol", "stats"],
+    "engine": ["arena", "policy", "readers", "index", "trace", "cache",
+               "_io", "_policy", "_shm"],
+    "service": ["server", "endpoint", "clients", "views", "router", "_serve"],
+    "daemon": ["runtime", "daemon", "assemble", "multi", "config", "confvalues", "floor", "split", "reload",
+               "watch", "notify", "logs"],
+    "tools": ["tools", "tools.*"],
+}
+#: import circles allowed for now: none
+KNOWN_CIRCLES: list = []
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict:
+    """Module name -> source path, for the package's Python files and its Cython extensions
+    (built from cython_ext/*.pyx into the package)."""
+    mods = {_module_name(p): p for p in PKG.rglob("*.py")}
+    for p in (ROOT / "cython_ext").glob("*.pyx"):
+        mods[f"moecached.{p.stem}"] = p
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict) -> list:
+    """(line, imported module of the package) for every import in ``path``."""
+    out = []
+    if path.suffix == ".pyx":   # Cython: the plain Python import lines
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            m = re.match(r"\s*(?:from|import)\s+(moecached(?:\.\w+)*)", line)
+            if m:
+                out.append((i, m.group(1)))
+        return out
+    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.ImportFrom):
+            if n.level:
+                base = pkg.split(".")[:len(pkg.split(".")) - (n.level - 1)]
+                mod = ".".join(base + ([n.module] if n.module else []))
+            else:
+                mod = n.module or ""
+            for a in n.names:   # `from . import x` imports the module x when there is one
+                full = f"{mod}.{a.name}"
+                out.append((n.lineno, full if full in mods else mod))
+        elif isinstance(n, ast.Import):
+            out += [(n.lineno, a.name) for a in n.names]
+    return [(i, m) for i, m in out if m == "moecached" or m.startswith("moecached.")]
+
+
+def _layer_of(name: str):
+    short = name[len("moecached."):] if name != "moecached" else "moecached"
+    for rank, (layer, names) in enumerate(LAYERS.items()):
+        for pat in names:
+            if short == pat or (pat.endswith(".*") and short.startswith(pat[:-1])):
+                return rank, layer
+    return None
+
+
+def _graph():
+    mods = _modules()
+    edges = {}
+    for name, path in mods.items():
+        for line, target in _imports(name, path, mods):
+            while target not in mods and "." in target:   # a name inside a module
+                target = target.rsplit(".", 1)[0]
+            if target != name:
+                edges.setdefault(name, {}).setdefault(target, line)
+    return mods, edges
+
+
+def _circles(nodes, edges) -> list:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(nodes):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_module_has_a_layer():
+    mods, _ = _graph()
+    assert not [m for m in mods if _layer_of(m) is None], \
+        "modules the layer map does not place: add them to LAYERS"
+
+
+def test_no_module_imports_a_higher_layer():
+    mods, edges = _graph()
+    bad = []
+    for src, targets in edges.items():
+        for dst, line in targets.items():
+            (a, la), (b, lb) = _layer_of(src), _layer_of(dst)
+            if b > a:
+                bad.append(f"{mods[src].relative_to(ROOT)}:{line}: {src} ({la}) imports "
+                           f"{dst} ({lb})")
+    assert not bad, "imports of a higher layer:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_circles():
+    mods, edges = _graph()
+    found = [c for c in _circles(mods, edges) if c not in KNOWN_CIRCLES]
+    assert not found, f"import circles: {found}"
+
+
+def test_the_checker_sees_function_level_imports(tmp_path):
+    """The reader finds imports inside functions and relative ones, and the circle finder
+    finds a circle (the test's own tools work)."""
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    from .cache import ExpertCache\n    from . import server\n")
+    mods = {"moecached.cache": None, "moecached.server": None}
+    got = _imports("moecached.m", src, mods)
+    assert got == [(2, "moecached.cache"), (3, "moecached.server")]
+    assert _circles(["a", "b", "c"], {"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}}) == [["a", "b", "c"]]
+    assert _circles(["a", "b"], {"a": {"b": 1}}) == []
