@@ -5,6 +5,7 @@ it against llama.cpp: a model whose routing is learned, for the engine tests and
     python benchmarks/train_moe.py export --weights DIR/weights.npz --out model.gguf [--quant q8_0]
     python benchmarks/train_moe.py check --model model.gguf --text FILE [--weights DIR/weights.npz]
     python benchmarks/train_moe.py route --model model.gguf|weights.npz --text FILE --out trace.npz
+    python benchmarks/train_moe.py predict --model model.gguf --text FILE
 
 The model (PyTorch, the same graph as llama.cpp's ``qwen3moe``): token embedding; per block an
 RMSNorm, GQA attention with per-head q/k RMSNorm and NeoX RoPE, an RMSNorm and a softmax router over
@@ -177,6 +178,7 @@ def build_model(cfg):
             a = Fn.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = x + self.wo(a.transpose(1, 2).reshape(B, T, nh * hd))
 
+            self.ffn_inp = x if getattr(self, "keep_ffn_inp", False) else None   # for ``predict``
             h = rms(x, self.ffn_norm).reshape(B * T, H)
             logits = self.router(h).float()
             probs = logits.softmax(-1)
@@ -529,13 +531,12 @@ def cmd_check(a):
     return 0 if res["greedy_identical"] else 1
 
 
-def cmd_route(a):
-    """Routing of held-out text through the PyTorch model as a decode trace (``moecached.trace``)."""
-    import torch
+def model_of(a):
+    """``--model``, or with ``--random-weights`` synth --runnable's random weights (``--seed``) in its
+    geometry, for comparison."""
     import tempfile
-    from moecached.trace import Trace, save_trace
     model, cfg = load_model(a.model)
-    if a.random_weights:   # synth --runnable's random weights (seed) in the same geometry, for comparison
+    if a.random_weights:
         from moecached.tools.synth_runnable import write_runnable
         with tempfile.TemporaryDirectory() as td:
             rnd = write_runnable(os.path.join(td, "random.gguf"), blocks=cfg["blocks"], hidden=cfg["hidden"],
@@ -544,6 +545,14 @@ def cmd_route(a):
                                  rope_base=cfg["rope_base"], context_length=cfg["context"], vocab=vocab(),
                                  add_space_prefix=False, seed=a.seed)
             model, cfg = load_model(rnd)
+    return model, cfg
+
+
+def cmd_route(a):
+    """Routing of held-out text through the PyTorch model as a decode trace (``moecached.trace``)."""
+    import torch
+    from moecached.trace import Trace, save_trace
+    model, cfg = model_of(a)
     text = open(a.text, encoding="utf-8").read()
     ids = encode(text)[: a.tokens]
     L, K = cfg["blocks"], cfg["top_k"]
@@ -576,6 +585,39 @@ def cmd_route(a):
     print(f"locality: {reuse(out):.3f} of a token's experts were the previous token's too "
           f"(shuffled tokens {reuse(out[perm]):.3f}, uniform {K / E:.3f}); "
           f"busiest expert {use.max() * E:.2f}x its fair share")
+    return 0
+
+
+def cmd_predict(a):
+    """Gate-ahead prediction: block l+d's norm and router applied to block l's FFN input (the residual
+    stream after l's attention) predict l+d's experts; recall of the routed top-k at k and 2k guesses."""
+    import torch
+    model, cfg = model_of(a)
+    L, K = cfg["blocks"], cfg["top_k"]
+    ids = encode(open(a.text, encoding="utf-8").read())[: a.tokens]
+    for b in model.blocks:
+        b.keep_ffn_inp = True
+    hits = {(d, m): [0, 0] for d in (1, 2) for m in (1, 2)}
+    eps = cfg["norm_eps"]
+    with torch.no_grad():
+        for s in range(0, len(ids), a.seq):
+            inp = torch.from_numpy(np.concatenate([[BOS], ids[s:s + a.seq - 1]]).astype(np.int64))[None]
+            _, _, routes = model(inp, routing=True)
+            xs = [b.ffn_inp[0, 1:] for b in model.blocks]            # BOS dropped
+            routed = [r[0, 1:] for r in routes]
+            for d in (1, 2):
+                for l in range(L - d):
+                    nb = model.blocks[l + d]
+                    x = xs[l]
+                    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * nb.ffn_norm
+                    order = nb.router(h).argsort(-1, descending=True)
+                    for m in (1, 2):
+                        guess = order[:, : m * K]
+                        got = (guess[:, :, None] == routed[l + d][:, None, :]).any(1).sum()
+                        hits[(d, m)][0] += int(got)
+                        hits[(d, m)][1] += routed[l + d].numel()
+    for (d, m), (h, n) in sorted(hits.items()):
+        print(f"{d} block(s) ahead, {m * K} guesses: recall {h / n:.3f} of the routed top-{K}")
     return 0
 
 
@@ -622,12 +664,20 @@ def main(argv=None):
     r.add_argument("--random-weights", action="store_true",
                    help="route through synth --runnable's random weights in --model's geometry instead")
     r.add_argument("--seed", type=int, default=0, help="seed of --random-weights (default 0)")
+    g = sub.add_parser("predict", help="gate-ahead recall: block l+1's and l+2's router on block l's FFN input")
+    g.add_argument("--model", required=True)
+    g.add_argument("--text", required=True)
+    g.add_argument("--tokens", type=int, default=20000)
+    g.add_argument("--seq", type=int, default=512)
+    g.add_argument("--random-weights", action="store_true", help="as route --random-weights")
+    g.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     if a.cmd == "train" and a.device == "cuda":
         import torch
         if not torch.cuda.is_available():
             a.device = "cpu"
-    return {"train": cmd_train, "export": cmd_export, "check": cmd_check, "route": cmd_route}[a.cmd](a)
+    return {"train": cmd_train, "export": cmd_export, "check": cmd_check, "route": cmd_route,
+            "predict": cmd_predict}[a.cmd](a)
 
 
 if __name__ == "__main__":
