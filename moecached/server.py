@@ -397,6 +397,10 @@ class Server(ServerClients, ServerViews):
                                 log.error("periodic task failed: %s", e)
                             fast = self._fast   # the periodic task may have reloaded the model
                     next_timer = min(next_tick, next_hb)
+                    if cache is not None and cache.pin_files:
+                        # releases through shared memory send no message: under a steady stream
+                        # of requests the sweep must still come every PIN_DRAIN_MS
+                        next_timer = min(next_timer, next_sweep)
                     want = idle_ms
                     if dl:
                         want = max(0, min(idle_ms, int((dl[0][0] - now) * 1000) + 1))
