@@ -643,14 +643,15 @@ class ExpertCache:
         k = L.base + expert
         if pool.ghost and pool.ghost.pop(k, 0) is None and demanded:
             self.c_ghost_hits += 1   # a hit one more step of budget would have had
-        load = _Load(pool, k, slot, L.layer, expert, demanded, L.fids[expert], victim)
-        load.gen = self._gens[pool.cid][slot]
-        pool.alloc[k] = slot
-        pool.loading[k] = load
+        # the LRU first: it refuses a key already present, before anything else has changed
         if cold and demanded and self.scan_admit == "probation":
             pool.lru.insert_probation(k)     # scan-resistant admission at the probation point
         else:
             pool.lru.insert(k, cold or not demanded)
+        load = _Load(pool, k, slot, L.layer, expert, demanded, L.fids[expert], victim)
+        load.gen = self._gens[pool.cid][slot]
+        pool.alloc[k] = slot
+        pool.loading[k] = load
         pool.lru.pin(k)                  # the load's own pin, dropped when it ends
         self.c_inflight += 1
         self._l_reads[L.layer] += 1
@@ -1312,6 +1313,8 @@ class ExpertCache:
                 over = mine or self._pf_loading >= self.max_prefetch_loads
                 if over and self._displace(c, quota if mine else None):
                     displaced = True
+                    if pool.alloc[L.base + e] >= 0:
+                        continue   # the withdrawn read had evicted this very expert: it is back
                     over = self._pf_loading >= self.max_prefetch_loads or (
                         own is not None and quota.in_flight >= own)
                 if over:

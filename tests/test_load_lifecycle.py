@@ -192,10 +192,13 @@ def manual(idx, **kw):
 
 
 def acquire_async(cache, layer, experts, box):
-    """Start an acquire; its result lands in ``box[ticket]``."""
-    def cb(res, _box=box):
-        _box[t] = res
-    t = cache.acquire_async([(layer, experts)], cb)
+    """Start an acquire; its result lands in ``box[ticket]`` (inline when all are resident:
+    then before the ticket is returned, so the lease names it)."""
+    holder = {}
+
+    def cb(res):
+        box[holder.get("t", getattr(res, "id", None))] = res
+    holder["t"] = t = cache.acquire_async([(layer, experts)], cb)
     return t
 
 
@@ -364,6 +367,33 @@ def test_take_over_before_its_promotion_is_never_withdrawn(idx):
         for jid in list(reads.jobs):
             reads.land(jid)
         check_invariants(cache, reads, truth, full=True)
+
+
+def test_withdrawal_that_gives_back_the_expert_being_prefetched(idx):
+    """Found by the stateful search: at the cap, a prefetch of expert X withdraws a queued read
+    whose victim was X itself, so X is resident again in its old slot; the prefetch must then
+    not start a second load of X into a free slot (that left X owning two slots, the LRU
+    refusing the key half-way through, and a later hit served from the wrong slot)."""
+    layer0, layer1 = idx.expert_layers
+    slot_bytes = idx.size_classes[0].slot_bytes
+    with manual(idx, slots=3, max_prefetch_loads=2) as (cache, reads, truth):
+        cache.set_budget(2 * slot_bytes + 8192)            # 2 of 3 slots
+        assert cache.prefetch_many([(layer1, [6])], conf=[[0.0]]) == 1
+        reads.land(max(reads.jobs))                       # X = layer 1 expert 6, resident, unused
+        assert cache.prefetch_many([(layer0, [0])], conf=[[0.0]]) == 1
+        reads.start(max(reads.jobs))                      # started: cannot be withdrawn
+        assert cache.prefetch_many([(layer0, [1])], conf=[[0.0]]) == 1   # evicts X for its slot
+        x_slot = cache._layers[layer1].pool.loading[cache._layers[layer0].base + 1].slot
+        cache.set_budget(3 * slot_bytes + 8192)            # a free slot again
+        assert cache.prefetch_many([(layer1, [6])], conf=[[1.0]]) == 0   # withdraws; X is back
+        assert reads.withdrawn == 1
+        pool = cache._layers[layer1].pool
+        assert pool.res[cache._layers[layer1].base + 6] == x_slot
+        check_invariants(cache, reads, truth, full=True)
+        box = {}
+        t = acquire_async(cache, layer1, [6], box)
+        truth.check(cache, box[t])
+        assert box[t].items[0][3] == x_slot
 
 
 # ---------------------------------------------------------------------------- stateful search
