@@ -102,8 +102,12 @@ def test_pinned_slot_is_never_reused_and_keeps_its_bytes(daemon):
     assert fp["evictions_held"] > 0 and fp["pins_honoured"] == 2
     assert fc.me()["pins_honoured"] == 2
     fc.unpin(items)
-    churn(ep, L, rounds=2)
-    assert not fc.valid(items), "released slots were never evicted under churn"
+    for rounds in range(1, 9):   # the daemon sees the release at a sweep, not at once
+        churn(ep, L, rounds=2)
+        if not fc.valid(items):
+            break
+    print(f"released slots evicted after {2 * rounds} churn rounds")
+    assert not fc.valid(items), "released slots were never evicted under 16 rounds of churn"
     assert fc.resident(L[1], 3) in (0,) or fc.generation(items[0].cls, items[0].slot) != gens[0]
     assert fc.me()["pins_honoured"] == 0
     fc.close()
