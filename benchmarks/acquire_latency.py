@@ -29,8 +29,8 @@ import numpy as np  # noqa: E402
 
 from benchutil import write_json  # noqa: E402
 
-from moecached.cache import ExpertCache  # noqa: E402
-from moecached.index import open_index  # noqa: E402
+from moecached.engine.cache import ExpertCache  # noqa: E402
+from moecached.engine.index import open_index  # noqa: E402
 from moecached.tools.synth import write_model  # noqa: E402
 
 

@@ -30,7 +30,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "clients")]
 
 from benchutil import start_daemon, stop_daemon  # noqa: E402
 from moecached.tools import engine_llama  # noqa: E402
-from moecached.index import open_index  # noqa: E402
+from moecached.engine.index import open_index  # noqa: E402
 from moecached.tools.synth_runnable import write_runnable  # noqa: E402
 
 PROMPT = ("Mixture-of-experts models keep most of their weights in routed experts; a shared "

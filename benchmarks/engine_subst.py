@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "clients" / "python"), str(ROOT / "tests")]
 
 from daemon_util import start_daemon, stop_daemon  # noqa: E402
-from moecached.index import open_index  # noqa: E402
+from moecached.engine.index import open_index  # noqa: E402
 from moecached.tools import engine_llama  # noqa: E402
 from moecached.tools.synth_runnable import write_runnable  # noqa: E402
 

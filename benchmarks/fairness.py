@@ -189,9 +189,9 @@ def micro(model: str, reps: int = 7, n: int = 20000) -> dict:
     the hot path with the per-client rate limit on (never reached) vs off."""
     import types
     import msgpack
-    from moecached.cache import ExpertCache
-    from moecached.index import open_index
-    from moecached.server import Server, _Client
+    from moecached.engine.cache import ExpertCache
+    from moecached.engine.index import open_index
+    from moecached.service.server import Server, _Client
     idx = open_index(model)
     cache = ExpertCache(idx, lock_memory=False, readers=2)
     d = tempfile.mkdtemp(prefix="moecache-fair-micro-")

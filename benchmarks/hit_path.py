@@ -137,8 +137,8 @@ class CLib:
 
 
 def part1(a, tmp):
-    from moecached.cache import ExpertCache
-    from moecached.index import open_index
+    from moecached.engine.cache import ExpertCache
+    from moecached.engine.index import open_index
     from moecached.tools.synth import write_model
     from moecache_client import Client
     from fake_fastd import FakeDaemon
@@ -275,7 +275,7 @@ def IMPLEMENTATION_PURE() -> bool:
 def small_trace(path: str, tokens: int):
     """The first ``tokens`` tokens of a real trace, expert ids renumbered per layer in order of
     first use (so the model needs only the experts they route to)."""
-    from moecached.trace import Trace, load_trace
+    from moecached.engine.trace import Trace, load_trace
     t = load_trace(path)
     ex = np.array(t.window(0, tokens).experts, dtype=np.int16)
     n = 0

@@ -148,7 +148,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
 
     from moecached.tools.synth import write_model
-    from moecached.index import open_index
+    from moecached.engine.index import open_index
     tmp = tempfile.mkdtemp(prefix="moecache-bench-")
     model = write_model("qwen3-30b-a3b-Q4_K_M", os.path.join(tmp, "m.gguf"), layers=2, experts=16, progress=False)[0]
     idx = open_index(model)

@@ -31,11 +31,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from moecached.index import open_index  # noqa: E402
+from moecached.engine.index import open_index  # noqa: E402
 from moecached.tools.mixsim import MixModel, interleaving, run_mix  # noqa: E402
 from moecached.tools.synth import write_model  # noqa: E402
-from moecached.trace import load_trace  # noqa: E402
-from moecached.units import parse_size  # noqa: E402
+from moecached.engine.trace import load_trace  # noqa: E402
+from moecached.facts.units import parse_size  # noqa: E402
 
 SHARED = os.environ.get("MOECACHE_SHARED", os.path.join(os.path.dirname(ROOT), "shared"))
 if not os.path.isdir(SHARED):

@@ -3,7 +3,7 @@
     python benchmarks/policy_speed.py [--traces DIR] [--sizes 0.25,0.5] [--repeat 3] [--json OUT]
 
 Counts every access the kernel replays (warm-up included), takes the best of ``--repeat`` runs
-of ``moecached.policy.replay`` (stream building and policy construction excluded), and prints a table
+of ``moecached.engine.policy.replay`` (stream building and policy construction excluded), and prints a table
 of M accesses/s per policy and trace. Targets: >= 2 M/s for the LRU family,
 >= 0.5 M/s for the Belady policies (opt, g-opt).
 """
@@ -19,8 +19,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moecached.tools import simulate as sim  # noqa: E402
-from moecached.policy import NEEDS_FUTURE, POLICIES, make_policy, replay  # noqa: E402
-from moecached.trace import load_trace  # noqa: E402
+from moecached.engine.policy import NEEDS_FUTURE, POLICIES, make_policy, replay  # noqa: E402
+from moecached.engine.trace import load_trace  # noqa: E402
 
 LRU_FAMILY = ["lru", "g-lru", "slru", "lru-2", "arc", "w-tinylfu-1", "w-tinylfu-10", "lfu",
               "g-lfu"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moecached.tools import simulate as sim  # noqa: E402
-from moecached.trace import load_trace  # noqa: E402
+from moecached.engine.trace import load_trace  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DAEMON_POLICIES = ("g-lru", "lru", "g-lfu-decay", "lfu-subst", "g-slru")   # policy; eviction

@@ -44,9 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from moecached.arena import Arena  # noqa: E402
-from moecached.index import open_index  # noqa: E402
-from moecached.readers import ReaderPool  # noqa: E402
+from moecached.engine.arena import Arena  # noqa: E402
+from moecached.engine.index import open_index  # noqa: E402
+from moecached.engine.readers import ReaderPool  # noqa: E402
 
 
 def parse_size(s: str) -> int:

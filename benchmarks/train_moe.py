@@ -549,9 +549,9 @@ def model_of(a):
 
 
 def cmd_route(a):
-    """Routing of held-out text through the PyTorch model as a decode trace (``moecached.trace``)."""
+    """Routing of held-out text through the PyTorch model as a decode trace (``moecached.engine.trace``)."""
     import torch
-    from moecached.trace import Trace, save_trace
+    from moecached.engine.trace import Trace, save_trace
     model, cfg = model_of(a)
     text = open(a.text, encoding="utf-8").read()
     ids = encode(text)[: a.tokens]

@@ -62,7 +62,7 @@ def hot_path(request):
 
         pytestmark = pytest.mark.usefixtures("hot_path")
     """
-    from moecached.server import HOT_PATH_ENV
+    from moecached.service.server import HOT_PATH_ENV
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(HOT_PATH_ENV, "1" if request.param == "hot_path_on" else "0")
         yield request.param == "hot_path_on"

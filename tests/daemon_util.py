@@ -38,9 +38,9 @@ class Daemon:
     cache."""
 
     def __init__(self, path, tmp, *, sock: str = "d.sock", fast: bool | None = None, **kw):
-        from moecached.cache import ExpertCache
-        from moecached.index import open_index
-        from moecached.server import Server
+        from moecached.engine.cache import ExpertCache
+        from moecached.engine.index import open_index
+        from moecached.service.server import Server
         cache_keys = set(inspect.signature(ExpertCache).parameters)
         cache_kw = {"slots": 16, "readers": 4, "lock_memory": False}
         cache_kw.update({k: kw.pop(k) for k in list(kw) if k in cache_keys})

@@ -6,7 +6,7 @@ Usage in any test module::
 
     def test_something(tmp_path):
         path = make_model(tmp_path, "qwen3-30b-a3b-Q4_K_M", layers=4, experts=8)
-        idx = moecached.index.open_index(path)
+        idx = moecached.engine.index.open_index(path)
 
 or, session-scoped, through the ``model_factory`` fixture of ``tests/conftest.py``::
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from moecached.layout import DATA_DIR
+from moecached.facts.layout import DATA_DIR
 from moecached.tools.synth import verify_expert_bytes, write_model
 
 _CACHE: dict[tuple, str] = {}

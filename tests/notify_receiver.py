@@ -1,5 +1,5 @@
 """The other end of ``NOTIFY_SOCKET`` for tests: binds a datagram socket and collects what
-the daemon sends (moecached/notify.py is the sending side)."""
+the daemon sends (moecached/daemon/notify.py is the sending side)."""
 from __future__ import annotations
 
 import os

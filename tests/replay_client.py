@@ -10,7 +10,7 @@ import time
 
 from moecache_client import Client
 from moecached.tools.synth import verify_expert_bytes
-from moecached.trace import load_trace
+from moecached.engine.trace import load_trace
 
 
 def main():

@@ -117,7 +117,7 @@ def map_file(path, size, writable):
 
 
 def process_start_time(pid):
-    from moecached.server import process_start_time as pst
+    from moecached.service.server import process_start_time as pst
     return pst(pid)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from moecached.arena import Arena, ArenaError, plan_slots
+from moecached.engine.arena import Arena, ArenaError, plan_slots
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -208,7 +208,7 @@ def test_memlock_too_low_names_fix(tmp_path):
 
 CHILD = """
 import sys
-from moecached.arena import Arena, ArenaError
+from moecached.engine.arena import Arena, ArenaError
 class C: pass
 c = C(); c.id = 0; c.layers = [0, 1]; c.parts = ["gate"]; c.part_bytes = {"gate": 64 * 1024}
 i = C(); i.n_experts = 8; i.size_classes = [c]
@@ -253,7 +253,7 @@ def test_small_shm_fails_at_start():
 
 
 def test_real_index_two_classes(model_factory, tmp_path):
-    from moecached.index import open_index
+    from moecached.engine.index import open_index
     idx = open_index(model_factory("deepseek-v2-lite-Q4_K_M", layers=4, experts=8, split=2))
     assert len(idx.size_classes) >= 2
     whole = sum(len(c.layers) * idx.n_experts * c.slot_bytes for c in idx.size_classes)
@@ -296,7 +296,7 @@ def test_remove_stale_arenas_spares_an_arena_being_created(tmp_path):
     """A daemon creates its arena file (O_EXCL) and flocks it a moment later: a cleanup in
     another daemon starting at that moment found an empty, unlocked file with an arena's name
     and removed it, leaving the new daemon serving an arena no client could open."""
-    from moecached.arena import remove_stale_arenas
+    from moecached.engine.arena import remove_stale_arenas
     new = tmp_path / f"moecached-{os.getpid()}-0badcafe"
     os.close(os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o640))   # created, not yet locked
     assert remove_stale_arenas(str(tmp_path)) == []
@@ -306,7 +306,7 @@ def test_remove_stale_arenas_spares_an_arena_being_created(tmp_path):
 def test_remove_stale_arenas_spares_live_ones(tmp_path):
     """A moecached-* file nobody flocks is stale and removed; a live arena is kept."""
     import fcntl
-    from moecached.arena import remove_stale_arenas
+    from moecached.engine.arena import remove_stale_arenas
     stale = tmp_path / "moecached-999999-deadbeef"
     stale.write_bytes(b"\0" * 4096)
     live = tmp_path / "moecached-1-cafecafe"

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from fixtures import make_model
-from moecached.cache import (AcquireTimeout, CacheClosed, CacheError, CapacityError, ExpertCache,
+from moecached.engine.cache import (AcquireTimeout, CacheClosed, CacheError, CapacityError, ExpertCache,
                              Lease, LeaseError, LoadError, RequestError)
-from moecached.index import open_index
+from moecached.engine.index import open_index
 
 
 class FileTruth:
@@ -634,7 +634,7 @@ def test_descriptor_and_stats_shape(models):
 def test_arena_errors_propagate_and_leave_nothing(models):
     """A budget too small for one slot per class: ArenaError from the constructor, no arena file
     left behind (RLIMIT_MEMLOCK and /dev/shm-size refusals are the arena's tests)."""
-    from moecached.arena import ArenaError
+    from moecached.engine.arena import ArenaError
     idx = open_index(models("qwen3"))
     name = f"moecache-test-{os.getpid()}-tiny"
     with pytest.raises(ArenaError, match="no slot"):
@@ -647,8 +647,8 @@ def test_arena_errors_propagate_and_leave_nothing(models):
 
 def test_prefetch_admission_drops_beyond_limit(model_factory):
     """Prefetches beyond max_prefetch_loads in flight are dropped and counted; demand is not."""
-    from moecached.cache import ExpertCache
-    from moecached.index import open_index
+    from moecached.engine.cache import ExpertCache
+    from moecached.engine.index import open_index
     idx = open_index(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=16))
     cache = ExpertCache(idx, slots=64, lock_memory=False, readers=1, chunk_bytes=4096,
                         max_prefetch_loads=3)

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from fixtures import make_model, shared_traces
-from moecached.cache import ExpertCache, Lease
-from moecached.index import open_index
+from moecached.engine.cache import ExpertCache, Lease
+from moecached.engine.index import open_index
 from test_cache import FileTruth, wait_idle
 
 SOAK_S = float(os.environ.get("MOECACHE_SOAK_S", "10"))

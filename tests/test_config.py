@@ -5,11 +5,11 @@ import tomllib
 
 import pytest
 
-import moecached.config as config
+import moecached.daemon.config as config
 from moecached import MoecacheError
-from moecached.config import (Config, ConfigError, KEYS, add_cli_args, config_from_args, dump_toml,
+from moecached.daemon.config import (Config, ConfigError, KEYS, add_cli_args, config_from_args, dump_toml,
                               load_config, reload_changes)
-from moecached.units import SIZE_EXPECTED
+from moecached.facts.units import SIZE_EXPECTED
 
 GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "systemd", "moecached.toml.example")
@@ -331,7 +331,7 @@ def test_docs_mark_exactly_the_reloadable_keys():
     config.KEYS names a live change (reload), and lists every key."""
     import re
     from pathlib import Path
-    from moecached.config import KEYS, RELOADABLE
+    from moecached.daemon.config import KEYS, RELOADABLE
     doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
     rows = {m.group(1): m.group(0) for m in re.finditer(r"(?m)^\| `([a-z_]+)` \| `--[a-z-]+` \|.*$", doc)}
     assert set(KEYS) <= set(rows), sorted(set(KEYS) - set(rows))

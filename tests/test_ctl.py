@@ -2,7 +2,7 @@
 output, its help texts."""
 import pytest
 
-import moecached.config
+import moecached.daemon.config
 from moecached.tools.ctl import main as ctl
 
 
@@ -18,7 +18,7 @@ def config_file(tmp_path, monkeypatch):
     """The daemon's config file (moved into tmp_path), naming its own endpoint."""
     path = tmp_path / "moecached.toml"
     path.write_text(f'endpoint = "ipc://{tmp_path}/from-config.sock"\nbudget = "1GiB"\n')
-    monkeypatch.setattr(moecached.config, "DEFAULT_PATH", str(path))
+    monkeypatch.setattr(moecached.daemon.config, "DEFAULT_PATH", str(path))
     monkeypatch.delenv("MOECACHED_ENDPOINT", raising=False)
     return path
 
@@ -36,17 +36,17 @@ def test_endpoint_precedence_flag_env_config(cmd, config_file, tmp_path, monkeyp
 
 
 def test_endpoint_default_without_config(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(moecached.config, "DEFAULT_PATH", str(tmp_path / "absent.toml"))
+    monkeypatch.setattr(moecached.daemon.config, "DEFAULT_PATH", str(tmp_path / "absent.toml"))
     monkeypatch.delenv("MOECACHED_ENDPOINT", raising=False)
     from moecached.tools.ctlstats import resolve_endpoint
-    assert resolve_endpoint() == (moecached.config.DEFAULT_ENDPOINT, "the built-in default")
+    assert resolve_endpoint() == (moecached.daemon.config.DEFAULT_ENDPOINT, "the built-in default")
 
 
 def test_unreadable_config_falls_back_to_default_and_says_why(config_file, monkeypatch):
     config_file.write_text("endpoint = [")
     from moecached.tools.ctlstats import resolve_endpoint
     endpoint, source = resolve_endpoint()
-    assert endpoint == moecached.config.DEFAULT_ENDPOINT
+    assert endpoint == moecached.daemon.config.DEFAULT_ENDPOINT
     assert source.startswith(f"the built-in default; config file skipped: {config_file}: invalid TOML")
 
 
@@ -150,7 +150,7 @@ def test_flags_named_in_messages_exist(capsys):
     for text in _help_texts(capsys).values():
         known |= set(re.findall(r"--[a-z][a-z0-9-]*", text))
     unknown = []
-    for f in sorted((Path(moecached.config.__file__).parent).glob("**/*.py")):
+    for f in sorted((Path(moecached.daemon.config.__file__).parent).glob("**/*.py")):
         tree = ast.parse(f.read_text())
         docs = {id(n.body[0].value) for n in ast.walk(tree)
                 if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from moecached.tools.simulate import simulate
-from moecached.trace import load_trace
+from moecached.engine.trace import load_trace
 from moecached.tools.workload import generate, locality_stats
 
 from fixtures import trace_path

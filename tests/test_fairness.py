@@ -8,10 +8,10 @@ import msgpack
 import pytest
 import zmq
 
-from moecached import readers as readers_mod
-from moecached.config import Config
-from moecached.readers import ReaderPool
-from moecached.server import Server
+from moecached.engine import readers as readers_mod
+from moecached.daemon.config import Config
+from moecached.engine.readers import ReaderPool
+from moecached.service.server import Server
 from moecache_client import Client, ServerError as CError
 
 from daemon_util import Daemon

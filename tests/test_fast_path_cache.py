@@ -6,8 +6,8 @@ import os
 import pytest
 
 from fixtures import make_model
-from moecached.cache import ExpertCache
-from moecached.index import open_index
+from moecached.engine.cache import ExpertCache
+from moecached.engine.index import open_index
 from shm_shim import OK, Item, lib, map_file, shim_layout
 
 

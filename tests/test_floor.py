@@ -3,7 +3,7 @@ import logging
 
 import pytest
 
-from moecached.floor import MIN_MARGIN, MemoryFloor
+from moecached.daemon.floor import MIN_MARGIN, MemoryFloor
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -66,7 +66,7 @@ def test_never_below_min_budget_and_reports_at_min(caplog):
     probe.value = 0                       # target 12 - 8 - 0.5 GiB = 3.5 GiB < min_budget
     f.tick(0.0)
     assert cache.calls == [4 * GiB]
-    with caplog.at_level(logging.WARNING, logger="moecached.floor"):
+    with caplog.at_level(logging.WARNING, logger="moecached.daemon.floor"):
         for t in range(1, 10):
             assert f.tick(float(t)) is None
     assert cache.calls == [4 * GiB]
@@ -141,7 +141,7 @@ def test_set_budget_failure_is_recorded_and_retried(caplog):
     f, probe, cache = make()
     cache.fail = True
     probe.value = 7 * GiB
-    with caplog.at_level(logging.ERROR, logger="moecached.floor"):
+    with caplog.at_level(logging.ERROR, logger="moecached.daemon.floor"):
         ev = f.tick(0.0)
     assert ev["kind"] == "error" and ev["attempted"] == "shrink"
     assert ev["error"] == "RuntimeError: arena busy"

@@ -16,7 +16,7 @@ import pytest
 
 from moecached.tools import guard
 from moecached.tools.guard import EXIT_FLOOR, MemoryProbe, MemorySample, run_guarded
-from moecached.units import format_bytes
+from moecached.facts.units import format_bytes
 
 from daemon_util import HOG
 

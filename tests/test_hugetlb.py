@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from moecached.cache import ExpertCache
-from moecached.index import open_index
+from moecached.engine.cache import ExpertCache
+from moecached.engine.index import open_index
 from moecached.tools.synth import verify_expert_bytes
 
 NR = "/proc/sys/vm/nr_hugepages"

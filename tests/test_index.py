@@ -8,7 +8,7 @@ import pytest
 from gguf import GGUFReader
 
 from fixtures import complete_layouts, layout_path, read_and_verify
-from moecached.index import ExpertIndex, PartSpan, open_index
+from moecached.engine.index import ExpertIndex, PartSpan, open_index
 from moecached.tools.inspect import main as inspect_main
 from moecached.tools.synth import write_model
 

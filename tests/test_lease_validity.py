@@ -17,7 +17,7 @@ import pytest
 import moecache_client
 from daemon_util import start_daemon, stop_daemon, wait_for
 from moecache_client import Client, LeaseInvalid
-from moecached.arena import EPOCH_OFF, remove_stale_arenas
+from moecached.engine.arena import EPOCH_OFF, remove_stale_arenas
 from moecached.tools.synth import verify_expert_bytes
 
 
@@ -335,7 +335,7 @@ def test_wrong_pid_start_is_not_watched(model, tmp_path):
 def test_stale_arena_cleanup_voids_its_epoch(tmp_path, model):
     """An arena left by a killed daemon: the cleanup clears its epoch before unlinking, so a
     process that still maps it sees its leases void."""
-    code = ("import os, sys; from moecached.arena import Arena; from moecached.index import open_index;"
+    code = ("import os, sys; from moecached.engine.arena import Arena; from moecached.engine.index import open_index;"
             "ar = Arena(open_index(sys.argv[1]), slots=8, dir=sys.argv[2], lock=False);"
             "ar.set_epoch(77); print(ar.path, flush=True); os._exit(0)")   # dies without cleanup
     path = subprocess.run([sys.executable, "-c", code, model, str(tmp_path)], capture_output=True,

@@ -17,12 +17,13 @@ def test_ruff_is_clean():
 
 
 def test_core_never_imports_tools():
-    """The daemon core (moecached/*.py, cython_ext/*.pyx) is library code under the tools:
+    """The daemon core (moecached/<wing>/*.py, cython_ext/<wing>/*.pyx) is library code under the tools:
     nothing in it imports moecached.tools (the tools import the core, never the reverse)."""
     import ast
     import re
     bad = []
-    for f in sorted((ROOT / "moecached").glob("*.py")):
+    core = [f for f in (ROOT / "moecached").rglob("*.py") if "tools" not in f.relative_to(ROOT).parts]
+    for f in sorted(core):
         for n in ast.walk(ast.parse(f.read_text())):
             names = []
             if isinstance(n, ast.ImportFrom):
@@ -32,7 +33,7 @@ def test_core_never_imports_tools():
                 names = [a.name for a in n.names]
             if any(re.fullmatch(r"(moecached|\.)\.?tools(\..*)?", m) for m in names):
                 bad.append(f"{f.relative_to(ROOT)}:{n.lineno}")
-    for f in sorted((ROOT / "cython_ext").glob("*.pyx")):
+    for f in sorted((ROOT / "cython_ext").glob("**/*.pyx")):
         for i, line in enumerate(f.read_text().splitlines(), 1):
             if re.match(r"\s*(from|import)\s+(moecached\.)?tools\b", line):
                 bad.append(f"{f.relative_to(ROOT)}:{i}")
@@ -48,7 +49,7 @@ def test_readme_map_names_every_module():
     table = readme[readme.index("## What is where"):]
     table = table[:table.index("\n## ")]
     named = set(re.findall(r"`([^`\s]+)`", table))
-    files = sorted([*(ROOT / "moecached").glob("*.py"), *(ROOT / "moecached" / "tools").glob("*.py"),
+    files = sorted([*(ROOT / "moecached").rglob("*.py"),
                     *(ROOT / "cython_ext").glob("**/*.pyx")])
     missing = [str(f.relative_to(ROOT)) for f in files if f.name != "__init__.py"
                and str(f.relative_to(ROOT)) not in named and f.name not in named]

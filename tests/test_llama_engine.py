@@ -23,7 +23,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from daemon_util import start_daemon, stop_daemon
 from moecache_client import Client
 from moecached.tools import engine_llama
-from moecached.index import open_index
+from moecached.engine.index import open_index
 from moecached.tools.synth_runnable import write_runnable
 
 BIN = engine_llama.llama_bin()

@@ -22,7 +22,7 @@ import pytest
 
 from daemon_util import start_daemon, stop_daemon
 from moecache_client import Client
-from moecached.index import open_index
+from moecached.engine.index import open_index
 from moecached.tools import engine_llama
 from moecached.tools.synth_runnable import write_runnable
 

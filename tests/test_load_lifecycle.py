@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from fixtures import make_model
-from moecached.cache import CacheClosed, CacheError, LoadError
-from moecached.index import open_index
-from moecached.readers import ReadError
+from moecached.engine.cache import CacheClosed, CacheError, LoadError
+from moecached.engine.index import open_index
+from moecached.engine.readers import ReadError
 from moecached.tools.synth import verify_expert_bytes
 
 from test_cache import FileTruth, new_cache

@@ -186,7 +186,7 @@ def test_bad_listen_is_one_line_error(tmp_path):
 
 
 def test_declared_stats_reach_every_view_and_the_docs(model, tmp_path, capsys):
-    """Each counter and gauge declared in moecached.stats is in the daemon's stats reply (at its
+    """Each counter and gauge declared in moecached.facts.stats is in the daemon's stats reply (at its
     table's place), in ``moecache-ctl stats --all`` as a STAT line, in the exporter's families
     under its declared name, kind and labels, and both its stat key and metric name are in
     docs/operations.md. The expectations come from the declarations: a new row that misses a
@@ -194,7 +194,7 @@ def test_declared_stats_reach_every_view_and_the_docs(model, tmp_path, capsys):
     import re
     from pathlib import Path
     from daemon_util import Daemon
-    from moecached import stats as S
+    from moecached.facts import stats as S
     from moecached.tools.ctlstats import stats_main
     with Daemon(model, tmp_path) as d:
         with Client(d.endpoint, name="engine", map_arena=False, heartbeat_s=600) as c:

@@ -8,7 +8,7 @@ import pytest
 
 from daemon_util import start_daemon, stop_daemon, wait_for
 from moecache_client import Client, DaemonRestarted, ServerError
-from moecached.index import open_index
+from moecached.engine.index import open_index
 from moecached.tools.synth import verify_expert_bytes
 
 LAYOUT = "qwen3-30b-a3b-Q4_K_M"
@@ -209,8 +209,8 @@ def test_change_while_the_arena_is_reserved_is_noticed(models, tmp_path, how):
     reserving and locking the arena, which takes minutes for a big one), with size and mtime
     kept (``rsync --inplace -t``, ``cp -p`` + ``mv``): the readers must compare with what was
     indexed, not adopt the new file's identity and serve its bytes as the indexed model's."""
-    from moecached.cache import ExpertCache, ModelChangedError
-    from moecached.readers import ReadError
+    from moecached.engine.cache import ExpertCache, ModelChangedError
+    from moecached.engine.readers import ReadError
     path, other = models
     idx = open_index(path)
     st = os.stat(path)
@@ -234,7 +234,7 @@ def test_change_while_the_arena_is_reserved_is_noticed(models, tmp_path, how):
 
 
 def test_failing_load_does_not_evict(model_factory, tmp_path):
-    from moecached.cache import ExpertCache, LoadError
+    from moecached.engine.cache import ExpertCache, LoadError
     src = model_factory(LAYOUT, layers=LAYERS, experts=16, seed=0)
     path = str(tmp_path / "m.gguf")
     shutil.copyfile(src, path)
@@ -252,7 +252,7 @@ def test_failing_load_does_not_evict(model_factory, tmp_path):
         real = cache.readers.submit
 
         def refuse(*a, **kw):
-            from moecached.readers import ReadError
+            from moecached.engine.readers import ReadError
             raise ReadError("refused for the test")
         cache.readers.submit = refuse
         try:

@@ -1,4 +1,4 @@
-"""Several models in one daemon under one budget (``moecached.multi``), with real-layout synth
+"""Several models in one daemon under one budget (``moecached.daemon.multi``), with real-layout synth
 models of two different models (Qwen3-30B-A3B and Mixtral-8x7B, two layers each) and their
 real traces:
 
@@ -19,9 +19,9 @@ import time
 import pytest
 
 from moecache_client import Client, ServerError
-from moecached.index import open_index
+from moecached.engine.index import open_index
 from moecached.tools.mixsim import MixModel, interleaving, replay_mix
-from moecached.trace import load_trace
+from moecached.engine.trace import load_trace
 
 from daemon_util import wait_for
 from fixtures import file_bytes, make_model, trace_path
@@ -725,7 +725,7 @@ def test_memory_floor_shrinks_the_total_and_every_share(models, tmp_path):
     status show the floor and the shares; when the memory comes back the total grows back."""
     import psutil
     from daemon_util import memory_hog, wait_for
-    from moecached.floor import MIN_MARGIN
+    from moecached.daemon.floor import MIN_MARGIN
     from moecached.tools.ctlstats import summary
     GiB = 1 << 30
     avail = psutil.virtual_memory().available

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from moecached import logs, notify
+from moecached.daemon import logs, notify
 from notify_receiver import NotifyReceiver
 
 
@@ -33,7 +33,7 @@ def test_ready_from_a_child_process():
     # the way systemd sees it: another process, environment variable only
     with NotifyReceiver() as r:
         env = dict(os.environ, NOTIFY_SOCKET=r.address)
-        subprocess.run([sys.executable, "-c", "from moecached import notify; assert notify.ready()"],
+        subprocess.run([sys.executable, "-c", "from moecached.daemon import notify; assert notify.ready()"],
                        env=env, check=True, timeout=30)
         assert r.wait_for("READY=1") == "READY=1"
 

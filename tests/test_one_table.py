@@ -1,10 +1,10 @@
 """Facts declared once, every copy held to the declaration.
 
 * The shared-memory layout: ``clients/c/include/moecache_shm.h`` declares it; the daemon reads it
-  through ``moecached._shm`` (compiled from the header), the arena uses those values; the few
+  through ``moecached.engine._shm`` (compiled from the header), the arena uses those values; the few
   copies that cannot include the header (the socket-only Python client, docs/protocol.md) are
   checked here.
-* The error codes: ``moecached.protocol.ERROR_CODES`` declares them; docs/protocol.md's table and
+* The error codes: ``moecached.facts.protocol.ERROR_CODES`` declares them; docs/protocol.md's table and
   the C client's code map (``DAEMON_CODES`` and ``mc_code``) must name exactly those.
 """
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from moecached import _shm, arena, protocol
+from moecached.engine import _shm, arena
+from moecached.facts import protocol
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = ROOT / "clients/c/include/moecache_shm.h"

@@ -17,10 +17,10 @@ import pytest
 
 from moecached.tools import simulate as sim
 from moecached.tools.policycli import main as policy_main
-from moecached.policy import (LFU_DECAY_HALVE_AFTER, LFU_SUBST_HALVE_AFTER, LFU_SUBST_USE, LRU,
+from moecached.engine.policy import (LFU_DECAY_HALVE_AFTER, LFU_SUBST_HALVE_AFTER, LFU_SUBST_USE, LRU,
                               POLICIES, expand_policies)
 from moecached.tools.replay import reference_lru
-from moecached.trace import Trace, load_trace
+from moecached.engine.trace import Trace, load_trace
 
 from fixtures import make_model, shared_dir, shared_layouts_dir, shared_traces
 
@@ -641,7 +641,7 @@ def test_reference_catches_a_wrong_policy(monkeypatch):
 
 
 def test_capacities_match_daemon_plan_slots():
-    arena = pytest.importorskip("moecached.arena")
+    arena = pytest.importorskip("moecached.engine.arena")
     E = 16
     classes = [list(range(0, 5)), list(range(5, 12)), [12]]
     idx = types.SimpleNamespace(n_experts=E, size_classes=[
@@ -789,7 +789,7 @@ def test_model_bytes_from_gguf(tmp_path, capsys):
     assert per[0] == 1290240 + 2 * 884736 and per[7] == 3 * 884736
     t = uniform_trace(T=300, L=8, E=8, k=2)
     save_path = tmp_path / "t.npz"
-    from moecached.trace import save_trace
+    from moecached.engine.trace import save_trace
     save_trace(save_path, t)
     assert policy_main([str(save_path), "--model", model, "--policies", "g-lru", "--sizes", "0.5",
                      "--json"]) == 0
@@ -847,7 +847,7 @@ def test_tokens_window(tmp_path, capsys):
     t.is_prompt[:] = True                         # prefill only: warmup + N
     assert sim.simulate(t, "lru", 0.5, warmup=10, tokens=7)["counted_tokens"] == 7
     assert sim.window_end(t, 10, 7) == 17
-    from moecached.trace import save_trace
+    from moecached.engine.trace import save_trace
     save_trace(tmp_path / "t.npz", t)
     assert policy_main([str(tmp_path / "t.npz"), "--policies", "g-lru", "--sizes", "0.5",
                      "--warmup", "10", "--tokens", "7", "--json"]) == 0
@@ -869,7 +869,7 @@ def _ctl(argv, capsys):
 
 @pytest.fixture
 def small_trace_file(tmp_path):
-    from moecached.trace import save_trace
+    from moecached.engine.trace import save_trace
     p = tmp_path / "u.npz"
     save_trace(p, uniform_trace(T=300, E=32))
     return str(p)
@@ -926,7 +926,7 @@ def test_cli_sizes_deduplicated(small_trace_file, capsys):
 
 
 def test_cli_empty_trace_says_no_counted_accesses(tmp_path, capsys):
-    from moecached.trace import save_trace
+    from moecached.engine.trace import save_trace
     p = tmp_path / "empty.npz"
     save_trace(p, Trace(experts=np.zeros((0, 4, 2), np.int16), is_prompt=np.zeros(0, bool),
                         meta={"n_experts": 8}))

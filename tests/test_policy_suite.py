@@ -1,4 +1,4 @@
-"""One test suite run over every policy of ``moecached.policy.POLICIES`` (typed tests): each
+"""One test suite run over every policy of ``moecached.engine.policy.POLICIES`` (typed tests): each
 contract every policy must keep, checked through the public door (``make_policy``,
 ``build_stream``, ``replay``, ``replay_subst``) on random streams; and substitution
 (``moecache-ctl policy --subst``) against a plain Python reference that drives the daemon's
@@ -10,9 +10,9 @@ import pytest
 
 from moecached.tools import simulate as sim
 from moecached.tools.policycli import main as policy_main
-from moecached.policy import (EVICTIONS, LFUDecay, LRU, SLRU, NEEDS_FUTURE, make_eviction, POLICIES, build_stream, make_policy,
+from moecached.engine.policy import (EVICTIONS, LFUDecay, LRU, SLRU, NEEDS_FUTURE, make_eviction, POLICIES, build_stream, make_policy,
                               next_use, replay, replay_subst)
-from moecached.trace import Trace, save_trace
+from moecached.engine.trace import Trace, save_trace
 
 ALL = list(POLICIES)
 ONLINE = [p for p in ALL if p not in NEEDS_FUTURE]
@@ -247,7 +247,7 @@ def test_lfu_subst_substitution_matches_reference(seed, policy, per_layer, r, ma
 
 
 def test_lfu_subst_reference_is_sensitive_to_the_credits(monkeypatch):
-    import moecached.policy as mp
+    import moecached.engine.policy as mp
     t = weighted_trace(0, T=300)
     with_credit = ref_subst_glru(t, 6, 0.3, -1, evict="lfu-subst")
     monkeypatch.setitem(mp.EVICTIONS, "lfu-subst",

@@ -7,9 +7,9 @@ import contextlib
 
 import pytest
 
-from moecached.cache import PrefetchQuota, RequestError
-from moecached.index import open_index
-from moecached.protocol import ProtocolError, RequestChecker
+from moecached.engine.cache import PrefetchQuota, RequestError
+from moecached.engine.index import open_index
+from moecached.facts.protocol import ProtocolError, RequestChecker
 
 from test_cache import FileTruth, new_cache, wait_idle
 

@@ -8,7 +8,7 @@ import pytest
 
 from moecached.tools import simulate as sim
 from moecached.tools.policycli import main as policy_main
-from moecached.trace import Trace, save_trace
+from moecached.engine.trace import Trace, save_trace
 
 L, E, K = 3, 16, 2
 

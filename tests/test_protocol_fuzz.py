@@ -7,7 +7,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moecached import protocol as P
+from moecached.facts import protocol as P
 
 from daemon_util import Daemon
 

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from moecached import readers as readers_mod
-from moecached.readers import ModelChanged, ReadError, ReaderPool
+from moecached.engine import readers as readers_mod
+from moecached.engine.readers import ModelChanged, ReadError, ReaderPool
 
 
 def per_chunk(fn):
@@ -176,7 +176,7 @@ def test_odirect_refused_falls_back_with_one_warning(caplog):
         datas = [write_random(p, 2**20 + 333, i) for i, p in enumerate(paths)]
         dest = Dest(2**21)
         w = Waiter()
-        with caplog.at_level(logging.WARNING, logger="moecached.readers"):
+        with caplog.at_level(logging.WARNING, logger="moecached.engine.readers"):
             with ReaderPool(paths, threads=3, chunk_bytes=8192) as pool:
                 assert pool.stats()["direct"] == [False, False]
                 jid = pool.submit([(0, 33, 500_000, dest.addr + 1), (1, 4097, 300_000, dest.addr + 600_000)],
@@ -221,7 +221,7 @@ def test_odirect_refused_at_first_read(files, monkeypatch, caplog):
     monkeypatch.setattr(readers_mod, "read_many", per_chunk(fake))
     dest = Dest(2**20)
     w = Waiter()
-    with caplog.at_level(logging.WARNING, logger="moecached.readers"):
+    with caplog.at_level(logging.WARNING, logger="moecached.engine.readers"):
         with ReaderPool(paths, threads=4, chunk_bytes=4096) as pool:
             jid = pool.submit([(0, 32, 200_000, dest.addr)], priority=0, callback=w)
             assert w.wait(jid)[0] is None
@@ -345,8 +345,8 @@ REAL = [("deepseek-v2-lite-Q4_K_M", dict(layers=4, experts=8, split=2)),   # two
 
 @pytest.mark.parametrize("name,kw", REAL, ids=[r[0] for r in REAL])
 def test_real_layout_into_arena_slots(model_factory, name, kw, tmp_path):
-    from moecached.arena import Arena
-    from moecached.index import open_index
+    from moecached.engine.arena import Arena
+    from moecached.engine.index import open_index
     from moecached.tools.synth import verify_expert_bytes
 
     idx = open_index(model_factory(name, **kw))
@@ -422,7 +422,7 @@ def test_file_overwritten_in_place_same_size_fails_loads(tmp_path):
     loads, never serve a mix of old and new bytes."""
     import ctypes
     import time as _time
-    from moecached.readers import ReaderPool, ReadError
+    from moecached.engine.readers import ReaderPool, ReadError
     path = tmp_path / "m.bin"
     path.write_bytes(os.urandom(1 << 20))
     st = os.stat(path)

@@ -12,7 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, GGUFWriter
 
 from moecached import MoecacheError
-from moecached.index import GGUF_VERSION_STR, GGUFError, open_index
+from moecached.engine.index import GGUF_VERSION_STR, GGUFError, open_index
 
 Q4K = GGMLQuantizationType.Q4_K
 Q6K = GGMLQuantizationType.Q6_K

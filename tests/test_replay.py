@@ -7,7 +7,7 @@ import pytest
 
 from moecached.tools.replay import ReplayError, parse_predictor, plan, reference_lru, replay
 from moecached.tools.simulate import simulate
-from moecached.trace import load_trace
+from moecached.engine.trace import load_trace
 
 from fixtures import make_model, trace_path
 
@@ -224,7 +224,7 @@ def test_replay_while_tracing_records_only_the_trace_tokens(daemon, tmp_path):
     """While the daemon records a trace, replay skips its all-resident overhead probe, whose
     made-up tokens would otherwise enter the recording; the recording then holds exactly the
     replayed tokens, with their experts."""
-    from moecached.trace import load_trace as load
+    from moecached.engine.trace import load_trace as load
     t = sliced(qwen_trace(), 2, 60)
     d, c = daemon(128)
     out = tmp_path / "rec.npz"

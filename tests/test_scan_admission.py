@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moecached.tools import simulate as sim
-from moecached.trace import Trace
+from moecached.engine.trace import Trace
 from moecache_client import Client
 
 from daemon_util import Daemon

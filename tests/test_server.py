@@ -6,7 +6,7 @@ import msgpack
 import pytest
 import zmq
 
-from moecached.server import Server, ServerError
+from moecached.service.server import Server, ServerError
 from moecache_client import Client, ServerError as CError
 
 from daemon_util import Daemon
@@ -285,7 +285,7 @@ def test_trace_paths_are_safe(daemon, tmp_path):
             c.acquire(l, [1, 2], tag="decode").release()
         info = c.trace_stop()["info"]
         assert info["tokens"] == 1 and info["moe_layers"] == len(L) and info["decode_tokens"] == 1
-    from moecached.trace import load_trace
+    from moecached.engine.trace import load_trace
     tr = load_trace(out)
     assert [sorted(x for x in tr.experts[0, i] if x >= 0) for i in range(len(L))] == [[1, 2]] * len(L)
 

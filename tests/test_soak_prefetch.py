@@ -66,7 +66,7 @@ class Truth:
     (no shared file offset: safe from any thread)."""
 
     def __init__(self, model: str):
-        from moecached.index import open_index
+        from moecached.engine.index import open_index
         self.idx = open_index(model)
         self.fds = [os.open(f, os.O_RDONLY) for f in self.idx.files]
 

@@ -1,15 +1,15 @@
-"""The shared-budget split (``moecached.split``) and the simulator's ``--mix`` replay
+"""The shared-budget split (``moecached.daemon.split``) and the simulator's ``--mix`` replay
 (``moecached.tools.mixsim``): bounds, equal start, moves toward ghost hits, hysteresis, the
 floor's total, add/remove; the mix replay with frozen shares equals the per-model g-lru
 simulator; on two real traces of different models the shared split is within one point of
 the best static split and no worse than the equal split."""
 import pytest
 
-from moecached.split import MIN_GAIN, Member, Split, SplitError, least_share
+from moecached.daemon.split import MIN_GAIN, Member, Split, SplitError, least_share
 from moecached.tools import simulate as sim
 from moecached.tools.policycli import main as policy_main
 from moecached.tools.mixsim import MixModel, layout_index, replay_mix, run_mix
-from moecached.trace import load_trace
+from moecached.engine.trace import load_trace
 
 from fixtures import layout_path, trace_path
 
@@ -193,7 +193,7 @@ def test_mix_cli(capsys, tmp_path):
     paths = []
     for x in mms:
         p = tmp_path / f"{x.name}.npz"
-        from moecached.trace import save_trace
+        from moecached.engine.trace import save_trace
         save_trace(p, x.trace)
         paths.append(str(p))
     rc = policy_main(["--mix", ",".join(paths), "--names", "qwen,mix", "--budget", "1GiB",

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from daemon_util import start_daemon, stop_daemon
-from moecached.arena import Arena, remove_stale_arenas
-from moecached.floor import MIN_MARGIN, MemoryLimitError, fit_arena, read_memory_limit
-from moecached.index import open_index
+from moecached.engine.arena import Arena, remove_stale_arenas
+from moecached.daemon.floor import MIN_MARGIN, MemoryLimitError, fit_arena, read_memory_limit
+from moecached.engine.index import open_index
 from moecached.tools.synth import verify_expert_bytes
 from moecache_client import Client
 
@@ -116,7 +116,7 @@ def test_floor_sizes_the_arena_down(tmp_path):
 
 
 def test_guard_and_floor_share_one_probe():
-    from moecached import floor
+    from moecached.daemon import floor
     from moecached.tools import guard
     assert guard.MemoryProbe is floor.MemoryProbe
 
@@ -405,7 +405,7 @@ class _Tty(io.StringIO):
 
 
 def _progress_run(stream):
-    from moecached.logs import setup_logging, stage
+    from moecached.daemon.logs import setup_logging, stage
     h = setup_logging("info", stream=stream, journal=False)
     try:
         with stage("reserving and locking 1.00 GiB", total=100) as st:

@@ -10,7 +10,7 @@ import zmq
 
 from moecached.tools import simulate as sim
 from moecached.tools.policycli import main as policy_main
-from moecached.trace import Trace, load_trace, save_trace
+from moecached.engine.trace import Trace, load_trace, save_trace
 from moecache_client import Client, Subst
 
 from daemon_util import Daemon
@@ -98,7 +98,7 @@ def test_daemon_substitution_equals_simulator(model_factory, tmp_path, monkeypat
     assert st["hits"] + st["prefetch_hits"] + st["demand_misses"] + st["substitutions"] \
         == want["accesses"]
     if eviction == "lfu-subst":          # the candidates' credits are part of what matched
-        import moecached.policy as mp
+        import moecached.engine.policy as mp
         monkeypatch.setitem(mp.EVICTIONS, "lfu-subst",
                             lambda n: mp.LFUDecay(n, mp.LFU_SUBST_HALVE_AFTER, mp.LFU_SUBST_USE, 0))
         other = sim.simulate_subst(v, sim_policy, slots, r, -1 if cap is None else cap)

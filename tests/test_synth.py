@@ -9,7 +9,7 @@ from gguf.quants import quant_shape_to_byte_shape
 
 from fixtures import layout_path, make_model
 from fixtures import shared_layouts_dir
-from moecached.layout import DATA_DIR, LayoutError, load_layout
+from moecached.facts.layout import DATA_DIR, LayoutError, load_layout
 from moecached.tools.synth import (PAGE, SynthError, decode_stamp, expected_expert_bytes, main as synth_main,
                              plan_model, verify_expert_bytes, write_model)
 
@@ -308,7 +308,7 @@ def test_cli_split_one_is_one_file(tmp_path, capsys):
 
 def test_synth_runnable_is_indexed_and_refuses_bad_shapes(tmp_path):
     from moecached.tools.ctl import main as ctl_main
-    from moecached.index import open_index
+    from moecached.engine.index import open_index
     from moecached.tools.synth_runnable import RunnableError, write_runnable
     out = str(tmp_path / "r.gguf")
     assert ctl_main(["synth", "--runnable", "--out", out, "--blocks", "3", "--experts", "8", "--top-k", "2",
@@ -328,7 +328,7 @@ def test_synth_runnable_is_indexed_and_refuses_bad_shapes(tmp_path):
 @pytest.mark.parametrize("arch", ["llama", "olmoe"])
 def test_synth_runnable_arch_writes_that_archs_keys_and_tensors(tmp_path, capsys, arch):
     from moecached.tools.ctl import main as ctl_main
-    from moecached.index import open_index
+    from moecached.engine.index import open_index
     out = str(tmp_path / "r.gguf")
     assert ctl_main(["synth", "--runnable", "--arch", arch, "--out", out, "--blocks", "2", "--experts", "8",
                      "--top-k", "2", "--quant", "q8_0"]) == 0

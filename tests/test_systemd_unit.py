@@ -128,7 +128,7 @@ def test_restarts_stop_at_a_refused_configuration(tmp_path, capsys):
     (a bad value in the file, no model), and neither a failed start (1) nor the exit of a
     changed model file (3), which a restart is for."""
     from moecached import daemon
-    from moecached.reload import EXIT_MODEL_CHANGED
+    from moecached.daemon.reload import EXIT_MODEL_CHANGED
     (prevent,) = _settings(_unit_text())["RestartPreventExitStatus"]
     prevent = {int(x) for x in prevent.split()}
     bad = tmp_path / "bad.toml"

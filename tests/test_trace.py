@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moecached.tools.tracetools import convert_main
-from moecached.trace import Trace, TraceError, TraceRecorder, convert_jsonl, load_trace, save_trace
+from moecached.engine.trace import Trace, TraceError, TraceRecorder, convert_jsonl, load_trace, save_trace
 
 from fixtures import shared_traces
 

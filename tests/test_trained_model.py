@@ -13,7 +13,7 @@ import pytest
 from gguf import GGUFReader
 
 from daemon_util import start_daemon, stop_daemon
-from moecached.index import open_index
+from moecached.engine.index import open_index
 from moecached.tools import engine_llama
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,8 +1,8 @@
-"""moecached.watch.ModelWatch: inotify on the model files and their directory."""
+"""moecached.daemon.watch.ModelWatch: inotify on the model files and their directory."""
 import os
 import threading
 
-from moecached.watch import ModelWatch
+from moecached.daemon.watch import ModelWatch
 
 
 def _watch(path):

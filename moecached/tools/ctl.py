@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 
-from .. import MoecacheError, __version__
+from moecached import MoecacheError, __version__
 
 # name -> ("module", "function", one-line help)
 COMMANDS = {

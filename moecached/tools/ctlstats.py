@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from .. import MoecacheError
+from moecached import MoecacheError
 
 #: environment variable naming the daemon's endpoint for ``moecache-ctl``
 ENDPOINT_ENV = "MOECACHED_ENDPOINT"
@@ -25,13 +25,13 @@ ENDPOINT_HELP = (f"daemon endpoint (default: ${ENDPOINT_ENV}, else the endpoint 
 def resolve_endpoint(flag: str | None = None) -> tuple[str, str]:
     """``(endpoint, where it came from)``: ``flag`` (``--endpoint``) if given, else
     ``$MOECACHED_ENDPOINT``, else the ``endpoint`` key of the daemon's config file (read by
-    :func:`moecached.config.load_config`), else the built-in default. A config file that cannot
+    :func:`moecached.daemon.config.load_config`), else the built-in default. A config file that cannot
     be read or is invalid is skipped (the reason goes into the source, shown on failures).
 
     Raises:
         MoecacheError: the flag or the environment variable is not an endpoint.
     """
-    from ..config import DEFAULT_ENDPOINT, KEYS, ConfigError, _Bad, load_config
+    from moecached.daemon.config import DEFAULT_ENDPOINT, KEYS, ConfigError, _Bad, load_config
     if flag is not None:
         value, where = flag, "--endpoint"
     elif os.environ.get(ENDPOINT_ENV):
@@ -171,7 +171,7 @@ def _floor_line(floor) -> list[str]:
 def summary(st: dict, layers: bool = False) -> list[str]:
     """The short human view of a ``stats`` reply: hit rate, budget and use (GiB), the memory
     floor, reads, read latency, one line per client; per-layer lines when ``layers``."""
-    from ..stats import hit_rate
+    from moecached.facts.stats import hit_rate
     budget = st.get("budget") or {}
     classes = st.get("classes") or []
     used = sum(x.get("used", 0) * x.get("slot_bytes", 0) for x in classes)
@@ -277,7 +277,7 @@ def model_main(argv) -> int:
     p.add_argument("--max-budget", help="add: the largest share")
     p.add_argument("--weight", type=float, help="add: multiplies the model's gains (default 1)")
     a = p.parse_args(argv)
-    from ..units import parse_size
+    from moecached.facts.units import parse_size
     fields: dict = {}
     if a.action in ("add", "remove") and not a.name:
         raise MoecacheError(f"model {a.action}: expected NAME" + (" PATH" if a.action == "add" else ""))

@@ -31,8 +31,8 @@ import time
 
 import numpy as np
 
-from .. import MoecacheError
-from ..trace import load_trace
+from moecached import MoecacheError
+from moecached.engine.trace import load_trace
 
 __all__ = ["DemoError", "main", "run_demo"]
 
@@ -58,7 +58,7 @@ def _mem_available() -> int | None:
 def _memlock_ok(nbytes: int) -> bool:
     """True when the daemon may lock ``nbytes``: RLIMIT_MEMLOCK allows it, or the process
     holds CAP_IPC_LOCK (root usually does), which makes the kernel ignore the limit."""
-    from ..arena import memlock_room  # the same rule the arena applies when it locks
+    from moecached.engine.arena import memlock_room  # the same rule the arena applies when it locks
     room = memlock_room()
     return room is None or room >= nbytes + (64 << 20)
 
@@ -66,7 +66,7 @@ def _memlock_ok(nbytes: int) -> bool:
 def _check_free_space(where: str, workdir: str, n_layers: int) -> None:
     """Refuse (one line) to write the scaled model where it does not fit: the space it takes
     (:func:`moecached.tools.synth.model_disk_bytes`) plus 64 MiB against what the filesystem has free."""
-    from .synth import model_disk_bytes
+    from moecached.tools.synth import model_disk_bytes
     need = model_disk_bytes(LAYOUT, layers=n_layers) + (64 << 20)
     free = shutil.disk_usage(workdir).free
     if free < need:
@@ -147,8 +147,8 @@ def _parse_sizes(s):
 
 
 def run_demo(a, out=sys.stdout) -> dict:
-    from ..index import open_index
-    from .replay import probe_drive, replay, format_table
+    from moecached.engine.index import open_index
+    from moecached.tools.replay import probe_drive, replay, format_table
     say = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else \
         (lambda *x: print(*x, file=out, flush=True))
     t_all = time.perf_counter()
@@ -173,7 +173,7 @@ def run_demo(a, out=sys.stdout) -> dict:
             say(f"model: writing a scaled Qwen3-30B-A3B Q4_K_M ({n_layers} of 48 blocks, all "
                 f"128 experts, real per-expert sizes; non-expert tensors are sparse holes) to "
                 f"{model}")
-            from .synth import write_model
+            from moecached.tools.synth import write_model
             t0 = time.perf_counter()
             write_model(LAYOUT, model, layers=n_layers, progress=not a.no_progress)
             say(f"  written in {time.perf_counter() - t0:.1f} s")
@@ -203,7 +203,7 @@ def run_demo(a, out=sys.stdout) -> dict:
         else:
             warm = SYN_WARM if a.warm_tokens is None else a.warm_tokens
             ntok = SYN_TOKENS if a.tokens is None else a.tokens
-            from .workload import generate, DEFAULT_PARAMS
+            from moecached.tools.workload import generate, DEFAULT_PARAMS
             t = generate(warm + ntok, L, E, k, seed=a.seed, name="synthetic-qwen3-like")
             t.meta["path"] = "synthetic"
             # all tokens are decode: warm-up = the first `warm` of them, as prompt tokens
@@ -295,7 +295,7 @@ def run_demo(a, out=sys.stdout) -> dict:
 
 
 def build_parser():
-    from .replay import add_engine_args
+    from moecached.tools.replay import add_engine_args
     ap = argparse.ArgumentParser(
         prog="moecache-ctl demo",
         description="write a scaled Qwen3-30B-A3B model, run moecached with a quarter, a half "
@@ -332,12 +332,12 @@ def build_parser():
 def engine_step(a, say) -> dict:
     """llama.cpp decoding through a daemon (small runnable model, tight cache), checked
     bit-identical to the resident model; one line saying how to build it when it is not."""
-    from . import engine_llama
+    from moecached.tools import engine_llama
     b = engine_llama.llama_bin()
     if b is None:
         say(f"engine: llama.cpp through moecached is not built here; {engine_llama.BUILD_HINT}")
         return {"built": False}
-    from .synth_runnable import write_runnable
+    from moecached.tools.synth_runnable import write_runnable
     workdir = tempfile.mkdtemp(prefix="moecache-demo-engine-", dir=a.workdir or None)
     d = None
     try:

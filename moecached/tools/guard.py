@@ -21,8 +21,8 @@ Exit status:
 and, inside a memory-limited cgroup, the cgroup's headroom. Shared memory (tmpfs, /dev/shm,
 the moecached arena) is not reclaimable, so it is never counted as available.
 
-:class:`MemoryProbe` lives in :mod:`moecached.floor`, the daemon's core: the daemon's
-:class:`~moecached.floor.MemoryFloor` and its start-up check sample the same figure.
+:class:`MemoryProbe` lives in :mod:`moecached.daemon.floor`, the daemon's core: the daemon's
+:class:`~moecached.daemon.floor.MemoryFloor` and its start-up check sample the same figure.
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..floor import MemoryProbe, MemorySample
-from ..units import SizeError, format_bytes, parse_size
+from moecached.daemon.floor import MemoryProbe, MemorySample
+from moecached.facts.units import SizeError, format_bytes, parse_size
 
 __all__ = ["EXIT_FLOOR", "MemoryProbe", "MemorySample", "GuardResult", "run_guarded", "main"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..index import ExpertIndex, _fmt_layers, open_index
+from moecached.engine.index import ExpertIndex, _fmt_layers, open_index
 
 
 def _human(n: int) -> str:

@@ -14,12 +14,12 @@ import sys
 import threading
 import time
 
-from .. import MoecacheError
-from ..stats import CACHE_STATS, CLASS_STATS, CLIENT_STATS, FAST_PATH_STATS, LAYER_STATS, SERVER_COUNTERS
+from moecached import MoecacheError
+from moecached.facts.stats import CACHE_STATS, CLASS_STATS, CLIENT_STATS, FAST_PATH_STATS, LAYER_STATS, SERVER_COUNTERS
 
 CLIENT_NAME = "moecache-metrics"  # how the exporter's own connection shows in the daemon's stats
 
-# every declared counter and gauge (moecached.stats) becomes one family; counters get ``_total``
+# every declared counter and gauge (moecached.facts.stats) becomes one family; counters get ``_total``
 # from prometheus_client.
 
 
@@ -42,7 +42,7 @@ class StatsCollector:
     * ``up`` 1 if the daemon answered this scrape, else 0 -- and then nothing else is exposed;
       ``info{version,model,policy}`` 1; ``tracing`` 1 while a routing trace is recorded;
       ``model_changed`` 1 while the model file differs from the one indexed.
-    * one family per row declared in ``moecached.stats``: ``CACHE_STATS`` and
+    * one family per row declared in ``moecached.facts.stats``: ``CACHE_STATS`` and
       ``SERVER_COUNTERS`` (``server_*``), ``FAST_PATH_STATS`` (``fast_*``), ``CLASS_STATS``
       (``class_*{size_class}``), ``LAYER_STATS`` (``layer_*{layer}``) and ``CLIENT_STATS``
       (``client_*{client,pid}``: the exporter's own connection left out; clients sharing name
@@ -297,7 +297,7 @@ def main(argv) -> int:
     Raises:
         MoecacheError: prometheus-client missing, or the listen address cannot be bound.
     """
-    from .ctlstats import ENDPOINT_HELP, _positive, resolve_endpoint
+    from moecached.tools.ctlstats import ENDPOINT_HELP, _positive, resolve_endpoint
     p = argparse.ArgumentParser(prog="moecache-ctl metrics",
                                 description="Prometheus exporter: serves the daemon's counters at "
                                             "http://LISTEN/metrics, one stats request per scrape")

@@ -5,12 +5,12 @@ The traces are interleaved by time: model m issues its steps at ``rates[m]`` tok
 ``tokens_before(j) / rate``; steps at the same time go in the order the traces were named. Each
 model replays as the daemon serves it (``g-lru``: the daemon's LRU per size class, every set of
 one layer pinned while it loads, exactly ``moecached.tools.replay.reference_lru``), with the
-daemon's ghost entries (``moecached.split``): per size class a FIFO of the keys evicted last,
+daemon's ghost entries (``moecached.daemon.split``): per size class a FIFO of the keys evicted last,
 as many as one more step of budget would add; a demanded miss on one of them is a ghost hit.
 
 Three ways to split the budget, side by side:
 
-* ``shared``: ``moecached.split.Split``, the daemon's own code: every ``split_every`` tokens
+* ``shared``: ``moecached.daemon.split.Split``, the daemon's own code: every ``split_every`` tokens
   (all models' tokens together) :meth:`Split.rebalance` gets the ghost hits counted since the
   last call, and the shares it returns are applied at once (a shrink evicts LRU victims into
   the ghost list, as the cache's ``set_budget`` does).
@@ -33,11 +33,11 @@ from typing import Optional
 
 import numpy as np
 
-from ..policy import LRU
-from ..split import Member, Split, SplitError, least_share
-from ..trace import Trace, load_trace
-from .replay import pin_resident
-from .simulate import SimulationError, prepare
+from moecached.engine.policy import LRU
+from moecached.daemon.split import Member, Split, SplitError, least_share
+from moecached.engine.trace import Trace, load_trace
+from moecached.tools.replay import pin_resident
+from moecached.tools.simulate import SimulationError, prepare
 
 __all__ = ["MixModel", "layout_index", "mix_members", "interleaving", "replay_mix", "run_mix", "main_mix",
            "DEFAULT_SPLIT_EVERY"]
@@ -229,7 +229,7 @@ def _interleave(models, rates):
 
 
 def mix_members(mms, total: int):
-    """The :class:`moecached.split.Member` of each model: min share the larger of its
+    """The :class:`moecached.daemon.split.Member` of each model: min share the larger of its
     ``min_bytes`` and what serving needs (``least_share``), max its ``max_bytes``."""
     out = []
     for mm in mms:
@@ -244,7 +244,7 @@ def replay_mix(mms, total: int, *, shares: Optional[dict] = None, dynamic: bool 
                split_every: int = DEFAULT_SPLIT_EVERY, step: Optional[int] = None,
                warmup=None, tokens=None, rates=None, hysteresis=None) -> dict:
     """Replay ``mms`` (list of :class:`MixModel`) interleaved against ``total`` bytes.
-    ``dynamic``: the split moves shares (``moecached.split``); else the starting shares
+    ``dynamic``: the split moves shares (``moecached.daemon.split``); else the starting shares
     (``shares``, default the equal split) stay. Returns per-model and combined counts, the
     final shares and the number of moves."""
     models = [_Model(mm, warmup, tokens) for mm in mms]
@@ -360,7 +360,7 @@ def _split_list(text, what, n):
 
 def main_mix(a) -> int:
     """``moecache-ctl policy --mix`` (arguments parsed by ``policycli.main``)."""
-    from ..units import parse_size
+    from moecached.facts.units import parse_size
     traces = [x.strip() for x in a.mix.split(",") if x.strip()]
     if len(traces) < 2:
         raise SimulationError(f"--mix: found {len(traces)} trace(s), expected >= 2 "
@@ -375,7 +375,7 @@ def main_mix(a) -> int:
     for i, t in enumerate(traces):
         tr = load_trace(t)
         if a.models:
-            from ..index import open_index
+            from moecached.engine.index import open_index
             idx = open_index(_split_list(a.models, "--models", len(traces))[i])
         elif a.layouts:
             idx = layout_index(_split_list(a.layouts, "--layouts", len(traces))[i],

@@ -9,8 +9,8 @@ import argparse
 import json
 import sys
 
-from .mixsim import main_mix
-from .simulate import (DEFAULT_GBPS, POLICIES, SCAN_ADMITS, SimulationError, _json_num,
+from moecached.tools.mixsim import main_mix
+from moecached.tools.simulate import (DEFAULT_GBPS, POLICIES, SCAN_ADMITS, SimulationError, _json_num,
                        _main_prefetch, _main_subst, _parse_admit, _parse_policies, _parse_sizes,
                        _plot, _table, _why_nothing_counted, layout_bytes, model_bytes, run)
 

@@ -54,8 +54,8 @@ from typing import Optional
 
 import numpy as np
 
-from .. import MoecacheError
-from ..trace import Trace, load_trace
+from moecached import MoecacheError
+from moecached.engine.trace import Trace, load_trace
 
 __all__ = ["ReplayError", "Plan", "plan", "pin_resident", "reference_lru", "replay", "probe_drive",
            "format_table", "main", "parse_predictor", "drive_ceiling", "build_parser"]
@@ -88,7 +88,7 @@ def plan(trace: Trace, warm_tokens: Optional[int] = None, tokens: Optional[int] 
     if tokens is not None and tokens < 1:
         raise ReplayError(f"--tokens: found {tokens}, expected >= 1")
     has_decode = t.n_decode > 0
-    from .simulate import window_end
+    from moecached.tools.simulate import window_end
     if has_decode:
         first = int(np.argmax(~t.is_prompt))
         start = 0 if warm_tokens is None else max(0, first - warm_tokens)
@@ -143,7 +143,7 @@ def _step_sets(arr: np.ndarray, steps) -> list:
 
 
 def pin_resident(lr, keys) -> tuple:
-    """The first half of the daemon's acquire on one LRU (``moecached.policy.LRU``): touch and
+    """The first half of the daemon's acquire on one LRU (``moecached.engine.policy.LRU``): touch and
     pin every resident key of ``keys``, in order. Returns (hits, the missing keys in order)."""
     miss = []
     h = 0
@@ -163,7 +163,7 @@ def reference_lru(sets, counted, class_of_layer, class_caps, n_experts):
     request, pin every resident expert (touch, in order), then load each missing one (evict
     the coldest unpinned key when the class is full), then release. Returns (hits, accesses)
     over counted steps."""
-    from ..policy import LRU
+    from moecached.engine.policy import LRU
     L = len(class_of_layer)
     lrus = [LRU(L * n_experts) for _ in class_caps]
     H = A = 0
@@ -240,7 +240,7 @@ def probe_drive(model_path, seconds: float = 1.0, threads: int = 8, max_bytes: i
     """Read random whole experts of ``model_path`` with O_DIRECT from ``threads`` threads for
     about ``seconds`` (or ``max_bytes``); returns GB/s (1e9 B/s), or None when it cannot."""
     import mmap
-    from ..index import open_index
+    from moecached.engine.index import open_index
     try:
         idx = open_index(model_path)
     except Exception:
@@ -546,7 +546,7 @@ def _ceiling_cell(r) -> str:
 def _sim_check(p, sets, counted, class_of, caps, per_class, E, res):
     """The daemon's hits against ``simulate``'s g-lru on the replayed window (the check) and
     against :func:`reference_lru` (a second, independent model of the daemon)."""
-    from .simulate import simulate, SimulationError
+    from moecached.tools.simulate import simulate, SimulationError
     out = {}
     try:
         r = simulate(p.trace, "g-lru", int(sum(caps)), per_class_layers=per_class,
@@ -686,7 +686,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="replay a routing trace against a live daemon as "
                                              "a batch-1 decode engine (see module doc)")
     ap.add_argument("trace", metavar="TRACE", help="routing trace .npz")
-    from .ctlstats import ENDPOINT_HELP
+    from moecached.tools.ctlstats import ENDPOINT_HELP
     ap.add_argument("--endpoint", "-e", default=None, help=ENDPOINT_HELP)
     add_engine_args(ap)
     ap.add_argument("--warm-tokens", type=int,
@@ -701,7 +701,7 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     from moecache_client import Client, ClientError
 
-    from .ctlstats import resolve_endpoint
+    from moecached.tools.ctlstats import resolve_endpoint
     endpoint, source = resolve_endpoint(a.endpoint)
     t = load_trace(a.trace)
     t.meta["path"] = a.trace

@@ -21,7 +21,7 @@ Sizes -> slots (capacity is in expert slots):
   * a float fraction ``f`` (CLI: has a ``.`` or ends in ``%``): ``s = round_half_up(f * E)``
     slots for every layer; a size class with ``n`` layers gets ``s * n`` slots.
   * an int ``S`` (CLI: plain integer): ``S`` slots in all, split over size classes exactly as
-    the daemon does (``moecached.arena.plan_slots``: the largest fraction ``f`` with
+    the daemon does (``moecached.engine.arena.plan_slots``: the largest fraction ``f`` with
     ``sum_c floor(f * n_c * E) <= S``; class c gets ``floor(f * n_c * E)``); per-layer policies
     give each layer of a class ``class_slots // n_c`` (as the cache's ``per-layer`` mode).
 Per-layer policies (``lru lfu slru opt``) have a budget per layer; the others one per class.
@@ -40,10 +40,10 @@ from typing import Optional
 
 import numpy as np
 
-from .. import MoecacheError
-from ..policy import (G_LFU_HALVE_EVERY, NEEDS_FUTURE, POLICIES, SCAN_ADMITS, build_stream,
+from moecached import MoecacheError
+from moecached.engine.policy import (G_LFU_HALVE_EVERY, NEEDS_FUTURE, POLICIES, SCAN_ADMITS, build_stream,
                       expand_policies, make_policy, next_use, replay, replay_subst)
-from ..trace import Trace, load_trace
+from moecached.engine.trace import Trace, load_trace
 
 __all__ = ["SimulationError", "Stream", "prepare", "window_end", "capacities", "simulate",
            "SubstView", "subst_view", "simulate_subst", "SUBST_VIEW", "SUBST_VIEW_RECORDED", "simulate_prefetch",
@@ -51,7 +51,7 @@ __all__ = ["SimulationError", "Stream", "prepare", "window_end", "capacities", "
            "layout_bytes", "model_bytes", "DEFAULT_GBPS", "HALVE_EVERY"]
 
 DEFAULT_GBPS = 3.7
-HALVE_EVERY = G_LFU_HALVE_EVERY   # re-exported; defined in moecached.policy
+HALVE_EVERY = G_LFU_HALVE_EVERY   # re-exported; defined in moecached.engine.policy
 
 
 class SimulationError(MoecacheError, ValueError):
@@ -60,7 +60,7 @@ class SimulationError(MoecacheError, ValueError):
 
 @dataclass
 class Stream:
-    """A trace flattened into the access stream (see ``moecached.policy.build_stream``).
+    """A trace flattened into the access stream (see ``moecached.engine.policy.build_stream``).
 
     keys int64 [A] (key = layer * E + expert), set_start int64 [S+1], set_layer int64 [S],
     set_counted uint8 [S], set_tokens_before int64 [S] (tokens of earlier steps), set_prompt
@@ -219,7 +219,7 @@ def simulate(trace, policy: str, size, per_class_layers=None, warmup: Optional[i
 
     Args:
         trace: Trace or path (ignored when ``stream`` from :func:`prepare` is given).
-        policy: a name of ``moecached.policy.POLICIES`` (e.g. ``"g-lru"``, the daemon's).
+        policy: a name of ``moecached.engine.policy.POLICIES`` (e.g. ``"g-lru"``, the daemon's).
         size: float fraction of each layer's experts, or int total slots (module docstring).
         per_class_layers: list of lists of trace-layer indices, one list per size class;
             ``class`` policies get one budget per class, exactly like the daemon. Default: one
@@ -572,7 +572,7 @@ def simulate_prefetch(trace, size, predictor="oracle", lookahead: int = 1, per_c
     Raises:
         SimulationError: bad predictor or lookahead, size too small (as :func:`simulate`).
     """
-    from ..policy import LRU
+    from moecached.engine.policy import LRU
     pred = parse_predictor(predictor) if isinstance(predictor, str) else predictor
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or not 1 <= lookahead <= 64:
         raise SimulationError(f"lookahead: found {lookahead!r}, expected 1..64 (1: the layer about "
@@ -713,8 +713,8 @@ def _group_equal(per):
 
 def model_bytes(path) -> tuple:
     """Bytes per expert per MoE layer and the daemon's size classes from a GGUF model
-    (``moecached.index.open_index``). Returns (list[int], list of lists of trace layers)."""
-    from ..index import open_index  # lazy: heavy, and optional for the simulator
+    (``moecached.engine.index.open_index``). Returns (list[int], list of lists of trace layers)."""
+    from moecached.engine.index import open_index  # lazy: heavy, and optional for the simulator
     idx = open_index(path)
     pos = {b: i for i, b in enumerate(idx.expert_layers)}
     per = [0] * len(idx.expert_layers)

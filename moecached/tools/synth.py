@@ -1,6 +1,6 @@
 """Real-layout GGUF fixtures with stamped expert bytes (``moecache-ctl synth``).
 
-From a layout (see :mod:`moecached.layout`) write a real GGUF file, or split set, with
+From a layout (see :mod:`moecached.facts.layout`) write a real GGUF file, or split set, with
 ``gguf.GGUFWriter``: same tensor names, ggml types, shapes and (namespaced, typed) metadata.
 Scaled-down files keep real per-expert sizes with fewer blocks and experts:
 
@@ -26,7 +26,7 @@ recomputes any slice without reading the file; :func:`verify_expert_bytes` expla
 Non-expert tensors are left as file holes (they read as zeros) unless ``sparse=False``.
 
 Part names: ``gate``, ``up``, ``down``, ``gate_up`` (fused), ``gate_bias``, ``up_bias``,
-``down_bias`` (gpt-oss per-expert biases) -- the same names :mod:`moecached.index` reports.
+``down_bias`` (gpt-oss per-expert biases) -- the same names :mod:`moecached.engine.index` reports.
 """
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter
 
-from .. import MoecacheError
-from ..layout import Layout, load_layout, tensor_nbytes, ggml_type_by_name
+from moecached import MoecacheError
+from moecached.facts.layout import Layout, load_layout, tensor_nbytes, ggml_type_by_name
 
 PAGE = 4096
 STAMP_BYTES = 32
@@ -329,7 +329,7 @@ def write_model(layout, out, layers=None, experts=None, split=None, seed: int = 
     ``make_dirs``: create a missing parent directory of ``out`` (the CLI passes False and
     refuses it instead, like ``cp``).
     Returns the paths written, in shard order. Raises :class:`SynthError` /
-    :class:`~moecached.layout.LayoutError` (one line; also for an output path that is a
+    :class:`~moecached.facts.layout.LayoutError` (one line; also for an output path that is a
     directory or cannot be written: OSError is turned into SynthError naming the path).
     """
     if not isinstance(layout, Layout):
@@ -458,7 +458,7 @@ def main(argv=None) -> int:
     runs (:mod:`moecached.tools.synth_runnable`)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if "--runnable" in args:
-        from .synth_runnable import main as runnable_main
+        from moecached.tools.synth_runnable import main as runnable_main
         args.remove("--runnable")
         return runnable_main(args)
     ap = argparse.ArgumentParser(prog="moecache-ctl synth",

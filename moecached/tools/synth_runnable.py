@@ -44,7 +44,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
-from .. import MoecacheError
+from moecached import MoecacheError
 
 ARCHS = ("qwen3moe", "llama", "olmoe")
 GEOMETRIES = {

@@ -6,14 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..trace import TraceError, convert_jsonl, save_trace
+from moecached.engine.trace import TraceError, convert_jsonl, save_trace
 
 
 def main(argv) -> int:
     """``moecache-ctl trace convert ...`` or ``trace start FILE | stop``."""
     if argv and argv[0] == "convert":
         return convert_main(argv)
-    from .ctlstats import trace_main
+    from moecached.tools.ctlstats import trace_main
     return trace_main(argv)
 
 

@@ -51,7 +51,7 @@ import sys
 
 import numpy as np
 
-from ..trace import Trace
+from moecached.engine.trace import Trace
 
 __all__ = ["generate", "locality_stats", "fit", "DEFAULT_PARAMS", "FITTED", "REAL_TARGETS"]
 
@@ -109,7 +109,7 @@ def generate(n_tokens: int, n_layers: int, n_experts: int = 128, top_k: int = 8,
 def locality_stats(trace: Trace) -> dict:
     """prev-token overlap, top-10 % share, per-layer LRU hit rate at 2k / 25 % / 50 % of E
     (definitions in the module doc)."""
-    from .simulate import simulate
+    from moecached.tools.simulate import simulate
     ex = trace.experts
     T, L, k = ex.shape
     E = trace.n_experts
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     tgt = dict(REAL_TARGETS)
     if a.trace:
-        from ..trace import load_trace
+        from moecached.engine.trace import load_trace
         tgt = locality_stats(load_trace(a.trace))
     if a.fit:
         p, s, e = fit(tgt, progress=True)

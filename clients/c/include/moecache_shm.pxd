@@ -1,5 +1,5 @@
 # Cython declarations of moecache_shm.h, the one implementation of the shared-memory hit
-# path's rules; cimported by the daemon (cython_ext/_shm.pyx) and the Python client
+# path's rules; cimported by the daemon (cython_ext/engine/_shm.pyx) and the Python client
 # (clients/python/moecache_client/_shm.pyx). Both builds put this directory on Cython's
 # include path and the C compiler's (setup.py, clients/python/setup.py).
 from libc.stdint cimport uint32_t, uint64_t

@@ -6,7 +6,7 @@ Lines: ``file <i> <path>`` then ``x <layer> <expert> <part> <file> <offset> <byt
 """
 import sys
 
-from moecached.index import open_index
+from moecached.engine.index import open_index
 
 
 def main(model: str, out: str) -> None:

@@ -1,0 +1,460 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The daemon's side of the shared-memory hit path (Cython core of ``moecached.engine.cache``).
+
+Every rule about who writes what, and in which order, lives once in
+``clients/c/include/moecache_shm.h``; this module only calls it: publishing a resident expert
+(``mcshm_publish``), evicting one unless a fast-path pin holds it (``mcshm_try_evict``),
+reading the hit rings (``mcshm_drain``, ``mcshm_ring_reset``). What it adds is bookkeeping
+the header leaves to the daemon: which pin files are open, which of their pins are honoured
+(at most ``quota`` distinct slots per file), and the merge of all rings by time.
+
+Pin files are untrusted input: the daemon never reads their header words back (the layout is
+its own), counts are read as "pinned or not", ring entries are range-checked by the caller.
+All methods but :meth:`ShmArena.pending` run under the cache lock; ``pending`` and the
+opening/closing of pin files run on the server's loop thread only.
+"""
+from libc.stdint cimport uint32_t, uint64_t
+from libc.stdlib cimport malloc, free
+from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
+
+cimport moecache_shm as H
+from moecache_shm cimport (MCSHM_MAX_CLASSES, MCSHM_PIN_HEADER_BYTES, mcshm_drain, mcshm_layout,
+                           mcshm_pinned_by, mcshm_publish, mcshm_ring_pending, mcshm_ring_reset,
+                           mcshm_try_evict, mcshm_u64)
+
+cdef extern from *:
+    """
+    /* A head no client following the protocol can write (more than ring_n entries ahead of
+       the tail): the ring is reset. One load of each word, as mcshm_ring_pending does. */
+    static inline int moecached_ring_implausible(const mcshm_layout *m, mcshm_u64 *pf) {
+        uint64_t h = atomic_load_explicit(&pf[MCSHM_PIN_W_HEAD], memory_order_acquire);
+        uint64_t t = atomic_load_explicit(&pf[MCSHM_PIN_W_TAIL], memory_order_relaxed);
+        return h - t > m->ring_n;
+    }
+    """
+    int moecached_ring_implausible(const mcshm_layout *m, mcshm_u64 *pf) nogil
+
+cdef extern from *:
+    """
+    #include <setjmp.h>
+    #include <signal.h>
+    #include <string.h>
+
+    /* A pin file belongs to its client, who can truncate it: the daemon's next access to it
+       would raise SIGBUS. Every access to pin-file memory runs under a guard: a SIGBUS taken
+       while the guard of this thread is set jumps back and the call returns -1 (the caller
+       then drops that file); any other SIGBUS gets the previous disposition. The guard
+       pointer is volatile and fenced, so the compiler cannot move its stores across the
+       accesses it guards. */
+    static __thread sigjmp_buf *volatile moecached_bus_jb = NULL;
+    static struct sigaction moecached_bus_old;
+    static int moecached_bus_installed = 0;
+    static void moecached_bus(int sig, siginfo_t *si, void *uc) {
+        sigjmp_buf *jb = moecached_bus_jb;
+        (void)sig; (void)si; (void)uc;
+        if (jb != NULL) {
+            moecached_bus_jb = NULL;
+            siglongjmp(*jb, 1);
+        }
+        sigaction(SIGBUS, &moecached_bus_old, NULL);   /* not ours: fault again, as before */
+    }
+    static int moecached_bus_install(void) {
+        struct sigaction sa;
+        if (moecached_bus_installed)
+            return 0;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_sigaction = moecached_bus;
+        sa.sa_flags = SA_SIGINFO | SA_NODEFER;   /* NODEFER: the jump leaves SIGBUS unblocked */
+        sigemptyset(&sa.sa_mask);
+        if (sigaction(SIGBUS, &sa, &moecached_bus_old) != 0)
+            return -1;
+        moecached_bus_installed = 1;
+        return 0;
+    }
+    #define MOECACHED_GUARD(fail) sigjmp_buf jb; \
+        if (sigsetjmp(jb, 0)) { fail; } \
+        moecached_bus_jb = &jb; atomic_signal_fence(memory_order_seq_cst);
+    #define MOECACHED_UNGUARD() atomic_signal_fence(memory_order_seq_cst); moecached_bus_jb = NULL;
+
+    static int g_try_evict(const mcshm_layout *m, mcshm_u64 **pins, uint32_t n, uint32_t key,
+                           uint32_t cls, uint32_t slot) {
+        /* a fault can only come from reading pin counts, before the generation moves: the
+           map is put back as it was and nothing was evicted */
+        MOECACHED_GUARD(mcshm_publish(m, key, slot); return -1)
+        int r = mcshm_try_evict(m, pins, n, key, cls, slot);
+        MOECACHED_UNGUARD()
+        return r;
+    }
+    static int g_pinned(const mcshm_layout *m, mcshm_u64 *pf, uint32_t gslot) {
+        MOECACHED_GUARD(return -1)
+        int r = mcshm_pinned_by(m, &pf, 1, gslot) != 0;
+        MOECACHED_UNGUARD()
+        return r;
+    }
+    /* slots of [0, n_slots) the pin file pins now; -1 on a fault */
+    static long g_count_pinned(const mcshm_layout *m, mcshm_u64 *pf, uint32_t n_slots) {
+        MOECACHED_GUARD(return -1)
+        long c = 0;
+        for (uint32_t g = 0; g < n_slots; g++)
+            c += mcshm_pinned_by(m, &pf, 1, g) != 0;
+        MOECACHED_UNGUARD()
+        return c;
+    }
+    static int g_pending(const mcshm_layout *m, mcshm_u64 *pf) {
+        MOECACHED_GUARD(return -1)
+        int r = mcshm_ring_pending(m, pf) != 0 || moecached_ring_implausible(m, pf);
+        MOECACHED_UNGUARD()
+        return r;
+    }
+    /* -1 fault, -2 implausible head (ring reset), else entries copied */
+    static long g_drain(const mcshm_layout *m, mcshm_u64 *pf, uint64_t *keys, uint64_t *ts,
+                        uint32_t max) {
+        MOECACHED_GUARD(return -1)
+        long r;
+        if (moecached_ring_implausible(m, pf)) {
+            mcshm_ring_reset(pf);
+            r = -2;
+        } else {
+            r = mcshm_drain(m, pf, keys, ts, max);
+        }
+        MOECACHED_UNGUARD()
+        return r;
+    }
+    /* 0 when every page of the mapping is there (the file was not truncated), -1 if not */
+    static int g_probe(mcshm_u64 *pf, size_t size) {
+        MOECACHED_GUARD(return -1)
+        volatile const char *b = (volatile const char *)pf;
+        for (size_t off = 0; off < size; off += 4096)
+            (void)b[off];
+        (void)b[size - 1];
+        MOECACHED_UNGUARD()
+        return 0;
+    }
+    """
+    int moecached_bus_install() nogil
+    int g_try_evict(const mcshm_layout *m, mcshm_u64 **pins, uint32_t n, uint32_t key,
+                    uint32_t cls, uint32_t slot) nogil
+    int g_pinned(const mcshm_layout *m, mcshm_u64 *pf, uint32_t gslot) nogil
+    int g_pending(const mcshm_layout *m, mcshm_u64 *pf) nogil
+    long g_count_pinned(const mcshm_layout *m, mcshm_u64 *pf, uint32_t n_slots) nogil
+    long g_drain(const mcshm_layout *m, mcshm_u64 *pf, uint64_t *keys, uint64_t *ts,
+                 uint32_t max) nogil
+    int g_probe(mcshm_u64 *pf, size_t size) nogil
+
+#: Ring entries per pin file (a power of two): 16384 entries of 16 bytes, 256 KiB.
+RING_N = 16384
+# The shared-memory facts of moecache_shm.h, as Python values (the daemon's one source of them).
+MAX_CLASSES = MCSHM_MAX_CLASSES
+PIN_HEADER_BYTES = MCSHM_PIN_HEADER_BYTES
+CTL_HEADER_BYTES = H.MCSHM_CTL_HEADER_BYTES
+CTL_MAGIC = (<uint64_t> H.MCSHM_CTL_MAGIC).to_bytes(8, "little")
+PIN_MAGIC = (<uint64_t> H.MCSHM_PIN_MAGIC).to_bytes(8, "little")
+#: control block word indices
+CTL_W_EPOCH, CTL_W_STATE, CTL_W_NCLASSES, CTL_W_NKEYS, CTL_W_RESMAP_OFF = (
+    H.MCSHM_CTL_W_EPOCH, H.MCSHM_CTL_W_STATE, H.MCSHM_CTL_W_NCLASSES, H.MCSHM_CTL_W_NKEYS,
+    H.MCSHM_CTL_W_RESMAP_OFF)
+STATE_STOPPED, STATE_SERVING, STATE_MODEL_CHANGED = (
+    H.MCSHM_STATE_STOPPED, H.MCSHM_STATE_SERVING, H.MCSHM_STATE_MODEL_CHANGED)
+#: pin file word indices
+PIN_WORDS = {"magic": H.MCSHM_PIN_W_MAGIC, "epoch": H.MCSHM_PIN_W_EPOCH,
+             "n_slots": H.MCSHM_PIN_W_NSLOTS, "ring_n": H.MCSHM_PIN_W_RING_N,
+             "pins_off": H.MCSHM_PIN_W_PINS_OFF, "ring_off": H.MCSHM_PIN_W_RING_OFF,
+             "quota": H.MCSHM_PIN_W_QUOTA, "head": H.MCSHM_PIN_W_HEAD, "tail": H.MCSHM_PIN_W_TAIL}
+
+
+cdef class PinFile:
+    """One fast-path client's pin file, mapped read-write by the daemon.
+
+    Attributes: ``path``, ``size``, ``quota`` (distinct slots whose pins are honoured),
+    ``honoured`` (set of global slots whose pins the daemon honours now), counters ``hits``,
+    ``prefetch_hits`` (ring entries applied), ``drops`` (ring entries dropped: key out of range
+    or not resident), ``resets`` (implausible heads), ``ignored`` (pins found past the quota).
+    """
+    cdef mcshm_u64 *p
+    cdef public size_t size
+    cdef public object path, fd
+    cdef public long quota
+    cdef public set honoured
+    cdef public long hits, prefetch_hits, drops, resets, ignored
+    cdef public bint broken
+
+    def __cinit__(self):
+        self.p = NULL
+
+    def __init__(self, path, int fd, size_t size, long quota):
+        cdef void *a = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+        if a == MAP_FAILED:
+            raise OSError(f"cannot map pin file {path}")
+        self.p = <mcshm_u64 *>a
+        self.path = path
+        self.fd = fd
+        self.size = size
+        self.quota = quota
+        self.honoured = set()
+        self.hits = self.prefetch_hits = self.drops = self.resets = self.ignored = 0
+        self.broken = False
+
+    cpdef void unmap(self):
+        if self.p != NULL:
+            munmap(<void *>self.p, self.size)
+            self.p = NULL
+
+    def __dealloc__(self):
+        if self.p != NULL:
+            munmap(<void *>self.p, self.size)
+
+    def info(self) -> dict:
+        return {"fast_hits": self.hits + self.prefetch_hits, "ring_drops": self.drops,
+                "ring_resets": self.resets, "pins_honoured": len(self.honoured),
+                "pins_ignored": self.ignored}
+
+
+cdef class ShmArena:
+    """The daemon's view of its arena's control block plus the open pin files.
+
+    Args:
+        ctl_address: address of the arena's control block (the daemon's writable mapping).
+        n_experts, n_keys: as in the control block header.
+        classes: ``[(gen_off_bytes, n_slots), ...]`` in class-id order (ids 0..n-1).
+        resmap_off: byte offset of the resident map.
+    Raises ValueError for more than ``MAX_CLASSES`` classes.
+    """
+    cdef mcshm_layout L
+    cdef mcshm_u64 **ptrs
+    cdef uint64_t *kbuf
+    cdef uint64_t *tbuf
+    cdef public list files
+    cdef public uint32_t n_slots_total
+    cdef public uint64_t pins_off, ring_off, file_size
+    cdef public long evictions_held, resets, drops_closed, ignored_closed, fast_hits
+    cdef public list broken
+
+    def __cinit__(self):
+        self.ptrs = NULL
+        self.kbuf = NULL
+        self.tbuf = NULL
+
+    def __init__(self, size_t ctl_address, uint32_t n_experts, uint32_t n_keys, list classes,
+                 uint64_t resmap_off):
+        cdef uint32_t i, base = 0
+        if len(classes) > MCSHM_MAX_CLASSES:
+            raise ValueError(f"{len(classes)} size classes, the shared-memory hit path handles "
+                             f"at most {MCSHM_MAX_CLASSES}")
+        self.L.ctl = <mcshm_u64 *>ctl_address
+        self.L.pin = NULL
+        self.L.session = 0
+        self.L.n_experts = n_experts
+        self.L.n_keys = n_keys
+        self.L.n_classes = len(classes)
+        self.L.ring_n = RING_N
+        self.L.key_class = NULL
+        for i in range(len(classes)):
+            gen_off, n = classes[i]
+            self.L.gen_word[i] = gen_off // 8
+            self.L.slot_base[i] = base
+            self.L.n_slots[i] = n
+            base += n
+        self.n_slots_total = base
+        self.L.resmap_word = resmap_off // 8
+        self.pins_off = PIN_HEADER_BYTES
+        self.ring_off = (self.pins_off + 4 * base + 63) // 64 * 64
+        self.L.pins_word32 = self.pins_off // 4
+        self.L.ring_word = self.ring_off // 8
+        self.file_size = (self.ring_off + 16 * RING_N + 4095) // 4096 * 4096
+        self.files = []
+        self.broken = []   # pin files found truncated (unmapped; their clients are to be dropped)
+        if moecached_bus_install() != 0:
+            raise OSError("cannot install the SIGBUS guard of the pin files")
+        # counts of pin files already closed (open ones keep their own)
+        self.evictions_held = self.resets = self.drops_closed = self.ignored_closed = 0
+        self.fast_hits = 0
+        self.kbuf = <uint64_t *>malloc(RING_N * sizeof(uint64_t))
+        self.tbuf = <uint64_t *>malloc(RING_N * sizeof(uint64_t))
+        if self.kbuf == NULL or self.tbuf == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        free(self.ptrs)
+        free(self.kbuf)
+        free(self.tbuf)
+
+    cdef void _refresh(self) except *:
+        free(self.ptrs)
+        self.ptrs = <mcshm_u64 **>malloc((len(self.files) + 1) * sizeof(mcshm_u64 *))
+        if self.ptrs == NULL:
+            raise MemoryError()
+
+    def header(self, uint64_t epoch, long quota) -> bytes:
+        """The header words of a new pin file (written before any client sees it)."""
+        words = [0x31304e4950454f4d, epoch, self.n_slots_total, RING_N, self.pins_off,
+                 self.ring_off, quota]
+        return b"".join(w.to_bytes(8, "little") for w in words)
+
+    def add(self, PinFile f):
+        self.files.append(f)
+        self._refresh()
+
+    def remove(self, PinFile f):
+        """Stop honouring ``f``'s pins (its honoured slots go) and unmap it."""
+        if f in self.files:
+            self.files.remove(f)
+            self._refresh()
+            self.fast_hits += f.hits + f.prefetch_hits
+            self.drops_closed += f.drops
+            self.ignored_closed += f.ignored
+        f.honoured = set()
+        f.unmap()
+
+    def close(self):
+        """Unmap every pin file and forget the control block (the arena goes next)."""
+        for f in self.files:
+            (<PinFile>f).unmap()
+        self.files = []
+        self.L.ctl = NULL
+
+    cdef void _drop_broken(self) except *:
+        """Some access faulted: unmap and forget every pin file that is no longer whole."""
+        cdef PinFile f
+        for f in list(self.files):
+            if f.p != NULL and g_probe(f.p, f.size) != 0:
+                f.broken = True
+                self.broken.append(f)
+                self.remove(f)
+
+    # ---- resident map / eviction ----------------------------------------------------------
+    cpdef void publish(self, uint32_t key, uint32_t slot):
+        """``resmap[key] = slot + 1``: the expert is resident (its load completed)."""
+        if self.L.ctl != NULL and key < self.L.n_keys:
+            mcshm_publish(&self.L, key, slot)
+
+    cpdef bint try_evict(self, uint32_t key, uint32_t cls, uint32_t slot):
+        """Take ``key`` out of ``slot`` of class ``cls`` unless an honoured pin holds it.
+
+        True: the map is cleared and the generation moved (the slot may be refilled). False:
+        a pin holds it (nothing changed); the slot is recorded as honoured for each file that
+        pins it. A file already honouring ``quota`` other slots is not asked (its pins there
+        are ignored and counted)."""
+        cdef uint32_t n, gslot = self.L.slot_base[cls] + slot
+        cdef PinFile f
+        cdef int r
+        if self.L.ctl == NULL:
+            return False
+        while True:
+            n = 0
+            for f in self.files:
+                if f.p == NULL:
+                    continue
+                if gslot in f.honoured or len(f.honoured) < f.quota:
+                    self.ptrs[n] = f.p
+                    n += 1
+                elif g_pinned(&self.L, f.p, gslot) == 1:
+                    f.ignored += 1
+            r = g_try_evict(&self.L, self.ptrs, n, key, cls, slot)
+            if r >= 0:
+                break
+            self._drop_broken()
+        if r:
+            return True
+        for f in self.files:
+            if f.p != NULL and (gslot in f.honoured or len(f.honoured) < f.quota) and \
+                    g_pinned(&self.L, f.p, gslot) == 1:
+                f.honoured.add(gslot)
+        self.evictions_held += 1
+        return False
+
+    cpdef uint32_t global_slot(self, uint32_t cls, uint32_t slot):
+        return self.L.slot_base[cls] + slot
+
+    def pinned_now(self) -> int:
+        """Slots pinned now, summed over the open pin files, honoured or not (a removal of the
+        model waits for them). One pass over every slot of every file: for periodic checks."""
+        cdef PinFile f
+        cdef long r, n = 0
+        if self.L.ctl == NULL:
+            return 0
+        for f in list(self.files):
+            if f.p == NULL:
+                continue
+            r = g_count_pinned(&self.L, f.p, self.n_slots_total)
+            if r < 0:
+                self._drop_broken()
+                continue
+            n += r
+        return n
+
+    def sweep(self) -> set:
+        """Forget honoured slots whose pin count went back to 0; returns the global slots some
+        file still holds (an honoured pin)."""
+        cdef PinFile f
+        cdef uint32_t g
+        cdef int r
+        held = set()
+        for f in list(self.files):
+            if f.p == NULL or not f.honoured:
+                continue
+            keep = set()
+            for g in f.honoured:
+                r = g_pinned(&self.L, f.p, g)
+                if r < 0:
+                    self._drop_broken()
+                    break
+                if r:
+                    keep.add(g)
+            else:
+                f.honoured = keep
+                held |= keep
+        return held
+
+    # ---- hit rings ------------------------------------------------------------------------
+    cpdef bint pending(self):
+        """True when some ring holds entries not drained yet, or an implausible head."""
+        cdef PinFile f
+        if self.L.ctl == NULL:
+            return False
+        for f in self.files:
+            if f.p != NULL and g_pending(&self.L, f.p) != 0:
+                return True   # entries, or a fault (the drain then finds the broken file)
+        return False
+
+    def drain(self):
+        """Every ring's new entries, merged by time over all files: a list of ``(key, file, t)``
+        (``key`` as the client wrote it, minus 1; ``t`` its time, the same for every entry of
+        one pin call; out-of-range ones are dropped and counted here); resets rings with an implausible head (counted). None when nothing came."""
+        cdef PinFile f
+        cdef long got
+        cdef uint32_t j
+        cdef uint64_t k1, nk = self.L.n_keys
+        cdef long fi = 0
+        if self.L.ctl == NULL:
+            return None
+        parts = []
+        for f in list(self.files):
+            fi += 1
+            if f.p == NULL:
+                continue
+            got = g_drain(&self.L, f.p, self.kbuf, self.tbuf, RING_N)
+            if got == -1:
+                self._drop_broken()
+                continue
+            if got == -2:
+                f.resets += 1
+                self.resets += 1
+                continue
+            if got == 0:
+                continue
+            one = []
+            for j in range(got):
+                k1 = self.kbuf[j]
+                if k1 == 0 or k1 > nk:
+                    f.drops += 1
+                    continue
+                one.append((self.tbuf[j], fi, j, k1 - 1, f))
+            if one:
+                parts.append(one)
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return [(e[3], e[4], e[0]) for e in parts[0]]
+        allp = [e for p in parts for e in p]
+        allp.sort(key=lambda e: (e[0], e[1], e[2]))
+        return [(e[3], e[4], e[0]) for e in allp]

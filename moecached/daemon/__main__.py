@@ -1,0 +1,5 @@
+import sys
+
+from moecached.daemon.cli import main
+
+sys.exit(main())

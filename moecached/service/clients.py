@@ -1,0 +1,191 @@
+"""What a server keeps of each client, and how a client's life ends.
+
+:class:`_Client` is one connection (one ZeroMQ routing id): its leases, requests in flight,
+counters, rate-limit bucket, prefetch quota and pin file; ``summary`` is its entry in stats.
+:class:`ServerClients` (a part of :class:`moecached.service.server.Server`) watches local clients
+through a pidfd of their process (verified by its start time), opens and closes their pin
+files (the shared-memory hit path), and drops a client (its leases and pending acquires
+released) when its process exits, it goes silent for ``heartbeat_s`` (unwatched clients
+only), or it truncates its pin file.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import select
+
+from moecached.facts import protocol as P
+from moecached.service._serve import TokenBucket
+from moecached.engine._shm import RING_N
+from moecached.engine.cache import PrefetchQuota
+from moecached.service.endpoint import _client_uid, _pidfd_open, process_start_time
+from moecached.facts.stats import CLIENT_STATS, hit_rate
+
+log = logging.getLogger("moecached.service.server")
+
+
+class _Client:
+    __slots__ = ("ident", "delim", "name", "pid", "first_seen", "last_seen", "leases", "pending",
+                 "requests", "acquires", "hits", "misses", "prefetch_hits", "prefetches",
+                 "errors", "stall_s", "pidfd", "bucket", "pf", "rate_limited", "pins", "fast_closed",
+                 "subst")
+
+    def __init__(self, ident: bytes, now: float, burst: float = 1.0, max_prefetch=None):
+        self.ident = ident
+        self.delim = False  # the client frames requests REQ-style (empty delimiter first)
+        self.name = ident.hex()
+        self.pid = None
+        self.first_seen = self.last_seen = now
+        self.leases: set[int] = set()
+        self.pending: dict[int, int] = {}  # ticket -> request id
+        self.requests = self.acquires = self.hits = self.misses = 0
+        self.prefetch_hits = self.prefetches = self.errors = 0
+        self.stall_s = 0.0
+        self.subst: dict[int, int] = {}   # layer -> its missing experts replaced by a substitute
+        self.pidfd = None  # pidfd of the client's process when watched (ipc + verified pid)
+        self.bucket = TokenBucket(burst, now)    # request rate limit (Server.rate_limit)
+        self.pf = PrefetchQuota(max_prefetch)     # its prefetch loads in flight / dropped
+        self.rate_limited = 0                     # requests refused or dropped: over the rate limit
+        self.pins = None   # its pin file (moecached.engine._shm.PinFile) when it uses the fast path
+        # counters of its pin files already closed (a new hello, a reload)
+        self.fast_closed = dict.fromkeys(("fast_hits", "ring_drops", "ring_resets", "pins_ignored"), 0)
+
+    def fold_pins(self) -> None:
+        """Its pin file is closing: keep what it counted (hits go to the socket counters)."""
+        pf, self.pins = self.pins, None
+        if pf is not None:
+            self.hits += pf.hits
+            self.prefetch_hits += pf.prefetch_hits
+            info = pf.info()
+            for k in self.fast_closed:
+                self.fast_closed[k] += info[k]
+
+    def fast_counts(self) -> dict:
+        """Its shared-memory hit-path counts (closed pin files plus the open one), with ``hits``
+        and ``prefetch_hits`` its open pin file took (they count as socket hits would)."""
+        pf = self.pins
+        fast = dict(self.fast_closed, pins_honoured=0, hits=0, prefetch_hits=0)
+        if pf is not None:
+            fast["hits"], fast["prefetch_hits"] = pf.hits, pf.prefetch_hits
+            for k, v in pf.info().items():
+                fast[k] += v
+        return fast
+
+    def summary(self) -> dict:
+        """Its ``stats["clients"][]`` entry: the rows of ``moecached.facts.stats.CLIENT_STATS`` plus
+        name, id, pid, hit_rate, fast_path and watched."""
+        fast = self.fast_counts()
+        out = {"name": self.name, "id": self.ident.hex(), "pid": self.pid}
+        out.update((s.key, s.value(self, fast)) for s in CLIENT_STATS)
+        out.update(hit_rate=hit_rate(out["hits"], out["prefetch_hits"], out["demand_misses"]),
+                   substitutions_by_layer={str(k): v for k, v in sorted(self.subst.items())},
+                   fast_path=self.pins is not None,
+                   watched="process" if self.pidfd is not None else "heartbeat")
+        return out
+
+
+class ServerClients:
+    """The client lifetime of :class:`moecached.service.server.Server` (a part of it)."""
+
+    def _drop_client(self, c: _Client, why: str, tell: bool = False) -> None:
+        """Release ``c``'s leases and pending acquires and forget it. ``tell``: the client may
+        still be there (it was only silent): answer each pending acquire with an error rather
+        than leave it waiting for a reply that would never come."""
+        for ticket, rid in list(c.pending.items()):
+            self.cache.cancel(ticket)
+            if tell:
+                self._send_error(c.ident, rid, P.E_TIMEOUT,
+                                 f"client {c.name} was {why} (heartbeat_s {self.heartbeat_s:g}): its "
+                                 "pending acquires and leases were released; ping while idle, retry")
+        c.pending.clear()
+        n = 0
+        for lid in list(c.leases):
+            _, lease = self.leases.pop(lid)
+            self.cache.release(lease)
+            n += 1
+        c.leases.clear()
+        self._close_pins(c)
+        self._unwatch(c)
+        self.clients.pop(c.ident, None)
+        self.counters["clients_dropped"] += 1
+        gone = c.summary()
+        gone["left"] = why
+        self.departed.append(gone)
+        if n:
+            log.info("client %s (pid %s) %s: released %d leases", c.name, c.pid, why, n)
+
+    def _expire_clients(self, now: float) -> None:
+        """Release the leases of watched clients whose process exited, and of unwatched ones
+        silent for longer than ``heartbeat_s`` (a watched client may stall for any time)."""
+        if self._watched:
+            for fd, _ in self._watch.poll(0):
+                c = self._watched.get(fd)
+                if c is not None:
+                    self._drop_client(c, "process exited")
+        for c in list(self.clients.values()):
+            if c.pidfd is None and now - c.last_seen > self.heartbeat_s:
+                self._drop_client(c, f"silent for {now - c.last_seen:.1f}s", tell=True)
+
+    def _watch_client(self, c: _Client, pid, pid_start) -> None:
+        """Watch ``c``'s process when it is local and its pid is verified by its start time."""
+        self._unwatch(c)
+        if not self._ipc or type(pid) is not int or type(pid_start) is not int or pid <= 0:
+            return
+        fd = _pidfd_open(pid)
+        if fd is None:
+            return
+        if process_start_time(pid) != pid_start:   # not that process (other pid namespace, reused)
+            os.close(fd)
+            return
+        c.pidfd = fd
+        self._watched[fd] = c
+        self._watch.register(fd, select.POLLIN)
+
+    def _open_pins(self, c: _Client) -> dict | None:
+        """A pin file for watched client ``c`` (its hello asked for the fast path): the
+        ``pins`` field of the hello reply, or None (fast path off, client not watched, or the
+        file could not be made: logged, and everything goes over the socket)."""
+        self._close_pins(c)
+        if not self.pin_files or c.pidfd is None:
+            return None
+        cache = self.cache
+        quota = int(self.pin_quota or cache.default_pin_quota())
+        self._pin_seq += 1
+        name = f"moecached-pins-{self.session:016x}-{self._pin_seq}"
+        try:
+            f = cache.open_pin_file(name, self.session, quota, _client_uid(c.pid) if os.geteuid() == 0 else None)
+        except OSError as e:
+            self.counters["pin_file_errors"] += 1
+            log.warning("cannot create pin file %s for client %s (pid %s): %s; it uses the socket",
+                        name, c.name, c.pid, e.strerror or e)
+            return None
+        c.pins = f
+        return {"path": f.path, "size": f.size, "ring_n": RING_N,
+                "pins_off": cache._shm.pins_off, "ring_off": cache._shm.ring_off, "quota": quota}
+
+    def _drop_broken_pins(self, f) -> None:
+        """``f`` was truncated under the daemon (its client's doing): drop that client."""
+        self.counters["pin_files_truncated"] += 1
+        c = next((c for c in self.clients.values() if c.pins is f), None)
+        if c is None:
+            self.cache.close_pin_file(f)
+            return
+        log.warning("client %s (pid %s) truncated its pin file %s: dropped (its leases released)",
+                    c.name, c.pid, f.path)
+        self._drop_client(c, "pin file truncated")
+
+    def _close_pins(self, c: _Client) -> None:
+        f = c.pins
+        c.fold_pins()
+        if f is not None:
+            self.cache.close_pin_file(f)
+
+    def _unwatch(self, c: _Client) -> None:
+        fd, c.pidfd = c.pidfd, None
+        if fd is not None:
+            self._watched.pop(fd, None)
+            try:
+                self._watch.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+            os.close(fd)

@@ -1,0 +1,875 @@
+"""The moecached server: one ZeroMQ ROUTER socket in front of an ExpertCache.
+
+One event-loop thread owns the socket (ZeroMQ sockets are not thread-safe) and blocks in one
+``recv`` on it. Acquires are handed to the cache asynchronously; reader threads finish loads
+and hand completions back to the loop through a deque plus a wake-up message sent to the same
+ROUTER over inproc, so the loop never blocks on a read. Every request frame goes first to the
+Cython hot path (``moecached.service._serve.FastPath``: resident acquires, own-lease noreply
+releases); whatever it declines is handled by :meth:`Server._handle`, the reference
+behaviour that also produces every error reply. Replies use ``ROUTER_MANDATORY``: a reply to
+a client that vanished raises EHOSTUNREACH and the lease it carried is rolled back (released)
+at once.
+
+Leases belong to the ZeroMQ routing id (one DEALER connection) that took them. A local (ipc)
+client whose hello names its pid and that process's start time is watched through a pidfd:
+its leases are kept while the process lives, however long it stalls, and released as soon as
+it exits (a reused pid cannot fool the start-time check). Any other client that sends
+nothing for ``heartbeat_s`` seconds loses its leases; the Python client pings on its own
+while idle. Wherever a lease is released without its holder's word, the generations of its
+slots in the arena's control block move before the slots are reused, so the holder can tell
+(docs/protocol.md, "Lease validity").
+
+The endpoint's lock: ``moecached.service.endpoint``; the clients and their pin files:
+``moecached.service.clients``; stats, status and the trace ops: ``moecached.service.views``; the several-models
+endpoint: ``moecached.service.router``.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import functools
+import heapq
+import logging
+import os
+import select
+import signal
+import threading
+import time
+
+import msgpack
+import zmq
+
+from moecached import MoecacheError, __version__
+from moecached.facts import protocol as P
+from moecached.service._serve import FastPath, RateLimit, ServerHooks
+from moecached.engine.arena import STATE_MODEL_CHANGED, STATE_SERVING
+from moecached.service.clients import ServerClients, _Client
+from moecached.service.endpoint import (ServerError, _ipc_path, lock_endpoint,  # noqa: F401 (re-exported)
+                       process_start_time, unlock_endpoint)
+from moecached.service.views import ServerViews
+
+log = logging.getLogger("moecached.service.server")
+
+_MORE_NB = int(zmq.SNDMORE | zmq.NOBLOCK)  # plain ints: enum flag arithmetic per send is slow
+_NB = int(zmq.NOBLOCK)
+#: environment variable: "0" starts every Server with ``fast_path`` False (the hot path off;
+#: everything takes the general path). The test suite runs the server-facing tests both ways.
+HOT_PATH_ENV = "MOECACHED_HOT_PATH"
+#: ops never rate-limited: they give resources back (refusing them would keep pins)
+_UNLIMITED_OPS = frozenset({"release", "bye"})
+
+
+class Server(ServerClients, ServerViews):
+    """Serves one ExpertCache on one ZeroMQ endpoint.
+
+    Args:
+        cache: a ``moecached.engine.cache.ExpertCache``.
+        endpoint: ``ipc:///path`` (default deployment) or ``tcp://host:port``.
+        model_path: shown in hello/stats.
+        heartbeat_s: seconds of silence after which a client's leases are released.
+        socket_mode / gid: permissions of the ipc socket file (0660, service group).
+        on_tick: optional callable(now) run about every ``tick_s`` seconds in the loop
+            (the memory floor hooks in here).
+    Attributes:
+        fast_path: True (default; False when the environment has ``MOECACHED_HOT_PATH=0``) to
+            offer each request to the Cython hot path first; set it False before
+            ``serve_forever`` to serve everything with :meth:`_handle` (tests compare the two).
+        extra_stats: optional callable -> dict merged into ``stats`` (the memory floor's).
+        extra_status: optional callable -> dict merged into ``status`` (the arena's health).
+        endpoint_lock: the fd :func:`lock_endpoint` returned, when the caller took it first.
+        on_model_change: optional callable(message) run in the loop thread after
+            :meth:`model_changed` was called (from any thread) with why the model file is no
+            longer the one indexed; the daemon reloads or exits there.
+        rate_limit: the per-client request rate limit (``RateLimit``: ``rate`` per second,
+            ``burst``); :meth:`set_client_limits` changes it.
+    Fairness between clients (see docs/operations.md): ``client_rate_limit`` requests/s with
+    bursts of ``client_rate_burst`` per client (0: off); a replied request over the limit is
+    answered ``rate_limited``, a noreply prefetch is dropped, both counted per client;
+    releases and bye are never limited. ``client_max_prefetch``: prefetch loads one client may
+    have in flight (None: the cache's ``max_prefetch_loads``, so a lone client is limited as
+    before; 0: no own cap); its prefetches beyond it are dropped and counted per client.
+    With several models, each model's server routes a hello that names another model
+    (``route_model``), and the daemon's endpoint is a :class:`moecached.service.router.Router`, a
+    server of no model.
+    Raises:
+        ServerError: another daemon holds the endpoint, or the endpoint cannot be bound.
+    """
+
+    def __init__(self, cache, *, endpoint: str, model_path: str = "", heartbeat_s: float = 5.0,
+                 socket_mode: int = 0o660, gid: int | None = None, on_tick=None, tick_s: float = 1.0,
+                 max_request_experts: int = P.MAX_ARRAY_LEN, max_message_bytes: int = P.MAX_MESSAGE_BYTES,
+                 acquire_timeout_s: float | None = None, endpoint_lock: int | None = None,
+                 client_rate_limit: float = 0.0, client_rate_burst: float = 1.0,
+                 client_max_prefetch: int | None = None, pin_files: bool = True,
+                 pin_quota: int | None = None):
+        self.cache = cache
+        self.index = cache.index if cache is not None else None   # None: a Router
+        self.endpoint = endpoint
+        self.model_path = model_path
+        self.heartbeat_s = float(heartbeat_s)
+        self.on_tick = on_tick
+        self.tick_s = tick_s
+        self.session = int.from_bytes(os.urandom(8), "little") >> 1 | 1
+        self.started = time.time()
+        self._set_model(max_request_experts)
+        self.max_message_bytes = int(max_message_bytes)
+        # default deadline of an acquire that gives no timeout_ms (on_pressure = wait gives up)
+        self.acquire_timeout_s = acquire_timeout_s
+        # shared-memory hit path (config fast_path, fast_path_quota): a pin file per watched
+        # client that asks for it in hello; pin_quota None or 0: the cache's default
+        self.pin_files = bool(pin_files)
+        self.pin_quota = pin_quota or None
+        self._pin_seq = 0
+        self.clients: dict[bytes, _Client] = {}
+        self._watch = select.poll()           # pidfds of watched clients (POLLIN: exited)
+        self._watched: dict[int, _Client] = {}
+        self.rate_limit = RateLimit()
+        self.client_max_prefetch = None
+        self.set_client_limits(client_rate_limit, client_rate_burst, client_max_prefetch)
+        self.leases: dict[int, tuple[bytes, object]] = {}
+        self.deadlines: list = []  # heap of (t, ticket, ident, rid)
+        self.done = collections.deque()
+        self.recorder = None
+        self.recorder_client = None
+        self.counters = collections.Counter()
+        self.departed = collections.deque(maxlen=32)  # summaries of the last clients that left
+        self.extra_stats = None  # optional callable -> dict merged into stats (the floor)
+        self.extra_status = None  # optional callable -> dict merged into status
+        self.on_model_change = None  # optional callable(message), run in the loop thread
+        # several models (moecached.daemon.multi): this server's model name, ``route_model(server,
+        # name) -> None (served here) | endpoint`` (raises ProtocolError for a model not
+        # served), and the ``models`` op's handler ``(msg) -> dict``; None: one model
+        self.model_name = None
+        self.route_model = None
+        self.models_handler = None
+        self._model_change = None    # message waiting for on_model_change
+        self._fast = None
+        self._hooks = None   # the hot path's ServerHooks (kept current: see _fast_handler)
+        self._stopping = False
+        self._loop_tid = None
+        self._hup = False        # SIGHUP seen; the loop runs self._on_hup
+        self._ops = self._op_table()
+        self._packb = msgpack.Packer(use_bin_type=True).pack  # reused; the loop thread only
+        # serve resident acquires / own noreply releases in Cython first
+        self.fast_path = os.environ.get(HOT_PATH_ENV, "1") != "0"
+        self._on_hup = None
+        self._lock_fd = None
+        self._bound = None     # (mode, gid) of the ipc socket file once bound
+        self._endpoint_lock = endpoint_lock
+        self._ipc = _ipc_path(endpoint)
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        # Frames up to 16x the limit are received and answered `malformed`; beyond that ZeroMQ
+        # drops the connection without allocating (the only defence against a 2 GB frame).
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 16 * max(int(max_message_bytes), P.MAX_MESSAGE_BYTES))
+        self._bind(socket_mode, gid)
+        # Wake-ups (read completions from reader threads, stop, SIGHUP) arrive on the ROUTER
+        # itself, from an inproc DEALER with a routing id no remote peer can hold (it connects
+        # first, and the ROUTER refuses a second peer with the same id), so the loop blocks in
+        # one recv on one socket: no poller, no ZMQ_EVENTS probing per message.
+        self._wake_id = b"\xffmoecached-wake-" + os.urandom(8)
+        wake_ep = f"inproc://moecached-wake-{os.getpid()}-{id(self):x}"
+        self.sock.bind(wake_ep)
+        self._wake_sock = self.ctx.socket(zmq.DEALER)
+        self._wake_sock.setsockopt(zmq.ROUTING_ID, self._wake_id)
+        self._wake_sock.setsockopt(zmq.LINGER, 0)
+        self._wake_sock.setsockopt(zmq.SNDHWM, 0)
+        self._wake_sock.connect(wake_ep)
+        self._wake_lock = threading.Lock()
+        self._wake_pending = False
+
+    def _set_model(self, max_request_experts: int) -> None:
+        """The model this socket serves: requests are checked against its index, and the
+        arena's control block names the session it serves (leases of any other are void)."""
+        self.cache.arena.set_epoch(self.session, STATE_SERVING)
+        self.checker = P.RequestChecker(self.index.expert_layers, self.index.n_experts,
+                                        max_experts=max_request_experts)
+        self.moe_index = {l: i for i, l in enumerate(self.index.expert_layers)}
+
+    def _op_table(self) -> dict:
+        """op -> its handler."""
+        return {op: getattr(self, "_op_" + op) for op in P.OPS}
+
+    # ---- start / stop -------------------------------------------------------------------
+    def _bind(self, mode: int, gid: int | None) -> None:
+        if self._ipc:
+            fd = self._endpoint_lock if self._endpoint_lock is not None else lock_endpoint(self.endpoint)
+            self._endpoint_lock = None
+            self._lock_fd = fd
+            if os.path.exists(self._ipc):
+                # We hold the lock, so whoever made this socket file is gone: a crash left it.
+                log.warning("removing stale socket %s left by a previous daemon", self._ipc)
+                os.unlink(self._ipc)
+            self._bind_ipc(mode, gid)
+        else:
+            try:
+                self.sock.bind(self.endpoint)
+            except zmq.ZMQError as e:
+                raise ServerError(f"endpoint {self.endpoint}: cannot bind: {e}")
+
+    def _bind_ipc(self, mode: int, gid: int | None) -> None:
+        old = os.umask(0o777 & ~mode)
+        try:
+            self.sock.bind(self.endpoint)
+        finally:
+            os.umask(old)
+        os.chmod(self._ipc, mode)
+        if gid is not None:
+            os.chown(self._ipc, -1, gid)
+        self._bound = (mode, gid)
+
+    def _check_socket_file(self) -> None:
+        """Bind the ipc path again when some process removed the socket file (connected
+        clients keep their connections; new ones could not reach the daemon otherwise)."""
+        if not self._ipc or self._bound is None or os.path.lexists(self._ipc):
+            return
+        log.warning("socket %s was removed by some process; bound it again (new clients could "
+                    "not connect meanwhile)", self._ipc)
+        self.counters["socket_rebinds"] += 1
+        try:   # a second bind (no unbind: that would drop every connection accepted on it)
+            self._bind_ipc(*self._bound)
+        except (zmq.ZMQError, OSError) as e:
+            log.error("cannot bind %s again: %s; restart the daemon", self.endpoint, e)
+            self._bound = None   # said once
+
+    def stop(self) -> None:
+        """Ask the loop to stop (thread- and signal-safe)."""
+        self._stopping = True
+        self._wake()
+
+    def install_signal_handlers(self, on_hup=None) -> None:
+        """SIGTERM/SIGINT stop the loop gracefully; SIGHUP runs ``on_hup`` (reload) in the loop
+        thread (a signal handler only sets a flag and wakes the loop)."""
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        signal.signal(signal.SIGINT, lambda *_: self.stop())
+        if on_hup is not None:
+            self._on_hup = on_hup
+
+            def _hup(*_):
+                self._hup = True
+                self._wake()
+            signal.signal(signal.SIGHUP, _hup)
+
+    def close(self) -> None:
+        """Fail pending requests, close the socket, remove the socket and lock files."""
+        for c in list(self.clients.values()):
+            for ticket, rid in list(c.pending.items()):
+                self.cache.cancel(ticket)
+                self._send_error(c.ident, rid, P.E_SHUTDOWN, "daemon is shutting down")
+            c.pending.clear()
+        self._drain_done(final=True)
+        for lid, (ident, lease) in list(self.leases.items()):
+            try:
+                self.cache.release(lease)
+            except Exception:
+                pass
+        self.leases.clear()
+        for c in list(self.clients.values()):
+            self._close_pins(c)
+            self._unwatch(c)
+        if self.recorder is not None:
+            self._trace_stop()
+        self.sock.close(linger=0)
+        if self._ipc:
+            for p in (self._ipc,):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+            if self._lock_fd is not None:
+                try:
+                    os.unlink(self._ipc + ".lock")
+                except FileNotFoundError:
+                    pass
+                os.close(self._lock_fd)
+                self._lock_fd = None
+        with self._wake_lock:
+            self._wake_sock.close(linger=0)
+
+    # ---- the loop ---------------------------------------------------------------------
+    #: longest the loop sleeps in recv when no deadline is nearer (timers are checked then)
+    IDLE_WAKE_MS = 100
+    #: while pin files are open, their rings are drained (and released pins noticed) this often
+    PIN_DRAIN_MS = 3
+
+    def serve_forever(self, ready=None) -> None:
+        """Run the event loop until ``stop()``; then ``close()``.
+
+        The loop blocks in one ``recv`` on the ROUTER socket (``RCVTIMEO`` = the idle wake, or
+        less when an acquire deadline is nearer); wake-up messages from reader threads, ``stop``
+        and SIGHUP arrive on the same socket. Heartbeat expiry and the periodic task run when
+        their time has come, checked after every message or timeout (so at most
+        ``IDLE_WAKE_MS`` late).
+
+        Args:
+            ready: optional callable run once the socket is bound and the loop starts
+                (the daemon sends READY=1 to systemd here).
+        """
+        self._loop_tid = threading.get_ident()
+        sock, wake_id = self.sock, self._wake_id
+        idle_ms = self.IDLE_WAKE_MS
+        cur_ms = idle_ms
+        sock.setsockopt(zmq.RCVTIMEO, cur_ms)
+        now = time.monotonic()
+        next_tick = now
+        next_hb = now + self.heartbeat_s / 4
+        next_timer = min(next_tick, next_hb)
+        next_sweep = now
+        recv = sock.recv_multipart
+        handle = self._handle
+        self._fast = fast = self._fast_handler()
+        if ready:
+            ready()
+        try:
+            while not self._stopping:
+                try:
+                    frames = recv()
+                except zmq.Again:
+                    frames = None
+                except zmq.ZMQError as e:
+                    if e.errno != errno.EINTR:
+                        raise
+                    frames = None
+                if frames is not None:
+                    if frames[0] == wake_id:
+                        with self._wake_lock:
+                            self._wake_pending = False  # before draining: no wake-up is lost
+                        if self._hup and self._on_hup is not None:
+                            self._hup = False
+                            try:
+                                self._on_hup()
+                            except Exception as e:
+                                log.error("reload failed: %s", e)
+                        if self._model_change is not None:
+                            msg, self._model_change = self._model_change, None
+                            # shared-memory pins stop; resident hits go on over the socket
+                            self.cache.arena.set_state(STATE_MODEL_CHANGED)
+                            if self.on_model_change is not None:
+                                try:
+                                    self.on_model_change(msg)
+                                except Exception:
+                                    log.exception("model change handling failed")
+                            fast = self._fast   # a reload starts a new session
+                    else:
+                        try:
+                            served = fast(frames)
+                        except Exception:  # a bug in the hot path must not stop the loop
+                            log.exception("internal error in the fast path; "
+                                          "the request goes to the general path")
+                            served = False
+                        if not served:
+                            handle(frames)
+                if self.done:
+                    self._drain_done()
+                dl = self.deadlines
+                if dl or cur_ms != idle_ms or frames is None or time.monotonic() >= next_timer:
+                    now = time.monotonic()
+                    while dl and dl[0][0] <= now:
+                        _, ticket, ident, rid = heapq.heappop(dl)
+                        c = self.clients.get(ident)
+                        if c is not None and ticket in c.pending and self.cache.cancel(ticket):
+                            del c.pending[ticket]
+                            c.errors += 1
+                            self._send_error(ident, rid, P.E_TIMEOUT, "acquire timed out waiting for reads")
+                    if now >= next_hb:
+                        self._expire_clients(now)
+                        next_hb = now + max(0.05, self.heartbeat_s / 4)
+                    cache = self.cache   # None: a Router (no model)
+                    if cache is not None and cache.pin_files and now >= next_sweep:
+                        next_sweep = now + self.PIN_DRAIN_MS / 1000
+                        try:
+                            self.cache.sweep_pins()
+                            if self.recorder is not None:
+                                self._record_fast_hits()
+                            for f in self.cache.take_broken_pin_files():
+                                self._drop_broken_pins(f)
+                        except Exception:
+                            log.exception("internal error draining the pin files")
+                    if now >= next_tick:
+                        next_tick = now + self.tick_s
+                        self._check_socket_file()
+                        if self.on_tick is not None:
+                            try:
+                                self.on_tick(now)
+                            except Exception as e:  # never let the floor kill the server
+                                log.error("periodic task failed: %s", e)
+                            fast = self._fast   # the periodic task may have reloaded the model
+                    next_timer = min(next_tick, next_hb)
+                    if cache is not None and cache.pin_files:
+                        # releases through shared memory send no message: under a steady stream
+                        # of requests the sweep must still come every PIN_DRAIN_MS
+                        next_timer = min(next_timer, next_sweep)
+                    want = idle_ms
+                    if dl:
+                        want = max(0, min(idle_ms, int((dl[0][0] - now) * 1000) + 1))
+                    cache = self.cache
+                    if cache is not None and cache.pin_files:
+                        want = min(want, self.PIN_DRAIN_MS)
+                    if want != cur_ms:
+                        sock.setsockopt(zmq.RCVTIMEO, want)
+                        cur_ms = want
+        finally:
+            self.close()
+
+    def set_client_limits(self, rate: float, burst: float, max_prefetch: int | None) -> None:
+        """Apply the per-client limits (at start and on reload): ``rate`` requests/s (0: off),
+        ``burst`` requests, ``max_prefetch`` prefetch loads in flight per client (None: the
+        cache's ``max_prefetch_loads``; 0: no own cap). Connected clients get the new values at
+        once."""
+        self.rate_limit.rate = max(0.0, float(rate))
+        self.rate_limit.burst = max(1.0, float(burst))
+        self._auto_pf = max_prefetch is None   # fair share of max_prefetch_loads (see below)
+        if max_prefetch is None:
+            max_prefetch = int(getattr(self.cache, "max_prefetch_loads", 0))
+        self.client_max_prefetch = int(max_prefetch) or None
+        for c in self.clients.values():
+            c.pf.limit = self.client_max_prefetch
+
+    #: a client that acquired or prefetched within this many seconds shares the prefetch loads
+    ACTIVE_S = 2.0
+
+    def _fair_prefetch_share(self, c: _Client) -> int:
+        """``client_max_prefetch`` left to the daemon: ``max_prefetch_loads`` split evenly
+        between the engines active now (acquired or prefetched within ``ACTIVE_S``), so a lone
+        engine keeps all of it and a prefetch storm beside a demand-only engine keeps half,
+        leaving it slots and disk time."""
+        now = time.monotonic()
+        active = sum(1 for x in self.clients.values()
+                     if x is not c and (x.acquires or x.prefetches) and now - x.last_seen < self.ACTIVE_S)
+        return max(1, (self.client_max_prefetch or 0) // (1 + active))
+
+    def _fast_handler(self):
+        """``frames -> bool``: the Cython hot path (``moecached.service._serve.FastPath``) on this
+        server's :class:`~moecached.service._serve.ServerHooks` (all it may use of the server), or a
+        stub that always declines when ``fast_path`` is False (everything then takes
+        ``_handle``). Built again for each session; the hooks' live fields (request limits,
+        tracing) are kept current by :meth:`set_request_limits` and the trace ops."""
+        self._hooks = None
+        if not self.fast_path:
+            return lambda frames: False
+        cache = self.cache
+        self._hooks = hooks = ServerHooks(
+            clients=self.clients, leases=self.leases, counters=self.counters,
+            limit=self.rate_limit, send=self.sock.send, packb=self._packb,
+            unpack=functools.partial(msgpack.unpackb, **P.UNPACK_LIMITS),
+            register=self._register, undelivered=self._undelivered,
+            acquire_resident=cache.acquire_resident, release=cache.release,
+            generations=cache.lease_generations, drain_pins=cache.drain_pins,
+            prefetch_noop=cache.prefetch_noop, version=P.PROTOCOL_VERSION,
+            fields=P.HOT_PATH_FIELDS, session=self.session,
+            max_message_bytes=self.max_message_bytes, max_experts=self.checker.max_experts,
+            tracing=self.recorder is not None, more_nb=_MORE_NB, nb=_NB)
+        return FastPath(hooks).handle
+
+    def set_request_limits(self, max_request_experts: int, max_message_bytes: int) -> None:
+        """Apply the request limits (at reload): experts per request, bytes per message."""
+        self.checker.max_experts = int(max_request_experts)
+        self.max_message_bytes = int(max_message_bytes)
+        if self._hooks is not None:
+            self._hooks.max_experts = self.checker.max_experts
+            self._hooks.max_message_bytes = self.max_message_bytes
+
+    def model_changed(self, message: str) -> None:
+        """The model file changed (any thread): run ``on_model_change(message)`` in the loop."""
+        self._model_change = message
+        self._wake()
+
+    def new_session(self) -> None:
+        """Start a new session: a new ``session`` id in every reply, so clients fail their calls
+        in flight with DaemonRestarted and say hello again (re-mapping the arena). The one
+        place the session changes after start."""
+        self.session = int.from_bytes(os.urandom(8), "little") >> 1 | 1
+        # the arena's control block names the session it serves: leases of any other are void
+        self.cache.arena.set_epoch(self.session, STATE_SERVING)
+        if self._fast is not None:
+            self._fast = self._fast_handler()  # the hot path holds the session and the cache
+
+    def retire_cache(self, code: str, message: str) -> None:
+        """Close the cache being served (loop thread): every pending acquire fails with
+        ``code``/``message``, every lease is forgotten (it dies with the arena; clients learn
+        of it from the next session), a trace being recorded stops. Follow with
+        :meth:`install_cache`."""
+        old = self.cache
+        for c in self.clients.values():
+            for ticket, rid in list(c.pending.items()):
+                if old.cancel(ticket):
+                    del c.pending[ticket]
+                    self._send_error(c.ident, rid, code, message)
+        old.close()   # joins the readers: every callback has run, its result is in self.done
+        while self.done:
+            ident, rid, box, _tag, _result = self.done.popleft()
+            ticket = box[0] if box else None
+            c = self.clients.get(ident)
+            if c is not None and ticket is not None and c.pending.pop(ticket, None) is not None:
+                self._send_error(ident, rid, code, message)
+        self.leases.clear()
+        self.deadlines.clear()
+        for c in self.clients.values():
+            c.leases.clear()
+            c.pending.clear()
+            c.fold_pins()   # closed with the cache: the client says hello again
+        if self.recorder is not None:
+            path = self._trace_stop()["path"]
+            log.warning("trace %s stopped: the model it recorded is no longer served", path)
+
+    def install_cache(self, cache) -> None:
+        """Serve ``cache`` (after :meth:`retire_cache`) under a new session."""
+        self.cache = cache
+        self.index = cache.index
+        self.checker = P.RequestChecker(self.index.expert_layers, self.index.n_experts,
+                                        max_experts=self.checker.max_experts)
+        self.moe_index = {l: i for i, l in enumerate(self.index.expert_layers)}
+        self.new_session()
+
+    def _wake(self) -> None:
+        """Wake the loop (any thread, or a signal handler in the loop's thread)."""
+        if not self._wake_lock.acquire(blocking=False):
+            # Another thread is sending a wake-up right now (the loop will run), or this is a
+            # signal handler that interrupted the loop inside the lock: the loop is awake.
+            if threading.get_ident() == self._loop_tid:
+                return
+            self._wake_lock.acquire()
+        try:
+            if not self._wake_pending and not self._wake_sock.closed:
+                self._wake_pending = True
+                self._wake_sock.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        finally:
+            self._wake_lock.release()
+
+    @staticmethod
+    def _noreply(msg: dict) -> bool:
+        v = msg.get("noreply", False)
+        if not isinstance(v, bool):
+            raise P.ProtocolError(P.E_BAD_TYPE, f"field 'noreply' = {v!r:.20}: expected true or false")
+        return v
+
+    def _handle(self, frames: list) -> None:
+        if len(frames) == 2:
+            ident, envelope, payload = frames[0], None, frames[1]
+        elif len(frames) == 3 and frames[1] == b"":
+            ident, envelope, payload = frames[0], b"", frames[2]
+        else:
+            if len(frames) >= 1:  # envelope unknown: answered without a delimiter
+                self._send_error(frames[0], 0, P.E_MALFORMED, f"request has {len(frames) - 1} frames: "
+                                 "expected 1 (or an empty delimiter + 1)", delim=False)
+            return
+        if self.cache is not None:
+            self.cache.drain_pins()   # hits taken through shared memory count first
+        if self.recorder is not None:
+            self._record_fast_hits()
+        now = time.monotonic()
+        c = self.clients.get(ident)
+        if c is None:
+            c = self.clients[ident] = _Client(ident, now, self.rate_limit.burst,
+                                              self.client_max_prefetch)
+        c.last_seen = now
+        c.delim = envelope is not None
+        c.requests += 1
+        self.counters["requests"] += 1
+        rid = 0
+        try:
+            msg = P.unpack(payload, self.max_message_bytes)
+            r = msg.get("id")
+            op = msg.get("op")
+            fn = self._ops.get(op) if type(op) is str else None
+            if type(r) is int and 0 <= r < 2**64:
+                rid = r  # answer with the caller's id even when the rest is wrong
+                v = msg.get("v")
+                if fn is None or type(v) is not int or v != P.PROTOCOL_VERSION:
+                    P.header(msg)  # raises the precise error
+            else:
+                P.header(msg)
+            if op not in _UNLIMITED_OPS and not c.bucket.take(now, self.rate_limit):
+                c.rate_limited += 1
+                self.counters["rate_limited"] += 1
+                if msg.get("noreply") is not True:
+                    self._send_error(ident, rid, P.E_RATE_LIMITED,
+                                     f"client {c.name} is over its rate limit of "
+                                     f"{self.rate_limit.rate:g} requests/s (burst "
+                                     f"{self.rate_limit.burst:g}); slow down and retry")
+                return
+            fn(c, rid, msg)
+        except P.ProtocolError as e:
+            c.errors += 1
+            self.counters["errors"] += 1
+            self._send_error(ident, rid, e.code, str(e))
+        except MoecacheError as e:
+            c.errors += 1
+            self.counters["errors"] += 1
+            self._send_error(ident, rid, _code_of(e), str(e))
+        except Exception as e:  # a bug must not take the daemon down for everyone
+            log.exception("internal error handling a request")
+            self._send_error(ident, rid, P.E_INTERNAL, f"{type(e).__name__}: {e}")
+
+    def _send(self, ident: bytes, msg: dict) -> bool:
+        c = self.clients.get(ident)
+        return self._send_frame(ident, c is not None and c.delim, P.pack(msg))
+
+    def _send_frame(self, ident: bytes, delim: bool, payload: bytes) -> bool:
+        """Send one reply frame to ``ident`` (after an empty delimiter for REQ-style peers).
+        False when the peer is gone (ROUTER_MANDATORY: EHOSTUNREACH on the routing frame,
+        before anything of the message went out) or its queue is full."""
+        send = self.sock.send
+        try:
+            send(ident, _MORE_NB)
+            if delim:
+                send(b"", _MORE_NB)
+            send(payload, _NB)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno in (errno.EHOSTUNREACH, zmq.EAGAIN):
+                self.counters["undeliverable"] += 1
+                return False
+            raise
+
+    def _reply(self, ident: bytes, rid: int, **fields) -> bool:
+        fields.update(v=P.PROTOCOL_VERSION, id=rid, ok=True, session=self.session)
+        return self._send(ident, fields)
+
+    def _send_error(self, ident: bytes, rid: int, code: str, message: str, delim: bool | None = None) -> bool:
+        """Send an error reply; every error reply goes through here, so ``malformed`` counts
+        each reply with that code. ``delim``: None = as the client's last request."""
+        if code == P.E_MALFORMED:
+            self.counters["malformed"] += 1
+        msg = {"v": P.PROTOCOL_VERSION, "id": rid, "ok": False, "session": self.session,
+               "error": {"code": code, "message": message}}
+        if delim is None:
+            return self._send(ident, msg)
+        return self._send_frame(ident, delim, P.pack(msg))
+
+    # ---- completions from reader threads ----------------------------------------------
+    def _complete(self, ident: bytes, rid: int, ticket_box: list, tag, result) -> None:
+        """Cache callback (any thread): queue the result for the loop."""
+        self.done.append((ident, rid, ticket_box, tag, result))
+        if threading.get_ident() != self._loop_tid:
+            self._wake()  # from a reader thread; inline completions are drained right away
+
+    def _drain_done(self, final: bool = False) -> None:
+        while self.done:
+            ident, rid, ticket_box, tag, result = self.done.popleft()
+            ticket = ticket_box[0] if ticket_box else None
+            subst = ticket_box[1] if len(ticket_box) > 1 else None
+            c = self.clients.get(ident)
+            alive = c is not None and (ticket is None or ticket in c.pending)
+            if c is not None and ticket is not None:
+                c.pending.pop(ticket, None)
+            if isinstance(result, Exception):
+                if alive and not final:
+                    c.errors += 1
+                    self._send_error(ident, rid, _code_of(result), str(result))
+                continue
+            lease = result
+            if not alive or final:
+                self.cache.release(lease)  # nobody to hand it to: roll back
+                continue
+            self._deliver(c, rid, lease, tag, subst)
+
+    def _deliver(self, c: _Client, rid: int, lease, tag, subst=None) -> None:
+        """Send a granted lease to its client and register it; roll it back when undeliverable."""
+        c.acquires += 1
+        c.hits += lease.hits
+        c.misses += lease.misses
+        c.prefetch_hits += lease.prefetch_hits
+        c.stall_s += lease.stall_s
+        ident = c.ident
+        lid = lease.id
+        rep = {"v": P.PROTOCOL_VERSION, "id": rid, "ok": True, "session": self.session,
+               "lease": lid, "items": lease.items,
+               "gens": self.cache.lease_generations(lease.items), "hits": lease.hits,
+               "prefetch_hits": lease.prefetch_hits, "misses": lease.misses,
+               "stall_us": int(lease.stall_s * 1e6)}
+        if lease.swaps:
+            rep["subst"] = [list(s) for s in lease.swaps]
+            for layer, _, _ in lease.swaps:
+                c.subst[layer] = c.subst.get(layer, 0) + 1
+        payload = self._packb(rep)
+        if not self._send_frame(ident, c.delim, payload):
+            self.cache.release(lease)  # undelivered: roll back
+            self._drop_client(c, "unreachable")
+            return
+        self._register(c, lease, tag, subst)
+
+    def _register(self, c: _Client, lease, tag=None, subst=None) -> None:
+        """Record a delivered lease as ``c``'s (and in the trace being recorded, if any, with
+        the acquire's substitution scores and candidates, ``subst`` as from
+        ``checker.subst``; a swapped item is recorded as the expert routed)."""
+        lid = lease.id
+        self.leases[lid] = (c.ident, lease)
+        c.leases.add(lid)
+        if self.recorder is not None and (self.recorder_client in (None, c.name)):
+            offer = subst[2] if subst is not None else {}
+            for layer, experts in _group(lease.items):
+                sc = cands = None
+                if layer in offer:
+                    sc, cands = offer[layer]
+                    for sl, missing, sub in lease.swaps:
+                        if sl == layer:
+                            experts[experts.index(sub)] = missing
+                self.recorder.record(self.moe_index[layer], experts, tag == "prompt", c.name,
+                                     scores=sc, candidates=cands)
+
+    def _undelivered(self, c: _Client, lease, e: zmq.ZMQError) -> None:
+        """The fast path could not send ``lease`` (peer gone or its queue full): roll back."""
+        if e.errno not in (errno.EHOSTUNREACH, zmq.EAGAIN):
+            raise e
+        self.counters["undeliverable"] += 1
+        self.cache.release(lease)
+        self._drop_client(c, "unreachable")
+
+    # ---- operations -------------------------------------------------------------------
+    def _op_hello(self, c: _Client, rid: int, msg: dict) -> None:
+        want = msg.get("model")
+        if want is not None and (not isinstance(want, str) or not want):
+            raise P.ProtocolError(P.E_BAD_TYPE, "field 'model' must be a non-empty string")
+        if self.route_model is not None:
+            where = self.route_model(self, want)
+            if where is not None:   # served on its own endpoint: the client says hello there
+                self._reply(c.ident, rid, redirect=where, model_name=want)
+                self._redirected(c)
+                return
+        self._hello_reply(c, rid, self._hello_client(c, msg))
+
+    def _redirected(self, c: _Client) -> None:
+        """A client was sent to its model's own socket (a Router forgets it)."""
+
+    def _hello_client(self, c: _Client, msg: dict) -> bool:
+        """What hello says of the client (name, pid: watched): whether it asks for the
+        shared-memory hit path."""
+        name = msg.get("client")
+        if name is not None:
+            if not isinstance(name, str) or not name:
+                raise P.ProtocolError(P.E_BAD_TYPE, "field 'client' must be a non-empty string")
+            c.name = name[:64]
+        pid = msg.get("pid")
+        if isinstance(pid, int) and not isinstance(pid, bool):
+            c.pid = pid
+        self._watch_client(c, pid, msg.get("pid_start"))
+        fast = msg.get("fast_path", False)
+        if not isinstance(fast, bool):
+            raise P.ProtocolError(P.E_BAD_TYPE, f"field 'fast_path' = {fast!r:.20}: expected true or false")
+        return fast
+
+    def _hello_reply(self, c: _Client, rid: int, fast: bool) -> None:
+        pins = self._open_pins(c) if fast else None
+        if not fast:
+            self._close_pins(c)
+        idx = self.index
+        self._reply(c.ident, rid, protocol=P.PROTOCOL_VERSION, server=f"moecached {__version__}",
+                    fingerprint=idx.fingerprint(), model=self.model_path,
+                    model_name=self.model_name, arena=self.cache.descriptor(), index=idx.to_json(),
+                    expert_layers=list(idx.expert_layers), n_experts=idx.n_experts,
+                    top_k=idx.top_k, heartbeat_s=self.heartbeat_s,
+                    lease_watch="process" if c.pidfd is not None else "heartbeat", pins=pins,
+                    limits={"max_message_bytes": self.max_message_bytes,
+                            "max_array_len": P.MAX_ARRAY_LEN, "max_map_len": P.MAX_MAP_LEN,
+                            "max_str_len": P.MAX_STR_LEN,
+                            "max_request_experts": self.checker.max_experts,
+                            "client_rate_limit": self.rate_limit.rate,
+                            "client_rate_burst": self.rate_limit.burst,
+                            "client_max_prefetch": self.client_max_prefetch or 0})
+
+    def _op_ping(self, c: _Client, rid: int, msg: dict) -> None:
+        self._reply(c.ident, rid, t=time.time())
+
+    def _op_acquire(self, c: _Client, rid: int, msg: dict) -> None:
+        reqs = self.checker.requests(msg)
+        tag = msg.get("tag")
+        if tag is not None and tag not in ("prompt", "decode"):
+            raise P.ProtocolError(P.E_BAD_TYPE, f"field 'tag' = {tag!r:.20}: expected 'prompt' or 'decode'")
+        timeout_ms = msg.get("timeout_ms")
+        if timeout_ms is not None:
+            timeout_ms = P._int(msg, "timeout_ms", lo=0, hi=86_400_000)
+        elif self.acquire_timeout_s is not None:
+            timeout_ms = int(self.acquire_timeout_s * 1000)
+        subst = self.checker.subst(msg, reqs)
+        box: list = []
+        ident = c.ident
+        ticket = self.cache.acquire_async(reqs, lambda res: self._complete(ident, rid, box, tag, res), tag=tag,
+                                          subst=subst)
+        box.append(ticket)
+        if subst is not None and self.recorder is not None:
+            box.append(subst)   # read by _drain_done, for the trace
+        # The callback may already have run inline (all resident): then it is in self.done
+        # with box filled now, and _drain_done sees the ticket as pending below.
+        c.pending[ticket] = rid
+        if timeout_ms is not None and ticket in c.pending:
+            heapq.heappush(self.deadlines, (time.monotonic() + timeout_ms / 1000, ticket, ident, rid))
+        self._drain_done()
+
+    def _op_prefetch(self, c: _Client, rid: int, msg: dict) -> None:
+        quiet = self._noreply(msg)
+        reqs = self.checker.requests(msg)
+        conf = self.checker.confidence(msg, reqs)
+        if self._auto_pf:
+            c.pf.limit = self._fair_prefetch_share(c)
+        n = self.cache.prefetch_many(reqs, c.pf, conf)
+        c.prefetches += n
+        if not quiet:
+            self._reply(c.ident, rid, queued=n)
+
+    def _op_release(self, c: _Client, rid: int, msg: dict) -> None:
+        quiet = self._noreply(msg)
+        if "leases" in msg and "lease" in msg:
+            raise P.ProtocolError(P.E_BAD_TYPE, "give either 'lease' or 'leases', not both")
+        if "leases" in msg:
+            ids = msg["leases"]
+            if not isinstance(ids, list):
+                raise P.ProtocolError(P.E_BAD_TYPE, "field 'leases' must be an array of lease ids")
+        else:
+            ids = [msg.get("lease")]
+        for lid in ids:
+            if isinstance(lid, bool) or not isinstance(lid, int) or not 0 <= lid < 2**64:
+                raise P.ProtocolError(P.E_BAD_TYPE, f"lease id {lid!r:.30}: expected an unsigned 64-bit integer")
+        # validate all before releasing any (all-or-nothing)
+        for lid in ids:
+            owner = self.leases.get(lid)
+            if owner is None:
+                if self.cache.own_lease_id(lid):
+                    raise P.ProtocolError(P.E_UNKNOWN_LEASE, f"lease {lid} is not held: released twice or expired")
+                raise P.ProtocolError(P.E_STALE_LEASE, f"lease {lid} was not issued by this daemon instance (stale: from before a restart?)")
+            if owner[0] != c.ident:
+                raise P.ProtocolError(P.E_NOT_OWNER, f"lease {lid} belongs to another client")
+        for lid in ids:
+            _, lease = self.leases.pop(lid)
+            c.leases.discard(lid)
+            self.cache.release(lease)
+        if not quiet:
+            self._reply(c.ident, rid, released=len(ids))
+
+    def _op_cancel(self, c: _Client, rid: int, msg: dict) -> None:
+        """Drop this client's pending acquire whose request id is ``request`` (its caller gave
+        up): its pins go, its reads go on as prefetches, it gets no reply. ``cancelled`` is
+        false when no such acquire is pending (already answered, or never sent)."""
+        quiet = self._noreply(msg)
+        target = P._int(msg, "request", lo=0, hi=2**64 - 1)
+        ticket = next((t for t, r in c.pending.items() if r == target), None)
+        done = ticket is not None and self.cache.cancel(ticket)
+        if done:
+            del c.pending[ticket]
+        if not quiet:
+            self._reply(c.ident, rid, cancelled=done)
+
+    def _op_bye(self, c: _Client, rid: int, msg: dict) -> None:
+        n = len(c.leases)
+        self._reply(c.ident, rid, released=n)
+        self._drop_client(c, "said bye")
+
+
+def _group(items):
+    """[(layer, expert, class, slot), ...] -> [(layer, [experts]), ...] in order."""
+    out: dict[int, list[int]] = {}
+    for layer, expert, _, _ in items:
+        out.setdefault(layer, []).append(expert)
+    return list(out.items())
+
+
+def _code_of(e: Exception) -> str:
+    name = type(e).__name__
+    return {"LoadError": P.E_LOAD_FAILED, "ModelChangedError": P.E_MODEL_CHANGED,
+            "RequestError": P.E_TOO_LARGE,
+            "LeaseError": P.E_UNKNOWN_LEASE, "CapacityError": P.E_UNAVAILABLE,
+            "TimeoutError": P.E_TIMEOUT, "CacheClosed": P.E_SHUTDOWN}.get(name, getattr(e, "code", P.E_INTERNAL))
