@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp with the moecached patch (experts served by the daemon).
+# Build llama.cpp with the moecached patch series (experts served by the daemon).
 #
 #   clients/llama.cpp/build.sh [--cache DIR] [--backend cpu|vulkan|cuda] [--jobs N] [--tools]
 #                              [--server] [--target NAME]...
@@ -8,8 +8,8 @@
 # sha256 below). Everything goes under DIR (default $MOECACHED_LLAMA_CACHE, else
 # $HOME/.cache/moecached-llama), never inside the clone:
 #   DIR/dl/            the sdist (from PyPI's simple index; or put the file there yourself)
-#   DIR/src/           the extracted tree with the patch applied (redone when the patch changes;
-#                      files the new patch leaves as they were keep their mtimes)
+#   DIR/src/           the extracted tree with patch/*.patch applied in name order (redone when
+#                      a patch changes; files the new series leaves as they were keep their mtimes)
 #   DIR/build-BACKEND/ the CMake build, reused (incremental) on the next run
 #   DIR/bin -> DIR/build-BACKEND/bin
 # Targets: mc-decode (the checking/benchmark driver) and llama-quantize; --tools adds
@@ -84,24 +84,31 @@ if [ "$got" != "$PIN_SHA256" ]; then
     exit 1
 fi
 
-# 2. the patched tree: re-extracted whenever the patch or the driver changes (the archive's
-#    mtimes are kept, so the next build only recompiles what the patch touches)
-KEY=$(cat "$HERE/patch/moecached.patch" "$HERE/driver/mc-decode.cpp" "$HERE/driver/CMakeLists.txt" | sha256sum | cut -c1-12)
+# 2. the patched tree: re-extracted whenever a patch of the series or the driver changes (the
+#    archive's mtimes are kept, so the next build only recompiles what the patches touch). The
+#    series is patch/*.patch in name order (patch/README.md); the key covers their names too.
+PATCHES=()
+while IFS= read -r p; do PATCHES+=("$p"); done < <(LC_ALL=C ls "$HERE"/patch/*.patch 2>/dev/null)
+[ ${#PATCHES[@]} -gt 0 ] || { echo "build.sh: no patch/*.patch in $HERE" >&2; exit 1; }
+KEY=$( { for p in "${PATCHES[@]}"; do basename "$p"; cat "$p"; done
+         cat "$HERE/driver/mc-decode.cpp" "$HERE/driver/CMakeLists.txt"; } | sha256sum | cut -c1-12)
 SRC="$CACHE/src"
 if [ "$(cat "$SRC/.moecached-patch" 2>/dev/null)" != "$KEY" ]; then
     rm -rf "$SRC.tmp"
     mkdir -p "$SRC.tmp"
     tar -xzf "$CACHE/dl/$SDIST" -C "$SRC.tmp" --strip-components=3 "llama_cpp_python-$PIN_VERSION/vendor/llama.cpp"
     rm -f "$SRC.tmp/.git"
-    (cd "$SRC.tmp" && patch -p1 --quiet --forward < "$HERE/patch/moecached.patch") \
-        || { echo "build.sh: patch/moecached.patch does not apply to llama-cpp-python $PIN_VERSION" >&2; exit 1; }
+    for p in "${PATCHES[@]}"; do
+        (cd "$SRC.tmp" && patch -p1 --quiet --forward < "$p") \
+            || { echo "build.sh: patch/$(basename "$p") does not apply to llama-cpp-python $PIN_VERSION (after the patches before it)" >&2; exit 1; }
+    done
     mkdir -p "$SRC.tmp/examples/mc-decode"
     cp "$HERE/driver/mc-decode.cpp" "$HERE/driver/CMakeLists.txt" "$SRC.tmp/examples/mc-decode/"
     # a file whose content did not change keeps the previous tree's mtime (patch and cp give
     # the files they write a new one): the build then recompiles only what changed, not
     # everything that includes llama.h
     if [ -d "$SRC" ]; then
-        { grep '^+++ b/' "$HERE/patch/moecached.patch" | cut -c7- | cut -f1;
+        { grep -h '^+++ b/' "${PATCHES[@]}" | cut -c7- | cut -f1 | sort -u;
           echo examples/mc-decode/mc-decode.cpp; echo examples/mc-decode/CMakeLists.txt; } |
         while read -r f; do
             if [ -f "$SRC/$f" ] && cmp -s "$SRC/$f" "$SRC.tmp/$f"; then touch -r "$SRC/$f" "$SRC.tmp/$f"; fi
