@@ -3,61 +3,189 @@
 # offloaded, the routed experts taken from the daemon's arena, against llama.cpp's own runs.
 # From the project's root on the GPU machine (carry .whl and .dev: ../shared/device/README.md):
 #
-#   bash benchmarks/gpu_hybrid.sh OUT_DIR [BLOCKS] [STEPS]
+#   bash benchmarks/gpu_hybrid.sh OUT_DIR [build|measure|all] [BLOCKS] [STEPS]
 #
-# Writes a synth --runnable model of the Qwen3-30B-A3B expert geometry (BLOCKS blocks, Q8_0),
-# then, each result in OUT_DIR as it comes:
-#   bench_gpu.json / bench_exps_cpu.json  llama-bench decode, all on the GPU / -ot exps=CPU
-#   engine.json        benchmarks/engine.py: resident (all on the GPU) vs --moecached (all experts
-#                      in the daemon), interleaved rounds, logits compared
-#   engine_plain.json  the same with LLAMA_MOECACHED_PLAIN_BUFFERS=1 (the arena's buffers not
-#                      marked as weights: what the patch did before), fewer steps
-#   sched_*.txt        GGML_SCHED_DEBUG of one decode step each way: graph splits and copies
+# build:   the CUDA build (the kit's setup.sh; FlashAttention kernels off to save build time),
+#          a synth --runnable model of the Qwen3-30B-A3B expert geometry (BLOCKS blocks, Q8_0),
+#          llama-bench decode all on the GPU and with -ot exps=CPU (repacked and not)
+# measure: mc-decode, STEPS greedy steps, 8 threads, ROUNDS (default 4) interleaved rounds, the
+#          first a warm-up; the daemon holds every expert. Rows (RUNGS, default all):
+#            gpu      resident, every layer on the GPU
+#            cpu_moe  resident, --cpu-moe: the experts' tensors on the CPU (-ot exps=CPU, no repack)
+#            rung1    --moecached --cpu-moe: the expert matmuls on the CPU over the arena
+#          then the logits of each pair that should agree: max |diff|, identical rows, greedy
+#          tokens identical (rung 1 against cpu_moe: 0 and all expected), and one decode step of
+#          each daemon row with GGML_SCHED_DEBUG (its graph splits)
+# all:     both (one call, when the machine is warm enough). Each phase is idempotent: a warm
+#          machine keeps the build (/tmp/llama), the model and the llama-bench results
+#          (/tmp/gpu-hybrid) between calls, and both phases copy what exists into OUT_DIR:
+#   log.txt, setup.log, bench_gpu.json, bench_exps_cpu.json, rungs.json, rungs.md, sched.txt
 set -uo pipefail
-OUT=${1:?usage: gpu_hybrid.sh OUT_DIR [BLOCKS] [STEPS]}; BLOCKS=${2:-4}; STEPS=${3:-64}
+OUT=${1:?usage: gpu_hybrid.sh OUT_DIR [build|measure|all] [BLOCKS] [STEPS]}
+PHASE=${2:-all}; BLOCKS=${3:-4}; STEPS=${4:-64}
+case "$PHASE" in build|measure|all) ;; *) echo "gpu_hybrid.sh: phase $PHASE: expected build, measure or all" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
+KEEP=/tmp/gpu-hybrid; mkdir -p "$KEEP"
 t0=$(date +%s)
 say() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/log.txt"; }
 SETUP=../shared/device/setup.sh   # the GPU machine's kit; a copy in .dev/ when ../shared does not travel
 [ -f "$SETUP" ] || SETUP=.dev/setup.sh
+# GGML_CUDA_FA=OFF on the first configure only (the kit's cmake line has no room for it): CMake
+# reads a toolchain file named in the environment when it creates a build tree
+printf 'set(GGML_CUDA_FA OFF CACHE BOOL "gpu_hybrid.sh: no FlashAttention kernels (build time)")\n' > "$KEEP/fa_off.cmake"
+export CMAKE_TOOLCHAIN_FILE=$KEEP/fa_off.cmake
 # shellcheck disable=SC1090
 . "$SETUP" cuda > "$OUT/setup.log" 2>&1 || { tail -30 "$OUT/setup.log"; exit 1; }
+unset CMAKE_TOOLCHAIN_FILE
 BIN=/tmp/llama/build-cuda/bin
-say "built: $(tail -1 "$OUT/setup.log")"
-M=/tmp/gpu-hybrid-$BLOCKS.gguf
+say "built: $(tail -1 "$OUT/setup.log") ($(grep -o 'GGML_CUDA_FA:BOOL=[A-Z]*' /tmp/llama/build-cuda/CMakeCache.txt))"
+M=$KEEP/model-$BLOCKS.gguf
 [ -f "$M" ] || moecache-ctl synth --runnable --out "$M" --geometry qwen3-30b-a3b --blocks "$BLOCKS" \
-    --quant q8_0 > "$OUT/synth.log" 2>&1 || { tail -5 "$OUT/synth.log"; exit 1; }
+    --quant q8_0 > "$KEEP/synth.log" 2>&1 || { tail -5 "$KEEP/synth.log"; exit 1; }
 say "model $M: $(du -h "$M" | cut -f1)"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/log.txt" 2>&1
-"$BIN/llama-bench" -m "$M" -ngl 99 -p 0 -n "$STEPS" -t 8 -r 3 -o json > "$OUT/bench_gpu.json" 2>> "$OUT/log.txt"
-say "llama-bench all on the GPU done"
-"$BIN/llama-bench" -m "$M" -ngl 99 -ot exps=CPU -p 0 -n "$STEPS" -t 8 -r 3 -o json > "$OUT/bench_exps_cpu.json" 2>> "$OUT/log.txt"
-say "llama-bench -ot exps=CPU done"
-python3 benchmarks/engine.py --bin "$BIN" --model "$M" --rounds 3 --steps "$STEPS" --threads 8 \
-    --cached 1.0 --json "$OUT/engine.json" > "$OUT/engine.txt" 2>&1
-say "engine (weights usage) done: $(tail -3 "$OUT/engine.txt" | tr '\n' ' ')"
-# one decode step each way with the scheduler's debug output: its splits and their inputs
-python3 - "$BIN" "$M" "$OUT" <<'EOF'
-import os, subprocess, sys, time
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$OUT/log.txt" 2>&1
+
+if [ "$PHASE" != measure ]; then
+    [ -s "$KEEP/bench_gpu.json" ] || "$BIN/llama-bench" -m "$M" -ngl 99 -p 0 -n "$STEPS" -t 8 -r 3 -o json \
+        > "$KEEP/bench_gpu.json" 2>> "$OUT/log.txt"
+    say "llama-bench all on the GPU done"
+    [ -s "$KEEP/bench_exps_cpu.json" ] || "$BIN/llama-bench" -m "$M" -ngl 99 -ot exps=CPU --repack 1,0 -p 0 \
+        -n "$STEPS" -t 8 -r 3 -o json > "$KEEP/bench_exps_cpu.json" 2>> "$OUT/log.txt"
+    say "llama-bench -ot exps=CPU done"
+fi
+cp "$KEEP"/bench_*.json "$OUT/" 2>/dev/null
+
+if [ "$PHASE" != build ]; then
+    PYTHONUNBUFFERED=1 python3 - "$BIN" "$M" "$OUT" "$BLOCKS" "$STEPS" "${ROUNDS:-4}" "${RUNGS:-gpu,cpu_moe,rung1}" \
+        <<'EOF' 2>&1 | tee -a "$OUT/log.txt"
+import json, os, re, statistics, subprocess, sys, time
+import numpy as np
 sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "benchmarks")]
 from benchutil import start_daemon, stop_daemon
-bin_dir, model, out = sys.argv[1:4]
-sock = "/tmp/gpu-hybrid-sched.sock"
-p = start_daemon(model, sock, "--slots", "512")
+bin_dir, model, out, blocks, steps, rounds, want = sys.argv[1:8]
+blocks, steps, rounds, want = int(blocks), int(steps), int(rounds), want.split(",")
+PROMPT = ("Mixture-of-experts models keep most of their weights in routed experts; a shared "
+          "daemon caches them for every engine on the machine.")   # benchmarks/engine.py's
+THREADS, N_EXPERTS = 8, 128
+ROWS = {   # name: (what, mc-decode arguments, environment, through the daemon)
+    "gpu": ("resident, every layer on the GPU", [], {}, False),
+    "cpu_moe": ("resident, --cpu-moe (experts on the CPU, no repack)", ["--cpu-moe"], {}, False),
+    "rung1": ("--moecached --cpu-moe: experts computed on the CPU from the arena (rung 1)", ["--cpu-moe"], {}, True),
+}
+PAIRS = [("cpu_moe", "rung1"), ("gpu", "cpu_moe"), ("gpu", "rung1")]
+rows = [r for r in want if r in ROWS]
+sock = "/tmp/gpu-hybrid.sock"
+work = "/tmp/gpu-hybrid/runs"; os.makedirs(work, exist_ok=True)
+
+def decode(name, dump, rnd, extra_env=None, n=steps):
+    what, args, env, served = ROWS[name]
+    cmd = [f"{bin_dir}/mc-decode", "-m", model, "-p", PROMPT, "-n", str(n), "-t", str(THREADS), *args]
+    if dump:
+        cmd += ["--dump", dump]
+    if served:
+        cmd += ["--moecached", f"ipc://{sock}"]
+    t = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **env, **(extra_env or {})), timeout=300)
+    res = {"rc": r.returncode, "wall_s": time.time() - t}
+    if r.returncode != 0:
+        res["error"] = (r.stdout + r.stderr)[-3000:]
+        return res, r
+    m = re.search(r"timing prompt_tokens=(\d+) prompt_s=([\d.]+) decode_tokens=(\d+) decode_s=([\d.]+)", r.stdout)
+    res["prompt_tps"] = int(m.group(1)) / float(m.group(2))
+    res["decode_tps"] = int(m.group(3)) / float(m.group(4))
+    res["tokens"] = [int(x) for x in re.findall(r"^step \d+ token (\d+)$", r.stdout, re.M)]
+    s = re.search(r"^moecached (acquires=.*)$", r.stdout, re.M)
+    res["stats"] = {k: int(v) for k, v in (kv.split("=") for kv in s.group(1).split())} if s else {}
+    return res, r
+
+results = {"model": os.path.basename(model), "blocks": blocks, "experts": N_EXPERTS, "top_k": 8, "steps": steps,
+           "threads": THREADS, "rounds": rounds, "prompt_bytes": len(PROMPT), "rows": {}, "pairs": [], "sched": {}}
+runs = {r: [] for r in rows}
+p = start_daemon(model, sock, "--slots", str(blocks * N_EXPERTS)) if any(ROWS[r][3] for r in rows) else None
 try:
-    for tag, extra in (("weights", {}), ("plain", {"LLAMA_MOECACHED_PLAIN_BUFFERS": "1"})):
-        env = dict(os.environ, GGML_SCHED_DEBUG="2", **extra)
-        r = subprocess.run([f"{bin_dir}/mc-decode", "-m", model, "-n", "1", "-t", "8",
-                            "--moecached", f"ipc://{sock}"], capture_output=True, text=True, env=env,
-                           timeout=300)
-        text = r.stdout + r.stderr
-        splits = text.count("## SPLIT #")
-        open(f"{out}/sched_{tag}.txt", "w").write(f"splits {splits}\n" + text[-200000:])
-        print(tag, "splits", splits, "rc", r.returncode)
+    for rnd in range(rounds):
+        for name in rows:
+            res, _ = decode(name, f"{work}/{name}-{rnd}.bin", rnd)
+            runs[name].append(res)
+            print(f"round {rnd} {name}: " + (f"decode {res['decode_tps']:.1f} tok/s, prompt {res['prompt_tps']:.1f} tok/s"
+                                            if res["rc"] == 0 else f"FAILED rc {res['rc']}: {res['error'][-600:]}"), flush=True)
+    for name in rows:   # one decode step with the scheduler's debug output: its splits
+        if ROWS[name][3]:
+            res, r = decode(name, None, 0, {"GGML_SCHED_DEBUG": "2"}, n=1)
+            text = r.stdout + r.stderr
+            results["sched"][name] = {"splits": text.count("## SPLIT #"), "rc": r.returncode}
+            with open(f"{out}/sched.txt", "a") as f:
+                f.write(f"==== {name}: splits {text.count('## SPLIT #')}, rc {r.returncode}\n{text[-150000:]}\n")
 finally:
-    stop_daemon(p)
+    if p is not None:
+        stop_daemon(p)
+base = None
+for name in rows:
+    ok = [x for x in runs[name][1:] if x["rc"] == 0]
+    row = {"what": ROWS[name][0], "ok_rounds": len(ok), "failed": [x.get("error", "")[-1500:] for x in runs[name] if x["rc"] != 0][:1]}
+    if ok:
+        row |= {"decode_tps": statistics.median(x["decode_tps"] for x in ok),
+                "prompt_tps": statistics.median(x["prompt_tps"] for x in ok),
+                "decode_tps_rounds": [round(x["decode_tps"], 2) for x in ok], "stats": ok[-1]["stats"]}
+        # the same logits in every round?
+        dumps = [open(f"{work}/{name}-{i}.bin", "rb").read() for i, x in enumerate(runs[name]) if x["rc"] == 0]
+        row["reproducible"] = all(d == dumps[0] for d in dumps)
+    results["rows"][name] = row
+for a, b in PAIRS:
+    if a not in rows or b not in rows:
+        continue
+    rnd = next((i for i in range(rounds) if runs[a][i]["rc"] == 0 and runs[b][i]["rc"] == 0), None)
+    if rnd is None:
+        results["pairs"].append({"a": a, "b": b, "error": "no round where both ran"})
+        continue
+    x = np.fromfile(f"{work}/{a}-{rnd}.bin", dtype=np.float32)
+    y = np.fromfile(f"{work}/{b}-{rnd}.bin", dtype=np.float32)
+    ta, tb = runs[a][rnd]["tokens"], runs[b][rnd]["tokens"]
+    n_rows = len(ta)
+    xr, yr = x.reshape(n_rows, -1), y.reshape(n_rows, -1)
+    first = next((i for i, (u, v) in enumerate(zip(ta, tb)) if u != v), None)
+    results["pairs"].append({"a": a, "b": b, "round": rnd, "max_abs_diff": float(np.max(np.abs(x - y))),
+                             "rows": n_rows, "identical_rows": int(sum(np.array_equal(u, v) for u, v in zip(xr, yr))),
+                             "bit_identical": x.tobytes() == y.tobytes(), "tokens_identical": ta == tb,
+                             "first_token_difference": first, "steps": len(ta) - 1})
+# the llama-bench rows (build phase)
+bench = {}
+for tag, fn in (("gpu", "bench_gpu.json"), ("exps_cpu", "bench_exps_cpu.json")):
+    try:
+        for e in json.load(open(f"{out}/{fn}")):
+            bench[f"{tag}{'' if tag == 'gpu' else ('_repack' if e.get('repack', True) else '_norepack')}"] = e["avg_ts"]
+    except Exception as ex:   # not run in this call, or failed
+        bench[tag] = f"missing: {ex}"
+results["llama_bench"] = bench
+results["time"] = time.time()
+json.dump(results, open(f"{out}/rungs.json", "w"), indent=1)
+gpu = results["rows"].get("gpu", {}).get("decode_tps")
+lines = [f"model {results['model']}: {blocks} MoE blocks x {N_EXPERTS} experts, top-8, Q8_0, {steps} steps, "
+         f"prompt {len(PROMPT)} bytes, {THREADS} threads, medians of {rounds - 1} rounds after a warm-up", "",
+         "| run | decode tok/s | vs GPU resident | prompt tok/s | acquires / fast / misses |", "|---|---|---|---|---|"]
+for k, v in bench.items():
+    if isinstance(v, float):
+        lines.append(f"| llama-bench {k} | {v:.1f} | {f'{v / gpu:.3f}' if gpu else '-'} | - | - |")
+for name, row in results["rows"].items():
+    if "decode_tps" not in row:
+        lines.append(f"| mc-decode {name}: {row['what']} | FAILED | - | - | - |")
+        continue
+    st = row["stats"]
+    vs = f"{row['decode_tps'] / gpu:.3f}" if gpu else "-"
+    sts = f"{st.get('acquires')} / {st.get('fast')} / {st.get('misses')}" if st else "-"
+    lines.append(f"| mc-decode {name}: {row['what']} | {row['decode_tps']:.1f} | {vs} | {row['prompt_tps']:.1f} | {sts} |")
+lines += ["", "| a | b | max abs diff | identical rows | bit-identical | greedy tokens identical |", "|---|---|---|---|---|---|"]
+for q in results["pairs"]:
+    if "error" in q:
+        lines.append(f"| {q['a']} | {q['b']} | {q['error']} | | | |")
+    else:
+        lines.append(f"| {q['a']} | {q['b']} | {q['max_abs_diff']:.3g} | {q['identical_rows']}/{q['rows']} | "
+                     f"{'yes' if q['bit_identical'] else 'no'} | "
+                     f"{'yes (' + str(q['steps']) + ' steps)' if q['tokens_identical'] else 'no, from step ' + str(q['first_token_difference'])} |")
+if results["sched"]:
+    lines += ["", "graph splits of one decode step: " + ", ".join(f"{k} {v['splits']}" for k, v in results["sched"].items())]
+open(f"{out}/rungs.md", "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
 EOF
-say "sched debug done"
-LLAMA_MOECACHED_PLAIN_BUFFERS=1 python3 benchmarks/engine.py --bin "$BIN" --model "$M" --rounds 2 \
-    --steps 16 --threads 8 --cached 1.0 --json "$OUT/engine_plain.json" > "$OUT/engine_plain.txt" 2>&1
-say "engine (plain buffers) done: $(tail -3 "$OUT/engine_plain.txt" | tr '\n' ' ')"
+    say "mc-decode rows done"
+fi

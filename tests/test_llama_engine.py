@@ -129,6 +129,27 @@ def test_daemon_served_logits_are_bit_identical(models, reference, tmp_path, qua
         assert st["misses"] <= n_blocks * n_exp, st         # each expert read at most once
 
 
+@pytest.mark.parametrize("quant", ["q8_0", "llama-q4_k_m"])
+def test_cpu_moe_keeps_the_logits(models, reference, tmp_path, quant):
+    """mc-decode --cpu-moe (the experts' tensors in CPU buffers, llama.cpp's -ot exps=CPU): on a
+    CPU build the same logits as without it, resident and with --moecached (the GPU machine's
+    rung 1 compares these two runs; benchmarks/gpu_hybrid.sh)."""
+    if quant not in models:
+        pytest.skip("no llama-quantize in the build")
+    decode(models[quant], tmp_path / "cpu_moe.bin", "--cpu-moe")
+    assert filecmp.cmp(reference[quant], tmp_path / "cpu_moe.bin", shallow=False), f"{quant}: --cpu-moe changed the logits"
+    idx = open_index(models[quant]).to_json()
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(models[quant], sock, "--slots", str(len(idx["expert_layers"]) * idx["n_experts"]))
+    try:
+        r = decode(models[quant], tmp_path / "served.bin", "--cpu-moe", endpoint=f"ipc://{sock}")
+    finally:
+        log = stop_daemon(p)
+    assert filecmp.cmp(reference[quant], tmp_path / "served.bin", shallow=False), \
+        f"{quant}: --cpu-moe --moecached differs from the resident run\n{r.stdout[-1500:]}\n{log[-1500:]}"
+    assert stats_of(r)["acquires"] > 0
+
+
 def test_two_engines_through_one_daemon(models, reference, tmp_path):
     quant = "q8_0"
     sock = str(tmp_path / "d.sock")

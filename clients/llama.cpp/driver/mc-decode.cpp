@@ -3,7 +3,7 @@
 //
 //   mc-decode -m MODEL [--moecached ENDPOINT] [-p PROMPT] [-n STEPS] [-t THREADS]
 //             [--ubatch N] [--dump FILE] [--step-delay-ms MS] [--retries N] [--rounds N]
-//             [--moecached-subst R] [--moecached-subst-cap N] [--dump-moe FILE]
+//             [--moecached-subst R] [--moecached-subst-cap N] [--dump-moe FILE] [--cpu-moe]
 //   mc-decode --help      (-h) prints the options and exits 0
 //
 // Prints one line per step ("step I token T") and a final "timing" line:
@@ -17,7 +17,11 @@
 //   "moecached error: ..." and is retried up to --retries times (default 0: exit 3).
 // Expert tensors are never repacked (use_extra_bufts = false), with and without --moecached,
 // so both runs use the same kernels over the same bytes.
+// --cpu-moe keeps the model's routed expert tensors in CPU buffers (llama.cpp's --cpu-moe, i.e.
+// -ot exps=CPU): on a GPU build the expert matmuls then run on the CPU, as they do over the
+// daemon's arena, so `--cpu-moe` and `--moecached` runs compare bit for bit there too.
 #include "llama.h"
+#include "ggml-cpu.h"
 
 #include <chrono>
 #include <cstdio>
@@ -52,7 +56,7 @@ static bool dump_moe(struct ggml_tensor * t, bool ask, void * ud) {
 static const char * USAGE =
     "usage: mc-decode -m MODEL [--moecached ENDPOINT] [-p PROMPT] [-n STEPS] [-t THREADS]\n"
     "                 [--ubatch N] [--dump FILE] [--step-delay-ms MS] [--retries N] [--rounds N]\n"
-    "                 [--moecached-subst R] [--moecached-subst-cap N] [--dump-moe FILE]\n"
+    "                 [--moecached-subst R] [--moecached-subst-cap N] [--dump-moe FILE] [--cpu-moe]\n"
     "Greedy decode with llama.cpp, every step's logits dumped, through moecached or not.\n"
     "  -m MODEL                  GGUF model (required)\n"
     "  --moecached ENDPOINT      take the routed experts from the daemon at ENDPOINT\n"
@@ -67,6 +71,7 @@ static const char * USAGE =
     "  --moecached-subst R       let the daemon substitute a resident expert scoring >= R x a missing one\n"
     "  --moecached-subst-cap N   at most N substitutions per layer\n"
     "  --dump-moe FILE           the router's probabilities, top-k, substituted ids and weights per MoE block\n"
+    "  --cpu-moe                 keep the routed expert tensors on the CPU (llama.cpp's --cpu-moe, -ot exps=CPU)\n"
     "  -h, --help                print this and exit\n";
 
 static double now_s() {
@@ -76,6 +81,7 @@ static double now_s() {
 int main(int argc, char ** argv) {
     std::string model_path, endpoint, prompt = "The quick brown fox jumps over the lazy dog.", dump, dump_moe_path;
     int n_steps = 32, n_threads = 2, n_ubatch = 512, delay_ms = 0, retries = 0, rounds = 1;
+    bool cpu_moe = false;
     for (int i = 1; i < argc; ++i) {
         std::string a = argv[i];
         auto next = [&]() -> const char * {
@@ -96,6 +102,7 @@ int main(int argc, char ** argv) {
         else if (a == "--moecached-subst") setenv("LLAMA_MOECACHED_SUBST", next(), 1);   // read at load
         else if (a == "--moecached-subst-cap") setenv("LLAMA_MOECACHED_SUBST_CAP", next(), 1);
         else if (a == "--dump-moe") dump_moe_path = next();
+        else if (a == "--cpu-moe") cpu_moe = true;
         else { fprintf(stderr, "mc-decode: unknown argument %s\n%s", a.c_str(), USAGE); return 2; }
     }
     if (model_path.empty()) { fprintf(stderr, "mc-decode: -m MODEL is required\n%s", USAGE); return 2; }
@@ -110,6 +117,14 @@ int main(int argc, char ** argv) {
     }
     llama_model_params mp = llama_model_default_params();
     mp.use_extra_bufts = false;
+    // --cpu-moe: as common/arg.cpp's (llm_ffn_exps_cpu_override: LLM_FFN_EXPS_REGEX to the CPU
+    // buffer type); with --moecached the file's experts are not read either way, and this keeps a
+    // GPU build from copying them to the device
+    const llama_model_tensor_buft_override cpu_moe_ovr[] = {
+        {"\\.ffn_(up|down|gate|gate_up)_(ch|)exps", ggml_backend_cpu_buffer_type()},
+        {nullptr, nullptr},
+    };
+    if (cpu_moe) mp.tensor_buft_overrides = cpu_moe_ovr;
     llama_model * model = llama_model_load_from_file(model_path.c_str(), mp);
     if (!model) { fprintf(stderr, "mc-decode: cannot load %s\n", model_path.c_str()); return 1; }
     const llama_vocab * vocab = llama_model_get_vocab(model);
