@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moecached.tools import simulate as sim  # noqa: E402
+from moecached.tools import simstream, simsubst  # noqa: E402
 from moecached.engine.trace import load_trace  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -35,18 +36,18 @@ def gap(x, lo, hi):
 def rate(trace, policy, size, **kw):
     try:
         return sim.simulate(trace, policy, size, **kw)["hit_rate"]
-    except sim.SimulationError:
+    except simstream.SimulationError:
         return None
 
 
 def measure(path, sizes):
     t = load_trace(path)
-    st = sim.prepare(t)
+    st = simstream.prepare(t)
     rows = []
     view = None
     try:
-        view = sim.subst_view(t)
-    except sim.SimulationError:
+        view = simsubst.subst_view(t)
+    except simstream.SimulationError:
         pass
     for sz in sizes:
         r = dict(size=sz)
@@ -64,8 +65,8 @@ def measure(path, sizes):
                 for rr, cap in SUBST:
                     key = f"subst_{pol}_r{rr:g}_cap{'none' if cap < 0 else cap}"
                     try:
-                        o = sim.simulate_subst(view, pol, sz, rr, cap)
-                    except sim.SimulationError:
+                        o = simsubst.simulate_subst(view, pol, sz, rr, cap)
+                    except simstream.SimulationError:
                         r[key] = None
                         continue
                     r["view_g_lru"], r["view_g_opt"] = o["g_lru"], o["g_opt"]
@@ -73,7 +74,7 @@ def measure(path, sizes):
                     r[key + "_gap"] = o["gap_closed"]
         rows.append(r)
     return dict(trace=os.path.basename(path), counted_tokens=st.counted_tokens, note=st.note,
-                weights=view is not None, subst_view=sim.SUBST_VIEW if view else None,
+                weights=view is not None, subst_view=simsubst.SUBST_VIEW if view else None,
                 rows=rows)
 
 

@@ -208,7 +208,7 @@ def test_ring_hits_count_like_socket_hits_and_keep_the_eviction_order(daemon):
         assert me_f[k] == me_s[k], (k, me_f[k], me_s[k])
     assert res_f == res_s, "different experts resident: the eviction order differs"
     # and both are the daemon's LRU as the replay check computes it without a daemon
-    from moecached.tools.replay import reference_lru
+    from moecached.tools.replayplan import reference_lru
     fc = FastClient(eps[1], fast_path=False, name="peek2")
     lc = fc.arena["layer_class"]
     classes = sorted(fc.arena["classes"], key=lambda c: c["id"])

@@ -2,7 +2,7 @@
 
 The references below use Python lists (index 0 = coldest) and dicts, and rebuild the access
 stream from the trace on their own; they share nothing with the Cython kernels except the
-size -> slots mapping (``simulate.capacities``, tested separately against the daemon's
+size -> slots mapping (``simsizes.capacities``, tested separately against the daemon's
 ``plan_slots``).
 """
 import bisect
@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 from moecached.tools import simulate as sim
+from moecached.tools import simsizes, simstream
 from moecached.tools.policycli import main as policy_main
 from moecached.engine.policy import (LFU_DECAY_HALVE_AFTER, LFU_SUBST_HALVE_AFTER, LFU_SUBST_USE, LRU,
                               POLICIES, expand_policies)
-from moecached.tools.replay import reference_lru
+from moecached.tools.replayplan import reference_lru
 from moecached.engine.trace import Trace, load_trace
 
 from fixtures import make_model, shared_dir, shared_layouts_dir, shared_traces
@@ -416,7 +417,7 @@ def ref_simulate(trace, policy, size, per_class_layers=None, warmup=None):
     if warmup is None:
         warmup = 0 if has_decode else min(256, T // 4)
     classes = per_class_layers or [list(range(L))]
-    class_caps, layer_caps, _ = sim.capacities(size, L, E, classes)
+    class_caps, layer_caps, _ = simsizes.capacities(size, L, E, classes)
     per_layer = POLICIES[policy][0] == "layer"
     class_of = {l: ci for ci, c in enumerate(classes) for l in c}
     # the access stream: (step index, layer, key list, counted)
@@ -548,7 +549,7 @@ def test_matches_reference_random(tc, policy, size, warmup):
     t, classes = tc
     try:
         got = fast(t, policy, size, classes, warmup)
-    except sim.SimulationError:
+    except simstream.SimulationError:
         assume(False)
     assert got == ref_simulate(t, policy, size, classes, warmup)
 
@@ -597,7 +598,7 @@ def test_cyclic_scan_lru_zero_belady_known(n, c):
 def test_belady_never_beaten_on_shared_traces(size):
     for p in TRACES:
         t = load_trace(p)
-        st_ = sim.prepare(t)
+        st_ = simstream.prepare(t)
         res = {pol: sim.simulate(t, pol, size, stream=st_)["hits"] for pol in ALL}
         for pol, h in res.items():
             assert h <= res["g-opt"], (p.name, pol, size)
@@ -615,7 +616,7 @@ def test_belady_never_beaten_random(tc, size):
     t.is_prompt[:] = False
     try:
         res = {pol: fast(t, pol, size, classes, 0)[0] for pol in ALL}
-    except sim.SimulationError:
+    except simstream.SimulationError:
         assume(False)
     for pol, h in res.items():
         assert h <= res["g-opt"], pol
@@ -647,7 +648,7 @@ def test_capacities_match_daemon_plan_slots():
     idx = types.SimpleNamespace(n_experts=E, size_classes=[
         types.SimpleNamespace(id=i, layers=c) for i, c in enumerate(classes)])
     for S in (13, 50, 97, 100, 150, 13 * 16):
-        caps, layer_caps, _ = sim.capacities(S, 13, E, classes)
+        caps, layer_caps, _ = simsizes.capacities(S, 13, E, classes)
         plan = arena.plan_slots(idx, slots=S)
         assert caps == [plan[i] for i in range(3)], S
         for ci, c in enumerate(classes):
@@ -655,16 +656,16 @@ def test_capacities_match_daemon_plan_slots():
 
 
 def test_fraction_sizes_round_half_up():
-    caps, layer_caps, _ = sim.capacities(0.25, 4, 10, [[0, 1], [2, 3]])
+    caps, layer_caps, _ = simsizes.capacities(0.25, 4, 10, [[0, 1], [2, 3]])
     assert list(layer_caps) == [3, 3, 3, 3] and caps == [6, 6]   # 2.5 -> 3
-    with pytest.raises(sim.SimulationError, match="fraction in"):
-        sim.capacities(1.5, 4, 10)
+    with pytest.raises(simstream.SimulationError, match="fraction in"):
+        simsizes.capacities(1.5, 4, 10)
 
 
 def test_too_small_size_is_refused():
     t = cyclic_trace(8, T=150)
     t.experts = np.concatenate([t.experts, (t.experts + 1) % 8], axis=2)
-    with pytest.raises(sim.SimulationError, match="expected >= 2"):
+    with pytest.raises(simstream.SimulationError, match="expected >= 2"):
         sim.simulate(t, "lru", 1)
 
 
@@ -767,7 +768,7 @@ def test_cli_json_layout_and_plot(tmp_path, capsys):
     res = {(r["policy"], r["size"]): r for r in out[0]["results"]}
     assert "error" in res[("lru", 0.125)]              # 1 slot < top-2
     r = res[("g-lru", 0.5)]
-    classes = sim.layout_bytes(layout)[1] if layout is not None else None
+    classes = simsizes.layout_bytes(layout)[1] if layout is not None else None
     assert r["hits"] == sim.simulate(trace, "g-lru", 0.5, per_class_layers=classes)["hits"]
     if layout is not None:
         assert r["bytes_per_token"] > 0 and r["tok_s_with_compute"] < r["drive_tok_s"]
@@ -783,7 +784,7 @@ def test_cli_json_layout_and_plot(tmp_path, capsys):
 def test_model_bytes_from_gguf(tmp_path, capsys):
     """--model: bytes per expert and size classes from the GGUF index."""
     model = make_model(tmp_path, "qwen3-30b-a3b-Q4_K_M", layers=8, experts=8)
-    per, cls = sim.model_bytes(model)
+    per, cls = simsizes.model_bytes(model)
     # Qwen3-30B Q4_K_M: Q6_K down experts in blocks 0-5, Q4_K in 6-7 -> two size classes
     assert sorted(map(sorted, cls)) == [[0, 1, 2, 3, 4, 5], [6, 7]]
     assert per[0] == 1290240 + 2 * 884736 and per[7] == 3 * 884736
@@ -819,16 +820,16 @@ def test_set_hits_first_then_misses():
 @need_traces
 @pytest.mark.parametrize("size", [0.25, 0.5])
 def test_glru_equals_daemon_lru_model(size):
-    """g-lru is the daemon bit for bit: replay.reference_lru (the daemon's LRU driven as
+    """g-lru is the daemon bit for bit: replayplan.reference_lru (the daemon's LRU driven as
     ExpertCache._grant does, written independently of the kernels) gives the same hits."""
-    from moecached.tools.replay import _step_sets, plan
+    from moecached.tools.replayplan import plan, step_sets
     for p in TRACES:
         t = load_trace(p)
         L, E = t.n_layers, t.n_experts
         classes = [list(range(0, L, 2)), list(range(1, L, 2))]
         for cls in (None, classes):
             pl = plan(t)
-            sets = _step_sets(pl.trace.experts, pl.steps)
+            sets = step_sets(pl.trace.experts, pl.steps)
             r = sim.simulate(pl.trace, "g-lru", size, per_class_layers=cls,
                              warmup=pl.sim_warmup)
             cl = cls or [list(range(L))]
@@ -843,10 +844,10 @@ def test_tokens_window(tmp_path, capsys):
     r = sim.simulate(t, "g-lru", 0.5, tokens=30)
     assert r["counted_tokens"] == 30 and r["accesses"] == 30 * 2 * 2
     assert (r["hits"], r["accesses"]) == fast(truncate(t, 230), "g-lru", 0.5)
-    assert sim.window_end(t, 250, 30) == 280 and sim.window_end(t, 0, 10 ** 6) == 400
+    assert simstream.window_end(t, 250, 30) == 280 and simstream.window_end(t, 0, 10 ** 6) == 400
     t.is_prompt[:] = True                         # prefill only: warmup + N
     assert sim.simulate(t, "lru", 0.5, warmup=10, tokens=7)["counted_tokens"] == 7
-    assert sim.window_end(t, 10, 7) == 17
+    assert simstream.window_end(t, 10, 7) == 17
     from moecached.engine.trace import save_trace
     save_trace(tmp_path / "t.npz", t)
     assert policy_main([str(tmp_path / "t.npz"), "--policies", "g-lru", "--sizes", "0.5",
@@ -854,7 +855,7 @@ def test_tokens_window(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)[0]
     assert out["counted_tokens"] == 7
     assert out["results"][0]["hits"] == fast(truncate(t, 17), "g-lru", 0.5, warmup=10)[0]
-    with pytest.raises(sim.SimulationError, match="tokens"):
+    with pytest.raises(simstream.SimulationError, match="tokens"):
         policy_main([str(tmp_path / "t.npz"), "--tokens", "0"])
 
 

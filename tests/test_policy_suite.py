@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from moecached.tools import simulate as sim
+from moecached.tools import simstream, simsubst
 from moecached.tools.policycli import main as policy_main
 from moecached.engine.policy import (EVICTIONS, LFUDecay, LRU, SLRU, NEEDS_FUTURE, make_eviction, POLICIES, build_stream, make_policy,
                               next_use, replay, replay_subst)
@@ -222,8 +223,8 @@ def weighted_trace(seed, T=200, L=3, E=8, K=4, hot=0.4):
 @pytest.mark.parametrize("refresh", [False, True])
 def test_glru_substitution_matches_reference(seed, r, max_swaps, refresh):
     t = weighted_trace(seed)
-    v = sim.subst_view(t, warmup=0)
-    got = sim.simulate_subst(v, "g-lru", 0.25, r, max_swaps, refresh=refresh)
+    v = simsubst.subst_view(t, warmup=0)
+    got = simsubst.simulate_subst(v, "g-lru", 0.25, r, max_swaps, refresh=refresh)
     slots = round(0.25 * 8) * 3
     h, u, a = ref_subst_glru(t, slots, r, max_swaps, refresh)
     assert (got["hits"], got["substituted"], got["accesses"]) == (h, u, a)
@@ -239,8 +240,8 @@ def test_lfu_subst_substitution_matches_reference(seed, policy, per_layer, r, ma
     """lfu-subst (the daemon's eviction = "lfu-subst") replays as the daemon's LFUDecay with
     candidate credits, driven by the documented rule; the credits change the outcome."""
     t = weighted_trace(seed, T=300)
-    v = sim.subst_view(t, warmup=0)
-    got = sim.simulate_subst(v, policy, 0.25, r, max_swaps)
+    v = simsubst.subst_view(t, warmup=0)
+    got = simsubst.simulate_subst(v, policy, 0.25, r, max_swaps)
     cap = round(0.25 * 8) * (1 if per_layer else 3)
     ref = ref_subst_glru(t, cap, r, max_swaps, evict="lfu-subst", per_layer=per_layer)
     assert (got["hits"], got["substituted"], got["accesses"]) == ref
@@ -307,7 +308,7 @@ def test_cli_subst_json_and_skips_traces_without_weights(tmp_path, capsys):
 def test_cli_subst_bad_input(tmp_path, argv, msg):
     p = tmp_path / "w.npz"
     save_trace(p, weighted_trace(2))
-    with pytest.raises(sim.SimulationError, match=msg):
+    with pytest.raises(simstream.SimulationError, match=msg):
         policy_main([str(p)] + argv)
 
 
@@ -351,7 +352,7 @@ def test_cold_admission_matches_reference(seed, admit):
     cold_of = {None: lambda tok, n: False, "prompt": lambda tok, n: bool(t.is_prompt[tok]),
                1: lambda tok, n: n > 1, 2: lambda tok, n: n > 2}[admit]
     h, a = ref_glru_cold(t, 6, cold_of)
-    st = sim.prepare(t, warmup=0)
+    st = simstream.prepare(t, warmup=0)
     st.set_counted[:] = 1                      # count every set, as the reference does
     got = sim.simulate(t, "g-lru", 0.25, stream=st, admit_cold=admit)
     assert (got["hits"], got["accesses"]) == (h, a)
@@ -362,7 +363,7 @@ def test_cold_admission_matches_reference(seed, admit):
 @pytest.mark.parametrize("policy", [p for p in ALL if p not in sim.ADMITS_COLD])
 def test_cold_admission_refused_by_other_policies(policy):
     t = weighted_trace(0)
-    with pytest.raises(sim.SimulationError, match="no cold admission"):
+    with pytest.raises(simstream.SimulationError, match="no cold admission"):
         sim.simulate(t, policy, 0.5, admit_cold="prompt")
 
 
@@ -370,7 +371,7 @@ def test_cold_admission_refused_by_other_policies(policy):
 def test_cli_admit_cold_bad_value(tmp_path, bad):
     p = tmp_path / "w.npz"
     save_trace(p, weighted_trace(2))
-    with pytest.raises(sim.SimulationError, match="--admit-cold"):
+    with pytest.raises(simstream.SimulationError, match="--admit-cold"):
         policy_main([str(p), "--admit-cold", bad])
 
 

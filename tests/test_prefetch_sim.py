@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from moecached.tools import simulate as sim
+from moecached.tools import simprefetch, simstream
 from moecached.tools.policycli import main as policy_main
 from moecached.engine.trace import Trace, save_trace
 
@@ -32,7 +33,7 @@ def random_trace(seed, T=300, hot=0.4, mapped=False):
 @pytest.mark.parametrize("lookahead", [1, 2, 3])
 def test_counts_add_up(seed, pred, lookahead):
     t = random_trace(seed)
-    r = sim.simulate_prefetch(t, 0.25, pred, lookahead)
+    r = simprefetch.simulate_prefetch(t, 0.25, pred, lookahead)
     assert r["demand_hits"] + r["prefetch_hits"] + r["misses"] == r["accesses"] > 0
     assert r["prefetch_hits"] + r["wasted"] <= r["prefetches"]   # a prefetch is used or wasted at most once
     assert r["reads_per_token"] == pytest.approx((r["misses"] + r["prefetches"]) / r["counted_tokens"])
@@ -40,7 +41,7 @@ def test_counts_add_up(seed, pred, lookahead):
 
 def test_no_prediction_is_plain_glru():
     t = random_trace(2)
-    r = sim.simulate_prefetch(t, 0.25, "noisy:0,0", 2)
+    r = simprefetch.simulate_prefetch(t, 0.25, "noisy:0,0", 2)
     g = sim.simulate(t, "g-lru", 0.25)
     assert (r["demand_hits"], r["misses"], r["prefetches"], r["prefetch_hits"]) == \
         (g["hits"], g["misses"], 0, 0)
@@ -53,7 +54,7 @@ def test_oracle_wastes_nothing_and_saves_reads(lookahead):
     reads are left than without prefetch (a resident expert the prefetch skips may still be
     evicted before its set, as in the daemon)."""
     t = random_trace(3)
-    r = sim.simulate_prefetch(t, 0.5, "oracle", lookahead)
+    r = simprefetch.simulate_prefetch(t, 0.5, "oracle", lookahead)
     g = sim.simulate(t, "g-lru", 0.5)
     assert r["wasted"] == 0 and r["prefetch_hits"] > 0
     assert r["misses"] < g["misses"] / 2
@@ -62,8 +63,8 @@ def test_oracle_wastes_nothing_and_saves_reads(lookahead):
 
 def test_cooc_learns_a_fixed_mapping():
     t = random_trace(4, mapped=True)
-    cooc = sim.simulate_prefetch(t, 0.25, "cooc", 1)
-    wrong = sim.simulate_prefetch(t, 0.25, "noisy:0,1", 1)     # as many guesses, all wrong
+    cooc = simprefetch.simulate_prefetch(t, 0.25, "cooc", 1)
+    wrong = simprefetch.simulate_prefetch(t, 0.25, "noisy:0,1", 1)     # as many guesses, all wrong
     assert cooc["prefetch_hits"] > 10 * max(wrong["prefetch_hits"], 1)
     assert cooc["wasted"] < wrong["wasted"] and cooc["misses"] < wrong["misses"]
 
@@ -71,10 +72,10 @@ def test_cooc_learns_a_fixed_mapping():
 def test_bad_predictor_and_lookahead():
     t = random_trace(0, T=20)
     for bad in ("oracel", "noisy:2,0", "noisy:x"):
-        with pytest.raises(sim.SimulationError, match="--predictor"):
-            sim.simulate_prefetch(t, 0.25, bad)
-    with pytest.raises(sim.SimulationError, match="lookahead"):
-        sim.simulate_prefetch(t, 0.25, "oracle", 0)
+        with pytest.raises(simstream.SimulationError, match="--predictor"):
+            simprefetch.simulate_prefetch(t, 0.25, bad)
+    with pytest.raises(simstream.SimulationError, match="lookahead"):
+        simprefetch.simulate_prefetch(t, 0.25, "oracle", 0)
 
 
 def test_cli_table_and_json(tmp_path, capsys):

@@ -5,7 +5,8 @@ and the daemon-LRU reference's; plan() windows; prefetch counting."""
 import numpy as np
 import pytest
 
-from moecached.tools.replay import ReplayError, parse_predictor, plan, reference_lru, replay
+from moecached.tools.replay import replay
+from moecached.tools.replayplan import ReplayError, parse_predictor, plan, reference_lru
 from moecached.tools.simulate import simulate
 from moecached.engine.trace import load_trace
 
@@ -109,8 +110,8 @@ def test_reference_is_sensitive():
     """The exact check can fail: another capacity or another order gives other hits."""
     t = sliced(qwen_trace(), 2, 200)
     p = plan(t, 40, 160)
-    from moecached.tools.replay import _step_sets
-    sets = _step_sets(p.trace.experts, p.steps)
+    from moecached.tools.replayplan import step_sets
+    sets = step_sets(p.trace.experts, p.steps)
     h64, a = reference_lru(sets, p.counted, [0, 0], [64], 128)
     h63, _ = reference_lru(sets, p.counted, [0, 0], [63], 128)
     assert a == 160 * 16 and h63 < h64

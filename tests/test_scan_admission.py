@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from moecached.tools import simulate as sim
+from moecached.tools import simstream
 from moecached.engine.trace import Trace
 from moecache_client import Client
 
@@ -117,5 +118,5 @@ def test_probation_point_differs_from_cold_end():
     a = sim.simulate(t, "g-lru", SLOTS, admit_cold="prompt")
     b = sim.simulate(t, "g-lru", SLOTS, admit_cold="prompt", scan_admit="probation")
     assert a["hits"] != b["hits"]
-    with pytest.raises(sim.SimulationError, match="scan_admit"):
+    with pytest.raises(simstream.SimulationError, match="scan_admit"):
         sim.simulate(t, "g-lru", SLOTS, admit_cold="prompt", scan_admit="middle")

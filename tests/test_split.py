@@ -7,6 +7,7 @@ import pytest
 
 from moecached.daemon.split import MIN_GAIN, Member, Split, SplitError, least_share
 from moecached.tools import simulate as sim
+from moecached.tools import simstream
 from moecached.tools.policycli import main as policy_main
 from moecached.tools.mixsim import MixModel, layout_index, replay_mix, run_mix
 from moecached.engine.trace import load_trace
@@ -201,8 +202,8 @@ def test_mix_cli(capsys, tmp_path):
                    + layout_path("mixtral-8x7b-Q4_K_M")])
     out = capsys.readouterr().out
     assert rc == 0 and "shared (final" in out and "equal" in out and "static (best)" in out
-    with pytest.raises(sim.SimulationError, match="--budget"):
+    with pytest.raises(simstream.SimulationError, match="--budget"):
         policy_main(["--mix", ",".join(paths)])
-    with pytest.raises(sim.SimulationError, match="--rates: found 1 entries, expected 2"):
+    with pytest.raises(simstream.SimulationError, match="--rates: found 1 entries, expected 2"):
         policy_main(["--mix", ",".join(paths), "--budget", "1GiB", "--rates", "1",
                   "--layouts", "a,b"])

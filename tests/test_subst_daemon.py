@@ -9,6 +9,7 @@ import pytest
 import zmq
 
 from moecached.tools import simulate as sim
+from moecached.tools import simsubst
 from moecached.tools.policycli import main as policy_main
 from moecached.engine.trace import Trace, load_trace, save_trace
 from moecache_client import Client, Subst
@@ -84,8 +85,8 @@ def test_daemon_substitution_equals_simulator(model_factory, tmp_path, monkeypat
         with Client(d.endpoint, name="subst") as c:
             got, per_layer = replay(c, d.idx, t, r, cap)
             st = c.stats()
-    v = sim.subst_view(t, warmup=0)
-    want = sim.simulate_subst(v, sim_policy, slots, r, -1 if cap is None else cap)
+    v = simsubst.subst_view(t, warmup=0)
+    want = simsubst.simulate_subst(v, sim_policy, slots, r, -1 if cap is None else cap)
     assert got == (want["hits"], want["substituted"], want["accesses"])
     assert want["substituted"] > 0
     # counted per layer and per client, the way the other counters are
@@ -101,7 +102,7 @@ def test_daemon_substitution_equals_simulator(model_factory, tmp_path, monkeypat
         import moecached.engine.policy as mp
         monkeypatch.setitem(mp.EVICTIONS, "lfu-subst",
                             lambda n: mp.LFUDecay(n, mp.LFU_SUBST_HALVE_AFTER, mp.LFU_SUBST_USE, 0))
-        other = sim.simulate_subst(v, sim_policy, slots, r, -1 if cap is None else cap)
+        other = simsubst.simulate_subst(v, sim_policy, slots, r, -1 if cap is None else cap)
         assert (other["hits"], other["substituted"]) != (want["hits"], want["substituted"])
 
 
@@ -114,10 +115,10 @@ def test_no_candidates_changes_nothing(model_factory, tmp_path):
         with Client(d.endpoint, name="plain") as c:
             got, _ = replay(c, d.idx, t, 0.5, 1, subst=False)
             st = c.stats()
-    v = sim.subst_view(t, warmup=0)
+    v = simsubst.subst_view(t, warmup=0)
     plain = sim.simulate(v.trace, "lfu-subst", slots, warmup=0)
     assert got == (plain["hits"], 0, plain["accesses"]) and st["substitutions"] == 0
-    assert sim.simulate_subst(v, "lfu-subst", slots, 0.5, 1)["hits"] != plain["hits"]
+    assert simsubst.simulate_subst(v, "lfu-subst", slots, 0.5, 1)["hits"] != plain["hits"]
 
 
 def raw(endpoint, msg):
@@ -211,17 +212,17 @@ def test_simulator_uses_recorded_candidates():
     ex = np.array([[[0, 1]], [[2, 1]]], np.int16)
     t = Trace(experts=ex, is_prompt=np.zeros(2, bool), weights=np.float32([[[1, .5]], [[1, .5]]]),
               meta={"n_experts": 4})
-    half = sim.simulate_subst(sim.subst_view(t, warmup=0), "g-lru", 2, 0.5)
+    half = simsubst.simulate_subst(simsubst.subst_view(t, warmup=0), "g-lru", 2, 0.5)
     assert (half["hits"], half["substituted"], half["accesses"]) == (0, 0, 2)
-    assert half["view"] == sim.SUBST_VIEW
+    assert half["view"] == simsubst.SUBST_VIEW
     t.scores = np.ones((2, 1, 2), np.float32)
     t.candidates = np.array([[[-1]], [[0]]], np.int16)
     t.candidate_scores = np.float32([[[0]], [[0.9]]])
-    v = sim.subst_view(t, warmup=0)
-    got = sim.simulate_subst(v, "g-lru", 2, 0.5)
+    v = simsubst.subst_view(t, warmup=0)
+    got = simsubst.simulate_subst(v, "g-lru", 2, 0.5)
     assert (got["hits"], got["substituted"], got["accesses"]) == (1, 1, 4)
-    assert got["view"] == v.view == sim.SUBST_VIEW_RECORDED and v.routed == 2
-    low = sim.simulate_subst(v, "g-lru", 2, 0.95)       # 0.9 < 0.95 x 1: no swap
+    assert got["view"] == v.view == simsubst.SUBST_VIEW_RECORDED and v.routed == 2
+    low = simsubst.simulate_subst(v, "g-lru", 2, 0.95)       # 0.9 < 0.95 x 1: no swap
     assert (low["hits"], low["substituted"]) == (1, 0)
 
 
@@ -236,5 +237,5 @@ def test_simulator_cli_names_the_view(tmp_path, capsys):
     assert policy_main([str(tmp_path / "half.npz"), str(tmp_path / "rec.npz"), "--subst", "0.5",
                      "--sizes", "2", "--warmup", "0"]) == 0
     text = capsys.readouterr().out
-    assert f"half.npz: substitution view: {sim.SUBST_VIEW}" in text
-    assert f"rec.npz: substitution view: {sim.SUBST_VIEW_RECORDED}" in text
+    assert f"half.npz: substitution view: {simsubst.SUBST_VIEW}" in text
+    assert f"rec.npz: substitution view: {simsubst.SUBST_VIEW_RECORDED}" in text

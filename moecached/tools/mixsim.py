@@ -4,7 +4,7 @@ The traces are interleaved by time: model m issues its steps at ``rates[m]`` tok
 (default: each trace's length over the longest, so all of them end together), step j at time
 ``tokens_before(j) / rate``; steps at the same time go in the order the traces were named. Each
 model replays as the daemon serves it (``g-lru``: the daemon's LRU per size class, every set of
-one layer pinned while it loads, exactly ``moecached.tools.replay.reference_lru``), with the
+one layer pinned while it loads, exactly ``moecached.tools.replayplan.reference_lru``), with the
 daemon's ghost entries (``moecached.daemon.split``): per size class a FIFO of the keys evicted last,
 as many as one more step of budget would add; a demanded miss on one of them is a ghost hit.
 
@@ -36,8 +36,8 @@ import numpy as np
 from moecached.engine.policy import LRU
 from moecached.daemon.split import Member, Split, SplitError, least_share
 from moecached.engine.trace import Trace, load_trace
-from moecached.tools.replay import pin_resident
-from moecached.tools.simulate import SimulationError, prepare
+from moecached.tools.replayplan import pin_resident
+from moecached.tools.simstream import SimulationError, prepare
 
 __all__ = ["MixModel", "layout_index", "mix_members", "interleaving", "replay_mix", "run_mix", "main_mix",
            "DEFAULT_SPLIT_EVERY"]

@@ -1,18 +1,29 @@
-"""``moecache-ctl policy``: the cache-policy simulator's command line (one trace or several,
-``--subst``, ``--predictor``; ``--mix``: several models' traces against one shared budget).
-The simulation itself is :mod:`moecached.tools.simulate` (one model) and
-:mod:`moecached.tools.mixsim` (several); this module sits above both.
+"""``moecache-ctl policy``: the cache-policy simulator's command line, its tables and its plot
+(one trace or several; ``--subst``, ``--predictor``; ``--mix``: several models' traces against
+one shared budget). Owns the parsing of ``--sizes``, ``--policies``, ``--admit-cold``,
+``--subst`` and ``--subst-cap``, the text tables, the JSON output and ``--plot``. The
+simulation itself is :mod:`moecached.tools.simulate` (with ``simstream``, ``simsizes``,
+``simsubst``, ``simprefetch``) and :mod:`moecached.tools.mixsim` (several models); this module
+sits above them all.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import shlex
 import sys
 
+from moecached.engine.policy import NEEDS_FUTURE, POLICIES, SCAN_ADMITS, expand_policies
+from moecached.engine.trace import load_trace
 from moecached.tools.mixsim import main_mix
-from moecached.tools.simulate import (DEFAULT_GBPS, POLICIES, SCAN_ADMITS, SimulationError, _json_num,
-                       _main_prefetch, _main_subst, _parse_admit, _parse_policies, _parse_sizes,
-                       _plot, _table, _why_nothing_counted, layout_bytes, model_bytes, run)
+from moecached.tools.simprefetch import parse_predictor, simulate_prefetch
+from moecached.tools.simsizes import layout_bytes, model_bytes
+from moecached.tools.simstream import SimulationError, prepare
+from moecached.tools.simsubst import run_subst
+from moecached.tools.simulate import DEFAULT_GBPS, run
+
 
 def main(argv=None) -> int:
     """CLI entry (``moecache-ctl policy``); returns the exit status."""
@@ -152,6 +163,283 @@ def main(argv=None) -> int:
     if a.plot:
         print(f"plot: {a.plot}")
     return 0
+
+
+def _main_subst(a, policies, sizes, cls) -> int:
+    rs = _parse_subst(a.subst)
+    caps = _parse_caps(a.subst_cap)
+    bad = [p for p in policies if p in NEEDS_FUTURE]
+    if bad:
+        raise SimulationError(f"--subst --policies: {', '.join(bad)} need the future; "
+                              f"substitution replays online policies (g-opt is reported "
+                              f"beside every row anyway)")
+    out = run_subst(a.traces, policies, sizes, rs, caps, a.warmup, cls, a.tokens,
+                    a.subst_refresh)
+    if a.json:
+        js = [dict(o, results=[{k: _json_num(v) for k, v in r.items()} for r in o["results"]])
+              for o in out]
+        json.dump(js, sys.stdout, indent=1, default=float)
+        print()
+        return 0
+    for o in out:
+        print(f"== {o['trace']}: substitution view: {o['view']}")
+        if "skipped" in o:
+            print(f"skipped: {o['skipped']}")
+            print()
+            continue
+        print(f"{o['routed_per_token']} routed expert(s) per token-layer of top-{o['top_k']}; "
+              f"counted tokens {o['counted_tokens']}" + ("; refresh on" if a.subst_refresh
+                                                         else ""))
+        if o["note"]:
+            print(f"note: {o['note']}")
+        res = {(r["policy"], r["r"], r["max_swaps"], r["size"]): r for r in o["results"]}
+        first = {}
+        for r in o["results"]:
+            if "error" not in r:
+                first.setdefault(r["size"], r)
+
+        def pct(x):
+            return "n/a" if x is None or x != x else f"{x * 100:.1f}%"
+
+        rows = {"g-lru": lambda s: pct(first[s]["g_lru"]) if s in first else "n/a",
+                "g-opt": lambda s: pct(first[s]["g_opt"]) if s in first else "n/a"}
+        for pol in policies:
+            for r in rs:
+                for c in caps:
+                    name = f"{pol} subst r={r:g} cap={'none' if c < 0 else c}"
+                    rows[name] = (lambda k: lambda s: "n/a" if "error" in res[k + (s,)]
+                                  else pct(res[k + (s,)]["served_rate"]))((pol, r, c))
+                    rows["  gap closed"] = None
+                    rows[name + " gap"] = (lambda k: lambda s: "n/a" if "error" in res[k + (s,)]
+                                           else pct(res[k + (s,)]["gap_closed"]))((pol, r, c))
+        rows.pop("  gap closed")
+        print(_table("served from cache", list(rows), sizes, lambda row, s: rows[row](s)))
+        for e in sorted({r["error"] for r in o["results"] if "error" in r}):
+            print(f"n/a: {e}")
+        print()
+    return 0
+
+
+def _main_prefetch(a, sizes, bpe, cls) -> int:
+    pred = parse_predictor(a.predictor)
+    out = []
+    for p in a.traces:
+        t = load_trace(p)
+        st = prepare(t, a.warmup, a.tokens)
+        res = []
+        for sz in sizes:
+            try:
+                res.append(simulate_prefetch(t, sz, pred, a.lookahead, cls, bytes_per_expert=bpe,
+                                             seed=a.seed, stream=st))
+            except SimulationError as ex:
+                res.append(dict(size=sz, error=str(ex)))
+        out.append(dict(trace=os.fspath(p), predictor=a.predictor, lookahead=a.lookahead,
+                        counted_tokens=st.counted_tokens, note=st.note, results=res))
+    if a.json:
+        json.dump([dict(o, results=[{k: _json_num(v) for k, v in r.items()} for r in o["results"]])
+                   for o in out], sys.stdout, indent=1, default=float)
+        print()
+        return 0
+    for o in out:
+        print(f"== {o['trace']}: prefetch with the daemon's LRU (g-lru), predictor "
+              f"{o['predictor']}, lookahead {o['lookahead']}; counted tokens {o['counted_tokens']}")
+        if o["note"]:
+            print(f"note: {o['note']}")
+        res = {r["size"]: r for r in o["results"]}
+
+        def cell(f):
+            return lambda row, s: "n/a" if "error" in res[s] else f(res[s])
+        rows = {
+            "hit rate, no prefetch": lambda r: f"{r['hit_rate_no_prefetch'] * 100:.1f}%",
+            "demand hits": lambda r: f"{r['demand_hits'] / r['accesses'] * 100:.1f}%",
+            "prefetch hits": lambda r: f"{r['prefetch_hits'] / r['accesses'] * 100:.1f}%",
+            "misses": lambda r: f"{r['misses'] / r['accesses'] * 100:.1f}%",
+            "wasted prefetches/token": lambda r: f"{r['wasted_per_token']:.2f}",
+            "reads/token": lambda r: f"{r['reads_per_token']:.2f}",
+            "reads/token, no prefetch": lambda r: f"{r['reads_per_token_no_prefetch']:.2f}",
+        }
+        if bpe is not None:
+            rows["wasted MB/token"] = lambda r: f"{r['wasted_bytes_per_token'] / 1e6:.1f}"
+        print(_table("of counted accesses", list(rows), sizes,
+                     lambda row, s: cell(rows[row])(row, s)))
+        for e in sorted({r["error"] for r in o["results"] if "error" in r}):
+            print(f"n/a: {e}")
+        print()
+    return 0
+
+
+SIZES_EXPECTED = "expected a fraction in (0, 1] (0.25 or 25%) or an integer slot count >= 1"
+
+
+def _parse_size(s: str):
+    """One ``--sizes`` item: a fraction (has a ``.``, an exponent or ends in ``%``) in (0, 1],
+    or a plain integer slot count >= 1. SimulationError (one line) otherwise."""
+    s = s.strip()
+    shown = shlex.quote(s)
+    try:
+        if s.endswith("%"):
+            v = float(s[:-1]) / 100.0
+        elif "." in s or "e" in s.lower():
+            v = float(s)
+        else:
+            v = int(s)
+    except ValueError:
+        raise SimulationError(f"--sizes {shown}: {SIZES_EXPECTED}") from None
+    if isinstance(v, float) and not (math.isfinite(v) and 0 < v <= 1):
+        raise SimulationError(f"--sizes {shown}: {SIZES_EXPECTED}")
+    if isinstance(v, int) and v < 1:
+        raise SimulationError(f"--sizes {shown}: {SIZES_EXPECTED}")
+    return v
+
+
+def _parse_sizes(text: str) -> list:
+    """The ``--sizes`` list: validated items (see :func:`_parse_size`), duplicates dropped;
+    an empty list is refused."""
+    out = []
+    for item in text.split(","):
+        if item.strip():
+            v = _parse_size(item)
+            if not any(type(v) is type(x) and v == x for x in out):
+                out.append(v)
+    if not out:
+        raise SimulationError(f"--sizes {shlex.quote(text)}: found no sizes, expected a comma "
+                              f"list of fractions in (0, 1] (0.25 or 25%) or integer slot "
+                              f"counts >= 1")
+    return out
+
+
+def _parse_policies(text: str) -> list:
+    """The ``--policies`` list (names and aliases expanded); an empty list is refused."""
+    try:
+        policies = expand_policies(text)
+    except ValueError as ex:
+        raise SimulationError(f"--policies: {ex}") from None
+    if not policies:
+        raise SimulationError(f"--policies {shlex.quote(text)}: found no policies, expected a "
+                              f"comma list of {', '.join(POLICIES)} (aliases: w-tinylfu, all)")
+    return policies
+
+
+def _fmt_size(x):
+    return f"{x * 100:g}%" if isinstance(x, float) else f"{x} slots"
+
+
+def _table(title, rows, cols, cell):
+    w0 = max([len(title)] + [len(r) for r in rows])
+    heads = [_fmt_size(c) for c in cols]
+    ws = [max(9, len(h)) for h in heads]
+    lines = [f"{title:<{w0}}  " + "  ".join(f"{h:>{w}}" for h, w in zip(heads, ws))]
+    for r in rows:
+        lines.append(f"{r:<{w0}}  " + "  ".join(f"{cell(r, c):>{w}}" for c, w in zip(cols, ws)))
+    return "\n".join(lines)
+
+
+def _parse_admit(text):
+    """``--admit-cold``: None, ``prompt`` or an int width >= 1."""
+    if text is None:
+        return None
+    if text.strip() == "prompt":
+        return "prompt"
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise SimulationError(f"--admit-cold {shlex.quote(text)}: expected 'prompt' or a width "
+                              f">= 1 (sets wider than that many experts are admitted cold)")
+    return v
+
+
+def _json_num(v):
+    """NaN (no counted accesses) as JSON null: NaN is not JSON."""
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
+def _why_nothing_counted(o) -> str:
+    if o["n_tokens"] == 0:
+        return "the trace has no tokens (recorded with no traffic?)"
+    if o["counted_tokens"] == 0:
+        return (f"none of its {o['n_tokens']} tokens is counted (prompt tokens and a warm-up "
+                f"of {o['warmup']} tokens never count)")
+    return f"its {o['counted_tokens']} counted tokens route no experts (all -1)"
+
+
+def _plot(out, policies, sizes, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SimulationError("--plot needs matplotlib (pip install matplotlib)") from None
+    n = len(out)
+    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.6), squeeze=False)
+    xs = sorted(sizes, key=lambda s: (s if isinstance(s, float) else 2.0 + s))
+    for ax, o in zip(axes[0], out):
+        for pi, pol in enumerate(policies):
+            pts = [(s, o["results"][(pol, s)].get("hit_rate")) for s in xs]
+            pts = [(s, h) for s, h in pts if h is not None and h == h]
+            if pts:
+                xv = [s * 100 if isinstance(s, float) else s for s, _ in pts]
+                ax.plot(xv, [h * 100 for _, h in pts], marker="o", ms=3, lw=1.2,
+                        color=plt.cm.tab20(pi % 20),
+                        ls="--" if pol in NEEDS_FUTURE else "-", label=pol)
+        ax.set_title(os.path.basename(o["trace"]).replace(".npz", ""), fontsize=8)
+        ax.set_xlabel("cache size (% of each layer's experts)" if all(
+            isinstance(s, float) for s in xs) else "cache size")
+        ax.set_ylabel("hit rate (%)")
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    axes[0][-1].legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def _parse_subst(text: str) -> list:
+    """``--subst``: comma list of tolerances in [0, 1]."""
+    out = []
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        try:
+            v = float(item)
+        except ValueError:
+            v = float("nan")
+        if not (0.0 <= v <= 1.0):
+            raise SimulationError(f"--subst {shlex.quote(item.strip())}: expected a tolerance "
+                                  f"0 <= r <= 1 (0.5 grants a candidate scoring at least half "
+                                  f"the missing expert's score)")
+        if v not in out:
+            out.append(v)
+    if not out:
+        raise SimulationError(f"--subst {shlex.quote(text)}: found no tolerances, expected a "
+                              f"comma list such as 0.5,0.8")
+    return out
+
+
+def _parse_caps(text: str) -> list:
+    """``--subst-cap``: comma list of ints >= 1 or ``none`` (-1 = no cap)."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if item.lower() == "none":
+            v = -1
+        else:
+            try:
+                v = int(item)
+            except ValueError:
+                v = 0
+            if v < 1:
+                raise SimulationError(f"--subst-cap {shlex.quote(item)}: expected an integer "
+                                      f">= 1 (swaps per token-layer set) or 'none'")
+        if v not in out:
+            out.append(v)
+    if not out:
+        raise SimulationError(f"--subst-cap {shlex.quote(text)}: found no caps, expected e.g. "
+                              f"1,none")
+    return out
 
 
 if __name__ == "__main__":
