@@ -190,6 +190,8 @@ FILE_ERRORS = [
                        'B, K/KiB, M/MiB, G/GiB, T/TiB binary; KB, MB, GB, TB decimal), more than 0 bytes'),
     ('split_hysteresis = -1', 'split_hysteresis = -1: expected a number from 0 to 100 (0.25: a move '
                               'must gain 25 % more than it loses)'),
+    ('state_dir = "state"', 'state_dir = "state": expected an absolute path, or "" for no warm starts'),
+    ('state_interval_s = -1', 'state_interval_s = -1: expected a number of seconds >= 0 and <= 86400'),
     ('[server]\nx = 1', '[server] is a table: expected top-level keys only (key = value lines, no '
                         '[section] headers, dotted keys or inline tables)'),
     ('readers = 4\n[section]\nbudget = "8G"', '[section] is a table: expected top-level keys only '

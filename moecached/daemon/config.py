@@ -35,7 +35,7 @@ from moecached import MoecacheError
 from moecached.daemon.confvalues import (MAX_IPC_PATH, MODEL_NAME, GiB, KiB, MiB, _abs_path, _admit_cold,  # noqa: F401
                          _Bad, _bool, _choice, _endpoint, _float_range, _fraction, _group, _human,
                          _hysteresis, _int_range, _log_level, _mode, _model, _MODEL_FIELDS, _models,
-                         _rate, _size)
+                         _rate, _size, _state_dir)
 
 __all__ = ["Config", "ConfigError", "KEYS", "DEFAULT_PATH", "DEFAULT_ENDPOINT", "RELOADABLE",
            "load_config", "add_cli_args", "config_from_args", "reload_changes", "dump_toml"]
@@ -95,6 +95,8 @@ class Config:
     split_interval_s: float = 10.0           # several models: seconds between two rebalances of the split
     split_step: Optional[int] = None         # several models: bytes a share moves by (None: budget / 32)
     split_hysteresis: float = 0.25           # several models: a move's gain must beat its loss by this factor
+    state_dir: str = "/var/lib/moecached"    # warm-start state files ("" : none; used when it exists)
+    state_interval_s: float = 60.0           # seconds between two saves of the state files (0: at stop only)
     # where each value came from: "default", the config file's path, or "command line"
     sources: dict = field(default_factory=dict, repr=False, compare=False)
     path: Optional[str] = field(default=None, compare=False)   # config file read, if any
@@ -242,6 +244,14 @@ KEYS: dict[str, Key] = {
     "split_hysteresis": Key(_hysteresis, "--split-hysteresis", "several models: a move's gain "
                             "must beat its loss by this factor (default 0.25)", "X", "float",
         reload="split", scope="daemon"),
+    "state_dir": Key(_state_dir, "--state-dir", "directory of the warm-start state files: each "
+                     "model's resident experts, saved periodically and at stop, read back in "
+                     "file order at start (default /var/lib/moecached when it exists; \"\" for "
+                     "none)", "DIR"),
+    "state_interval_s": Key(_float_range(0, 86400), "--state-interval",
+                            "seconds between two saves of the state files (default 60; 0: only "
+                            "when the daemon stops)", "S", "float",
+        reload="read_when_used", scope="daemon"),
 }
 
 #: Keys a SIGHUP can apply to a running daemon (those with a ``reload`` name); others need

@@ -147,6 +147,12 @@ def _abs_path(x):
     return os.path.normpath(x)
 
 
+def _state_dir(x):
+    if not isinstance(x, str) or (x and not x.startswith("/")) or "\0" in x:
+        raise _Bad('an absolute path, or "" for no warm starts')
+    return os.path.normpath(x) if x else ""
+
+
 def _model(x):
     if not isinstance(x, str) or not x or "\0" in x:
         raise _Bad("the path of a GGUF file")

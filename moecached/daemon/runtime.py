@@ -28,6 +28,7 @@ from moecached.daemon import notify
 from moecached.engine.arena import remove_stale_arenas, planned_size, smallest_budget
 from moecached.daemon.assemble import budget_bytes, fit_budget, floor_min_budget, make_cache, server_kwargs
 from moecached.daemon.floor import MemoryFloor
+from moecached.daemon.state import WarmStates
 from moecached.engine.index import open_index
 from moecached.daemon.logs import stage
 from moecached.daemon.multi import Models
@@ -249,6 +250,7 @@ class Daemon:
         self.read_queue = None
         self.server = None
         self.floor = None
+        self.states = None       # warm starts: the models' state files and fills
         self._floor_off = None   # a floor turned off by SIGHUP: its counters go on if back
         self._watchdog = notify.watchdog_ping if notify.watchdog_interval() else None
         if cfg.models:
@@ -278,6 +280,7 @@ class Daemon:
             raise
         if cfg.floor is not None:
             self.floor = self._make_floor(cfg)
+        self.states = WarmStates(self)
         self.server.on_tick = self._tick
         self.server.extra_stats = self._stats
         self.server.extra_status = self._status
@@ -296,6 +299,8 @@ class Daemon:
             self.server.serve_forever(ready=self._ready)
         finally:
             _notify("STOPPING=1")
+            if self.states is not None:   # the resident sets, for the next start
+                self.states.close()
             self.models.close()
             self.read_queue.close()
         if self.exit_status:
@@ -313,11 +318,15 @@ class Daemon:
         msg, more = self.models.ready_message()
         log.info("moecached %s ready: %s%s", __version__, msg, more)
         _notify("READY=1", f"STATUS={msg}", f"MAINPID={os.getpid()}")
+        if self.states is not None:   # fill back what the last run held, while serving
+            self.states.start()
 
     def _tick(self, now: float) -> None:
         if self.floor is not None:
             self.floor.tick(now)
         self.models.tick(now)
+        if self.states is not None:
+            self.states.tick(now)
         if self._watchdog is not None:
             self._watchdog()
 
@@ -327,6 +336,8 @@ class Daemon:
             st["read_queue"] = self.read_queue.stats()
         if self.floor is not None:
             st["floor"] = self.floor.stats()
+        if self.states is not None:
+            st["warm"] = self.states.stats()
         return st
 
     def _status(self) -> dict:

@@ -33,7 +33,7 @@ UNPACK_LIMITS = dict(raw=False, strict_map_key=True, max_str_len=MAX_STR_LEN, ma
                      max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0)
 
 OPS = ("hello", "acquire", "prefetch", "release", "cancel", "stats", "status", "ping", "bye",
-       "trace_start", "trace_stop", "models")
+       "trace_start", "trace_stop", "models", "warm")
 
 #: The request shapes the server's hot path (``moecached.service._serve.FastPath``) may serve: op ->
 #: its exact field set. A request of that op with any other fields, or any other op, always

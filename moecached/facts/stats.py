@@ -44,6 +44,12 @@ class Stat(NamedTuple):
     value: Union[str, Callable, None]
 
 
+def _warm(cache, what: str):
+    """A warm-fill counter of ``cache`` (``moecached.engine.warmth.WarmCounters``), 0 before any."""
+    w = getattr(cache, "warm", None)
+    return getattr(w, what) if w is not None else 0
+
+
 #: The cache's counters and gauges, in ``stats()`` order (``ExpertCache.stats`` builds them
 #: from these rows, the exporter exposes each one). value: an ``ExpertCache`` attribute name,
 #: or a function ``cache -> value``.
@@ -93,6 +99,16 @@ CACHE_STATS = (
          "c_shrinks"),
     Stat("grow_events", "counter", "budget_grows", "times the memory floor grew the cache budget back",
          "c_grows"),
+    Stat("warm_loaded", "counter", "warm_loaded",
+         "experts loaded by warm fills (the state file at start, moecache-ctl warm)",
+         lambda c: _warm(c, "loaded")),
+    Stat("warm_bytes", "counter", "warm_bytes", "bytes of the experts warm fills loaded",
+         lambda c: _warm(c, "bytes")),
+    Stat("warm_seconds", "counter", "warm_seconds", "seconds warm fills ran (a running one up to now)",
+         lambda c: _warm(c, "seconds")),
+    Stat("warm_wanted", "gauge", "warm_wanted",
+         "experts the last warm fill set out to load (absent ones that fit the free slots)",
+         lambda c: _warm(c, "wanted")),
     Stat("uptime_s", "gauge", "uptime_seconds", "seconds since the daemon started", None),
 )
 

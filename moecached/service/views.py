@@ -45,6 +45,14 @@ class ServerViews:
                                   "it with --model NAME=PATH (or [[models]]) to add models live")
         self._reply(c.ident, rid, **self.models_handler(msg))
 
+    def _op_warm(self, c: _Client, rid: int, msg: dict) -> None:
+        """Fill the cache from its state file or the experts named (``moecached.daemon.state``)."""
+        handler = getattr(self, "warm_handler", None)
+        if handler is None:
+            raise P.ProtocolError(P.E_REFUSED, "this server has no warm starts (a daemon's model "
+                                  "socket has them)")
+        self._reply(c.ident, rid, **handler(msg))
+
     def _op_stats(self, c: _Client, rid: int, msg: dict) -> None:
         self._reply(c.ident, rid, stats=self.stats())
 

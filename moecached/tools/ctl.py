@@ -21,6 +21,7 @@ COMMANDS = {
     "metrics": ("moecached.tools.metrics", "main", "serve the daemon's counters to Prometheus (HTTP exporter)"),
     "policy": ("moecached.tools.policycli", "main", "replay routing traces through cache policies (simulator)"),
     "replay": ("moecached.tools.replay", "main", "replay a routing trace against a live daemon"),
+    "warm": ("moecached.tools.warm", "main", "fill a running daemon's cache from its state file or a trace"),
     "guard": ("moecached.tools.guard", "main", "run a command, kill it if MemAvailable falls under a floor"),
 }
 

@@ -1,0 +1,391 @@
+"""Warm starts: a cache's resident set kept in a small state file, and read back at drive speed.
+
+The **state file** of a model names the model it was written for (:func:`model_identity`: the
+index's fingerprint and each file's size, mtime, ctime, device and inode, which the reader pool
+also compares to notice a changed model) and its resident experts, hottest first::
+
+    {"format": "moecached-warm", "version": 1, "saved": <unix time>, "model": <path>,
+     "identity": {"fingerprint": ..., "files": [{path, size, mtime_ns, ctime_ns, dev, ino}]},
+     "experts": [[layer, expert], ...]}
+
+It is written whole to a temporary file beside it, synced and renamed over the old one
+(:func:`save_state`), so a crash leaves the old file or the new one, never half of one.
+:func:`load_state` refuses anything else with one line (:class:`StateError`).
+
+A **fill** (:class:`WarmFill`) loads a list of wanted experts into a running cache: the most
+wanted that fit the free slots of their pool, then sorted by file offset, so the drive reads
+the model front to back; they go through the cache's prefetch path (prefetch priority: every
+demand read goes first, leases and slot generations as for any load), a window of loads in
+flight, never evicting anything (an expert whose pool has no free slot left is skipped: the
+budget is full). Their confidence is the cache's ``prefetch_min_confidence``, the lowest a
+prefetch may have, so an engine's prefetch displaces a queued warm read at the prefetch cap.
+Counters: :class:`WarmCounters` (``warm_loaded``, ``warm_bytes``, ``warm_seconds``,
+``warm_wanted`` in ``stats``; declared in ``moecached.facts.stats``), kept on the cache as
+``cache.warm``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+
+from moecached import MoecacheError
+
+__all__ = ["StateError", "FORMAT", "VERSION", "model_identity", "identity_mismatch",
+           "resident_experts", "save_state", "load_state", "WarmCounters", "WarmFill", "plan_fill",
+           "counters_of"]
+
+FORMAT = "moecached-warm"
+VERSION = 1
+#: state files larger than this are refused unread (a model of 1M experts is ~12 MiB)
+MAX_STATE_BYTES = 64 << 20
+
+
+class StateError(MoecacheError):
+    """A state file that cannot be used: unreadable, not JSON, truncated, wrong format; one line."""
+
+
+# -- the model a state file belongs to -----------------------------------------------------------
+
+def model_identity(index) -> dict:
+    """What identifies the model files ``index`` was built from: the index's fingerprint (names,
+    sizes, mtimes, tensor table) and per file its size, mtime, ctime, device and inode (what the
+    reader pool compares to notice a changed model)."""
+    files = []
+    for i, f in enumerate(index.files):
+        path = str(getattr(f, "path", f))
+        ct, dev, ino = index.file_identity[i]
+        files.append({"path": path, "size": int(index.file_sizes[i]),
+                      "mtime_ns": int(index.file_mtimes_ns[i]), "ctime_ns": int(ct),
+                      "dev": int(dev), "ino": int(ino)})
+    return {"fingerprint": index.fingerprint(), "files": files}
+
+
+def identity_mismatch(state: dict, index) -> str | None:
+    """Why ``state`` (from :func:`load_state`) was written for another model than ``index``'s,
+    or None when it is this one."""
+    want, have = model_identity(index), state.get("identity") or {}
+    if have.get("fingerprint") != want["fingerprint"]:
+        return (f"it was written for model fingerprint {str(have.get('fingerprint'))[:32]}, "
+                f"this model's is {want['fingerprint']}")
+    hf = have.get("files") or []
+    if len(hf) != len(want["files"]):
+        return f"it names {len(hf)} model files, this model has {len(want['files'])}"
+    for a, b in zip(hf, want["files"]):
+        for k in ("size", "mtime_ns", "ctime_ns", "dev", "ino"):
+            if a.get(k) != b[k]:
+                return f"model file {b['path']} changed since it was written ({k} {a.get(k)} -> {b[k]})"
+    return None
+
+
+# -- the cache's resident set ---------------------------------------------------------------------
+# The cache's pools (one LRU per size class, or per layer): read under its lock, changed never.
+
+def _pool_experts(cache, pool) -> list:
+    ne = cache.n_experts
+    return [(int(pool.layers[k // ne]), k % ne) for k in pool.lru.keys() if pool.res[k] >= 0]
+
+
+def resident_experts(cache) -> list:
+    """The experts resident in ``cache`` now (``[(layer, expert), ...]``), hottest first: each
+    pool's recency order, pools interleaved by rank (the n-th of a pool of N near n/N)."""
+    with cache._lock:
+        per_pool = [_pool_experts(cache, p) for p in cache._pools]
+    ranked = [((i + 0.5) / len(xs), j, x) for j, xs in enumerate(per_pool) for i, x in enumerate(xs)]
+    ranked.sort(key=lambda t: (t[0], t[1]))
+    return [x for _, _, x in ranked]
+
+
+def _valid(cache, layer, expert) -> bool:
+    return (isinstance(layer, int) and isinstance(expert, int) and not isinstance(layer, bool)
+            and not isinstance(expert, bool) and layer in cache._layers
+            and 0 <= expert < cache.n_experts)
+
+
+def plan_fill(cache, wanted) -> list:
+    """Which of ``wanted`` (``[(layer, expert)]``, most wanted first) a fill loads: those not
+    resident or loading, at most as many per pool as it has free slots now (the most wanted
+    first), in file order (file, offset of the first part). Ids outside the model are skipped."""
+    seen, out = set(), []
+    with cache._lock:
+        room = {id(p): len(p.free) for p in cache._pools}
+        for layer, expert in wanted:
+            if (layer, expert) in seen or not _valid(cache, layer, expert):
+                continue
+            seen.add((layer, expert))
+            L = cache._layers[layer]
+            pool = L.pool
+            if pool.alloc[L.base + expert] >= 0 or room[id(pool)] <= 0:
+                continue
+            room[id(pool)] -= 1
+            out.append((L.fids[expert][0], L.offs[expert][0], layer, expert))
+    out.sort()
+    return [(layer, expert) for _, _, layer, expert in out]
+
+
+# -- the state file ---------------------------------------------------------------------------
+
+def save_state(path: str, cache, experts=None, model: str | None = None) -> int:
+    """Write the state file of ``cache`` at ``path`` atomically (temporary file beside it,
+    fsync, rename, fsync of the directory). ``experts``: the list to save (default: the resident
+    set, :func:`resident_experts`). Returns the number of experts saved. OSError on failure (the
+    old file, if any, stays)."""
+    if experts is None:
+        experts = resident_experts(cache)
+    doc = {"format": FORMAT, "version": VERSION, "saved": round(time.time(), 3),
+           "model": model or str(getattr(cache.index.files[0], "path", cache.index.files[0])),
+           "identity": model_identity(cache.index),
+           "experts": [[int(l), int(e)] for l, e in experts]}
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    d = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(d, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+    return len(doc["experts"])
+
+
+def load_state(path: str) -> dict:
+    """Read and check a state file: ``{"model", "identity", "experts": [(layer, expert)], "saved"}``.
+    FileNotFoundError when there is none; :class:`StateError` (one line naming the file) when it
+    cannot be used: unreadable, too large, not JSON (truncated), another format or version,
+    fields of the wrong type."""
+    def bad(why):
+        return StateError(f"state file {path}: {why}")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_STATE_BYTES + 1)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise bad(f"cannot read it ({e.strerror or e})") from None
+    if len(data) > MAX_STATE_BYTES:
+        raise bad(f"larger than {MAX_STATE_BYTES} bytes")
+    try:
+        doc = json.loads(data.decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise bad(f"not a complete JSON document (truncated or corrupt: {str(e)[:80]})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise bad(f"not a {FORMAT} state file")
+    if doc.get("version") != VERSION:
+        raise bad(f"version {doc.get('version')!r}: expected {VERSION}")
+    ident, experts = doc.get("identity"), doc.get("experts")
+    if not isinstance(ident, dict) or not isinstance(ident.get("files"), list):
+        raise bad("field 'identity' missing or not a map with 'files'")
+    if not isinstance(experts, list) or not all(
+            isinstance(x, list) and len(x) == 2 and all(type(v) is int and v >= 0 for v in x)
+            for x in experts):
+        raise bad("field 'experts' is not a list of [layer, expert] pairs of integers >= 0")
+    return {"model": doc.get("model"), "identity": ident, "saved": doc.get("saved"),
+            "experts": [(x[0], x[1]) for x in experts]}
+
+
+# -- filling --------------------------------------------------------------------------------------
+
+class WarmCounters:
+    """What fills did to one cache (``cache.warm``): ``loaded`` experts and their ``bytes``,
+    ``seconds`` spent filling (a running fill counts up to now), ``wanted`` (experts the last
+    fill set out to load), ``running`` (the fill now, or None)."""
+
+    def __init__(self):
+        self.loaded = 0
+        self.bytes = 0
+        self.wanted = 0
+        self._seconds = 0.0
+        self.running: WarmFill | None = None
+
+    @property
+    def seconds(self) -> float:
+        r = self.running
+        live = time.monotonic() - r.t0 if r is not None and r.t0 is not None else 0.0
+        return round(self._seconds + live, 3)
+
+
+def counters_of(cache) -> WarmCounters:
+    """The cache's :class:`WarmCounters` (made on first use)."""
+    w = getattr(cache, "warm", None)
+    if w is None:
+        w = cache.warm = WarmCounters()
+    return w
+
+
+class WarmFill:
+    """Load ``wanted`` (``[(layer, expert)]``, most wanted first) into ``cache`` in file order
+    at prefetch priority, in a thread (:meth:`start`); see the module doc.
+
+    ``window``: warm loads in flight (default: half of ``max_prefetch_loads``, at least 2; never
+    more than leaves the cap for engines' prefetches). ``progress(done, total, nbytes)``: called
+    from the fill's thread as loads finish. ``on_done(fill)``: called once at the end.
+    Attributes: ``planned`` (experts to load), ``done`` (loaded), ``nbytes``, ``elapsed``,
+    ``stopped``, ``source`` (what the list came from, for messages).
+    """
+
+    def __init__(self, cache, wanted, *, source: str = "", window: int | None = None,
+                 progress=None, on_done=None, log=None, passes: int = 3):
+        from moecached.engine.cache import PrefetchQuota
+        self.cache = cache
+        self.wanted = list(wanted)
+        self.source = source
+        self.log = log or logging.getLogger("moecached.engine.warmth")
+        cap = int(cache.max_prefetch_loads)
+        self.window = max(1, min(cap, int(window) if window else max(2, cap // 2)))
+        self.quota = PrefetchQuota(None)
+        self.progress, self.on_done = progress, on_done
+        self.passes = passes
+        self.plan = plan_fill(cache, self.wanted)
+        self.planned = len(self.plan)
+        self.done = self.nbytes = 0
+        self.t0 = None
+        self.elapsed = 0.0
+        self.stopped = False
+        self._stop = threading.Event()
+        self._thread = None
+        self._bytes_of = {L: sum(cache._cls[cache._layers[L].cid][0].part_bytes.values())
+                          for L in {layer for layer, _ in self.plan}}
+
+    # ---- the fill's thread ------------------------------------------------------------------
+    def start(self) -> "WarmFill":
+        w = counters_of(self.cache)
+        if w.running is not None and w.running is not self:
+            w.running.stop()
+        w.running, w.wanted = self, self.planned
+        self.t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="moecached-warm", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, wait: float = 10.0) -> None:
+        """Queue no more loads (those in flight finish) and wait for the thread."""
+        self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(wait)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the fill to end; True when it has."""
+        t = self._thread
+        if t is None:
+            return True
+        t.join(timeout)
+        return not t.is_alive()
+
+    def remaining(self) -> list:
+        """Planned experts not resident (yet), in plan order."""
+        cache = self.cache
+        with cache._lock:
+            return [(l, e) for l, e in self.plan
+                    if cache._layers[l].pool.res[cache._layers[l].base + e] < 0]
+
+    def _count(self, queued: list) -> list:
+        """Count the queued experts whose loads ended resident; returns those still loading
+        (one that is neither was not queued, or its load failed or was withdrawn)."""
+        cache, left, new, nb = self.cache, [], 0, 0
+        with cache._lock:
+            for layer, expert in queued:
+                L = cache._layers[layer]
+                k = L.base + expert
+                if L.pool.res[k] >= 0:
+                    new += 1
+                    nb += self._bytes_of[layer]
+                elif k in L.pool.loading:
+                    left.append((layer, expert))
+        if new:
+            self.done += new
+            self.nbytes += nb
+            w = counters_of(cache)
+            w.loaded += new
+            w.bytes += nb
+            if self.progress is not None:
+                try:
+                    self.progress(self.done, self.planned, self.nbytes)
+                except Exception:
+                    self.log.exception("warm fill progress callback raised")
+        return left
+
+    def _run(self) -> None:
+        cache, quota = self.cache, self.quota
+        try:
+            todo = list(self.plan)
+            for _ in range(self.passes):
+                inflight: list = []
+                i = 0
+                while (i < len(todo) or inflight) and not self._stop.is_set():
+                    if inflight:
+                        inflight = self._count(inflight)
+                    room = min(self.window - quota.in_flight,
+                               cache.max_prefetch_loads - cache._pf_loading)
+                    if i >= len(todo) or room <= 0:
+                        time.sleep(0.002)
+                        continue
+                    batch, i = self._batch(todo[i:i + room]), i + room
+                    if batch:
+                        self._queue(batch)
+                        inflight += batch
+                if self._stop.is_set():
+                    break
+                todo = self._batch(self.remaining())   # failed, withdrawn or skipped: again
+                if not todo:
+                    break
+        except Exception as e:   # the cache closed under us, or a bug: end the fill, say why
+            if not self._stop.is_set():
+                self.log.warning("warm fill from %s ended early: %s", self.source or "a list", e)
+        finally:
+            self.stopped = self._stop.is_set()
+            self.elapsed = time.monotonic() - self.t0
+            w = counters_of(cache)
+            if w.running is self:
+                w._seconds += self.elapsed
+                w.running = None
+            if self.on_done is not None:
+                try:
+                    self.on_done(self)
+                except Exception:
+                    self.log.exception("warm fill done callback raised")
+
+    def _batch(self, items: list) -> list:
+        """Of ``items``, those still absent and with a free slot in their pool now (a fill never
+        evicts: a pool without one is full)."""
+        cache = self.cache
+        out, room = [], {}
+        with cache._lock:
+            for layer, expert in items:
+                L = cache._layers[layer]
+                pool = L.pool
+                r = room.setdefault(id(pool), len(pool.free))
+                if pool.alloc[L.base + expert] >= 0 or r <= 0:
+                    continue
+                room[id(pool)] = r - 1
+                out.append((layer, expert))
+        return out
+
+    def _queue(self, batch: list) -> int:
+        reqs, conf = [], []
+        c = float(self.cache.prefetch_min_confidence)
+        for layer, expert in batch:
+            if reqs and reqs[-1][0] == layer:
+                reqs[-1][1].append(expert)
+                conf[-1].append(c)
+            else:
+                reqs.append((layer, [expert]))
+                conf.append([c])
+        return self.cache.prefetch_many(reqs, quota=self.quota, conf=conf)

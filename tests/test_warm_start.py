@@ -1,0 +1,234 @@
+"""Warm starts: the resident set saved to a state file, read back at the next start in file
+order; a state file of another model or a corrupt one is one log line and a cold start;
+``moecache-ctl warm`` fills from the state file or a trace."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from daemon_util import start_daemon, stop_daemon, wait_for
+from fixtures import file_bytes
+from moecache_client import Client
+from moecached.engine.index import open_index
+from moecached.engine.trace import Trace, save_trace
+from moecached.engine.warmth import (StateError, load_state, model_identity, plan_fill,
+                                     save_state)
+from moecached.daemon.state import state_path
+
+
+@pytest.fixture
+def model(model_factory):
+    # 4 blocks x 16 experts of real Qwen3-30B-A3B Q4_K_M sizes (two size classes)
+    return model_factory("qwen3-30b-a3b-Q4_K_M", layers=[0, 6, 7, 8], experts=16)
+
+
+def _start(model, tmp_path, sock="d.sock", *extra):
+    state = tmp_path / "state"
+    state.mkdir(exist_ok=True)
+    return start_daemon(model, str(tmp_path / sock), "--slots", "40", "--state-dir", str(state),
+                        "--state-interval", "0", *extra)
+
+
+def _resident(st) -> int:
+    return sum(c["used"] for c in st["classes"])
+
+
+def _check_bytes(c, idx, pairs):
+    """Every expert of ``pairs`` is resident and its slot holds the file's bytes."""
+    for layer, expert in pairs:
+        with c.acquire(layer, [expert]) as lease:
+            want = file_bytes(idx, layer, expert)
+            for part, data in want.items():
+                assert lease.part(expert, part).tobytes() == data, (layer, expert, part)
+
+
+def _wait_warm(c, n, timeout=30.0):
+    return wait_for(lambda: (lambda st: st if st["warm_loaded"] >= n and not any(
+        m["running"] for m in st["warm"]["models"]) else None)(c.stats()),
+        f"{n} experts warm-loaded", timeout)
+
+
+@pytest.mark.daemon
+def test_restart_round_trip(model, tmp_path):
+    """Daemon A loads N experts and stops; daemon B on the same state dir comes back with the
+    same resident set, counted in stats, each slot holding the file's bytes."""
+    idx = open_index(model)
+    layers = idx.expert_layers
+    wanted = [(l, e) for e in (1, 4, 6, 9, 11, 14) for l in layers]
+    ep = f"ipc://{tmp_path}/d.sock"
+    a = _start(model, tmp_path)
+    try:
+        with Client(ep) as c:
+            for layer, expert in wanted:
+                c.acquire(layer, [expert]).release()
+            before = c.stats()
+    finally:
+        out_a = stop_daemon(a)
+    assert "saved 24 resident experts" in out_a, out_a
+    (f,) = os.listdir(tmp_path / "state")
+    st_file = load_state(str(tmp_path / "state" / f))
+    assert set(st_file["experts"]) == set(wanted)
+    assert st_file["experts"][0] == wanted[-1]          # hottest first
+    b = _start(model, tmp_path)
+    try:
+        with Client(ep) as c:
+            st = _wait_warm(c, len(wanted))
+            assert st["warm_loaded"] == len(wanted) == st["warm_wanted"]
+            assert st["warm_bytes"] == sum(
+                sum(s.nbytes for s in idx.parts(l, e)) for l, e in wanted)
+            assert st["warm_seconds"] > 0
+            assert _resident(st) == _resident(before) == len(wanted)
+            assert st["demand_misses"] == 0
+            _check_bytes(c, idx, wanted)
+            assert c.stats()["demand_misses"] == 0       # every acquire above was a hit
+    finally:
+        out_b = stop_daemon(b)
+    assert "warm start from state file" in out_b and "Traceback" not in out_b, out_b
+
+
+@pytest.mark.daemon
+def test_state_of_another_model_is_ignored(model, model_factory, tmp_path):
+    """A state file written for another model identity (the file changed) is one log line and
+    a cold start."""
+    ep = f"ipc://{tmp_path}/d.sock"
+    a = _start(model, tmp_path)
+    try:
+        with Client(ep) as c:
+            c.acquire(c.expert_layers[0], [1, 2, 3]).release()
+    finally:
+        stop_daemon(a)
+    (f,) = os.listdir(tmp_path / "state")
+    path = tmp_path / "state" / f
+    doc = json.loads(path.read_text())
+    doc["identity"]["files"][0]["mtime_ns"] += 1          # as if the model had been rewritten
+    doc["identity"]["fingerprint"] = "0" * 32
+    path.write_text(json.dumps(doc))
+    b = _start(model, tmp_path)
+    try:
+        with Client(ep) as c:
+            st = c.stats()
+            assert st["warm_loaded"] == 0 and _resident(st) == 0
+    finally:
+        out = stop_daemon(b)
+    lines = [x for x in out.splitlines() if "is not this model's" in x]
+    assert len(lines) == 1 and "starting cold" in lines[0], out
+    assert "Traceback" not in out
+
+
+@pytest.mark.daemon
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "wrong-types"])
+def test_corrupt_state_file_is_a_cold_start(model, tmp_path, damage):
+    """A truncated or corrupt state file gives one log line and a cold start, never a crash."""
+    ep = f"ipc://{tmp_path}/d.sock"
+    state = tmp_path / "state"
+    state.mkdir()
+    path = state_path(str(state), ep, model)
+    idx = open_index(model)
+    good = json.dumps({"format": "moecached-warm", "version": 1, "identity": model_identity(idx),
+                       "experts": [[idx.expert_layers[0], 1]]})
+    text = {"truncated": good[:len(good) // 2], "garbage": "\x00\xff not json",
+            "empty": "", "wrong-types": good.replace("[[", "[[\"x\", ")}[damage]
+    with open(path, "w", errors="surrogateescape") as f:
+        f.write(text)
+    b = _start(model, tmp_path)
+    try:
+        with Client(ep) as c:
+            st = c.stats()
+            assert st["warm_loaded"] == 0 and _resident(st) == 0
+            c.acquire(idx.expert_layers[0], [2]).release()     # serves as usual
+    finally:
+        out = stop_daemon(b)
+    lines = [x for x in out.splitlines() if "starting cold" in x]
+    assert len(lines) == 1 and path in lines[0], out
+    assert "Traceback" not in out
+    assert load_state(path)["experts"] == [(idx.expert_layers[0], 2)]   # rewritten at stop
+
+
+@pytest.mark.daemon
+def test_ctl_warm_from_trace_fills(model, tmp_path, capsys):
+    """``moecache-ctl warm --from-trace`` loads the trace's experts in first-use order until
+    the free slots are full; and ``warm`` alone fills from the state file."""
+    from moecached.tools.ctl import main as ctl
+    idx = open_index(model)
+    rng = np.random.default_rng(1)
+    T, L, k = 12, len(idx.expert_layers), 4
+    ex = np.stack([np.stack([rng.permutation(16)[:k] for _ in range(L)]) for _ in range(T)])
+    trace = str(tmp_path / "t.npz")
+    save_trace(trace, Trace(experts=ex.astype(np.int16), is_prompt=np.zeros(T, bool),
+                            meta={"n_experts": 16}))
+    firsts = []
+    for t in range(T):
+        for li in range(L):
+            for e in ex[t, li]:
+                if (idx.expert_layers[li], int(e)) not in firsts:
+                    firsts.append((idx.expert_layers[li], int(e)))
+    ep = f"ipc://{tmp_path}/d.sock"
+    d = _start(model, tmp_path)
+    try:
+        assert ctl(["warm", "--from-trace", trace, "-e", ep, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        with Client(ep) as c:
+            st = c.stats()
+            resident = _resident(st)
+            assert out["loaded"] == st["warm_loaded"] == resident == out["queued"] > 0
+            assert out["wanted"] == len(firsts)
+            slots = sum(x["slots"] for x in st["classes"])
+            assert resident == min(slots, len(firsts)) or all(
+                x["free"] == 0 for x in st["classes"] if x["used"] < x["slots"])
+            assert st["evictions"] == 0 and st["demand_misses"] == 0
+            _check_bytes(c, idx, firsts[:8])
+            assert c.stats()["demand_misses"] == 0
+        # a second warm while everything wanted is resident loads nothing
+        assert ctl(["warm", "--from-trace", trace, "-e", ep, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["queued"] == 0
+    finally:
+        stop_daemon(d)
+    d = _start(model, tmp_path, "d.sock", "--state-dir", "")   # warm starts off: nothing read
+    try:
+        assert ctl(["warm", "-e", ep]) == 1
+        assert "warm starts are off" in capsys.readouterr().err
+    finally:
+        stop_daemon(d)
+
+
+def test_state_file_round_trip_and_refusals(tmp_path):
+    """load_state reads what save_state wrote; anything else is one StateError line."""
+    class Idx:
+        files = [str(tmp_path / "m.gguf")]
+        file_sizes, file_mtimes_ns, file_identity = [10], [20], [(30, 1, 2)]
+
+        def fingerprint(self):
+            return "f" * 32
+
+    class Cache:
+        index = Idx()
+    p = str(tmp_path / "s.warm")
+    assert save_state(p, Cache(), [(3, 1), (4, 2)]) == 2
+    st = load_state(p)
+    assert st["experts"] == [(3, 1), (4, 2)] and st["identity"] == model_identity(Idx())
+    assert not [x for x in os.listdir(tmp_path) if x.endswith(".tmp")]
+    for text in ["", "{", "[]", '{"format": "x"}', '{"format": "moecached-warm", "version": 9}',
+                 '{"format": "moecached-warm", "version": 1, "identity": {"files": []}, '
+                 '"experts": [[1, -2]]}']:
+        with open(p, "w") as f:
+            f.write(text)
+        with pytest.raises(StateError) as e:
+            load_state(p)
+        assert "\n" not in str(e.value) and p in str(e.value)
+    with pytest.raises(FileNotFoundError):
+        load_state(str(tmp_path / "none.warm"))
+
+
+def test_plan_is_in_file_order_and_fits_the_free_slots(model, tmp_path):
+    """A fill loads the most wanted experts that fit each pool's free slots, in file order."""
+    from moecached.engine.cache import ExpertCache
+    idx = open_index(model)
+    with ExpertCache(idx, slots=12, readers=2, lock_memory=False, arena_dir=str(tmp_path)) as cache:
+        layers = idx.expert_layers
+        wanted = [(layers[-1], 15), (layers[0], 9), (layers[0], 2), (layers[1], 4)] + \
+            [(l, e) for l in reversed(layers) for e in range(16)]
+        plan = plan_fill(cache, wanted)
+        offs = [(idx.parts(l, e)[0].file, idx.parts(l, e)[0].offset) for l, e in plan]
+        assert offs == sorted(offs)
+        assert len(plan) == 12 - 0 and set(wanted[:4]) <= set(plan)
