@@ -40,11 +40,12 @@ class NotifyReceiver:
         self.messages.append(msg)
         return msg
 
-    def wait_for(self, line: str, timeout: float = 10.0) -> str:
-        """Receive until a message has ``line`` as one of its lines; return that message.
+    def wait_for(self, line: str, timeout: float = 10.0, since: int = 0) -> str:
+        """Receive until a message has ``line`` as one of its lines; return that message
+        (``since``: only messages from that index of :attr:`messages` on count).
         Raises TimeoutError naming what was received instead."""
         deadline = time.monotonic() + timeout
-        for m in self.messages:
+        for m in self.messages[since:]:
             if line in m.split("\n"):
                 return m
         while True:

@@ -46,6 +46,37 @@ def test_ready_notification(model_factory, tmp_path):
         r.close()
 
 
+def test_reload_and_long_start_are_told_to_systemd(model_factory, tmp_path):
+    """SIGHUP: RELOADING=1 (with MONOTONIC_USEC, systemd >= 253) then READY=1, also when the
+    new file is refused; while the arena is reserved the start asks for more time
+    (EXTEND_TIMEOUT_USEC), so a big arena does not run into TimeoutStartSec."""
+    model = model_factory("qwen3-30b-a3b-Q4_K_M", layers=2, experts=8)
+    conf = tmp_path / "d.toml"
+    conf.write_text("heartbeat_s = 5\n")
+    r = NotifyReceiver()
+    try:
+        env = dict(os.environ, NOTIFY_SOCKET=r.address)
+        d = start_daemon(model, str(tmp_path / "d.sock"), "--slots", "8", "--config", str(conf), env=env)
+        try:
+            r.wait_for("READY=1", timeout=10)
+            before = list(r.messages)
+            ext = [l for m in before for l in m.split("\n") if l.startswith("EXTEND_TIMEOUT_USEC=")]
+            assert ext and all(int(l.split("=")[1]) >= 30_000_000 for l in ext), before
+            for body in ("heartbeat_s = 7\n", "heartbeat_s = \"soon\"\n"):   # applied, refused
+                conf.write_text(body)
+                n = len(r.messages)
+                d.send_signal(1)
+                m = r.wait_for("RELOADING=1", timeout=10, since=n)
+                assert any(l.startswith("MONOTONIC_USEC=") for l in m.split("\n")), m
+                r.wait_for("READY=1", timeout=10, since=n + 1)
+                seen = [x for x in r.messages[n:] if "RELOADING=1" in x or "READY=1" in x]
+                assert "RELOADING=1" in seen[0] and "READY=1" in seen[-1], seen
+        finally:
+            stop_daemon(d)
+    finally:
+        r.close()
+
+
 def _write_conf(path, floor, extra=""):
     path.write_text(f'floor = "{floor}"\nfloor_hysteresis = "64MiB"\nfloor_interval_s = 0.2\n'
                     f'floor_min_change_s = 0.5\nmin_budget = "32MiB"\n{extra}')

@@ -1,4 +1,11 @@
-"""Several models in one daemon under one expert budget (``moecached --model NAME=PATH ...``).
+"""The models a daemon serves: a list, of one model or several (``moecached --model PATH``, or
+``--model NAME=PATH ...`` / ``[[models]]``), behind one interface the daemon drives.
+
+One model given as ``--model PATH`` is a list of one served *on the daemon's endpoint*: its
+server binds the endpoint (no router, no redirect), its cache gets the whole budget (fitted to
+the memory the process may use) and the memory floor drives that budget; nothing else differs
+(index, cache, server, file watch, views are built by the same code). The rest of this text is
+about several models.
 
 Each model has its own index, arena file, cache and :class:`moecached.service.server.Server` (leases,
 the shared-memory fast path, traces and every stats view are per model), served in a thread of
@@ -36,79 +43,59 @@ from collections import Counter
 from moecached import MoecacheError
 from moecached.facts import protocol as P
 from moecached.daemon.confvalues import MODEL_NAME
+from moecached.daemon.served import ALONE, ANY_MODEL, DRAIN_S, ModelsError, Served, model_endpoint
 from moecached.engine.index import open_index
+from moecached.daemon.assemble import budget_bytes, floor_min_budget
 from moecached.daemon.logs import stage
+from moecached.engine.arena import planned_size, smallest_budget
+from moecached.facts.units import format_bytes
 from moecached.daemon.reload import ModelReloader
 from moecached.service.router import Router
 from moecached.service.server import Server
 from moecached.daemon.split import Member, Split, SplitError, least_share
-from moecached.facts.stats import CACHE_STATS, SERVER_COUNTERS, hit_rate
+from moecached.facts.stats import CACHE_STATS
+from moecached.daemon import modelviews as V
 
 log = logging.getLogger("moecached.models")
-
-#: hello's ``model`` for a control connection (moecache-ctl): whichever model the endpoint
-#: serves, never redirected or refused (engines name their model)
-ANY_MODEL = "*"
-#: a removed model's leases are waited for this long at most before its server closes
-DRAIN_S = 30.0
-
-
-class ModelsError(MoecacheError):
-    """A model cannot be added or removed (bad name or path, no room in the budget)."""
-
-
-class _Served:
-    __slots__ = ("name", "path", "index", "cache", "server", "thread", "endpoint", "draining",
-                 "spec", "reloader")
-
-    def __init__(self, name, path):
-        self.name, self.path = name, path
-        self.index = self.cache = self.server = self.thread = self.endpoint = None
-        self.draining = None   # monotonic time removal began
-        self.spec = None
-        self.reloader = None
-
-
-def model_endpoint(endpoint: str, name: str) -> str:
-    """Where model ``name`` is served: the daemon's ipc path with ``.<name>`` appended.
-    Raises ModelsError for tcp or a path too long."""
-    if not endpoint.startswith("ipc://"):
-        raise ModelsError(f"endpoint {endpoint}: several models need an ipc:// endpoint (each "
-                          "model gets its own socket beside it)")
-    ep = f"{endpoint}.{name}"
-    if len(ep) - len("ipc://") > 107:
-        raise ModelsError(f"model {name}: socket path {ep[6:]} is longer than 107 bytes; use a "
-                          "shorter endpoint path or model name")
-    return ep
-
 
 class Models:
     """The models served and their split; built by :func:`start`, driven from the endpoint's
     loop (its periodic task) and from any socket's hello (``route``). The daemon
-    (``moecached.daemon.runtime.Daemon``) uses it as it uses ``OneModel``: ``start``, ``tick``,
+    (``moecached.daemon.runtime.Daemon``) drives it the same way for one or several: ``start``, ``tick``,
     ``targets``, ``floor_target``, ``live_*``, ``stats``, ``status``, ``ready_message``,
     ``close``.
 
     Args:
         cfg: the daemon's Config at start.
-        make_cache: ``(cfg, index, arena_bytes) -> ExpertCache``.
+        make_cache: ``(cfg, index, (budget_bytes, slots), progress=None) -> ExpertCache``.
+        fit: alone: ``(cfg, index) -> (budget_bytes, slots)`` that fit the memory allowed.
+        extend: alone: optional callable(seconds) while the arena is reserved and locked: the
+            start may take that much longer (systemd's ``EXTEND_TIMEOUT_USEC``).
+        floor_hooks: alone: (gone, back) called when the model's cache is replaced / served
+            again after its file changed (the floor drives that cache's budget).
         server_kwargs: the Server arguments every socket gets.
         live_cfg: callable -> the running Config (SIGHUP replaces it): ``on_model_change``.
         exit: callable(status) that stops the daemon with that exit status.
         notify: optional callable(str): a systemd STATUS line.
     """
 
-    def __init__(self, cfg, make_cache, server_kwargs, live_cfg=None, exit=None, notify=None):
+    def __init__(self, cfg, make_cache, server_kwargs, live_cfg=None, exit=None, notify=None,
+                 fit=None, floor_hooks=(None, None), extend=None):
         self.cfg = cfg
+        self._extend = extend             # alone: callable(seconds): more start-up time (systemd)
+        #: one model served on the daemon's endpoint (``--model PATH``): a list of one
+        self.alone = not cfg.models
+        self._fit = fit                   # alone: (cfg, index) -> (budget, slots) that fit
+        self._floor_gone, self._floor_back = floor_hooks
         self._make_cache = make_cache
         self._server_kwargs = server_kwargs
         self._live_cfg = live_cfg or (lambda: cfg)
         self._exit = exit
         self._notify = notify
-        self.models: dict[str, _Served] = {}
+        self.models: dict[str, Served] = {}
         self.lock = threading.RLock()     # models / split / caches: every loop reads them
         self.split: Split | None = None
-        self.total = int(cfg.budget)
+        self.total = int(cfg.budget) if cfg.budget is not None else 0
         self.next_split = time.monotonic() + cfg.split_interval_s
         self._last_ghost: dict = {}
         self.moves: list = []             # the last moves: (time, donor, receiver, bytes)
@@ -118,6 +105,7 @@ class Models:
         self.router = None                # the Router on the daemon's endpoint (no model)
         self.timings: dict = {}           # start-up: the daemon's total_s
         self._file_models = list(cfg.models)   # [[models]] as the file said when last read
+        self._link: dict = {}             # name -> its arena's link state last seen
 
     # ------------------------------------------------------------------ routing (any loop)
     def route(self, server, want, names: bool = False):
@@ -166,13 +154,16 @@ class Models:
         return Member(name, index, max(least, spec.get("min_budget") or 0), hi,
                       1.0 if w is None else float(w))
 
-    def _open(self, spec) -> _Served:
+    def _open(self, spec) -> Served:
         name, path = spec["name"], spec["path"]
-        if not os.path.isfile(path):
+        if not os.path.isfile(path) and not self.alone:
             raise ModelsError(f"model {name}: path {path}: expected an existing GGUF file")
-        m = _Served(name, path)
+        m = Served(name, path)
         m.spec = dict(spec)
-        m.endpoint = model_endpoint(self.cfg.endpoint, name)
+        m.endpoint = self.cfg.endpoint if self.alone else model_endpoint(self.cfg.endpoint, name)
+        if self.alone:   # its own error lines name the file
+            m.index = open_index(path)
+            return m
         try:
             m.index = open_index(path)
         except MoecacheError as e:   # its one line names the file already
@@ -187,10 +178,10 @@ class Models:
         others = sum(x.min_bytes for n, x in self.split.members.items() if n != member.name)
         return max(member.min_bytes, min(member.max_bytes, self.total - others))
 
-    def _new_cache(self, m: _Served, index):
+    def _new_cache(self, m: Served, index):
         """The cache of ``m`` over ``index``, sized to its share (caller holds the lock)."""
         member = self.split.members[m.name]
-        cache = self._make_cache(self.cfg, index, self._arena_max(member))
+        cache = self._make_cache(self.cfg, index, (self._arena_max(member), None))
         try:
             cache.set_budget(self.split.shares[m.name])   # give back what is not its share
             cache.c_shrinks = 0   # that first cut to its share is not a shrink of its budget
@@ -200,43 +191,58 @@ class Models:
             raise
         return cache
 
-    def _start_cache(self, m: _Served):
-        """Cache (sized to its share), server and file watch of ``m``; its server is run by
-        :meth:`_run_thread`."""
-        m.cache = self._new_cache(m, m.index)
+    def _start_cache(self, m: Served, cache=None, endpoint_lock=None):
+        """Cache (sized to its share, or ``cache``), server and file watch of ``m``; its server
+        is run by :meth:`_run_thread` (alone: by the daemon, as its endpoint's)."""
+        m.cache = cache if cache is not None else self._new_cache(m, m.index)
         try:
             m.server = Server(m.cache, endpoint=m.endpoint, model_path=m.path,
-                              **self._server_kwargs)
+                              endpoint_lock=endpoint_lock, **self._server_kwargs)
         except BaseException:
             m.cache.close()
             raise
-        m.server.model_name = m.name
-        m.server.route_model = self.route
+        if not self.alone:
+            m.server.model_name = m.name
+            m.server.route_model = self.route
+            m.server.on_tick = lambda now, m=m: self._model_tick(m, now)
+        what = f"model {m.path}" if self.alone else f"model {m.name} ({m.path})"
         m.reloader = ModelReloader(
-            m.server, m.path, f"model {m.name} ({m.path})",
-            mode=lambda: self._live_cfg().on_model_change,
+            m.server, m.path, what, mode=lambda: self._live_cfg().on_model_change,
             rebuild=lambda index, m=m: self._rebuild(m, index), guard=self.lock,
-            exit=self._exit_daemon, failed=lambda e, m=m: self._rebuild_failed(m, e),
+            exit=self._exit_daemon,
+            failed=None if self.alone else (lambda e, m=m: self._rebuild_failed(m, e)),
+            installed=(lambda new: self._floor_back()) if self.alone and self._floor_back else None,
             notify=None if self._notify is None else
-            (lambda line, name=m.name: self._notify(f"model {name}: {line}")))
-        m.server.on_tick = lambda now, m=m: self._model_tick(m, now)
+            (lambda line, name=m.name: self._notify(line if self.alone else f"model {name}: {line}")))
         self._last_ghost[m.name] = 0
 
     def _exit_daemon(self, status: int) -> None:
         if self._exit is not None:
             self._exit(status)
 
-    def _model_tick(self, m: _Served, now: float) -> None:
+    def _model_tick(self, m: Served, now: float) -> None:
         """A model's own periodic task (its loop thread): its arena's link, its file."""
         if m.cache is None:   # not served again after its file changed: being removed
             return
-        r = m.cache.arena.check_link()
+        arena = m.cache.arena
+        r = arena.check_link()
         if r == "relinked":
-            log.warning("model %s: arena %s was unlinked; linked it back", m.name,
-                        m.cache.arena.path)
+            log.warning("model %s: arena %s was unlinked by some process (multiprocessing."
+                        "shared_memory.SharedMemory does that when the process that opened it "
+                        "exits); linked it back from %s, clients attach as before", m.name,
+                        arena.path, arena.keep_path)
+        elif r != "ok" and r != self._link.get(m.name, "ok"):
+            log.error("%s", r)
+        self._link[m.name] = r
         m.reloader.tick(now)
 
-    def _rebuild(self, m: _Served, index):
+    def _rebuild(self, m: Served, index):
+        if self.alone:   # the floor of the old cache goes with it; the new one gets the budget
+            if self._floor_gone is not None:
+                self._floor_gone()
+            m.cache = self._make_cache(self._live_cfg(), index, self._fit(self._live_cfg(), index))
+            m.index = index
+            return m.cache
         """``m``'s file was re-indexed (its loop thread, the lock held, its old cache retired):
         its split member takes the new index, keeping its share as far as the new bounds
         allow; the others follow; the new cache is sized to the share."""
@@ -252,7 +258,7 @@ class Models:
         self._last_ghost[m.name] = 0
         return m.cache
 
-    def _rebuild_failed(self, m: _Served, e: Exception) -> None:
+    def _rebuild_failed(self, m: Served, e: Exception) -> None:
         """``m`` was re-indexed but could not be served again: it is removed, the others go
         on (its clients' hellos are refused, their calls fail with model_changed)."""
         log.error("model %s re-indexed but not served again: %s; removing it (add it again "
@@ -265,7 +271,9 @@ class Models:
     def start(self, held: dict):
         """Open every configured model and serve each in its thread; then bind the daemon's
         endpoint (its lock: ``held["lock"]``, handed over) to the router, returned for the
-        caller to run its loop."""
+        caller to run its loop. Alone: the model's server is the endpoint's (returned)."""
+        if self.alone:
+            return self._start_alone(held)
         with stage(f"indexing and reserving {len(self.cfg.models)} models"):
             opened = [self._open(s) for s in self.cfg.models]
             try:
@@ -288,7 +296,52 @@ class Models:
             self._run_thread(m)
         return self.router
 
-    def _run_thread(self, m: _Served):
+    def _start_alone(self, held: dict):
+        """The one model of ``--model PATH``: index, cache (the whole budget, fitted to the
+        memory allowed), and its server bound to the daemon's endpoint (the lock handed over)."""
+        cfg = self.cfg
+        name = os.path.splitext(os.path.basename(cfg.model))[0]
+        self._note("indexing " + cfg.model)
+        with stage(f"indexing {cfg.model}") as st_index:
+            m = self._open({"name": name, "path": cfg.model})
+        idx = m.index
+        total = sum(sc.slot_bytes * len(sc.layers) for sc in idx.size_classes) * int(idx.n_experts)
+        n_classes = len(idx.size_classes)
+        log.info("found %d routed experts (%d layers x %d) in %d size class%s, %s of expert "
+                 "weights", len(idx.expert_layers) * int(idx.n_experts), len(idx.expert_layers),
+                 int(idx.n_experts), n_classes, "" if n_classes == 1 else "es",
+                 format_bytes(total, precision=2))
+        fitted = self._fit(cfg, idx)
+        page = int(os.statvfs(cfg.arena_dir).f_bsize) if cfg.hugetlb else None
+        size = planned_size(idx, budget_bytes=fitted[0], slots=fitted[1],
+                            **({"page_size": page} if page else {}))
+        what = ("reserving and locking" if cfg.lock_memory else "reserving") + \
+            f" {format_bytes(size, precision=2)} for the arena in {cfg.arena_dir}"
+        self._note(what)
+        tenth, t0 = [0], time.monotonic()
+
+        def progress(done, total):
+            st_arena.update(done, total)
+            if done * 10 // total > tenth[0]:   # systemctl status shows how far it got
+                tenth[0] = done * 10 // total
+                self._note(f"{what}: {tenth[0] * 10}%")
+                if self._extend is not None:   # a big arena may take longer than TimeoutStartSec
+                    left = (time.monotonic() - t0) * (total - done) / max(done, 1)
+                    self._extend(max(30.0, 2 * left))
+
+        with stage(what, total=size * (2 if cfg.lock_memory else 1)) as st_arena:
+            cache = self._make_cache(cfg, idx, fitted, progress)
+        lock_fd, held["lock"] = held["lock"], None   # the server owns it from here
+        self._start_cache(m, cache=cache, endpoint_lock=lock_fd)
+        self.models[m.name] = m
+        self.timings = {"index_s": st_index.elapsed, "arena_s": st_arena.elapsed}
+        return m.server
+
+    def _note(self, line: str) -> None:
+        if self._notify is not None:
+            self._notify(line)
+
+    def _run_thread(self, m: Served):
         m.thread = threading.Thread(target=m.server.serve_forever, name=f"moecached-{m.name}",
                                     daemon=True)
         m.thread.start()
@@ -357,7 +410,7 @@ class Models:
         return None
 
     @staticmethod
-    def _held(m: _Served) -> tuple:
+    def _held(m: Served) -> tuple:
         """(leases granted over the socket, slots pinned through shared memory) of ``m``'s
         clients now: what a removal waits for."""
         if m.cache is None:
@@ -365,7 +418,12 @@ class Models:
         return len(m.server.leases), m.cache.pins_held()
 
     def tick(self, now: float):
-        """The endpoint's periodic task: the split's period, removals that drained."""
+        """The endpoint's periodic task: the split's period, removals that drained (alone:
+        the model's own task, its arena's link and its file)."""
+        if self.alone:
+            for m in list(self.models.values()):
+                self._model_tick(m, now)
+            return
         if now >= self.next_split:
             self.next_split = now + self.cfg.split_interval_s
             self.rebalance()
@@ -386,6 +444,8 @@ class Models:
         only their coldest experts go) and started in a thread of its own, so no model's loop
         waits for the index or the new arena. ``model list`` shows it ``adding`` meanwhile, and
         the reason when it could not be added."""
+        if self.alone:
+            raise ModelsError(ALONE)
         name = spec.get("name")
         if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
             raise ModelsError(f"model name {name!r}: expected letters, digits, _ . - (at most 32)")
@@ -437,6 +497,8 @@ class Models:
     def remove(self, name: str) -> dict:
         """Stop serving ``name``: new hellos for it are refused at once; its server closes
         once its leases are released (or after ``DRAIN_S``)."""
+        if self.alone:
+            raise ModelsError(ALONE)
         with self.lock:
             m = self.models.get(name)
             if m is None:
@@ -449,7 +511,7 @@ class Models:
         leases, pins = self._held(m)
         return {"removing": name, "leases": leases, "fast_pins": pins}
 
-    def _keep_counts(self, m: _Served, server: bool = True) -> None:
+    def _keep_counts(self, m: Served, server: bool = True) -> None:
         """``m``'s cache is going (removed, or its file re-indexed): the daemon's totals keep
         counting what its counters (and, when ``server``, its socket's) counted."""
         st = m.cache.stats() if m.cache is not None else {}
@@ -459,7 +521,7 @@ class Models:
         for k, v in (m.server.counters.items() if server else ()):
             self.retired["server." + k] += v
 
-    def _finish_remove(self, m: _Served):
+    def _finish_remove(self, m: Served):
         with self.lock:
             self.models.pop(m.name, None)
             m.server.stop()
@@ -503,85 +565,13 @@ class Models:
 
     # ------------------------------------------------------------------ views
     def summary(self, views=None) -> list:
-        """Per model: share, residency, hit rate, bytes read (stats, status, metrics)."""
-        return [dict(name=m.name, path=m.path, endpoint=m.endpoint, state=state,
-                     share_bytes=share, budget_current_bytes=st["budget"]["current_bytes"],
-                     min_bytes=mb.min_bytes if mb else 0, max_bytes=mb.max_bytes if mb else 0,
-                     weight=mb.weight if mb else 0,
-                     slots=sum(c["slots"] for c in st["classes"]),
-                     resident=sum(c["used"] for c in st["classes"]), hits=st["hits"],
-                     prefetch_hits=st["prefetch_hits"], demand_misses=st["demand_misses"],
-                     hit_rate=hit_rate(st["hits"], st["prefetch_hits"], st["demand_misses"]),
-                     ghost_hits=st["ghost_hits"], bytes_read=st["bytes_read"],
-                     model_changed=st["model_changed"], reloads=m.reloader.reloads,
-                     clients=len(m.server.clients), leases=len(m.server.leases),
-                     fast_pins=pins)
-                for m, st, state, share, mb, pins in (views or self._views())]
+        return V.summary(self, views)
 
     def _views(self) -> list:
-        """(model, its cache's stats, state, share, split member, slots pinned through shared
-        memory) of every model with a cache."""
-        out = []
-        with self.lock:
-            for m in list(self.models.values()):
-                if m.cache is None:
-                    continue
-                state = ("removing" if m.draining is not None else
-                         "model changed" if m.cache.model_changed else "serving")
-                out.append((m, m.cache.stats(), state, self.split.shares.get(m.name, 0),
-                            self.split.members.get(m.name), m.cache.pins_held()))
-        return out
-
-    def daemon_stats(self) -> dict:
-        """The daemon's endpoint's ``stats``: every cache counter and gauge summed over the
-        models (counters of removed models included), the budget, each model, the split."""
-        views = self._views()
-        st = {}
-        for row in CACHE_STATS:
-            vals = [v[1].get(row.key) for v in views]
-            if row.value is None or not all(isinstance(x, (int, float)) for x in vals):
-                continue
-            st[row.key] = sum(vals) + (self.retired[row.key] if row.kind == "counter" else 0)
-        st["budget"] = {"configured_bytes": int(self.cfg.budget), "current_bytes":
-                        sum(v[1]["budget"]["current_bytes"] for v in views)}
-        st["model_changed"] = next((f"model {v[0].name}: {v[1]['model_changed']}"
-                                    for v in views if v[1]["model_changed"]), None)
-        # every model's clients, and the sockets' counters summed (the endpoint's own too)
-        st["clients"] = [dict(c.summary(), model=v[0].name) for v in views
-                         for c in list(v[0].server.clients.values())]
-        servers = [v[0].server.counters for v in views]
-        if self.router is not None:
-            servers.append(self.router.counters)
-        st["server"] = {row.key: sum(x.get(row.key, 0) for x in servers)
-                        + self.retired["server." + row.key] for row in SERVER_COUNTERS}
-        st["models"] = self.summary(views)   # the same snapshot: each cache read once
-        st["split"] = self.split_info()
-        return st
-
-    def daemon_status(self) -> dict:
-        """The daemon's endpoint's ``status``: sums over the models, and each model."""
-        ms = self.summary()
-        hits, pf, miss = (sum(x[k] for x in ms) for k in ("hits", "prefetch_hits", "demand_misses"))
-        changed = [x for x in ms if x["model_changed"]]
-        return {"state": "model changed" if changed else "serving",
-                "model_changed": (f"model {changed[0]['name']}: {changed[0]['model_changed']}"
-                                  if changed else None),
-                "budget_configured_bytes": int(self.cfg.budget),
-                "budget_current_bytes": sum(x["budget_current_bytes"] for x in ms),
-                "slots": sum(x["slots"] for x in ms), "slots_used": sum(x["resident"] for x in ms),
-                "hits": hits, "prefetch_hits": pf, "demand_misses": miss,
-                "hit_rate": hit_rate(hits, pf, miss),
-                "clients": sum(x["clients"] for x in ms), "leases": sum(x["leases"] for x in ms),
-                "models": ms}
+        return V.model_views(self)
 
     def split_info(self) -> dict:
-        with self.lock:
-            return {"adding": list(self.adding), "failed": dict(self.failed),
-                    "total_bytes": self.total, "step_bytes": self.split.step,
-                    "hysteresis": self.split.hysteresis, "interval_s": self.cfg.split_interval_s,
-                    "moves": self.split.moves,
-                    "last_moves": [{"t": t, "from": d, "to": r, "bytes": b}
-                                   for t, d, r, b in self.moves]}
+        return V.split_info(self)
 
     def handle(self, msg: dict) -> dict:
         """The ``models`` op: ``action`` list (default) | add | remove | rebalance."""
@@ -612,41 +602,66 @@ class Models:
                               "remove or rebalance")
 
     # ------------------------------------------------------------------ the daemon's view
-    several = True
     keep_new = ("models",)   # applied in part: the file's tables are read as they are now
+
+    @property
+    def several(self) -> bool:
+        return not self.alone
+
+    def _one(self) -> Served:
+        return next(iter(self.models.values()))
 
     def targets(self, scope: str) -> list:
         """(server, cache) pairs a per-model live change reaches: every model's, and the
         endpoint's (no cache) for what every socket has (``scope`` "socket")."""
         out = [(srv, srv.cache) for srv in self.servers()]
-        return out + ([(self.router, None)] if scope == "socket" else [])
+        return out + ([(self.router, None)] if scope == "socket" and self.router else [])
 
     def floor_target(self, cfg) -> tuple:
-        """(configured total, least total, set_total): the memory floor shrinks the split's
-        total and the split absorbs it."""
+        """(configured, least, set_budget): the memory floor shrinks the split's total and the
+        split absorbs it; alone, it drives the model's cache budget (never above its arena)."""
+        if self.alone:
+            cache = self._one().cache
+            configured = min(budget_bytes(cfg, cache) or cache.arena.size, cache.arena.size)
+            return configured, floor_min_budget(cfg, cache, configured), cache.set_budget
         configured = int(cfg.budget)
         least = min(max(self.least_total(), cfg.min_budget or 0), configured)
         return configured, least, self.set_total
 
     def live_budget(self, new, floor):
-        return "several models: restart to change it"
+        """SIGHUP changed ``budget`` or ``slots``: None when applied, else why not. While the
+        memory floor is on it owns the budget: it gets the new configured budget."""
+        if not self.alone:
+            return "several models: restart to change it"
+        cache = self._one().cache
+        want = budget_bytes(new, cache)
+        if want is None:
+            return "neither budget nor slots set"
+        if want > cache.arena.size:
+            return f"larger than the {cache.arena.size} bytes the arena was created with"
+        if want < smallest_budget(cache.index):
+            return (f"{want} bytes is under the smallest arena this model runs with "
+                    f"({smallest_budget(cache.index)} bytes: one slot per size class)")
+        if floor is not None:   # the floor owns the budget while it is on
+            floor.reconfigure(configured_budget=want, min_budget=floor_min_budget(new, cache, want))
+        else:
+            cache.set_budget(want)
+        return None
 
     def live_split(self, new):
-        return self.configure(new)
+        return "only with several models" if self.alone else self.configure(new)
 
     def live_models(self, new):
-        return self.reload_models(new)
+        return ALONE if self.alone else self.reload_models(new)
 
     def stats(self) -> dict:
-        return self.daemon_stats()
+        return V.arena_stats(self._one()) if self.alone else V.daemon_stats(self)
 
     def status(self) -> dict:
-        return self.daemon_status()
+        return V.arena_status(self._one()) if self.alone else V.daemon_status(self)
 
     def ready_message(self) -> tuple[str, str]:
-        return (f"serving {len(self.models)} models ("
-                + ", ".join(f"{n} {s / 2**30:.2f} GiB" for n, s in self.split.shares.items())
-                + f") on {self.cfg.endpoint}", "")
+        return V.ready_message(self)
 
     def close(self):
         """Stop every model's server and close its cache (the endpoint's server closes itself
@@ -656,7 +671,7 @@ class Models:
                 m.server.stop()
                 if m.thread is not None:
                     m.thread.join(timeout=10)
-                elif m.server is not None:
+                elif not self.alone:
                     m.server.close()   # never ran: its socket and lock files go
             if m.reloader is not None:
                 m.reloader.close()

@@ -11,9 +11,9 @@ on every load (the reader pool) and on every periodic tick. Misses then fail wit
   is indexed again and served from a new arena under a new session (clients say hello again).
   A file that cannot be indexed is tried again when it changes next.
 
-One :class:`ModelReloader` per served model, driven from its server's loop thread: with one
-model by ``moecached.daemon.runtime.OneModel``, with several by ``moecached.daemon.multi`` (each model alone: the
-others keep serving). See docs/operations.md, "Model file changed".
+One :class:`ModelReloader` per served model (``moecached.daemon.multi.Models``, one model or
+several), driven from its server's loop thread; each model is handled alone: the others keep
+serving. See docs/operations.md, "Model file changed".
 """
 from __future__ import annotations
 

@@ -2,11 +2,11 @@
 ``moecached.daemon.cli`` and run until SIGTERM/SIGINT.
 
 The daemon owns the read queue (one set of reader threads for every model: one NVMe queue),
-the models it serves, the memory floor and live reload. The models are a set with one
-interface, whether one model or several: :class:`OneModel` serves ``--model PATH`` on the
-daemon's own endpoint (the floor drives its cache's budget); ``moecached.daemon.multi.Models`` serves
-several under one split budget, each on its own socket beside the endpoint (the floor drives
-the split's total). The daemon runs either the same way: endpoint lock -> stale arenas ->
+the models it serves, the memory floor and live reload. The models are a list
+(``moecached.daemon.multi.Models``), of one or several, built and driven by the same code: one
+model given as ``--model PATH`` is a list of one served on the daemon's own endpoint (the floor
+drives its cache's budget); several share one split budget, each on its own socket beside the
+endpoint (the floor drives the split's total). The daemon runs the same way either way: endpoint lock -> stale arenas ->
 read queue -> models -> floor -> signal handlers -> the endpoint's loop, whose periodic task
 ticks the floor, the models (their split, file watches, arena links) and systemd's watchdog.
 
@@ -25,17 +25,13 @@ import time
 from moecached import MoecacheError, __version__
 from moecached.daemon import config as C
 from moecached.daemon import notify
-from moecached.engine.arena import remove_stale_arenas, planned_size, smallest_budget
-from moecached.daemon.assemble import budget_bytes, fit_budget, floor_min_budget, make_cache, server_kwargs
+from moecached.engine.arena import remove_stale_arenas
+from moecached.daemon.assemble import fit_budget, make_cache, server_kwargs
 from moecached.daemon.floor import MemoryFloor
 from moecached.daemon.state import WarmStates
-from moecached.engine.index import open_index
-from moecached.daemon.logs import stage
 from moecached.daemon.multi import Models
 from moecached.engine.readers import ReadQueue
-from moecached.daemon.reload import ModelReloader
-from moecached.service.server import Server, lock_endpoint, unlock_endpoint
-from moecached.facts.units import format_bytes
+from moecached.service.server import lock_endpoint, unlock_endpoint
 
 log = logging.getLogger("moecached")
 
@@ -88,159 +84,12 @@ PER_MODEL = {"heartbeat": _on_heartbeat, "request_limits": _on_request_limits,
              "on_pressure": _on_on_pressure, "pressure_timeout": _on_pressure_timeout}
 
 
-class OneModel:
-    """One model served on the daemon's own endpoint (``--model PATH``): its index, cache
-    (the whole budget), server and file watch. A model file that changes is re-indexed under a
-    new session of the same socket (or the daemon exits), per ``on_model_change``."""
-
-    several = False
-    keep_new = ()     # config keys reported as read even when not applied
-
-    def __init__(self, daemon: "Daemon"):
-        self.daemon = daemon
-        self.path = daemon.cfg.model
-        self.server = self.reloader = None
-        self.timings: dict = {}
-        self._link = "ok"
-
-    @property
-    def cache(self):
-        return self.server.cache   # the current one: a model reload makes a new cache
-
-    def start(self, held: dict):
-        """Index, arena, cache and server of the model; the endpoint's lock (``held["lock"]``)
-        goes to the server. Returns the server of the daemon's endpoint."""
-        d, cfg = self.daemon, self.daemon.cfg
-        _notify("STATUS=indexing " + cfg.model)
-        with stage(f"indexing {cfg.model}") as st_index:
-            idx = open_index(cfg.model)
-        total = sum(sc.slot_bytes * len(sc.layers) for sc in idx.size_classes) * int(idx.n_experts)
-        n_classes = len(idx.size_classes)
-        log.info("found %d routed experts (%d layers x %d) in %d size class%s, %s of expert "
-                 "weights", len(idx.expert_layers) * int(idx.n_experts), len(idx.expert_layers),
-                 int(idx.n_experts), n_classes, "" if n_classes == 1 else "es",
-                 format_bytes(total, precision=2))
-        budget, slots = fit_budget(cfg, idx)
-        page = int(os.statvfs(cfg.arena_dir).f_bsize) if cfg.hugetlb else None
-        size = planned_size(idx, budget_bytes=budget, slots=slots,
-                            **({"page_size": page} if page else {}))
-        what = ("reserving and locking" if cfg.lock_memory else "reserving") + \
-            f" {format_bytes(size, precision=2)} for the arena in {cfg.arena_dir}"
-        _notify("STATUS=" + what)
-        tenth = [0]
-
-        def progress(done, total):
-            st_arena.update(done, total)
-            if done * 10 // total > tenth[0]:   # systemctl status shows how far it got
-                tenth[0] = done * 10 // total
-                _notify(f"STATUS={what}: {tenth[0] * 10}%")
-
-        with stage(what, total=size * (2 if cfg.lock_memory else 1)) as st_arena:
-            cache = make_cache(cfg, idx, progress, fitted=(budget, slots),
-                               read_queue=d.read_queue)
-        try:
-            lock_fd, held["lock"] = held["lock"], None   # the server owns it from here
-            self.server = Server(cache, endpoint=cfg.endpoint, model_path=cfg.model,
-                                 endpoint_lock=lock_fd, **server_kwargs(cfg))
-        except BaseException:
-            cache.close()
-            raise
-        self.timings = {"index_s": st_index.elapsed, "arena_s": st_arena.elapsed}
-        self.reloader = ModelReloader(self.server, cfg.model, f"model {cfg.model}",
-                                      mode=lambda: d.cfg.on_model_change, rebuild=self._rebuild,
-                                      installed=self._installed, exit=d.stop,
-                                      notify=lambda line: _notify(f"STATUS={line}"))
-        return self.server
-
-    def _rebuild(self, idx):
-        self.daemon.floor_gone()       # the floor of the old cache goes with it
-        return make_cache(self.daemon.cfg, idx, read_queue=self.daemon.read_queue)
-
-    def _installed(self, new):
-        self.daemon.floor_back()
-
-    def targets(self, scope: str) -> list:
-        """(server, cache) pairs a per-model live change reaches: the one model's."""
-        return [(self.server, self.server.cache)]
-
-    def tick(self, now: float) -> None:
-        """The periodic task: the arena's link, the model file."""
-        arena = self.server.cache.arena
-        r = arena.check_link()
-        if r == "relinked":
-            log.warning("arena %s was unlinked by some process (multiprocessing.shared_memory"
-                        ".SharedMemory does that when the process that opened it exits); linked "
-                        "it back from %s, clients attach as before", arena.path, arena.keep_path)
-        elif r != "ok" and r != self._link:
-            log.error("%s", r)
-        self._link = r
-        self.reloader.tick(now)
-
-    def floor_target(self, cfg) -> tuple:
-        """(configured budget, least budget, set_budget) the memory floor works between."""
-        cache = self.server.cache
-        # never above the arena (sized down at start when the budget did not fit)
-        configured = min(budget_bytes(cfg, cache) or cache.arena.size, cache.arena.size)
-        return configured, floor_min_budget(cfg, cache, configured), cache.set_budget
-
-    def live_budget(self, new, floor):
-        """SIGHUP changed ``budget`` or ``slots``: None when applied, else why not. While the
-        memory floor is on it owns the budget: it gets the new configured budget."""
-        cache = self.server.cache
-        want = budget_bytes(new, cache)
-        if want is None:
-            return "neither budget nor slots set"
-        if want > cache.arena.size:
-            return f"larger than the {cache.arena.size} bytes the arena was created with"
-        if want < smallest_budget(cache.index):
-            return (f"{want} bytes is under the smallest arena this model runs with "
-                    f"({smallest_budget(cache.index)} bytes: one slot per size class)")
-        if floor is not None:   # the floor owns the budget while it is on
-            floor.reconfigure(configured_budget=want,
-                              min_budget=floor_min_budget(new, cache, want))
-        else:
-            cache.set_budget(want)
-        return None
-
-    def live_split(self, new):
-        return "only with several models"
-
-    def live_models(self, new):
-        return "the daemon was started with one model (--model PATH): restart it with --model NAME=PATH"
-
-    def stats(self) -> dict:
-        arena = self.server.cache.arena
-        return {"arena": {"path": arena.path, "private_link": arena.keep_path,
-                          "relinks": arena.relinks, "problem": arena.link_problem}}
-
-    def status(self) -> dict:
-        arena = self.server.cache.arena
-        if arena.link_problem is None:
-            return {}
-        return {"state": "degraded", "problem": arena.link_problem}
-
-    def ready_message(self) -> tuple[str, str]:
-        cfg, cache = self.daemon.cfg, self.server.cache
-        slots = sum(c.n_slots for c in cache.arena.classes)
-        t = self.timings
-        return (f"serving {os.path.basename(cfg.model)} on {cfg.endpoint}: {slots} slots, "
-                f"{cache.arena.size / 2**30:.2f} GiB arena",
-                f" (started in {t['total_s']:.1f} s: index {t['index_s']:.1f} s, arena "
-                f"{t['arena_s']:.1f} s)")
-
-    def close(self) -> None:
-        if self.reloader is not None:
-            self.reloader.close()
-        if self.server is not None:
-            self.server.cache.close()
-
-
 class Daemon:
     """The daemon: read queue, models (one or several), memory floor, live reload.
 
     ``Daemon(cfg).run()`` serves until SIGTERM/SIGINT and returns the exit status.
     Attributes: ``cfg`` (the running config; SIGHUP replaces it), ``base`` (the one it started
-    with), ``models`` (:class:`OneModel` or ``moecached.daemon.multi.Models``), ``server`` (the
+    with), ``models`` (``moecached.daemon.multi.Models``: one model or several), ``server`` (the
     daemon's endpoint), ``floor`` (the running ``MemoryFloor`` or None), ``read_queue``.
     """
 
@@ -253,13 +102,12 @@ class Daemon:
         self.states = None       # warm starts: the models' state files and fills
         self._floor_off = None   # a floor turned off by SIGHUP: its counters go on if back
         self._watchdog = notify.watchdog_ping if notify.watchdog_interval() else None
-        if cfg.models:
-            self.models = Models(cfg, lambda c, idx, size: make_cache(
-                c, idx, fitted=(size, None), read_queue=self.read_queue),
-                server_kwargs(cfg), live_cfg=lambda: self.cfg, exit=self.stop,
-                notify=lambda line: _notify(f"STATUS={line}"))
-        else:
-            self.models = OneModel(self)
+        self.models = Models(cfg, lambda c, idx, fitted, progress=None: make_cache(
+            c, idx, progress, fitted=fitted, read_queue=self.read_queue),
+            server_kwargs(cfg), live_cfg=lambda: self.cfg, exit=self.stop,
+            notify=lambda line: _notify(f"STATUS={line}"), fit=fit_budget,
+            floor_hooks=(self.floor_gone, self.floor_back),
+            extend=lambda s: _notify(f"EXTEND_TIMEOUT_USEC={int(s * 1e6)}"))
 
     # ------------------------------------------------------------------ start, run, stop
     def start(self) -> None:
@@ -425,6 +273,13 @@ class Daemon:
         change live (:meth:`apply`); say exactly what was applied and what needs a restart. A
         key not applied keeps reporting its old value, except those the models apply in part
         (``models``)."""
+        notify.reloading()   # systemd: RELOADING=1 now, READY=1 when done (also when refused)
+        try:
+            self._reload_config()
+        finally:
+            notify.ready(self.models.ready_message()[0])
+
+    def _reload_config(self) -> None:
         old, base = self.cfg, self.base
         try:
             new = C.load_config(base.path, {k: v for k, v in base.as_dict().items()
