@@ -17,7 +17,9 @@ wanted that fit the free slots of their pool, then sorted by file offset, so the
 the model front to back; they go through the cache's prefetch path (prefetch priority: every
 demand read goes first, leases and slot generations as for any load), a window of loads in
 flight, never evicting anything (an expert whose pool has no free slot left is skipped: the
-budget is full). Their confidence is the cache's ``prefetch_min_confidence``, the lowest a
+budget is full). While a fill runs, prefetch chunks may take every reader thread when no demand
+read waits (``prefetch_chunks`` is raised to the threads; a demand job still cuts them to
+``prefetch_with_demand`` at once). Their confidence is the cache's ``prefetch_min_confidence``, the lowest a
 prefetch may have, so an engine's prefetch displaces a queued warm read at the prefetch cap.
 Counters: :class:`WarmCounters` (``warm_loaded``, ``warm_bytes``, ``warm_seconds``,
 ``warm_wanted`` in ``stats``; declared in ``moecached.facts.stats``), kept on the cache as
@@ -324,6 +326,14 @@ class WarmFill:
 
     def _run(self) -> None:
         cache, quota = self.cache, self.quota
+        q = cache.readers.queue
+        # While the fill runs, prefetch chunks may take every reader thread when no demand read
+        # waits (a demand job still cuts them to prefetch_with_demand at once): the drive's
+        # whole queue for the fill, as a demand burst would have it.
+        with q._cond:
+            pf_max, raised = q._pf_max, max(q._pf_max, q.threads)
+            q._pf_max = raised
+            q._cond.notify(raised - pf_max)
         try:
             todo = list(self.plan)
             for _ in range(self.passes):
@@ -350,6 +360,9 @@ class WarmFill:
             if not self._stop.is_set():
                 self.log.warning("warm fill from %s ended early: %s", self.source or "a list", e)
         finally:
+            with q._cond:
+                if q._pf_max == raised:
+                    q._pf_max = pf_max
             self.stopped = self._stop.is_set()
             self.elapsed = time.monotonic() - self.t0
             w = counters_of(cache)
