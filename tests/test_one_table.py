@@ -58,7 +58,7 @@ def test_daemon_takes_the_layout_from_the_header():
 
 def test_copies_outside_the_daemon_match_the_header():
     """The socket-only Python client (no compiler) and the protocol document repeat a few facts."""
-    client = (ROOT / "clients/python/moecache_client/__init__.py").read_text()
+    client = (ROOT / "clients/python/moecache_client/lease.py").read_text()
     m = re.search(r'_CONTROL_MAGIC\s*=\s*b"(\w+)"', client)
     assert m and m[1].encode() == _shm.CTL_MAGIC
     doc = (ROOT / "docs/protocol.md").read_text()

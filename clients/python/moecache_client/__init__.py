@@ -48,13 +48,16 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from types import EllipsisType
 from typing import Self
 
 import msgpack
-import numpy as np
 import zmq
+
+from ._call import _Call
+from .errors import ClientError, DaemonRestarted, LeaseInvalid, ServerError, Timeout
+from .lease import DESCRIPTOR_VERSION, _Arena, Lease, LeaseFuture, Subst  # noqa: F401  (the public API)
 
 __version__ = "0.1.0"
 
@@ -82,34 +85,6 @@ PROTOCOL_VERSION = 1
 Experts = Iterable[int]
 Requests = Iterable[tuple[int, Experts]]
 TimeoutArg = float | None | EllipsisType
-DESCRIPTOR_VERSION = 2     # the arena descriptor this client reads (control block included)
-_CONTROL_MAGIC = b"MOECTL01"
-
-
-class ClientError(Exception):
-    """Base class of the client's errors."""
-
-
-class ServerError(ClientError):
-    """The daemon refused a request; ``code`` is the protocol's error code string."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
-
-
-class DaemonRestarted(ClientError):
-    """The daemon went away (or restarted) while the call was in flight; retry it."""
-
-
-class Timeout(ClientError):
-    """No reply within the call's timeout."""
-
-
-class LeaseInvalid(ClientError):
-    """The lease no longer pins its experts (released, daemon restarted, or revoked and its
-    slots reused): bytes read through it may belong to another expert."""
-
 
 _noted = False
 
@@ -136,297 +111,23 @@ def _own_start_time() -> int | None:
         return None
 
 
-class _Call:
-    """One request waiting for its reply: a lighter ``concurrent.futures.Future``.
 
-    The reader sets the outcome (value, then state, then wakes an Event if a follower thread
-    made one); a waiting thread that does not hold the socket creates the Event lazily, so a
-    single-threaded caller never pays for one. Cancelling is not done here: whoever pops the
-    call's entry from ``Client._pending`` first (the reader handing over a reply, or a caller
-    giving up) decides its fate, atomically under the GIL.
-    """
-    __slots__ = ("rid", "op", "state", "value", "event")
-
-    def __init__(self, rid: int, op: str):
-        self.rid = rid
-        self.op = op
-        self.state = 0          # 0 waiting, 1 value is the reply, 2 value is the exception
-        self.value = None
-        self.event = None
-
-    def done(self) -> bool:
-        return self.state != 0
-
-    def set_result(self, value) -> None:
-        self.value = value
-        self.state = 1
-        ev = self.event
-        if ev is not None:
-            ev.set()
-
-    def set_exception(self, exc: BaseException) -> None:
-        self.value = exc
-        self.state = 2
-        ev = self.event
-        if ev is not None:
-            ev.set()
-
-    def result(self):
-        if self.state == 2:
-            raise self.value
-        return self.value
-
-    def wait(self, timeout: float) -> None:
-        """Sleep until done or ``timeout`` seconds (a follower thread's wait)."""
-        ev = self.event
-        if ev is None:
-            ev = self.event = threading.Event()
-        if self.state == 0:   # checked after the Event exists: a set_result now will set it
-            ev.wait(timeout)
-
-
-class _Arena:
-    """A read-only mapping of the daemon's arena file plus its layout descriptor
-    (``Client.arena``): ``address`` (base address of the mapping, for an engine that hands the
-    slot arrays to its kernels), ``size`` (bytes), ``descriptor`` (hello's ``arena`` map)."""
-
-    shm = None   # the session's moecache_client._shm.Shm (compiled client only)
-
-    def __init__(self, desc: dict):
-        self.desc = desc
-        if desc.get("version") != DESCRIPTOR_VERSION:
-            raise ClientError(f"arena descriptor version {desc.get('version')!r}: this client reads "
-                              f"version {DESCRIPTOR_VERSION}; install the client that matches the daemon")
-        fd = os.open(desc["path"], os.O_RDONLY)
-        try:
-            self.mm = mmap.mmap(fd, desc["size"], mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
+def _fetch_pin_fd(pins: dict) -> int:
+    """The pin file's fd from the daemon's door (docs/protocol.md, "Shared-memory hit path"):
+    connect to the unix socket ``pins["door"]``, send the hello's one-time ``token``, receive
+    the fd (``SCM_RIGHTS``) of a memfd whose size is sealed, so no process can truncate it
+    under this client's mapping."""
+    import socket
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
+        s.settimeout(5.0)
+        s.connect(pins["door"])
+        s.sendall(str(pins["token"]).encode("ascii"))
+        msg, fds, _, _ = socket.recv_fds(s, 16, 1)
+    if msg != b"ok" or len(fds) != 1:
+        for fd in fds:
             os.close(fd)
-        self.buf = np.frombuffer(self.mm, dtype=np.uint8)
-        self.classes = {int(c["id"]): c for c in desc["classes"]}
-        ctl = desc["control"]
-        if bytes(self.buf[ctl["off"]:ctl["off"] + 8]) != _CONTROL_MAGIC:
-            raise ClientError(f"arena {desc['path']}: no control block at offset {ctl['off']} "
-                              "(not a moecached arena, or a newer layout); upgrade the client")
-        self._words = np.frombuffer(self.mm, dtype=np.uint64, count=ctl["bytes"] // 8, offset=ctl["off"])
-        self._epoch_i = ctl["epoch_off"] // 8
-        self.gens = {cid: self._words[c["gen_off"] // 8: c["gen_off"] // 8 + c["n_slots"]]
-                     for cid, c in self.classes.items()}
-
-    @property
-    def descriptor(self) -> dict:
-        """The arena descriptor of the hello reply (docs/protocol.md, "The arena")."""
-        return self.desc
-
-    @property
-    def size(self) -> int:
-        """Bytes mapped."""
-        return int(self.desc["size"])
-
-    @property
-    def address(self) -> int:
-        """Base address of the read-only mapping in this process."""
-        return int(self.buf.__array_interface__["data"][0])
-
-    def epoch(self) -> int:
-        """Session id of the daemon serving this arena now (0: none)."""
-        return int(self._words[self._epoch_i])
-
-    def part(self, class_id: int, slot: int, part: str) -> np.ndarray:
-        c = self.classes[class_id]
-        n = c["part_bytes"][part]
-        off = c["part_off"][part] + slot * n
-        return self.buf[off:off + n]
-
-    def close(self):
-        self.shm = None
-        self.buf = self._words = None
-        self.gens = {}
-        try:
-            self.mm.close()
-        except BufferError:
-            pass  # views still alive; the mapping goes when they do
-
-
-class Subst:
-    """Substitution for one acquire (docs/protocol.md, "Substitution").
-
-    Args:
-        r: tolerance in [0, 1]: a candidate may replace a missing expert when its score is at
-            least ``r`` x the missing expert's score.
-        cap: at most this many swaps per layer (None: no cap).
-        layers: ``{layer: (scores, candidates)}``: ``scores`` one per requested expert of the
-            layer (request order), ``candidates`` ``[(expert, score), ...]`` further experts
-            the router ranked (none of them requested). Layers left out get no substitution.
-    """
-    __slots__ = ("r", "cap", "layers")
-
-    def __init__(self, r: float, cap: int | None,
-                 layers: dict[int, tuple[Sequence[float], Iterable[tuple[int, float]]]]):
-        if not (isinstance(r, (int, float)) and 0.0 <= r <= 1.0):
-            raise ClientError(f"Subst r: found {r!r}, expected a number in [0, 1]")
-        if cap is not None and (not isinstance(cap, int) or cap < 0):
-            raise ClientError(f"Subst cap: found {cap!r}, expected an integer >= 0 or None")
-        self.r, self.cap, self.layers = float(r), cap, layers
-
-    def wire(self) -> dict:
-        """The ``subst`` field of the acquire request."""
-        out = {"r": self.r, "layers": [[int(l), [float(x) for x in sc],
-                                        [[int(e), float(v)] for e, v in cands]]
-                                       for l, (sc, cands) in self.layers.items()]}
-        if self.cap is not None:
-            out["cap"] = int(self.cap)
-        return out
-
-
-class Lease:
-    """Experts pinned in the daemon's arena until ``release()`` (or the ``with`` block ends).
-
-    Attributes:
-        id: lease id (int).
-        items: [(layer, expert, class_id, slot), ...] in request order.
-        slots: slot index of each requested expert, in request order.
-        hits / prefetch_hits / misses: what the daemon found for this request.
-        substituted: ``[(layer, missing, substitute), ...]``: experts the daemon replaced by a
-            resident candidate (``acquire(..., subst=)``); ``items`` name the substitutes.
-        stall_us: microseconds the daemon waited for reads for this request.
-
-    A lease pinned through shared memory (no message) has a negative ``id``, counts every
-    expert as a hit (the daemon counts it as a hit or a prefetch hit when it drains the ring)
-    and is released by a store.
-    """
-
-    _shm_items = None   # moecache_client._shm.Items: valid() through mcshm_valid; a fast lease unpins
-
-    def __init__(self, client: "Client", session: int, arena: _Arena, reply: dict, shm_items=None):
-        self._client = client
-        self.session = session
-        self._arena = arena
-        self.id = reply["lease"]
-        self.items = reply["items"]  # [[layer, expert, class_id, slot], ...]
-        self.hits = reply.get("hits", 0)
-        self.prefetch_hits = reply.get("prefetch_hits", 0)
-        self.misses = reply.get("misses", 0)
-        self.stall_us = reply.get("stall_us", 0)
-        self.substituted = [tuple(x) for x in reply.get("subst", ())]
-        self.released = False
-        self._where_map = None
-        if shm_items is None and arena is not None and arena.shm is not None:
-            shm_items = arena.shm.items(self.items, reply["gens"])
-        if shm_items is not None:
-            self._shm_items = shm_items
-            return
-        # per size class: (slot indices, their generations at grant), checked by valid()
-        by_cls: dict = {}
-        for (_, _, cid, slot), g in zip(self.items, reply["gens"]):
-            by_cls.setdefault(cid, ([], []))
-            by_cls[cid][0].append(slot)
-            by_cls[cid][1].append(g)
-        self._granted = [(cid, np.array(sl, dtype=np.intp), np.array(gs, dtype=np.uint64))
-                         for cid, (sl, gs) in by_cls.items()]
-
-    @classmethod
-    def _pinned(cls, client, session, arena, lid, shm_items) -> "Lease":
-        """A lease pinned without a message (all hits)."""
-        self = cls.__new__(cls)
-        self._client = client
-        self.session = session
-        self._arena = arena
-        self.id = lid
-        self.items = shm_items.rows
-        self.hits = len(self.items)
-        self.prefetch_hits = self.misses = self.stall_us = 0
-        self.substituted = []
-        self.released = False
-        self._where_map = None
-        self._shm_items = shm_items
-        return self
-
-    def _invalid_because(self) -> str | None:
-        if self.released:
-            return "it was released"
-        if self._client._closed:
-            return "its client was closed (its bye released it)"
-        if self._client.session != self.session:
-            return "the daemon that granted it restarted or went away"
-        a = self._arena
-        if a is None or a.buf is None:
-            return "its arena is no longer mapped"
-        it = self._shm_items
-        if it is not None:
-            if it.valid():
-                return None
-            if a.epoch() != self.session:
-                return "the daemon that granted it no longer serves this arena"
-            return "the daemon revoked it and reused its slots"
-        if a.epoch() != self.session:
-            return "the daemon that granted it no longer serves this arena"
-        for cid, slots, gens in self._granted:
-            if not np.array_equal(a.gens[cid][slots], gens):
-                return "the daemon revoked it and reused its slots"
-        return None
-
-    def valid(self) -> bool:
-        """True while the lease pins its experts: bytes read through it before this call
-        returned True are the granted experts'. A few shared-memory loads, no message."""
-        return self._invalid_because() is None
-
-    def check(self) -> None:
-        """Raise :class:`LeaseInvalid` (saying why) unless :meth:`valid`."""
-        why = self._invalid_because()
-        if why is not None:
-            raise LeaseInvalid(f"lease {self.id} is no longer valid: {why}")
-
-    @property
-    def slots(self) -> list[int]:
-        """Slot index of each requested expert, in request order (MUL_MAT_ID expert ids)."""
-        return [s for _, _, _, s in self.items]
-
-    @property
-    def _where(self) -> dict:
-        if self._where_map is None:
-            self._where_map = {(l, e): (c, s) for l, e, c, s in self.items}
-        return self._where_map
-
-    def part(self, expert: int, part: str, layer: int | None = None) -> np.ndarray:
-        """Zero-copy read-only uint8 view of one part ('gate', 'up', 'down', ...) of an expert.
-
-        ``layer`` may be left out when the lease covers one layer. Raises KeyError when the
-        expert is not in this lease, :class:`LeaseInvalid` when the lease is no longer valid
-        (call :meth:`valid` again after using the bytes: a revocation may come at any time).
-        """
-        self.check()
-        if layer is None:
-            layers = {l for l, _, _, _ in self.items}
-            if len(layers) != 1:
-                raise KeyError("lease covers several layers: pass layer=")
-            layer = next(iter(layers))
-        cls, slot = self._where[(layer, expert)]
-        return self._arena.part(cls, slot, part)
-
-    def parts(self, expert: int, layer: int | None = None) -> dict[str, np.ndarray]:
-        """All parts of one expert as {part: uint8 view} (:class:`LeaseInvalid` as :meth:`part`)."""
-        self.check()
-        if layer is None:
-            layer = self.items[0][0]
-        cls, _ = self._where[(layer, expert)]
-        return {p: self.part(expert, p, layer) for p in self._arena.classes[cls]["parts"]}
-
-    def release(self) -> None:
-        """Unpin (idempotent). A lease from before a daemon restart is dropped silently."""
-        if not self.released:
-            self.released = True
-            if self.id < 0:      # pinned without a message: unpin is a store
-                self._shm_items.release()
-            else:
-                self._client._release_lease(self)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
+        raise OSError(f"the daemon's door refused the pin file ({msg!r})")
+    return fds[0]
 
 class Client:
     """Connection to a moecached daemon.
@@ -844,6 +545,7 @@ class Client:
             hello["pid_start"] = start
             if self._want_fast:
                 hello["fast_path"] = True
+                hello["pin_fd"] = True   # the pin file comes as a sealed fd from the door
         self._send(hello)
         deadline = time.monotonic() + timeout
         while not fut.done():
@@ -883,15 +585,17 @@ class Client:
         pin_mm = None
         if pins is not None:
             try:
-                fd = os.open(pins["path"], os.O_RDWR)
+                fd = _fetch_pin_fd(pins) if pins.get("door") else os.open(pins["path"], os.O_RDWR)
                 try:
                     pin_mm = mmap.mmap(fd, pins["size"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 finally:
                     os.close(fd)
             except (OSError, KeyError, TypeError, ValueError) as e:
-                raise ClientError(f"pin file {pins.get('path') if isinstance(pins, dict) else pins!r}: "
+                where = (pins.get("path") or pins.get("door")) if isinstance(pins, dict) else pins
+                raise ClientError(f"pin file {where!r}: "
                                   f"cannot map it read-write ({e}); pass fast_path=False to use the socket "
                                   "only") from None
+        self.pin_map = pin_mm   # the pin file's read-write mapping (None: no fast path)
         try:
             shm = _shm.Shm(arena.mm, arena.desc, list(rep["expert_layers"]), int(rep["n_experts"]),
                            rep["session"], pin_mm, pins)
@@ -1015,22 +719,3 @@ class Client:
                 self._lock.release()
 
 
-class LeaseFuture:
-    """Pending acquire; ``result(timeout)`` returns the Lease (or raises the call's error)."""
-
-    def __init__(self, client: Client, fut: _Call | None, lease: Lease | None = None):
-        self._client = client
-        self._fut = fut
-        self._lease = lease      # already granted (pinned without a message)
-
-    def done(self) -> bool:
-        """True once the reply (lease or error) is in."""
-        return self._fut is None or self._fut.done()
-
-    def result(self, timeout: float | None = None) -> Lease:
-        """Wait up to ``timeout`` seconds (None: forever) for the Lease. Raises ServerError,
-        Timeout (a lease arriving later is released by the client), DaemonRestarted."""
-        if self._fut is None:
-            return self._lease
-        rep = self._client._wait(self._fut, timeout, "acquire")
-        return Lease(self._client, rep["session"], rep["_arena"], rep)
