@@ -1,5 +1,4 @@
 """``moecache-ctl metrics``: the Prometheus exporter against a real daemon."""
-import os
 import socket
 import subprocess
 import sys
@@ -86,7 +85,7 @@ def test_collector_matches_daemon_stats(model, tmp_path):
     for layer, x in st["layers"].items():
         assert m[("moecached_layer_hits_total", (("layer", layer),))] == x["hits"]
     (eng_st,) = [x for x in st["clients"] if x["name"] == "engine-a"]
-    lab = (("client", "engine-a"), ("pid", str(os.getpid())))
+    lab = (("client", "engine-a"),)
     assert m[("moecached_client_requests_total", lab)] == eng_st["requests"]
     assert m[("moecached_client_hits_total", lab)] == eng_st["hits"]
     assert m[("moecached_client_demand_misses_total", lab)] == eng_st["demand_misses"]
@@ -147,7 +146,7 @@ def test_http_exporter_counts_up_and_follows_daemon_restart(model, tmp_path):
     for name in ("moecached_hits_total", "moecached_demand_misses_total", "moecached_read_bytes_total",
                  "moecached_reads_total"):
         assert second[(name, ())] > first[(name, ())], name
-    lab = (("client", "engine-b"), ("pid", str(os.getpid())))
+    lab = (("client", "engine-b"),)
     assert second[("moecached_client_acquires_total", lab)] == n_acquires
     assert second[("moecached_clients", ())] == 1
     assert gone == {("moecached_up", ()): 0}
@@ -209,7 +208,7 @@ def test_declared_stats_reach_every_view_and_the_docs(model, tmp_path, capsys):
               S.FAST_PATH_STATS: (st["fast_path"], "fast_path.", ()),
               S.CLASS_STATS: (cls, f"classes.{cls['id']}.", ("size_class",)),
               S.LAYER_STATS: (lay, f"layers.{layer}.", ("layer",)),
-              S.CLIENT_STATS: (eng, "clients.engine.", ("client", "pid"))}
+              S.CLIENT_STATS: (eng, "clients.engine.", ("client",))}
     assert set(places) == {getattr(S, n) for n in S.__all__ if n.isupper()}, "a declared table has no place here"
     fams = {f.name: (f.type, {tuple(sorted(x.labels)) for x in f.samples})
             for f in StatsCollector("ipc:///nonexistent")._families(st)}
@@ -234,3 +233,23 @@ def test_declared_stats_reach_every_view_and_the_docs(model, tmp_path, capsys):
             assert re.search(rf"`{s.key}`", stat_rows), f"stat {prefix}{s.key} not in docs/operations.md"
             shown = s.metric + ("_total" if s.kind == "counter" else "")
             assert re.search(rf"`{shown}`", metric_rows), f"metric {shown} not in docs/operations.md"
+
+
+def test_no_label_takes_a_pid_and_the_histogram_has_its_sum():
+    """Engines that restart (a new pid each time) add no new series: clients are labelled by
+    the name they gave, those that gave none (``pid<N>``) as ``unnamed``; the reader pool's
+    job latency histogram carries ``_sum`` beside its buckets."""
+    pytest.importorskip("prometheus_client")
+    from moecached.tools.metrics import StatsCollector
+    clients = [{"name": "pid101", "pid": 101, "acquires": 2}, {"name": "pid202", "pid": 202, "acquires": 3},
+               {"name": "engine-a", "pid": 303, "acquires": 5}]
+    readers = {"latency_edges_s": [0.001, 0.01], "latency_hist": [4, 2, 1], "latency_sum_s": 0.125,
+               "reads": 7, "jobs": 7}
+    fams = StatsCollector("ipc:///nonexistent")._families({"clients": clients, "readers": readers})
+    samples = [(s.name, s.labels, s.value) for f in fams if f is not None for s in f.samples]
+    assert not [s for s in samples if "pid" in s[1]], "a label takes a pid"
+    acq = {s[1]["client"]: s[2] for s in samples if s[0] == "moecached_client_acquires_total"}
+    assert acq == {"unnamed": 5, "engine-a": 5}
+    hist = {s[0]: s[2] for s in samples if s[0].startswith("moecached_reader_job_latency_seconds")}
+    assert hist["moecached_reader_job_latency_seconds_sum"] == 0.125
+    assert hist["moecached_reader_job_latency_seconds_count"] == 7

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import threading
 import time
@@ -18,6 +19,8 @@ from moecached import MoecacheError
 from moecached.facts.stats import CACHE_STATS, CLASS_STATS, CLIENT_STATS, FAST_PATH_STATS, LAYER_STATS, SERVER_COUNTERS
 
 CLIENT_NAME = "moecache-metrics"  # how the exporter's own connection shows in the daemon's stats
+#: the name a client that gave none has (moecache_client: ``pid<its pid>``): labelled ``unnamed``
+DEFAULT_NAME = re.compile(r"pid\d+")
 
 # every declared counter and gauge (moecached.facts.stats) becomes one family; counters get ``_total``
 # from prometheus_client.
@@ -45,13 +48,16 @@ class StatsCollector:
     * one family per row declared in ``moecached.facts.stats``: ``CACHE_STATS`` and
       ``SERVER_COUNTERS`` (``server_*``), ``FAST_PATH_STATS`` (``fast_*``), ``CLASS_STATS``
       (``class_*{size_class}``), ``LAYER_STATS`` (``layer_*{layer}``) and ``CLIENT_STATS``
-      (``client_*{client,pid}``: the exporter's own connection left out; clients sharing name
-      and pid are summed, ``idle_seconds`` the least); ``clients`` (connected, gauge).
+      (``client_*{client}``, by the name the client gave, ``unnamed`` for the clients that gave
+      none (their default name carries their pid): no label takes a pid, so an engine that
+      restarts adds no new series; the exporter's own connection left out; clients sharing a
+      label are summed, ``idle_seconds`` the least); ``clients`` (connected, gauge).
     * gauges ``budget_configured_bytes``, ``budget_current_bytes``; reader pool: counters
       ``reader_chunk_reads``, ``reader_jobs``, gauge ``reader_queued_jobs{queue=demand|prefetch}``.
     * ``read_latency_seconds`` summary: ``_count``, ``_sum`` over the run, ``quantile`` 0.5 and
       0.99 over the last 8192 reads (absent before the first read); ``read_latency_max_seconds``.
-      ``reader_job_latency_seconds`` histogram (the reader pool's fixed buckets, no ``_sum``).
+      ``reader_job_latency_seconds`` histogram (the reader pool's fixed buckets, ``_count`` and
+      ``_sum``).
     * memory floor, only while it is on: gauges ``floor_bytes``, ``floor_hysteresis_bytes``,
       ``floor_min_budget_bytes``, ``floor_available_bytes``, ``floor_at_min``; counters
       ``floor_{shrinks,grows,errors,reconfigures}`` (reconfigures: budget changes a SIGHUP made).
@@ -194,7 +200,7 @@ class StatsCollector:
                     buckets.append((le, acc))
                 h = core.HistogramMetricFamily("moecached_reader_job_latency_seconds",
                                                "read job latency in the reader pool")
-                h.add_metric([], buckets, None)
+                h.add_metric([], buckets, rd.get("latency_sum_s"))
                 out.append(h)
         return out
 
@@ -224,9 +230,10 @@ class StatsCollector:
         core = self._core
         merged: dict[tuple, dict] = {}
         for c in clients:
-            lab = (str(c.get("name", c.get("id", ""))), str(c.get("pid", "")))
-            if lab == (CLIENT_NAME, str(os.getpid())):
+            if (c.get("name"), str(c.get("pid"))) == (CLIENT_NAME, str(os.getpid())):
                 continue  # this exporter
+            name = str(c.get("name") or "")
+            lab = ("unnamed" if not name or DEFAULT_NAME.fullmatch(name) else name,)
             m = merged.setdefault(lab, {})
             for k, v in c.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "pid":
@@ -234,7 +241,7 @@ class StatsCollector:
         n = core.GaugeMetricFamily("moecached_clients", "clients connected now (the exporter not counted)")
         n.add_metric([], sum(1 for c in clients
                              if (c.get("name"), str(c.get("pid"))) != (CLIENT_NAME, str(os.getpid()))))
-        return [n] + self._labelled(CLIENT_STATS, ["client", "pid"], [(list(lab), m) for lab, m in merged.items()])
+        return [n] + self._labelled(CLIENT_STATS, ["client"], [(list(lab), m) for lab, m in merged.items()])
 
     def _models(self, models: list):
         """Several models under one budget: per model ``{model}``."""
