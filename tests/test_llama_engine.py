@@ -404,7 +404,8 @@ def test_substitution_that_never_qualifies_is_bit_identical(models, reference, t
 
 
 @pytest.mark.parametrize("flag,value", [("--moecached-subst", "1e9"), ("--moecached-subst", "half"),
-                                        ("--moecached-subst-cap", "-1")])
+                                        ("--moecached-subst-cap", "-1"), ("--moecached-gpu", "vram"),
+                                        ("--moecached-gpu", "zerocopy")])   # (zerocopy: no CUDA device here)
 def test_bad_substitution_setting_is_one_line(models, tmp_path, flag, value):
     sock = str(tmp_path / "d.sock")
     p = start_daemon(models["f32"], sock, "--slots", "32")

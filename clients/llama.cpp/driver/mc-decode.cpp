@@ -4,6 +4,7 @@
 //   mc-decode -m MODEL [--moecached ENDPOINT] [-p PROMPT] [-n STEPS] [-t THREADS]
 //             [--ubatch N] [--dump FILE] [--step-delay-ms MS] [--retries N] [--rounds N]
 //             [--moecached-subst R] [--moecached-subst-cap N] [--dump-moe FILE] [--cpu-moe]
+//             [--moecached-gpu cpu|zerocopy]
 //   mc-decode --help      (-h) prints the options and exits 0
 //
 // Prints one line per step ("step I token T") and a final "timing" line:
@@ -20,6 +21,8 @@
 // --cpu-moe keeps the model's routed expert tensors in CPU buffers (llama.cpp's --cpu-moe, i.e.
 // -ot exps=CPU): on a GPU build the expert matmuls then run on the CPU, as they do over the
 // daemon's arena, so `--cpu-moe` and `--moecached` runs compare bit for bit there too.
+// --moecached-gpu zerocopy (LLAMA_MOECACHED_GPU) registers the arena with CUDA instead: the expert
+// matmuls run on the GPU, reading the slots over the host link (a CUDA build only).
 #include "llama.h"
 #include "ggml-cpu.h"
 
@@ -57,6 +60,7 @@ static const char * USAGE =
     "usage: mc-decode -m MODEL [--moecached ENDPOINT] [-p PROMPT] [-n STEPS] [-t THREADS]\n"
     "                 [--ubatch N] [--dump FILE] [--step-delay-ms MS] [--retries N] [--rounds N]\n"
     "                 [--moecached-subst R] [--moecached-subst-cap N] [--dump-moe FILE] [--cpu-moe]\n"
+    "                 [--moecached-gpu cpu|zerocopy]\n"
     "Greedy decode with llama.cpp, every step's logits dumped, through moecached or not.\n"
     "  -m MODEL                  GGUF model (required)\n"
     "  --moecached ENDPOINT      take the routed experts from the daemon at ENDPOINT\n"
@@ -72,6 +76,8 @@ static const char * USAGE =
     "  --moecached-subst-cap N   at most N substitutions per layer\n"
     "  --dump-moe FILE           the router's probabilities, top-k, substituted ids and weights per MoE block\n"
     "  --cpu-moe                 keep the routed expert tensors on the CPU (llama.cpp's --cpu-moe, -ot exps=CPU)\n"
+    "  --moecached-gpu MODE      CUDA build: served experts computed on the CPU (cpu, default) or on the GPU\n"
+    "                            reading the arena over the host link (zerocopy)\n"
     "  -h, --help                print this and exit\n";
 
 static double now_s() {
@@ -103,6 +109,7 @@ int main(int argc, char ** argv) {
         else if (a == "--moecached-subst-cap") setenv("LLAMA_MOECACHED_SUBST_CAP", next(), 1);
         else if (a == "--dump-moe") dump_moe_path = next();
         else if (a == "--cpu-moe") cpu_moe = true;
+        else if (a == "--moecached-gpu") setenv("LLAMA_MOECACHED_GPU", next(), 1);   // read at load
         else { fprintf(stderr, "mc-decode: unknown argument %s\n%s", a.c_str(), USAGE); return 2; }
     }
     if (model_path.empty()) { fprintf(stderr, "mc-decode: -m MODEL is required\n%s", USAGE); return 2; }
