@@ -32,7 +32,8 @@ def run_demo(args, tmp_path):
 def test_demo_real_trace(tmp_path):
     out, err = run_demo(["--trace", str(qwen_trace_path()), "--layers", "2", "--sizes", "0.25,0.5",
                          "--warm-tokens", "24", "--tokens", "64"], tmp_path)
-    assert "REAL trace" in err and "first 2 of 48 MoE layers" in err
+    flat = " ".join(err.split())   # messages are folded at 100 columns
+    assert "REAL trace" in flat and "first 2 of 48 MoE layers" in flat
     res = out["results"]
     assert [r["size_fraction"] for r in res] == [0.25, 0.5]
     assert [r["slots"] for r in res] == [64, 128]
@@ -65,6 +66,10 @@ def test_demo_synthetic_small(tmp_path):
     assert r["synthetic"] and r["sim"]["daemon_equals_simulator"]
     assert r["sim"]["glru_hits"] == r["hits"] and r["sim"]["daemon_equals_reference"]
     assert os.path.exists(out["model"])  # --keep
+    # what a user reads fits a terminal of 100 columns: the messages and the table
+    from moecached.tools.replay import format_table
+    for line in err.splitlines() + format_table(out["results"], title="moecached demo: " + "x" * 120).splitlines():
+        assert len(line) <= 100, line
 
 
 def test_synthetic_locality_near_real():

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 
 import numpy as np
@@ -146,11 +147,25 @@ def _parse_sizes(s):
     return out
 
 
+def fit(text: str) -> str:
+    """``text`` folded to lines of at most 100 columns (the table's width), continuation lines
+    indented."""
+    from moecached.tools.replay import WIDTH
+    out = []
+    for line in text.split("\n"):
+        lead = line[:len(line) - len(line.lstrip())]
+        out += textwrap.wrap(line.lstrip(), WIDTH, initial_indent=lead, subsequent_indent=lead + "    ",
+                             break_on_hyphens=False) or [line]
+    return "\n".join(out)
+
+
 def run_demo(a, out=sys.stdout) -> dict:
     from moecached.engine.index import open_index
     from moecached.tools.replay import probe_drive, replay, format_table
-    say = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else \
-        (lambda *x: print(*x, file=out, flush=True))
+    stream = sys.stderr if a.json else out
+
+    def say(text):
+        print(fit(text), file=stream, flush=True)
     t_all = time.perf_counter()
     base = a.workdir or None
     workdir = tempfile.mkdtemp(prefix="moecache-demo-", dir=base)
@@ -280,8 +295,8 @@ def run_demo(a, out=sys.stdout) -> dict:
                           + f"; daemon-LRU reference {s['reference_hit_rate']:.4%} "
                           f"({'same' if s.get('daemon_equals_reference') else 'DIFFERS'})")
         if checks:
-            table += ("\nconsistency (prefetch off, same tokens, same warm-up, same slots per "
-                      "size class; equal hits expected):\n  " + "\n  ".join(checks))
+            table += fit("\nconsistency (prefetch off, same tokens, same warm-up, same slots per "
+                         "size class; equal hits expected):\n  " + "\n  ".join(checks))
         total = time.perf_counter() - t_all
         table += f"\ndemo finished in {total:.0f} s" + (
             f"; files kept in {workdir}" if a.keep else "")
@@ -366,7 +381,7 @@ def main(argv=None) -> int:
         raise DemoError(f"--tokens: found {a.tokens}, expected >= 1")
     res = run_demo(a)
     if a.json:
-        res["engine"] = engine_step(a, lambda *x: print(*x, file=sys.stderr, flush=True))
+        res["engine"] = engine_step(a, lambda x: print(fit(x), file=sys.stderr, flush=True))
         js = {k: v for k, v in res.items() if k != "table"}
         json.dump(js, sys.stdout, indent=1, default=float)
         print()
@@ -374,7 +389,7 @@ def main(argv=None) -> int:
         print()
         print(res["table"])
         print()
-        res["engine"] = engine_step(a, print)
+        res["engine"] = engine_step(a, lambda x: print(fit(x), flush=True))
     return 0
 
 

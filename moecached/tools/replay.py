@@ -369,9 +369,9 @@ def _ceiling_cell(r) -> str:
         return "n/a (no --gbps)"
     use = r.get("ceiling_gbps") or r["gbps"]
     src = r.get("ceiling_gbps_source") or r["gbps_source"]
-    cell = _f(r["drive_ceiling_tok_s"], "{:.2f}") + f" @{use:.2f} GB/s {src}"
-    if src == "achieved":
-        cell += f" (> {r['gbps']:.2f} {r['gbps_source']})"
+    cell = _f(r["drive_ceiling_tok_s"], "{:.2f}") + f" @{use:.2f}"
+    if src == "achieved":   # the run read faster than the probe: its own rate is the ceiling's
+        cell += "*"
     return cell
 
 
@@ -409,8 +409,17 @@ def _f(x, fmt):
     return fmt.format(x)
 
 
+WIDTH = 100   # the table and its notes fit a terminal this wide
+
+
+def _wrap(texts) -> list:
+    import textwrap
+    return [line for x in texts for line in textwrap.wrap(x, WIDTH, subsequent_indent="    ")]
+
+
 def format_table(results, title: str = "") -> str:
-    """Results of one or more replays, one column each."""
+    """Results of one or more replays, one column each; every line fits :data:`WIDTH`
+    columns, each row that needs it explained under the table."""
     cols = [r.get("label") or f"run {i}" for i, r in enumerate(results)]
 
     def pct(n, r):
@@ -423,8 +432,8 @@ def format_table(results, title: str = "") -> str:
         ("experts in RAM, GiB", lambda r: f"{r['arena_gib']:.2f} of {r['model_expert_gib']:.2f}"),
         ("counted tokens (warm-up)", lambda r: f"{r['counted_tokens']} ({r['warm_tokens']})"),
         ("decode tok/s (drive+cache)", lambda r: _f(r["tok_s"], "{:.2f}")),
-        ("stall ms/token", lambda r: _f(r["stall_ms_per_token"], "{:.2f}")),
-        ("acquire wait ms/token", lambda r: _f(r["acquire_ms_per_token"], "{:.2f}")),
+        ("read wait ms/token [1]", lambda r: _f(r["stall_ms_per_token"], "{:.2f}")),
+        ("acquire calls ms/token [2]", lambda r: _f(r["acquire_ms_per_token"], "{:.2f}")),
         ("hits", lambda r: pct(r["hits"], r)),
         ("prefetch hits", lambda r: pct(r["prefetch_hits"], r)),
         ("demand misses", lambda r: pct(r["demand_misses"], r)),
@@ -434,11 +443,11 @@ def format_table(results, title: str = "") -> str:
                                               f"({_f(r['read_gbps'], '{:.2f}')})"),
         ("read latency p50/p99 ms", lambda r: f"{r['read_latency'].get('p50_us', 0) / 1e3:.1f}"
                                               f"/{r['read_latency'].get('p99_us', 0) / 1e3:.1f}"),
-        ("drive ceiling tok/s", _ceiling_cell),
-        ("daemon overhead ms/token", lambda r: (f"{r['overhead_ms_per_token']:.2f} "
-                                                f"({r['overhead_us_per_acquire']:.0f} us/acquire)")
-                                               if r.get("overhead_ms_per_token") is not None
-                                               else f"skipped ({r.get('overhead_skipped') or 'off'})"),
+        ("drive ceiling tok/s @GB/s [3]", _ceiling_cell),
+        ("daemon overhead ms/token [4]", lambda r: (f"{r['overhead_ms_per_token']:.2f} "
+                                                    f"({r['overhead_us_per_acquire']:.0f} us/acq)")
+                                                   if r.get("overhead_ms_per_token") is not None
+                                                   else "skipped"),
     ]
     if any("sim" in r for r in results):
         def hr(r):
@@ -464,24 +473,35 @@ def format_table(results, title: str = "") -> str:
     cells = [[fn(r) for r in results] for _, fn in rows]
     w0 = max(len(n) for n, _ in rows)
     ws = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    lines = []
-    if title:
-        lines.append(title)
+    lines = _wrap([title]) if title else []
     lines.append(f"{'':<{w0}}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cols, ws)))
     for (name, _), row in zip(rows, cells):
         lines.append(f"{name:<{w0}}  " + "  ".join(f"{v:>{w}}" for v, w in zip(row, ws)))
+    probe = results[0]
+    legend = [
+        "[1] time the daemon waited for reads of this client's misses, per token",
+        "[2] time the engine spent inside acquire calls, per token: [1] plus the round trips",
+        "[3] tokens/s if every byte read came at the drive's rate: the one of the "
+        + (f"probe ({probe['gbps']:.2f} GB/s, {probe['gbps_source']})" if probe.get("gbps") else "probe")
+        + "; * the run read faster than that, so its own rate is used",
+        "[4] what the daemon adds per token when every expert is resident (all-hit probe)",
+    ]
+    skipped = sorted({r.get("overhead_skipped") or "off" for r in results
+                      if r.get("overhead_ms_per_token") is None})
+    if skipped:
+        legend[3] += f"; skipped: {', '.join(skipped)}"
+    lines += _wrap(legend)
     notes = sorted({r["note"] for r in results if r.get("note")})
-    for n in notes:
-        lines.append(f"note: {n}")
+    lines += _wrap([f"note: {n}" for n in notes])
     cfg = results[0]
-    lines.append(f"engine: batch 1, compute {cfg['compute_ms']:g} ms/token "
-                 f"(attention share {cfg['attn_frac']:g}), lookahead {cfg['lookahead']}"
-                 + (f", predictor {cfg['predictor']}" if cfg["lookahead"] else " (prefetch off)"))
+    lines += _wrap([f"engine: batch 1, compute {cfg['compute_ms']:g} ms/token "
+                    f"(attention share {cfg['attn_frac']:g}), lookahead {cfg['lookahead']}"
+                    + (f", predictor {cfg['predictor']}" if cfg["lookahead"] else " (prefetch off)")])
     if any(not r.get("fresh_daemon") for r in results if "sim" in r):
-        lines.append("note: the daemon was not fresh (used before this replay): the reference "
-                     "and simulator assume a cold cache")
+        lines += _wrap(["note: the daemon was not fresh (used before this replay): the reference "
+                        "and simulator assume a cold cache"])
     if any(r.get("other_clients") for r in results):
-        lines.append("note: other clients were connected; their traffic is in the daemon counters")
+        lines += _wrap(["note: other clients were connected; their traffic is in the daemon counters"])
     return "\n".join(lines)
 
 

@@ -386,7 +386,8 @@ def _write(layout, out, tensors, meta, info, starts, seed, progress, sparse, sta
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=out.name, file=sys.stderr)
+        bar = tqdm(total=total, unit="iB", unit_scale=True, unit_divisor=1024, desc=out.name,   # GiB, as the docs say
+                   file=sys.stderr)
     maxslice = max((t.nbytes // max(t.n_experts, 1) for t in tensors if t.kind != "other"), default=0)
     buf = np.empty(max(_CHUNK, maxslice), dtype=np.uint8)
     align = layout.alignment
