@@ -94,6 +94,8 @@ def test_collector_matches_daemon_stats(model, tmp_path):
     assert m[("moecached_client_prefetch_loads_in_flight", lab)] == eng_st["prefetch_loads_in_flight"]
     assert m[("moecached_server_rate_limited_total", ())] == st["server"].get("rate_limited", 0)
     assert m[("moecached_floor_bytes", ())] == 1 << 20
+    assert m[("moecached_reader_job_latency_seconds_sum", ())] == pytest.approx(st["readers"]["latency_sum_s"], rel=0.5)
+    assert st["readers"]["latency_sum_s"] > 0
     # the exporter leaves its own connection out
     assert not [k for k in m if k[0].startswith("moecached_client_") and ("client", "moecache-metrics") in k[1]]
     assert once.returncode == 0, once.stderr

@@ -418,7 +418,8 @@ class ReaderPool:
         """Counters of this pool's jobs: ``reads`` (chunk reads issued), ``bytes`` (read OK),
         ``jobs`` (finished), ``errors`` (failed jobs), ``in_flight`` (jobs submitted, not
         finished), ``queued_demand`` / ``queued_prefetch`` (jobs with no chunk issued yet),
-        ``latency_edges_s`` + ``latency_hist`` (job latency counts; last bucket > last edge),
+        ``latency_edges_s`` + ``latency_hist`` (job latency counts; last bucket > last edge) +
+        ``latency_sum_s`` (their sum, seconds),
         ``p50_s`` / ``p99_s`` (over the last 8192 jobs; None if none; see :meth:`latency`),
         ``direct`` (bool per file), ``align`` (per file), ``threads`` (of its queue, shared or
         not). ``errors`` leaves out jobs refused because the model changed (:class:`ModelChanged`).
@@ -436,6 +437,7 @@ class ReaderPool:
             s["queued_demand"], s["queued_prefetch"] = qd, qp
             s["latency_edges_s"] = list(LATENCY_EDGES_S)
             s["latency_hist"] = list(self._latency.edge_counts)
+            s["latency_sum_s"] = self._latency.sum_s   # the histogram's _sum
             lat = self._latency.to_dict()
         s["p50_s"] = None if lat["p50_us"] is None else lat["p50_us"] / 1e6
         s["p99_s"] = None if lat["p99_us"] is None else lat["p99_us"] / 1e6
