@@ -44,9 +44,16 @@ def _check_bytes(c, idx, pairs):
 
 
 def _wait_warm(c, n, timeout=30.0):
-    return wait_for(lambda: (lambda st: st if st["warm_loaded"] >= n and not any(
-        m["running"] for m in st["warm"]["models"]) else None)(c.stats()),
-        f"{n} experts warm-loaded", timeout)
+    """Stats once ``n`` experts were warm-loaded and the fill ended (its clock stopped)."""
+    import time
+    wait_for(lambda: c.stats()["warm_loaded"] >= n, f"{n} experts warm-loaded", timeout)
+    last = c.stats()["warm_seconds"]
+    while True:
+        time.sleep(0.1)
+        st = c.stats()
+        if st["warm_seconds"] == last:
+            return st
+        last = st["warm_seconds"]
 
 
 @pytest.mark.daemon
@@ -232,3 +239,56 @@ def test_plan_is_in_file_order_and_fits_the_free_slots(model, tmp_path):
         offs = [(idx.parts(l, e)[0].file, idx.parts(l, e)[0].offset) for l, e in plan]
         assert offs == sorted(offs)
         assert len(plan) == 12 - 0 and set(wanted[:4]) <= set(plan)
+
+
+@pytest.mark.daemon
+def test_several_models_each_come_back(model, model_factory, tmp_path):
+    """With several models each has its own state file and comes back with its own experts;
+    ``moecache-ctl warm --model NAME`` reaches the model's socket."""
+    from moecached.tools.ctl import main as ctl
+    other = model_factory("qwen3-30b-a3b-Q4_K_M", layers=[0, 6], experts=16)
+    state = tmp_path / "state"
+    state.mkdir()
+    sock = str(tmp_path / "d.sock")
+    args = ["--budget", "200MiB", "--state-dir", str(state), "--state-interval", "0"]
+
+    def start():
+        import subprocess
+        import sys
+        p = subprocess.Popen([sys.executable, "-P", "-m", "moecached.daemon", "--model", f"a={model}",
+                              "--model", f"b={other}", "--endpoint", f"ipc://{sock}",
+                              "--no-lock-memory", "--arena-dir", str(tmp_path), *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+        def up():
+            assert p.poll() is None, p.stdout.read()
+            try:
+                Client(f"ipc://{sock}", model="*", connect_timeout=1, map_arena=False).close()
+                return True
+            except Exception:
+                return False
+        wait_for(up, "the daemon of two models serving", 60)
+        return p
+    la, lb = open_index(model).expert_layers, open_index(other).expert_layers
+    want = {"a": [(la[0], 1), (la[1], 2), (la[2], 3)], "b": [(lb[0], 4), (lb[1], 5)]}
+    d = start()
+    try:
+        for name, pairs in want.items():
+            with Client(f"ipc://{sock}", model=name) as c:
+                for layer, expert in pairs:
+                    c.acquire(layer, [expert]).release()
+    finally:
+        stop_daemon(d)
+    assert len(os.listdir(state)) == 2
+    d = start()
+    try:
+        for name, pairs in want.items():
+            with Client(f"ipc://{sock}", model=name) as c:
+                st = _wait_warm(c, len(pairs))
+                assert st["warm_loaded"] == len(pairs) and _resident(st) == len(pairs)
+                _check_bytes(c, open_index(model if name == "a" else other), pairs)
+                assert c.stats()["demand_misses"] == 0
+        assert ctl(["warm", "-e", f"ipc://{sock}", "--model", "b", "--json"]) == 0
+    finally:
+        out = stop_daemon(d)
+    assert "Traceback" not in out, out

@@ -37,9 +37,9 @@ def first_use(trace, expert_layers, limit: int = 65535) -> list:
 
 
 def _warm_stats(c) -> tuple:
+    """``(warm_loaded, warm_bytes, warm_seconds)`` of the model's ``stats``."""
     st = c.stats()
-    running = any(m.get("running") for m in (st.get("warm") or {}).get("models", []))
-    return st.get("warm_loaded", 0), st.get("warm_bytes", 0), st.get("warm_seconds", 0.0), running
+    return st.get("warm_loaded", 0), st.get("warm_bytes", 0), st.get("warm_seconds", 0.0)
 
 
 def main(argv) -> int:
@@ -62,19 +62,21 @@ def main(argv) -> int:
             from moecached.engine.trace import load_trace
             tr = load_trace(a.from_trace)
             msg["experts"] = first_use(tr, c.expert_layers)
-        loaded0, bytes0, secs0, _ = _warm_stats(c)
+        loaded0, bytes0, secs0 = _warm_stats(c)
         try:
             reply = c._call(msg)
         except Exception as e:
             raise MoecacheError(f"warm: {getattr(e, 'code', type(e).__name__)}: {e}") from None
         reply = {k: v for k, v in reply.items() if k in ("wanted", "queued", "bytes", "source")}
         live = sys.stderr.isatty()
-        running, t0 = True, time.monotonic()
+        t0 = time.monotonic()
         loaded = nbytes = 0
-        secs = 0.0
-        while not a.no_wait and running:
+        secs = -1.0
+        while not a.no_wait:
             time.sleep(0.2)
-            lo, by, se, running = _warm_stats(c)
+            lo, by, se = _warm_stats(c)
+            if se - secs0 == secs and (loaded >= reply["queued"] or lo - loaded0 == loaded):
+                break   # the fill's clock (warm_seconds runs while it does) stopped: it ended
             loaded, nbytes, secs = lo - loaded0, by - bytes0, se - secs0
             if live:
                 pct = 100 * loaded // max(1, reply["queued"])
@@ -83,7 +85,7 @@ def main(argv) -> int:
                 sys.stderr.flush()
         if live and not a.no_wait:
             sys.stderr.write("\n")
-    out = dict(reply, loaded=loaded, loaded_bytes=nbytes, seconds=round(secs, 3),
+    out = dict(reply, loaded=loaded, loaded_bytes=nbytes, seconds=round(max(secs, 0.0), 3),
                wall_s=round(time.monotonic() - t0, 3), waited=not a.no_wait)
     if a.json:
         print(json.dumps(out))
