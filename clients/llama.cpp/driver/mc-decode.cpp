@@ -114,8 +114,10 @@ int main(int argc, char ** argv) {
     }
     if (model_path.empty()) { fprintf(stderr, "mc-decode: -m MODEL is required\n%s", USAGE); return 2; }
 
+    // warnings, errors and moecached's lines; everything with GGML_SCHED_DEBUG (the graph splits)
+    static const bool all_logs = getenv("GGML_SCHED_DEBUG") != nullptr;
     llama_log_set([](ggml_log_level level, const char * text, void *) {
-        if (level >= GGML_LOG_LEVEL_WARN || strstr(text, "moecached")) fputs(text, stderr);
+        if (all_logs || level >= GGML_LOG_LEVEL_WARN || strstr(text, "moecached")) fputs(text, stderr);
     }, nullptr);
     llama_backend_init();
     if (!endpoint.empty() && llama_moecached_set_endpoint(endpoint.c_str()) != 0) {
