@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import filecmp
-import json
 import os
 import shutil
 import subprocess

@@ -28,8 +28,6 @@ reads are O_DIRECT anyway; the JSON says whether caches were dropped).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
 import sys
 import time
