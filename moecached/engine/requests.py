@@ -39,6 +39,14 @@ from moecached.engine.substitute import substitute
 __all__ = ["Requests"]
 
 
+def _file_order(submit) -> tuple:
+    """Where a load's first read starts in the model files: (file, offset). A cold layer's
+    missing experts queued in this order are read front to back (the experts of one tensor lie
+    back to back), not in the order a router named them."""
+    reads = submit[1]
+    return (reads[0][0], reads[0][1]) if reads else (-1, -1)
+
+
 class _Req:
     __slots__ = ("id", "groups", "by_pool", "cb", "t0", "state", "pending", "pins", "items",
                  "hits", "pf", "misses", "tag", "stalled", "swaps", "subst")
@@ -248,12 +256,15 @@ class Requests:
             pf += lp
             miss += lm
         probation = self.scan_admit == "probation"
+        n0 = len(submits)
         for (i, L, e, cold), (s, victim) in zip(misses, taken):   # slots taken before anything changed
             load = loads.start(L, e, s, True, submits, victim, cold, cold and probation)
             L.pool.lru.pin(load.key)
             load.waiters.append(req)
             req.pending += 1
             items[i] = (L.layer, e, L.cid, s)
+        if len(submits) - n0 > 1:   # the missing set of a request: queued in file order
+            submits[n0:] = sorted(submits[n0:], key=_file_order)
         req.items = items
         req.pins = pins
         if req.pending:
