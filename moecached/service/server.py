@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import errno
-import functools
 import heapq
 import logging
 import os
@@ -452,13 +451,9 @@ class Server(ServerClients, ServerViews):
         cache = self.cache
         self._hooks = hooks = ServerHooks(
             clients=self.clients, leases=self.leases, counters=self.counters,
-            limit=self.rate_limit, send=self.sock.send, packb=self._packb,
-            unpack=functools.partial(msgpack.unpackb, **P.UNPACK_LIMITS),
-            register=self._register, undelivered=self._undelivered,
-            acquire_resident=cache.acquire_resident, release=cache.release,
-            generations=cache.lease_generations, drain_pins=cache.drain_pins,
-            prefetch_noop=cache.prefetch_noop, version=P.PROTOCOL_VERSION,
-            fields=P.HOT_PATH_FIELDS, session=self.session,
+            limit=self.rate_limit, sock=self.sock, hits=cache.hit_path,
+            drain_pins=cache.drain_pins, release=cache.release, undelivered=self._undelivered,
+            version=P.PROTOCOL_VERSION, fields=P.HOT_PATH_FIELDS, session=self.session,
             max_message_bytes=self.max_message_bytes, max_experts=self.checker.max_experts,
             tracing=self.recorder is not None, more_nb=_MORE_NB, nb=_NB)
         return FastPath(hooks).handle
