@@ -292,3 +292,33 @@ def test_several_models_each_come_back(model, model_factory, tmp_path):
     finally:
         out = stop_daemon(d)
     assert "Traceback" not in out, out
+
+
+@pytest.mark.daemon
+def test_periodic_save_survives_a_crash(model, tmp_path):
+    """The state file is also written every state_interval_s: a daemon killed (no graceful
+    stop) comes back with what it held at the last save."""
+    import signal
+    idx = open_index(model)
+    l0, l1 = idx.expert_layers[:2]
+    ep = f"ipc://{tmp_path}/d.sock"
+    path = state_path(str(tmp_path / "state"), ep, model)
+    a = start_daemon(model, str(tmp_path / "d.sock"), "--slots", "40", "--state-dir",
+                     str(tmp_path / "state"), "--state-interval", "0.5")
+    try:
+        with Client(ep) as c:
+            c.acquire(l0, [1, 5]).release()
+            c.acquire(l1, [3]).release()
+        wait_for(lambda: os.path.exists(path) and len(load_state(path)["experts"]) == 3,
+                 "a periodic save of 3 experts", 20)
+    finally:
+        stop_daemon(a, sig=signal.SIGKILL)
+    assert set(load_state(path)["experts"]) == {(l0, 1), (l0, 5), (l1, 3)}
+    b = start_daemon(model, str(tmp_path / "d.sock"), "--slots", "40", "--state-dir",
+                     str(tmp_path / "state"), "--state-interval", "0.5")
+    try:
+        with Client(ep) as c:
+            st = _wait_warm(c, 3)
+            assert st["warm_loaded"] == 3 and _resident(st) == 3
+    finally:
+        stop_daemon(b)
