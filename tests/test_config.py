@@ -176,6 +176,10 @@ FILE_ERRORS = [
                                                'group (name or gid), or "" for none'),
     ('group = 3.5', 'group = 3.5: expected an existing group (name or gid), or "" for none'),
     ('fast_path = "yes"', 'fast_path = "yes": expected true or false'),
+    ('admin_group = "no-such-group-moecached-test"', 'admin_group = "no-such-group-moecached-test": '
+                                                     'expected an existing group (name or gid), or "" for none'),
+    ('model_dirs = ["srv/models"]', "model_dirs = ['srv/models']: expected absolute directory paths (a "
+                                    "list of strings, or one string of paths separated by ':')"),
     ('eviction = "arc"', 'eviction = "arc": expected "lru" or "lfu-decay" or "lfu-subst" or "slru"'),
     ('scan_admit = "middle"', 'scan_admit = "middle": expected "cold" or "probation"'),
     ('admit_cold = "scan"', 'admit_cold = "scan": expected "off", "prompt" or a width from 1 to '

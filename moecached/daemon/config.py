@@ -36,6 +36,7 @@ from moecached.daemon.confvalues import (MAX_IPC_PATH, MODEL_NAME, GiB, KiB, MiB
                          _Bad, _bool, _choice, _endpoint, _float_range, _fraction, _group, _human,
                          _hysteresis, _int_range, _log_level, _mode, _model, _MODEL_FIELDS, _models,
                          _rate, _size, _state_dir)
+from moecached.daemon.confvalues import _dirs
 
 __all__ = ["Config", "ConfigError", "KEYS", "DEFAULT_PATH", "DEFAULT_ENDPOINT", "RELOADABLE",
            "load_config", "add_cli_args", "config_from_args", "reload_changes", "dump_toml"]
@@ -87,6 +88,8 @@ class Config:
     socket_mode: int = 0o660                 # mode of the ipc socket file
     arena_mode: int = 0o640                  # mode of the arena file
     group: Optional[str] = None              # group owning socket and arena (None: leave as is)
+    admin_group: Optional[str] = None        # group whose members may change the daemon (None: only root and its uid)
+    model_dirs: list = field(default_factory=list)  # directories `models add` may take files from
     log_level: str = "info"                  # debug | info | warning | error
     max_request_experts: int = 16384         # experts named in one request, at most
     max_message_bytes: int = 4 * MiB         # largest request message accepted
@@ -222,6 +225,11 @@ KEYS: dict[str, Key] = {
     "arena_mode": Key(_mode, "--arena-mode", "mode of the arena file (default 0640)", "MODE", "mode"),
     "group": Key(_group, "--group", 'group owning socket and arena (default "moecached" if it exists; "" for none)',
                  "GROUP"),
+    "admin_group": Key(_group, "--admin-group", "group whose members may change the running "
+                       "daemon (models add/remove/rebalance, trace start/stop, client drop) "
+                       "besides root and the daemon's uid (default none)", "GROUP"),
+    "model_dirs": Key(_dirs, "--model-dirs", "directories `models add` may take model files from, "
+                      "separated by ':' (default none: no live adds)", "DIR[:DIR...]"),
     "log_level": Key(_log_level, "--log-level", "debug, info (default), warning or error", "LEVEL",
         reload="log_level", scope="daemon"),
     "max_request_experts": Key(_int_range(1, 1 << 24), "--max-request-experts",

@@ -244,3 +244,19 @@ def _log_level(x):
     if isinstance(x, str) and x.lower() == "warn":
         return "warning"
     return _choice("debug", "info", "warning", "error")(x)
+
+
+def _dirs(x):
+    """model_dirs: absolute directory paths (a TOML array of strings; on the command line one
+    string, the paths separated by ``:``)."""
+    desc = "absolute directory paths (a list of strings, or one string of paths separated by ':')"
+    if isinstance(x, str):
+        x = [p for p in x.split(":") if p]
+    if not isinstance(x, (list, tuple)):
+        raise _Bad(desc)
+    out = []
+    for p in x:
+        if not isinstance(p, str) or not p.startswith("/") or "\0" in p:
+            raise _Bad(desc)
+        out.append(os.path.normpath(p))
+    return out

@@ -33,7 +33,16 @@ UNPACK_LIMITS = dict(raw=False, strict_map_key=True, max_str_len=MAX_STR_LEN, ma
                      max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0)
 
 OPS = ("hello", "acquire", "prefetch", "release", "cancel", "stats", "status", "ping", "bye",
-       "trace_start", "trace_stop", "models", "warm")
+       "trace_start", "trace_stop", "models", "clients", "warm")
+
+#: What each op that changes the daemon (rather than one client's own leases) is, as a
+#: ``not_permitted`` refusal names it: only the daemon's uid, root and the ``admin_group`` may
+#: send these (docs/operations.md, "Security model"). ``models`` and ``clients`` are admin ops
+#: only for the actions named in :data:`ADMIN_ACTIONS`; their listing is open to every client.
+ADMIN_OPS = {"trace_start": "trace start", "trace_stop": "trace stop", "models": "models",
+             "clients": "clients", "warm": "warm"}
+#: op -> the ``action`` values of it that change the daemon
+ADMIN_ACTIONS = {"models": frozenset({"add", "remove", "rebalance"}), "clients": frozenset({"drop"})}
 
 #: The request shapes the server's hot path (``moecached.service._serve.FastPath``) may serve: op ->
 #: its exact field set. A request of that op with any other fields, or any other op, always
@@ -64,6 +73,8 @@ E_INVALID_STATE = "invalid_state"  # the op does not apply now (trace_stop with 
 E_REFUSED = "refused"              # a valid request the daemon will not carry out (unsafe trace path)
 E_RATE_LIMITED = "rate_limited"    # the client is over its request rate limit (client_rate_limit)
 E_UNKNOWN_MODEL = "unknown_model"  # hello names a model this daemon does not serve (or is removing)
+E_PID_MISMATCH = "pid_mismatch"    # hello claims a pid other than the one the kernel says sent it
+E_NOT_PERMITTED = "not_permitted"  # an op that changes the daemon, from a client that is no admin
 E_INTERNAL = "internal"
 
 #: Every error code, in declaration order: the one table the views are held to (docs/protocol.md

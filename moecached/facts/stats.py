@@ -116,7 +116,7 @@ CACHE_STATS = (
 SERVER_COUNTERS = tuple(
     Stat(k, "counter", f"server_{k}", f"server {k.replace('_', ' ')} (all clients)", None)
     for k in ("requests", "errors", "malformed", "undeliverable", "clients_dropped", "rate_limited",
-              "pin_file_errors", "pin_files_truncated", "socket_rebinds"))
+              "pin_file_errors", "pin_files_truncated", "socket_rebinds", "not_permitted"))
 
 #: The shared-memory hit path over all clients (``stats["fast_path"]``), exported as ``fast_*``.
 #: value: a function ``cache -> value`` (under the cache's lock).
@@ -132,6 +132,9 @@ FAST_PATH_STATS = (
          "hit rings reset because a client wrote an implausible head", lambda c: c._shm.resets),
     Stat("pins_honoured", "gauge", "fast_pins_honoured", "slots held by honoured shared-memory pins now",
          lambda c: sum(len(f.honoured) for f in c._shm.files)),
+    Stat("pinned", "gauge", "fast_pinned_slots",
+         "slots clients pin through shared memory now, over all pin files (honoured or not)",
+         lambda c: c._shm.pinned_now()),
     Stat("pins_ignored", "counter", "fast_pins_ignored",
          "shared-memory pins found past a client's quota (ignored)",
          lambda c: c._shm.ignored_closed + sum(f.ignored for f in c._shm.files)),
@@ -197,6 +200,8 @@ CLIENT_STATS = (
          lambda c, f: f["ring_resets"]),
     Stat("pins_honoured", "gauge", "client_pins_honoured",
          "slots the client's honoured shared-memory pins hold now", lambda c, f: f["pins_honoured"]),
+    Stat("fast_pins", "gauge", "client_fast_pins",
+         "slots the client pins through shared memory now (honoured or not)", lambda c, f: f["fast_pins"]),
     Stat("pins_ignored", "counter", "client_pins_ignored", "shared-memory pins of the client past its quota",
          lambda c, f: f["pins_ignored"]),
     Stat("substitutions", "counter", "client_substitutions",

@@ -14,11 +14,14 @@ import logging
 import os
 import select
 
+import numpy as np
+
 from moecached.facts import protocol as P
 from moecached.service._serve import TokenBucket
 from moecached.engine._shm import RING_N
 from moecached.engine.cache import PrefetchQuota
-from moecached.service.endpoint import _client_uid, _pidfd_open, process_start_time
+from moecached.service.endpoint import _pidfd_open, process_start_time
+from moecached.service.identity import PID_MAX, claimed_pid_matches, parse_peer, process_uid
 from moecached.facts.stats import CLIENT_STATS, hit_rate
 
 log = logging.getLogger("moecached.service.server")
@@ -28,10 +31,17 @@ class _Client:
     __slots__ = ("ident", "delim", "name", "pid", "first_seen", "last_seen", "leases", "pending",
                  "requests", "acquires", "hits", "misses", "prefetch_hits", "prefetches",
                  "errors", "stall_s", "pidfd", "bucket", "pf", "rate_limited", "pins", "fast_closed",
-                 "subst")
+                 "subst", "peer_addr", "peer", "admin", "pin_words")
 
-    def __init__(self, ident: bytes, now: float, burst: float = 1.0, max_prefetch=None):
+    def __init__(self, ident: bytes, now: float, burst: float = 1.0, max_prefetch=None,
+                 peer_addr: str | None = None):
         self.ident = ident
+        # the connection's credentials as the kernel gave them (moecached.service.identity);
+        # ``admin``: whether it may change the daemon (set by the server)
+        self.peer_addr = peer_addr
+        self.peer = parse_peer(peer_addr)
+        self.admin = False
+        self.pin_words = None   # (byte offset, count) of its pin file's u32 pin counts
         self.delim = False  # the client frames requests REQ-style (empty delimiter first)
         self.name = ident.hex()
         self.pid = None
@@ -60,11 +70,25 @@ class _Client:
             for k in self.fast_closed:
                 self.fast_closed[k] += info[k]
 
+    def fast_pins(self) -> int:
+        """Slots its pin file pins now (honoured or not): read with ``pread``, so a pin file
+        cut short under the daemon reads as fewer pins, never as a fault."""
+        pf, words = self.pins, self.pin_words
+        fd = getattr(pf, "fd", None)
+        if fd is None or words is None:
+            return 0
+        off, n = words
+        try:
+            data = os.pread(fd, 4 * n, off)
+        except OSError:
+            return 0
+        return int(np.count_nonzero(np.frombuffer(data, dtype="<u4", count=len(data) // 4)))
+
     def fast_counts(self) -> dict:
         """Its shared-memory hit-path counts (closed pin files plus the open one), with ``hits``
         and ``prefetch_hits`` its open pin file took (they count as socket hits would)."""
         pf = self.pins
-        fast = dict(self.fast_closed, pins_honoured=0, hits=0, prefetch_hits=0)
+        fast = dict(self.fast_closed, pins_honoured=0, hits=0, prefetch_hits=0, fast_pins=self.fast_pins())
         if pf is not None:
             fast["hits"], fast["prefetch_hits"] = pf.hits, pf.prefetch_hits
             for k, v in pf.info().items():
@@ -127,15 +151,28 @@ class ServerClients:
                 self._drop_client(c, f"silent for {now - c.last_seen:.1f}s", tell=True)
 
     def _watch_client(self, c: _Client, pid, pid_start) -> None:
-        """Watch ``c``'s process when it is local and its pid is verified by its start time."""
+        """Watch ``c``'s process when hello names it: the pid must be the one the kernel says
+        connected (``c.peer``, SO_PEERCRED; or its number in the client's own pid namespace),
+        else ``pid_mismatch``; the process is then watched by its pid here, verified by its
+        start time and by running as the connection's uid (a pid reused since is not it)."""
         self._unwatch(c)
-        if not self._ipc or type(pid) is not int or type(pid_start) is not int or pid <= 0:
+        if type(pid) is not int or not 0 < pid <= PID_MAX:
+            return     # no possible process: served as a client without a pid (heartbeat)
+        peer = c.peer
+        if not self._ipc or peer.pid is None:
+            return     # tcp, or a peer in a pid namespace not visible from here: heartbeat
+        if not claimed_pid_matches(peer, pid):
+            raise P.ProtocolError(P.E_PID_MISMATCH, f"hello claims pid {pid}, but this connection "
+                                  f"was made by pid {peer.pid} (uid {peer.uid}, as the kernel says)")
+        pid = peer.pid
+        c.pid = pid
+        if type(pid_start) is not int:
             return
         fd = _pidfd_open(pid)
         if fd is None:
             return
-        if process_start_time(pid) != pid_start:   # not that process (other pid namespace, reused)
-            os.close(fd)
+        if process_start_time(pid) != pid_start or process_uid(pid) != peer.uid:
+            os.close(fd)    # not that process any more (its pid was reused)
             return
         c.pidfd = fd
         self._watched[fd] = c
@@ -153,13 +190,14 @@ class ServerClients:
         self._pin_seq += 1
         name = f"moecached-pins-{self.session:016x}-{self._pin_seq}"
         try:
-            f = cache.open_pin_file(name, self.session, quota, _client_uid(c.pid) if os.geteuid() == 0 else None)
+            f = cache.open_pin_file(name, self.session, quota, c.peer.uid if os.geteuid() == 0 else None)
         except OSError as e:
             self.counters["pin_file_errors"] += 1
             log.warning("cannot create pin file %s for client %s (pid %s): %s; it uses the socket",
                         name, c.name, c.pid, e.strerror or e)
             return None
         c.pins = f
+        c.pin_words = (int(cache._shm.pins_off), int(cache._shm.n_slots_total))
         return {"path": f.path, "size": f.size, "ring_n": RING_N,
                 "pins_off": cache._shm.pins_off, "ring_off": cache._shm.ring_off, "quota": quota}
 

@@ -3,7 +3,8 @@
 * The endpoint's lock (:func:`lock_endpoint`, :func:`unlock_endpoint`): an exclusive ``flock``
   on ``<socket>.lock`` holding the daemon's pid, taken before anything is indexed or reserved,
   so a second daemon on a live endpoint is refused at once.
-* A client's identity on this machine (:func:`process_start_time`, its uid, a pidfd): a local
+* A client's process on this machine (:func:`process_start_time`, a pidfd; who connected:
+  ``moecached.service.identity``): a local
   client is watched through its process, not its heartbeats (``moecached.service.clients``).
 """
 from __future__ import annotations
@@ -29,18 +30,6 @@ def process_start_time(pid: int) -> int | None:
         return int(data[data.rindex(b")") + 2:].split()[19])
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _client_uid(pid) -> int | None:
-    """Effective uid of process ``pid`` (``/proc/PID/status``), or None."""
-    try:
-        with open(f"/proc/{int(pid)}/status") as f:
-            for line in f:
-                if line.startswith("Uid:"):
-                    return int(line.split()[2])
-    except (OSError, ValueError, IndexError, TypeError):
-        pass
-    return None
 
 
 def _pidfd_open(pid: int) -> int | None:

@@ -25,7 +25,7 @@ class Router(Server):
     """
 
     #: the ops the router answers itself; every other is refused ``unknown_model``
-    OPS = ("hello", "ping", "bye", "stats", "status", "models")
+    OPS = ("hello", "ping", "bye", "stats", "status", "models", "clients")
 
     def __init__(self, route_model, models_handler, **kw):
         super().__init__(None, **kw)
@@ -59,6 +59,15 @@ class Router(Server):
                     n_experts=0, top_k=0, heartbeat_s=self.heartbeat_s,
                     lease_watch="process" if c.pidfd is not None else "heartbeat", pins=None,
                     limits={"max_message_bytes": self.max_message_bytes})
+
+    def _op_clients(self, c, rid: int, msg: dict) -> None:
+        """Every model's clients (as ``stats`` has them); a drop is said on the model's socket,
+        whose loop owns the client."""
+        if msg.get("action", "list") == "drop":
+            raise P.ProtocolError(P.E_REFUSED, "clients drop: the daemon serves several models: drop "
+                                  "a client on its model's socket (moecache-ctl --model NAME client drop ID)")
+        st = self._visible_stats(c, self.stats())
+        self._reply(c.ident, rid, clients=st.get("clients", []), others=st.get("clients_other", 0))
 
     def _op_no_model(self, c, rid: int, msg: dict) -> None:
         raise P.ProtocolError(P.E_UNKNOWN_MODEL, f"op {msg.get('op')}: the daemon's endpoint serves "

@@ -10,23 +10,29 @@ behaviour that also produces every error reply. Replies use ``ROUTER_MANDATORY``
 a client that vanished raises EHOSTUNREACH and the lease it carried is rolled back (released)
 at once.
 
-Leases belong to the ZeroMQ routing id (one DEALER connection) that took them. A local (ipc)
-client whose hello names its pid and that process's start time is watched through a pidfd:
-its leases are kept while the process lives, however long it stalls, and released as soon as
-it exits (a reused pid cannot fool the start-time check). Any other client that sends
-nothing for ``heartbeat_s`` seconds loses its leases; the Python client pings on its own
-while idle. Wherever a lease is released without its holder's word, the generations of its
-slots in the arena's control block move before the slots are reused, so the holder can tell
+Leases belong to the ZeroMQ routing id (one DEALER connection) that took them. Who is on
+the other end is the kernel's word, not the client's: on ipc every request's routing-id frame
+carries the connection's uid, gid and pid (``SO_PEERCRED``, ``moecached.service.identity``); a
+hello that claims another pid is refused, and a request under a routing id whose connection
+changed belongs to a new client. A local client whose hello names its pid and that process's
+start time is watched through a pidfd: its leases are kept while the process lives, however
+long it stalls, and released as soon as it exits. Any other client that sends nothing for
+``heartbeat_s`` seconds loses its leases; the Python client pings on its own while idle.
+Wherever a lease is released without its holder's word, the generations of its slots in the
+arena's control block move before the slots are reused, so the holder can tell
 (docs/protocol.md, "Lease validity").
 
-The endpoint's lock: ``moecached.service.endpoint``; the clients and their pin files:
-``moecached.service.clients``; stats, status and the trace ops: ``moecached.service.views``; the several-models
-endpoint: ``moecached.service.router``.
+The server in parts: the endpoint's lock (``moecached.service.endpoint``); the clients and
+their pin files (``clients``); the per-client ops (``ops``); stats, status and the trace ops
+(``views``); who may change the daemon and the ``clients`` op (``admin``); the per-client
+limits (``fairness``); sessions and cache changes (``session``); the several-models endpoint
+(``router``).
 """
 from __future__ import annotations
 
 import collections
 import errno
+import functools
 import heapq
 import logging
 import os
@@ -38,13 +44,18 @@ import time
 import msgpack
 import zmq
 
-from moecached import MoecacheError, __version__
+from moecached import MoecacheError
 from moecached.facts import protocol as P
 from moecached.service._serve import FastPath, RateLimit, ServerHooks
 from moecached.engine.arena import STATE_MODEL_CHANGED, STATE_SERVING
+from moecached.service.admin import ServerAdmin
 from moecached.service.clients import ServerClients, _Client
 from moecached.service.endpoint import (ServerError, _ipc_path, lock_endpoint,  # noqa: F401 (re-exported)
                        process_start_time, unlock_endpoint)
+from moecached.service.identity import admin as is_admin
+from moecached.service.fairness import ServerFairness
+from moecached.service.ops import ServerOps
+from moecached.service.session import ServerSession
 from moecached.service.views import ServerViews
 
 log = logging.getLogger("moecached.service.server")
@@ -58,7 +69,7 @@ HOT_PATH_ENV = "MOECACHED_HOT_PATH"
 _UNLIMITED_OPS = frozenset({"release", "bye"})
 
 
-class Server(ServerClients, ServerViews):
+class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness, ServerSession):
     """Serves one ExpertCache on one ZeroMQ endpoint.
 
     Args:
@@ -100,7 +111,7 @@ class Server(ServerClients, ServerViews):
                  acquire_timeout_s: float | None = None, endpoint_lock: int | None = None,
                  client_rate_limit: float = 0.0, client_rate_burst: float = 1.0,
                  client_max_prefetch: int | None = None, pin_files: bool = True,
-                 pin_quota: int | None = None):
+                 pin_quota: int | None = None, admin_gid: int | None = None, model_dirs=()):
         self.cache = cache
         self.index = cache.index if cache is not None else None   # None: a Router
         self.endpoint = endpoint
@@ -110,6 +121,10 @@ class Server(ServerClients, ServerViews):
         self.tick_s = tick_s
         self.session = int.from_bytes(os.urandom(8), "little") >> 1 | 1
         self.started = time.time()
+        # the control plane (moecached.service.admin): the admin_group's gid, model_dirs
+        self.admin_gid = admin_gid
+        self.model_dirs = tuple(model_dirs or ())
+        self._peer_addr = None   # Peer-Address of the request being handled
         self._set_model(max_request_experts)
         self.max_message_bytes = int(max_message_bytes)
         # default deadline of an acquire that gives no timeout_ms (on_pressure = wait gives up)
@@ -316,7 +331,9 @@ class Server(ServerClients, ServerViews):
         next_hb = now + self.heartbeat_s / 4
         next_timer = min(next_tick, next_hb)
         next_sweep = now
-        recv = sock.recv_multipart
+        recv, more = sock.recv, zmq.RCVMORE
+        getmore = sock.getsockopt
+        clients = self.clients
         handle = self._handle
         self._fast = fast = self._fast_handler()
         if ready:
@@ -324,7 +341,11 @@ class Server(ServerClients, ServerViews):
         try:
             while not self._stopping:
                 try:
-                    frames = recv()
+                    # the routing-id frame uncopied: it carries the connection's credentials
+                    f0 = recv(0, False)
+                    frames = [f0.bytes]
+                    while getmore(more):
+                        frames.append(recv())
                 except zmq.Again:
                     frames = None
                 except zmq.ZMQError as e:
@@ -352,6 +373,14 @@ class Server(ServerClients, ServerViews):
                                     log.exception("model change handling failed")
                             fast = self._fast   # a reload starts a new session
                     else:
+                        try:
+                            peer = f0.get("Peer-Address")
+                        except zmq.ZMQError:
+                            peer = None
+                        c = clients.get(frames[0])
+                        if c is not None and c.peer_addr != peer:
+                            self._replaced(c)
+                        self._peer_addr = peer   # for a client first seen in _handle
                         try:
                             served = fast(frames)
                         except Exception:  # a bug in the hot path must not stop the loop
@@ -412,33 +441,6 @@ class Server(ServerClients, ServerViews):
         finally:
             self.close()
 
-    def set_client_limits(self, rate: float, burst: float, max_prefetch: int | None) -> None:
-        """Apply the per-client limits (at start and on reload): ``rate`` requests/s (0: off),
-        ``burst`` requests, ``max_prefetch`` prefetch loads in flight per client (None: the
-        cache's ``max_prefetch_loads``; 0: no own cap). Connected clients get the new values at
-        once."""
-        self.rate_limit.rate = max(0.0, float(rate))
-        self.rate_limit.burst = max(1.0, float(burst))
-        self._auto_pf = max_prefetch is None   # fair share of max_prefetch_loads (see below)
-        if max_prefetch is None:
-            max_prefetch = int(getattr(self.cache, "max_prefetch_loads", 0))
-        self.client_max_prefetch = int(max_prefetch) or None
-        for c in self.clients.values():
-            c.pf.limit = self.client_max_prefetch
-
-    #: a client that acquired or prefetched within this many seconds shares the prefetch loads
-    ACTIVE_S = 2.0
-
-    def _fair_prefetch_share(self, c: _Client) -> int:
-        """``client_max_prefetch`` left to the daemon: ``max_prefetch_loads`` split evenly
-        between the engines active now (acquired or prefetched within ``ACTIVE_S``), so a lone
-        engine keeps all of it and a prefetch storm beside a demand-only engine keeps half,
-        leaving it slots and disk time."""
-        now = time.monotonic()
-        active = sum(1 for x in self.clients.values()
-                     if x is not c and (x.acquires or x.prefetches) and now - x.last_seen < self.ACTIVE_S)
-        return max(1, (self.client_max_prefetch or 0) // (1 + active))
-
     def _fast_handler(self):
         """``frames -> bool``: the Cython hot path (``moecached.service._serve.FastPath``) on this
         server's :class:`~moecached.service._serve.ServerHooks` (all it may use of the server), or a
@@ -451,9 +453,13 @@ class Server(ServerClients, ServerViews):
         cache = self.cache
         self._hooks = hooks = ServerHooks(
             clients=self.clients, leases=self.leases, counters=self.counters,
-            limit=self.rate_limit, sock=self.sock, hits=cache.hit_path,
-            drain_pins=cache.drain_pins, release=cache.release, undelivered=self._undelivered,
-            version=P.PROTOCOL_VERSION, fields=P.HOT_PATH_FIELDS, session=self.session,
+            limit=self.rate_limit, send=self.sock.send, packb=self._packb,
+            unpack=functools.partial(msgpack.unpackb, **P.UNPACK_LIMITS),
+            register=self._register, undelivered=self._undelivered,
+            acquire_resident=cache.acquire_resident, release=cache.release,
+            generations=cache.lease_generations, drain_pins=cache.drain_pins,
+            prefetch_noop=cache.prefetch_noop, version=P.PROTOCOL_VERSION,
+            fields=P.HOT_PATH_FIELDS, session=self.session,
             max_message_bytes=self.max_message_bytes, max_experts=self.checker.max_experts,
             tracing=self.recorder is not None, more_nb=_MORE_NB, nb=_NB)
         return FastPath(hooks).handle
@@ -465,58 +471,6 @@ class Server(ServerClients, ServerViews):
         if self._hooks is not None:
             self._hooks.max_experts = self.checker.max_experts
             self._hooks.max_message_bytes = self.max_message_bytes
-
-    def model_changed(self, message: str) -> None:
-        """The model file changed (any thread): run ``on_model_change(message)`` in the loop."""
-        self._model_change = message
-        self._wake()
-
-    def new_session(self) -> None:
-        """Start a new session: a new ``session`` id in every reply, so clients fail their calls
-        in flight with DaemonRestarted and say hello again (re-mapping the arena). The one
-        place the session changes after start."""
-        self.session = int.from_bytes(os.urandom(8), "little") >> 1 | 1
-        # the arena's control block names the session it serves: leases of any other are void
-        self.cache.arena.set_epoch(self.session, STATE_SERVING)
-        if self._fast is not None:
-            self._fast = self._fast_handler()  # the hot path holds the session and the cache
-
-    def retire_cache(self, code: str, message: str) -> None:
-        """Close the cache being served (loop thread): every pending acquire fails with
-        ``code``/``message``, every lease is forgotten (it dies with the arena; clients learn
-        of it from the next session), a trace being recorded stops. Follow with
-        :meth:`install_cache`."""
-        old = self.cache
-        for c in self.clients.values():
-            for ticket, rid in list(c.pending.items()):
-                if old.cancel(ticket):
-                    del c.pending[ticket]
-                    self._send_error(c.ident, rid, code, message)
-        old.close()   # joins the readers: every callback has run, its result is in self.done
-        while self.done:
-            ident, rid, box, _tag, _result = self.done.popleft()
-            ticket = box[0] if box else None
-            c = self.clients.get(ident)
-            if c is not None and ticket is not None and c.pending.pop(ticket, None) is not None:
-                self._send_error(ident, rid, code, message)
-        self.leases.clear()
-        self.deadlines.clear()
-        for c in self.clients.values():
-            c.leases.clear()
-            c.pending.clear()
-            c.fold_pins()   # closed with the cache: the client says hello again
-        if self.recorder is not None:
-            path = self._trace_stop()["path"]
-            log.warning("trace %s stopped: the model it recorded is no longer served", path)
-
-    def install_cache(self, cache) -> None:
-        """Serve ``cache`` (after :meth:`retire_cache`) under a new session."""
-        self.cache = cache
-        self.index = cache.index
-        self.checker = P.RequestChecker(self.index.expert_layers, self.index.n_experts,
-                                        max_experts=self.checker.max_experts)
-        self.moe_index = {l: i for i, l in enumerate(self.index.expert_layers)}
-        self.new_session()
 
     def _wake(self) -> None:
         """Wake the loop (any thread, or a signal handler in the loop's thread)."""
@@ -560,7 +514,8 @@ class Server(ServerClients, ServerViews):
         c = self.clients.get(ident)
         if c is None:
             c = self.clients[ident] = _Client(ident, now, self.rate_limit.burst,
-                                              self.client_max_prefetch)
+                                              self.client_max_prefetch, self._peer_addr)
+            c.admin = is_admin(c.peer, self.admin_gid)
         c.last_seen = now
         c.delim = envelope is not None
         c.requests += 1
@@ -578,6 +533,8 @@ class Server(ServerClients, ServerViews):
                     P.header(msg)  # raises the precise error
             else:
                 P.header(msg)
+            if op in P.ADMIN_OPS:
+                self._permit(c, op, msg)
             if op not in _UNLIMITED_OPS and not c.bucket.take(now, self.rate_limit):
                 c.rate_limited += 1
                 self.counters["rate_limited"] += 1
@@ -714,145 +671,6 @@ class Server(ServerClients, ServerViews):
         self.counters["undeliverable"] += 1
         self.cache.release(lease)
         self._drop_client(c, "unreachable")
-
-    # ---- operations -------------------------------------------------------------------
-    def _op_hello(self, c: _Client, rid: int, msg: dict) -> None:
-        want = msg.get("model")
-        if want is not None and (not isinstance(want, str) or not want):
-            raise P.ProtocolError(P.E_BAD_TYPE, "field 'model' must be a non-empty string")
-        if self.route_model is not None:
-            where = self.route_model(self, want)
-            if where is not None:   # served on its own endpoint: the client says hello there
-                self._reply(c.ident, rid, redirect=where, model_name=want)
-                self._redirected(c)
-                return
-        self._hello_reply(c, rid, self._hello_client(c, msg))
-
-    def _redirected(self, c: _Client) -> None:
-        """A client was sent to its model's own socket (a Router forgets it)."""
-
-    def _hello_client(self, c: _Client, msg: dict) -> bool:
-        """What hello says of the client (name, pid: watched): whether it asks for the
-        shared-memory hit path."""
-        name = msg.get("client")
-        if name is not None:
-            if not isinstance(name, str) or not name:
-                raise P.ProtocolError(P.E_BAD_TYPE, "field 'client' must be a non-empty string")
-            c.name = name[:64]
-        pid = msg.get("pid")
-        if isinstance(pid, int) and not isinstance(pid, bool):
-            c.pid = pid
-        self._watch_client(c, pid, msg.get("pid_start"))
-        fast = msg.get("fast_path", False)
-        if not isinstance(fast, bool):
-            raise P.ProtocolError(P.E_BAD_TYPE, f"field 'fast_path' = {fast!r:.20}: expected true or false")
-        return fast
-
-    def _hello_reply(self, c: _Client, rid: int, fast: bool) -> None:
-        pins = self._open_pins(c) if fast else None
-        if not fast:
-            self._close_pins(c)
-        idx = self.index
-        self._reply(c.ident, rid, protocol=P.PROTOCOL_VERSION, server=f"moecached {__version__}",
-                    fingerprint=idx.fingerprint(), model=self.model_path,
-                    model_name=self.model_name, arena=self.cache.descriptor(), index=idx.to_json(),
-                    expert_layers=list(idx.expert_layers), n_experts=idx.n_experts,
-                    top_k=idx.top_k, heartbeat_s=self.heartbeat_s,
-                    lease_watch="process" if c.pidfd is not None else "heartbeat", pins=pins,
-                    limits={"max_message_bytes": self.max_message_bytes,
-                            "max_array_len": P.MAX_ARRAY_LEN, "max_map_len": P.MAX_MAP_LEN,
-                            "max_str_len": P.MAX_STR_LEN,
-                            "max_request_experts": self.checker.max_experts,
-                            "client_rate_limit": self.rate_limit.rate,
-                            "client_rate_burst": self.rate_limit.burst,
-                            "client_max_prefetch": self.client_max_prefetch or 0})
-
-    def _op_ping(self, c: _Client, rid: int, msg: dict) -> None:
-        self._reply(c.ident, rid, t=time.time())
-
-    def _op_acquire(self, c: _Client, rid: int, msg: dict) -> None:
-        reqs = self.checker.requests(msg)
-        tag = msg.get("tag")
-        if tag is not None and tag not in ("prompt", "decode"):
-            raise P.ProtocolError(P.E_BAD_TYPE, f"field 'tag' = {tag!r:.20}: expected 'prompt' or 'decode'")
-        timeout_ms = msg.get("timeout_ms")
-        if timeout_ms is not None:
-            timeout_ms = P._int(msg, "timeout_ms", lo=0, hi=86_400_000)
-        elif self.acquire_timeout_s is not None:
-            timeout_ms = int(self.acquire_timeout_s * 1000)
-        subst = self.checker.subst(msg, reqs)
-        box: list = []
-        ident = c.ident
-        ticket = self.cache.acquire_async(reqs, lambda res: self._complete(ident, rid, box, tag, res), tag=tag,
-                                          subst=subst)
-        box.append(ticket)
-        if subst is not None and self.recorder is not None:
-            box.append(subst)   # read by _drain_done, for the trace
-        # The callback may already have run inline (all resident): then it is in self.done
-        # with box filled now, and _drain_done sees the ticket as pending below.
-        c.pending[ticket] = rid
-        if timeout_ms is not None and ticket in c.pending:
-            heapq.heappush(self.deadlines, (time.monotonic() + timeout_ms / 1000, ticket, ident, rid))
-        self._drain_done()
-
-    def _op_prefetch(self, c: _Client, rid: int, msg: dict) -> None:
-        quiet = self._noreply(msg)
-        reqs = self.checker.requests(msg)
-        conf = self.checker.confidence(msg, reqs)
-        if self._auto_pf:
-            c.pf.limit = self._fair_prefetch_share(c)
-        n = self.cache.prefetch_many(reqs, c.pf, conf)
-        c.prefetches += n
-        if not quiet:
-            self._reply(c.ident, rid, queued=n)
-
-    def _op_release(self, c: _Client, rid: int, msg: dict) -> None:
-        quiet = self._noreply(msg)
-        if "leases" in msg and "lease" in msg:
-            raise P.ProtocolError(P.E_BAD_TYPE, "give either 'lease' or 'leases', not both")
-        if "leases" in msg:
-            ids = msg["leases"]
-            if not isinstance(ids, list):
-                raise P.ProtocolError(P.E_BAD_TYPE, "field 'leases' must be an array of lease ids")
-        else:
-            ids = [msg.get("lease")]
-        for lid in ids:
-            if isinstance(lid, bool) or not isinstance(lid, int) or not 0 <= lid < 2**64:
-                raise P.ProtocolError(P.E_BAD_TYPE, f"lease id {lid!r:.30}: expected an unsigned 64-bit integer")
-        # validate all before releasing any (all-or-nothing)
-        for lid in ids:
-            owner = self.leases.get(lid)
-            if owner is None:
-                if self.cache.own_lease_id(lid):
-                    raise P.ProtocolError(P.E_UNKNOWN_LEASE, f"lease {lid} is not held: released twice or expired")
-                raise P.ProtocolError(P.E_STALE_LEASE, f"lease {lid} was not issued by this daemon instance (stale: from before a restart?)")
-            if owner[0] != c.ident:
-                raise P.ProtocolError(P.E_NOT_OWNER, f"lease {lid} belongs to another client")
-        for lid in ids:
-            _, lease = self.leases.pop(lid)
-            c.leases.discard(lid)
-            self.cache.release(lease)
-        if not quiet:
-            self._reply(c.ident, rid, released=len(ids))
-
-    def _op_cancel(self, c: _Client, rid: int, msg: dict) -> None:
-        """Drop this client's pending acquire whose request id is ``request`` (its caller gave
-        up): its pins go, its reads go on as prefetches, it gets no reply. ``cancelled`` is
-        false when no such acquire is pending (already answered, or never sent)."""
-        quiet = self._noreply(msg)
-        target = P._int(msg, "request", lo=0, hi=2**64 - 1)
-        ticket = next((t for t, r in c.pending.items() if r == target), None)
-        done = ticket is not None and self.cache.cancel(ticket)
-        if done:
-            del c.pending[ticket]
-        if not quiet:
-            self._reply(c.ident, rid, cancelled=done)
-
-    def _op_bye(self, c: _Client, rid: int, msg: dict) -> None:
-        n = len(c.leases)
-        self._reply(c.ident, rid, released=n)
-        self._drop_client(c, "said bye")
-
 
 def _group(items):
     """[(layer, expert, class, slot), ...] -> [(layer, [experts]), ...] in order."""

@@ -43,6 +43,8 @@ class ServerViews:
         if self.models_handler is None:
             raise P.ProtocolError(P.E_REFUSED, "this daemon serves one model (--model PATH); start "
                                   "it with --model NAME=PATH (or [[models]]) to add models live")
+        if msg.get("action") == "add":
+            msg = self._check_model_add(c, msg)
         self._reply(c.ident, rid, **self.models_handler(msg))
 
     def _op_warm(self, c: _Client, rid: int, msg: dict) -> None:
@@ -54,7 +56,7 @@ class ServerViews:
         self._reply(c.ident, rid, **handler(msg))
 
     def _op_stats(self, c: _Client, rid: int, msg: dict) -> None:
-        self._reply(c.ident, rid, stats=self.stats())
+        self._reply(c.ident, rid, stats=self._visible_stats(c, self.stats()))
 
     def _op_status(self, c: _Client, rid: int, msg: dict) -> None:
         st = self._cache_stats()
@@ -71,7 +73,8 @@ class ServerViews:
             "budget_current_bytes": budget.get("current_bytes"),
             "slots": sum(x.get("slots", 0) for x in classes),
             "slots_used": sum(x.get("used", 0) for x in classes),
-            "pinned": st.get("pinned"), "hits": st.get("hits"),
+            "pinned": st.get("pinned"), "fast_pins": st.get("fast_path", {}).get("pinned"),
+            "hits": st.get("hits"),
             "prefetch_hits": st.get("prefetch_hits"), "demand_misses": st.get("demand_misses"),
             "hit_rate": hit_rate(st.get("hits", 0), st.get("prefetch_hits", 0), st.get("demand_misses", 0)),
             "reads_in_flight": st.get("reads_in_flight")}

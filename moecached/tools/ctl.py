@@ -17,6 +17,8 @@ COMMANDS = {
     "status": ("moecached.tools.ctlstats", "status_main", "ask a running daemon for its status"),
     "stats": ("moecached.tools.ctlstats", "stats_main", "ask a running daemon for its counters"),
     "model": ("moecached.tools.ctlstats", "model_main", "list, add or remove the models a daemon serves under one budget"),
+    "clients": ("moecached.tools.ctlclients", "clients_main", "list a running daemon's clients (id, pid, uid, leases, pins)"),
+    "client": ("moecached.tools.ctlclients", "client_main", "client drop ID: release one client's leases and pins (admins)"),
     "trace": ("moecached.tools.tracetools", "main", "start/stop routing-trace recording in the daemon; convert JSONL logs"),
     "metrics": ("moecached.tools.metrics", "main", "serve the daemon's counters to Prometheus (HTTP exporter)"),
     "policy": ("moecached.tools.policycli", "main", "replay routing traces through cache policies (simulator)"),

@@ -97,6 +97,8 @@ typedef enum mc_code {
     MC_ERR_D_MODEL_CHANGED,
     MC_ERR_D_RATE_LIMITED,
     MC_ERR_D_UNKNOWN_MODEL,   /* hello names a model the daemon does not serve (or is removing) */
+    MC_ERR_D_PID_MISMATCH,    /* hello claimed a pid other than the connecting process's */
+    MC_ERR_D_NOT_PERMITTED,   /* an op that changes the daemon, and this uid is no admin */
     MC_ERR_D_OTHER            /* a code string this library does not know */
 } mc_code;
 

@@ -36,7 +36,8 @@ static const struct { const char *s; int code; } DAEMON_CODES[] = {
     {"shutdown", MC_ERR_D_SHUTDOWN}, {"invalid_state", MC_ERR_D_INVALID_STATE},
     {"refused", MC_ERR_D_REFUSED}, {"internal", MC_ERR_D_INTERNAL},
     {"model_changed", MC_ERR_D_MODEL_CHANGED}, {"rate_limited", MC_ERR_D_RATE_LIMITED},
-    {"unknown_model", MC_ERR_D_UNKNOWN_MODEL},
+    {"unknown_model", MC_ERR_D_UNKNOWN_MODEL}, {"pid_mismatch", MC_ERR_D_PID_MISMATCH},
+    {"not_permitted", MC_ERR_D_NOT_PERMITTED},
 };
 
 int mc_code_from_daemon(const char *code) {
@@ -75,6 +76,8 @@ const char *mc_code_name(int code) {
     case MC_ERR_D_MODEL_CHANGED: return "MC_ERR_D_MODEL_CHANGED";
     case MC_ERR_D_RATE_LIMITED: return "MC_ERR_D_RATE_LIMITED";
     case MC_ERR_D_UNKNOWN_MODEL: return "MC_ERR_D_UNKNOWN_MODEL";
+    case MC_ERR_D_PID_MISMATCH: return "MC_ERR_D_PID_MISMATCH";
+    case MC_ERR_D_NOT_PERMITTED: return "MC_ERR_D_NOT_PERMITTED";
     case MC_ERR_D_OTHER: return "MC_ERR_D_OTHER";
     default: return "MC_ERR_?";
     }

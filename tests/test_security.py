@@ -1,0 +1,200 @@
+"""What a client of another uid can and cannot do to the daemon and to other clients.
+
+Each test here reproduces one attack an ordinary account in the daemon's client group made on a
+daemon running as root, with that account for real: a user the test creates and removes
+(tests/as_user.py), a process that runs as it and connects through the socket's permissions,
+the daemon learning its uid and pid from the kernel.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+
+import msgpack
+import pytest
+import zmq
+
+from moecache_client import Client
+from moecached.service.endpoint import process_start_time
+from moecached.service.server import Server
+
+from as_user import needs_root, run_as, shared_dir, temp_group, temp_user
+from daemon_util import Daemon
+
+pytestmark = needs_root
+
+
+def ask(endpoint, *msgs, hello=None):
+    """Send ``msgs`` (op maps) one by one on one new connection; the replies (None: no reply in 5 s)."""
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    out = []
+    try:
+        for i, m in enumerate(msgs):
+            s.send(msgpack.packb({"v": 1, "id": i + 1, **m}))
+            out.append(msgpack.unpackb(s.recv(), raw=False) if s.poll(5000) else None)
+    finally:
+        s.close()
+        ctx.term()
+    return out
+
+
+def own_hello():
+    return {"op": "hello", "pid": os.getpid(), "pid_start": process_start_time(os.getpid())}
+
+
+@pytest.fixture
+def world(model_factory):
+    """An in-process daemon as root on a socket of group G (mode 0660) in a directory anyone
+    may traverse; ``user``: an ordinary account in G; ``admin``: one in G and in the
+    admin_group A; ``model_dirs``: [a directory of public models]."""
+    path = model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8)
+    with temp_group() as g, temp_group() as a, temp_user([g.gr_name]) as user, \
+            temp_user([g.gr_name, a.gr_name]) as adm, shared_dir() as d:
+        models = os.path.join(d, "models")
+        os.mkdir(models)
+        os.chmod(models, 0o755)
+        access = {"admin_gid": a.gr_gid, "model_dirs": [models]}
+        if "admin_gid" not in inspect.signature(Server).parameters:
+            access = {}   # a daemon from before the control plane: the attacks as they were
+        with Daemon(path, d, gid=g.gr_gid, heartbeat_s=30, **access) as dm:
+            dm.user, dm.admin, dm.models = user, adm, models
+            dm.added = []
+            dm.server.models_handler = lambda msg: (dm.added.append(msg) if msg.get("action", "list")
+                                                    != "list" else None) or {"models": []}
+            yield dm
+
+
+def code(rep):
+    return None if rep is None or rep.get("ok") else rep["error"]["code"]
+
+
+# ---- 1: a client cannot claim another process's pid; an admin can drop a client ----------------
+
+def test_hello_claiming_another_process_pid_is_refused(world):
+    """The attacker claimed pid 1 (with its true start time): the daemon watched pid 1 and kept
+    the attacker's pins for good. Now the claim is checked against the pid the kernel gives for
+    the connection and refused; the attacker's own pid is watched as before."""
+    ep = world.endpoint
+    start1 = process_start_time(1)
+    claim, = run_as(world.user, ask, ep, {"op": "hello", "pid": 1, "pid_start": start1})
+    assert code(claim) == "pid_mismatch", claim
+    assert "pid 1" in claim["error"]["message"] and "\n" not in claim["error"]["message"]
+    honest, = run_as(world.user, lambda: ask(ep, own_hello()))
+    assert honest["ok"] and honest["lease_watch"] == "process", honest
+    assert not any(c.pidfd is not None and c.pid == 1 for c in world.server.clients.values())
+
+
+def test_admin_lists_and_drops_a_client_others_may_not(world):
+    """No command could drop a client. ``clients`` lists them (uid, pid, leases, pins) and
+    ``clients drop ID`` releases one, for an admin only."""
+    L = world.idx.expert_layers
+    with Client(world.endpoint, name="victim") as v:
+        lease = v.acquire(L[0], [1, 2])
+        assert world.cache.pinned_count() == 2
+        rows = {r["name"]: r for r in ask(world.endpoint, {"op": "clients"})[0]["clients"]}
+        me = rows["victim"]
+        assert (me["uid"], me["pid"], me["leases"], me["pins"]) == (0, os.getpid(), 1, 2)
+        # an ordinary user sees only itself, and may not drop anyone
+        listed, drop = run_as(world.user, ask, world.endpoint, {"op": "clients"},
+                              {"op": "clients", "action": "drop", "client": me["id"]})
+        assert [r["uid"] for r in listed["clients"]] == [world.user.pw_uid] and listed["others"] >= 1
+        assert code(drop) == "not_permitted" and "clients drop" in drop["error"]["message"]
+        assert world.cache.pinned_count() == 2
+        # an admin may
+        drop, = run_as(world.admin, ask, world.endpoint,
+                       {"op": "clients", "action": "drop", "client": me["id"]})
+        assert drop["ok"] and drop["dropped"]["name"] == "victim", drop
+        assert world.cache.pinned_count() == 0
+        lease.released = True
+
+
+# ---- 2 and 3: the control plane is the admins' ---------------------------------------------------
+
+def test_ordinary_client_cannot_change_the_daemon(world):
+    """Any client could add a model, remove any model, start and stop traces; now each is
+    refused ``not_permitted`` naming the operation, and nothing happens. Listing stays open."""
+    ep = world.endpoint
+    secret = os.path.join(world.models, "m.gguf")
+    trace = os.path.join(os.path.dirname(world.models), "trace-never.npz")
+    reps = run_as(world.user, ask, ep,
+                  {"op": "models", "action": "add", "name": "x", "path": secret},
+                  {"op": "models", "action": "remove", "name": "qwen"},
+                  {"op": "models", "action": "rebalance"},
+                  {"op": "trace_start", "path": trace},
+                  {"op": "trace_stop"},
+                  {"op": "models"}, {"op": "stats"}, {"op": "status"})
+    for rep, what in zip(reps, ("models add", "models remove", "models rebalance", "trace start",
+                                "trace stop")):
+        assert code(rep) == "not_permitted", (what, rep)
+        assert rep["error"]["message"].startswith(f"{what}: not permitted"), rep
+    assert world.added == [] and world.server.recorder is None
+    assert not os.path.exists(trace)
+    lst, stats, status = reps[5:]
+    assert lst["ok"] and status["ok"] and stats["ok"]
+    assert world.server.counters["not_permitted"] == 5
+
+
+def test_non_admin_sees_other_clients_only_as_counts(world):
+    with Client(world.endpoint, name="engine-secret"):
+        st, = run_as(world.user, ask, world.endpoint, {"op": "stats"})
+        names = [c["name"] for c in st["stats"]["clients"]]
+        assert "engine-secret" not in names and st["stats"]["clients_other"] >= 1
+        assert isinstance(st["stats"]["departed_clients"], int)
+
+
+def test_model_add_only_what_the_asking_uid_can_read(world):
+    """Any client could add a GGUF from a root-only 0700 directory it cannot read, and the
+    refusals told whether a path existed there. Now: admins only, files under model_dirs only,
+    readable by the asking uid; missing and unreadable read the same."""
+    ep, models = world.endpoint, world.models
+    private = os.path.join(models, "private")
+    os.mkdir(private, 0o700)
+    with open(os.path.join(private, "secret.gguf"), "wb") as f:
+        f.write(b"GGUF")
+    public = os.path.join(models, "public.gguf")
+    with open(public, "wb") as f:
+        f.write(b"GGUF")
+    os.chmod(public, 0o644)
+    link = os.path.join(models, "link.gguf")
+    os.symlink("/etc/shadow", link)
+    secret, missing = os.path.join(private, "secret.gguf"), os.path.join(private, "nope.gguf")
+
+    def add(p):
+        return {"op": "models", "action": "add", "name": "m", "path": p}
+    reps = run_as(world.admin, ask, ep, add(secret), add(missing), add(link), add("/etc/passwd"),
+                  add(models + "/../../etc/passwd"), add(public))
+    s, m, ln, out, dots, ok = reps
+    assert code(s) == code(m) == code(ln) == code(out) == code(dots) == "refused"
+    uid = world.admin.pw_uid
+    assert s["error"]["message"] == f"models add: {secret}: no file under model_dirs there that uid {uid} can read"
+    assert m["error"]["message"] == s["error"]["message"].replace(secret, missing)
+    assert "not under model_dirs" in out["error"]["message"]
+    assert ok["ok"], ok
+    assert [a["path"] for a in world.added] == [public]
+    # root (the daemon's uid) may add what it can read, under model_dirs only
+    r1, r2 = ask(ep, add(secret), add("/etc/passwd"))
+    assert r1["ok"] and code(r2) == "refused"
+
+
+def test_ctl_clients_and_client_drop(world, capsys):
+    """``moecache-ctl clients`` lists; ``moecache-ctl client drop ID`` releases (admins only)."""
+    from moecached.tools.ctl import main
+    L = world.idx.expert_layers
+    ep = world.endpoint
+    with Client(ep, name="engine-7") as v:
+        lease = v.acquire(L[1], [3])
+        assert main(["clients", "-e", ep]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].split() == ["id", "name", "pid", "uid", "leases", "pins", "fast_pins",
+                                  "pending", "watched"]
+        row = next(x.split() for x in out if "engine-7" in x)
+        assert row[2:6] == [str(os.getpid()), "0", "1", "1"], out
+        rc = run_as(world.user, main, ["client", "drop", row[0], "-e", ep])
+        assert rc == 1 and world.cache.pinned_count() == 1
+        assert main(["client", "drop", row[0], "-e", ep]) == 0
+        assert "dropped client" in capsys.readouterr().out
+        assert world.cache.pinned_count() == 0
+        lease.released = True
