@@ -86,8 +86,22 @@ def lib():
     return _lib
 
 
-def _map(path, size, writable):
-    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+def fetch_pin_fd(pins):
+    """The pin file's fd from the daemon's door (a sealed memfd; docs/protocol.md)."""
+    import socket
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(pins["door"])
+        s.sendall(pins["token"].encode())
+        msg, fds, _, _ = socket.recv_fds(s, 16, 1)
+    assert msg == b"ok" and len(fds) == 1, msg
+    return fds[0]
+
+
+def _map(path, size, writable, fd=None):
+    """Map ``path`` (or the open ``fd``, which this closes)."""
+    if fd is None:
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     try:
         prot = PROT_READ | (PROT_WRITE if writable else 0)
         a = _libc.mmap(None, size, prot, MAP_SHARED, fd, 0)
@@ -138,7 +152,7 @@ class FastClient:
         self.sock.connect(endpoint)
         self.ids = itertools.count(1)
         self.name = name
-        hello = {"client": name, "fast_path": fast_path}
+        hello = {"client": name, "fast_path": fast_path, "pin_fd": True}
         if watched:
             hello.update(pid=os.getpid(), pid_start=process_start_time(os.getpid()))
         self.hello = self.call("hello", **hello)
@@ -151,7 +165,8 @@ class FastClient:
         self.h = None
         self.pin_addr = None
         if self.pins:
-            self.pin_addr = _map(self.pins["path"], self.pins["size"], True)
+            self.pin_fd = fetch_pin_fd(self.pins)    # kept open: tests look at the file through it
+            self.pin_addr = _map(None, self.pins["size"], True, os.dup(self.pin_fd))
             self.h = shim_layout(a, self.pins, self.session, self.ctl, self.pin_addr)
 
     # ---- socket ----------------------------------------------------------------------------

@@ -70,18 +70,27 @@ def test_hello_offers_pins_only_to_watched_clients_and_when_enabled(daemon, tmp_
     ep = daemon()
     fc = FastClient(ep)
     p = fc.pins
-    assert p is not None and os.path.exists(p["path"])
-    assert set(p) == {"path", "size", "ring_n", "pins_off", "ring_off", "quota"}
+    assert p is not None and "path" not in p and os.path.exists(p["door"])
+    assert set(p) == {"door", "token", "size", "ring_n", "pins_off", "ring_off", "quota"}
     assert p["ring_n"] & (p["ring_n"] - 1) == 0 and p["quota"] >= 1
-    st = os.stat(p["path"])
-    assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.getuid()
-    assert os.path.basename(p["path"]).startswith("moecached-pins-")
+    assert os.readlink(f"/proc/self/fd/{fc.pin_fd}").startswith("/memfd:moecached-pins-")
+    assert os.fstat(fc.pin_fd).st_size == p["size"]
     w = fc.pin_words()
     assert w[0].to_bytes(8, "little") == b"MOEPIN01" and w[1] == fc.session and w[6] == p["quota"]
+    # the token opens the door once, and only for the process that said hello
+    import socket
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(p["door"])
+        s.sendall(p["token"].encode())
+        assert s.recv(16) == b"no"
     assert FastClient(ep, watched=False, name="unwatched").pins is None
     assert FastClient(ep, fast_path=False, name="plain").pins is None
+    st = fc.stats()
+    assert st["fast_path"]["pin_files"] == 1
     fc.close()
-    wait_for(lambda: not os.path.exists(p["path"]), "pin file removed after bye")
+    c = FastClient(ep, fast_path=False, name="observer")
+    wait_for(lambda: c.stats()["fast_path"]["pin_files"] == 0, "pin file closed after bye")
+    c.close()
     ep2 = daemon("--no-fast-path")
     assert FastClient(ep2).pins is None
 
@@ -140,7 +149,7 @@ KILLED = textwrap.dedent("""
     L = fc.layers
     r = fc.acquire(L[1], [6, 7]); fc.release(r["lease"])
     items = fc.pin(L[1], [6, 7])
-    print(fc.pins["path"], items[0].cls, items[0].slot, items[0].gen, flush=True)
+    print("memfd", items[0].cls, items[0].slot, items[0].gen, flush=True)
     time.sleep(600)
 """)
 
@@ -155,11 +164,11 @@ def test_killed_client_pins_stop_counting_and_its_file_goes(daemon):
         fc = FastClient(ep, fast_path=False, name="observer")
         churn(ep, fc.layers, rounds=1)
         assert fc.generation(cls, slot) == gen, "pinned slot evicted while its client lives"
-        assert os.path.exists(path)
+        assert fc.stats()["fast_path"]["pin_files"] == 1
     finally:
         p.send_signal(signal.SIGKILL)
         p.wait()
-    wait_for(lambda: not os.path.exists(path), "pin file of a killed client removed")
+    wait_for(lambda: fc.stats()["fast_path"]["pin_files"] == 0, "pin file of a killed client closed")
     churn(ep, fc.layers, rounds=2)
     assert fc.generation(cls, slot) != gen, "a dead client's pin still holds the slot"
     st = fc.stats()
@@ -299,40 +308,56 @@ def test_reload_and_stop_remove_pin_files(model_factory, tmp_path):
     try:
         fc = FastClient(f"ipc://{sock}")
         items = pin_resident(fc, fc.layers[0], [1])
-        old = fc.pins["path"]
+        old = pin_memfds(d.pid)
+        assert len(old) == 1
         shutil.copyfile(b, path + ".new")
         os.rename(path + ".new", path)
-        wait_for(lambda: not os.path.exists(old), "pin file removed by the reload", timeout=30)
+        wait_for(lambda: not pin_memfds(d.pid) & old, "pin file closed by the reload", timeout=30)
         wait_for(lambda: not fc.valid(items), "the old session's pins void (epoch cleared)")
         fc2 = FastClient(f"ipc://{sock}", name="again")
-        assert fc2.pins is not None and fc2.pins["path"] != old and fc2.session != fc.session
+        assert fc2.pins is not None and fc2.session != fc.session
+        new = pin_memfds(d.pid)
+        assert len(new) == 1 and not new & old
         items = pin_resident(fc2, fc2.layers[0], [2])
         assert fc2.valid(items)
-        new = fc2.pins["path"]
     finally:
         out = stop_daemon(d)
     assert "Traceback" not in out, out
-    assert not os.path.exists(new), "pin file left after the daemon stopped"
     assert not [n for n in os.listdir(tmp_path) if n.startswith("moecached-")]
 
 
-def test_a_client_truncating_its_pin_file_is_dropped_not_fatal(daemon):
+def pin_memfds(pid) -> set:
+    """Names of the pin files (sealed memfds) process ``pid`` holds open."""
+    out = set()
+    for n in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            t = os.readlink(f"/proc/{pid}/fd/{n}")
+        except OSError:
+            continue
+        if t.startswith("/memfd:moecached-pins-"):
+            out.add(t.split()[0])
+    return out
+
+
+def test_no_one_can_truncate_a_pin_file(daemon):
+    """A pin file is a memfd whose size is sealed: truncating it (through any fd of it: the
+    client's own, or one reopened through /proc) is refused by the kernel, so its client's
+    mapping never faults; the client goes on pinning."""
+    import errno
     ep = daemon("--slots", "8")
     fc = FastClient(ep)
     L = fc.layers
     items = pin_resident(fc, L[1], [3])
-    path = fc.pins["path"]
-    with open(path, "w+b"):                     # O_TRUNC: a plausible client bug
-        pass
-    churn(ep, L, rounds=2)                      # evictions read every pin file
-    with Client(ep, name="check") as c:
-        for e in range(4):
-            with c.acquire(L[2], [e]) as lease:
-                for p, v in lease.parts(e, L[2]).items():
-                    assert verify_expert_bytes(v, L[2], p, e, 0) is None
-        wait_for(lambda: not any(x["name"] == "fast" for x in c.stats()["clients"]),
-                 "the client with the truncated pin file dropped")
-        gone = [x for x in c.stats()["departed_clients"] if x["name"] == "fast"]
-        assert gone and "pin file" in gone[-1]["left"], gone
-    assert not os.path.exists(path)
-    del items
+    for how in (lambda: os.ftruncate(fc.pin_fd, 0),
+                lambda: os.truncate(f"/proc/self/fd/{fc.pin_fd}", 0),
+                lambda: os.ftruncate(fc.pin_fd, 1 << 30)):
+        with pytest.raises(PermissionError) as ei:
+            how()
+        assert ei.value.errno == errno.EPERM
+    fc.unpin(items)
+    churn(ep, L, rounds=2)
+    items = pin_resident(fc, L[1], [3])
+    assert fc.valid(items)
+    assert fc.stats()["server"]["pin_files_truncated"] == 0
+    fc.unpin(items)
+    fc.close()

@@ -18,9 +18,10 @@ import numpy as np
 
 from moecached.facts import protocol as P
 from moecached.service._serve import TokenBucket
-from moecached.engine._shm import RING_N
+from moecached.engine._shm import RING_N, PinFile
 from moecached.engine.cache import PrefetchQuota
 from moecached.service.endpoint import _pidfd_open, process_start_time
+from moecached.service.pindoor import sealed_pin_fd
 from moecached.service.identity import PID_MAX, claimed_pid_matches, parse_peer, process_uid
 from moecached.facts.stats import CLIENT_STATS, hit_rate
 
@@ -178,28 +179,40 @@ class ServerClients:
         self._watched[fd] = c
         self._watch.register(fd, select.POLLIN)
 
-    def _open_pins(self, c: _Client) -> dict | None:
+    def _open_pins(self, c: _Client, by_fd: bool = True) -> dict | None:
         """A pin file for watched client ``c`` (its hello asked for the fast path): the
-        ``pins`` field of the hello reply, or None (fast path off, client not watched, or the
-        file could not be made: logged, and everything goes over the socket)."""
+        ``pins`` field of the hello reply, or None (fast path off, client not watched, a client
+        that cannot take its pin file as an fd (``pin_fd``), or the file could not be made:
+        logged, and everything goes over the socket). The pin file is a sealed memfd handed
+        over by the door (``moecached.service.pindoor``): no process can change its size, so
+        none can make its client fault."""
         self._close_pins(c)
-        if not self.pin_files or c.pidfd is None:
+        if not self.pin_files or c.pidfd is None or self._door is None or not by_fd:
             return None
         cache = self.cache
+        shm = cache._shm
         quota = int(self.pin_quota or cache.default_pin_quota())
         self._pin_seq += 1
         name = f"moecached-pins-{self.session:016x}-{self._pin_seq}"
         try:
-            f = cache.open_pin_file(name, self.session, quota, c.peer.uid if os.geteuid() == 0 else None)
+            fd = sealed_pin_fd(name, int(shm.file_size), shm.header(self.session, quota))
         except OSError as e:
             self.counters["pin_file_errors"] += 1
             log.warning("cannot create pin file %s for client %s (pid %s): %s; it uses the socket",
                         name, c.name, c.pid, e.strerror or e)
             return None
+        try:
+            f = PinFile(f"memfd:{name}", fd, shm.file_size, quota)
+        except BaseException:
+            os.close(fd)
+            raise
+        with cache._lock:    # (ExpertCache.open_pin_file's registration, for an fd made here)
+            shm.add(f)
         c.pins = f
-        c.pin_words = (int(cache._shm.pins_off), int(cache._shm.n_slots_total))
-        return {"path": f.path, "size": f.size, "ring_n": RING_N,
-                "pins_off": cache._shm.pins_off, "ring_off": cache._shm.ring_off, "quota": quota}
+        c.pin_words = (int(shm.pins_off), int(shm.n_slots_total))
+        return {"door": self._door.path, "token": self._door.offer(fd, c.peer.uid, c.peer.pid),
+                "size": f.size, "ring_n": RING_N, "pins_off": shm.pins_off,
+                "ring_off": shm.ring_off, "quota": quota}
 
     def _drop_broken_pins(self, f) -> None:
         """``f`` was truncated under the daemon (its client's doing): drop that client."""

@@ -46,7 +46,9 @@ class ServerOps:
         fast = msg.get("fast_path", False)
         if not isinstance(fast, bool):
             raise P.ProtocolError(P.E_BAD_TYPE, f"field 'fast_path' = {fast!r:.20}: expected true or false")
-        return fast
+        # the pin file is a sealed memfd the client fetches from the door (pin_fd): a client
+        # that could only open a path uses the socket
+        return fast and msg.get("pin_fd") is True
 
     def _hello_reply(self, c: _Client, rid: int, fast: bool) -> None:
         pins = self._open_pins(c) if fast else None

@@ -54,6 +54,7 @@ from moecached.service.endpoint import (ServerError, _ipc_path, lock_endpoint,  
                        process_start_time, unlock_endpoint)
 from moecached.service.identity import admin as is_admin
 from moecached.service.fairness import ServerFairness
+from moecached.service.pindoor import PinDoor, door_path
 from moecached.service.ops import ServerOps
 from moecached.service.session import ServerSession
 from moecached.service.views import ServerViews
@@ -178,6 +179,14 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
         # Frames up to 16x the limit are received and answered `malformed`; beyond that ZeroMQ
         # drops the connection without allocating (the only defence against a 2 GB frame).
         self.sock.setsockopt(zmq.MAXMSGSIZE, 16 * max(int(max_message_bytes), P.MAX_MESSAGE_BYTES))
+        # pin files are handed out as sealed memfds through the door beside the socket
+        self._door = None
+        if self._ipc and self.pin_files and cache is not None:
+            try:
+                self._door = PinDoor(door_path(self._ipc), socket_mode, gid)
+            except OSError as e:
+                log.warning("cannot open the pin-file door %s: %s; clients use the socket only",
+                            door_path(self._ipc), e)
         self._bind(socket_mode, gid)
         # Wake-ups (read completions from reader threads, stop, SIGHUP) arrive on the ROUTER
         # itself, from an inproc DEALER with a routing id no remote peer can hold (it connects
@@ -285,6 +294,8 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
             self._unwatch(c)
         if self.recorder is not None:
             self._trace_stop()
+        if self._door is not None:
+            self._door.close()
         self.sock.close(linger=0)
         if self._ipc:
             for p in (self._ipc,):

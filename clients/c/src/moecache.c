@@ -16,6 +16,9 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/time.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -23,6 +26,50 @@
 #define PROTOCOL_VERSION 1
 #define DESCRIPTOR_VERSION 2
 #define SLICE_MS 100
+
+/* ------------------------------------------------------------------ pin file door */
+
+/* The pin file is a memfd whose size the daemon sealed (no process can truncate it under our
+ * mapping): connect to the daemon's door (a unix socket beside its endpoint), send the hello's
+ * one-time token, receive the fd (SCM_RIGHTS). -1 with errno set on failure. */
+static int fetch_pin_fd(const char *door, const char *token) {
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sun_family = AF_UNIX;
+    if (strlen(door) >= sizeof sa.sun_path) { errno = ENAMETOOLONG; return -1; }
+    strcpy(sa.sun_path, door);
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (s < 0) return -1;
+    struct timeval tv = {5, 0};
+    setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    int fd = -1;
+    if (connect(s, (struct sockaddr *)&sa, sizeof sa) == 0 &&
+        send(s, token, strlen(token), MSG_NOSIGNAL) == (ssize_t)strlen(token)) {
+        char buf[16];
+        union { struct cmsghdr h; char b[CMSG_SPACE(sizeof(int))]; } u;
+        struct iovec iov = {buf, sizeof buf};
+        struct msghdr mh;
+        memset(&mh, 0, sizeof mh);
+        mh.msg_iov = &iov;
+        mh.msg_iovlen = 1;
+        mh.msg_control = u.b;
+        mh.msg_controllen = sizeof u.b;
+        ssize_t n = recvmsg(s, &mh, MSG_CMSG_CLOEXEC);
+        struct cmsghdr *cm = n > 0 ? CMSG_FIRSTHDR(&mh) : NULL;
+        if (cm && cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS &&
+            cm->cmsg_len == CMSG_LEN(sizeof(int))) {
+            memcpy(&fd, CMSG_DATA(cm), sizeof fd);
+            if (n != 2 || memcmp(buf, "ok", 2) != 0) { close(fd); fd = -1; errno = EACCES; }
+        } else if (n >= 0) {
+            errno = EACCES;   /* the door said no: not our token, or not our process */
+        }
+    }
+    int e = errno;
+    close(s);
+    errno = e;
+    return fd;
+}
 
 /* ------------------------------------------------------------------ errors */
 
@@ -406,6 +453,10 @@ static int arena_from_hello(const msgpack_object *rep, uint64_t session, mc_aren
     if (pins && pins->type == MSGPACK_OBJECT_MAP && am->has_resmap) {
         int64_t psize = 0, ring_n = 0, pins_off = 0, ring_off = 0;
         char *ppath = keep(am, mstrdup(mget(pins, "path")));
+        char *door = keep(am, mstrdup(mget(pins, "door")));
+        char *token = keep(am, mstrdup(mget(pins, "token")));
+        if (door && token)
+            ppath = door;   /* named in messages: the pin file itself has no path */
         if (!ppath || !mint(mget(pins, "size"), &psize) || !mint(mget(pins, "ring_n"), &ring_n) ||
             !mint(mget(pins, "pins_off"), &pins_off) || !mint(mget(pins, "ring_off"), &ring_off) ||
             ring_n <= 0 || (ring_n & (ring_n - 1)) || pins_off < MCSHM_PIN_HEADER_BYTES || pins_off % 4 ||
@@ -413,9 +464,10 @@ static int arena_from_hello(const msgpack_object *rep, uint64_t session, mc_aren
             arena_free(am);
             return seterr(err, MC_ERR_PROTOCOL, "hello reply: 'pins' descriptor incomplete or inconsistent");
         }
-        int pfd = open(ppath, O_RDWR | O_CLOEXEC);
+        int pfd = (door && token) ? fetch_pin_fd(door, token) : open(ppath, O_RDWR | O_CLOEXEC);
         if (pfd < 0) {
-            snprintf(msg, sizeof msg, "pin file %s: open: %s", ppath, strerror(errno));
+            snprintf(msg, sizeof msg, "pin file %s: %s: %s", ppath, door && token ? "door" : "open",
+                     strerror(errno));
             return fail_arena(am, err, MC_ERR_SYSTEM, msg) + (arena_free(am), 0);
         }
         void *pb = mmap(NULL, (size_t)psize, PROT_READ | PROT_WRITE, MAP_SHARED, pfd, 0);
@@ -892,12 +944,15 @@ static int hello_locked(mc_client *c, mc_error *err) {
     uint64_t start = 0;
     int have_start = c->opt.send_pid && read_pid_start(&start);
     int fast = c->opt.fast_path && c->ipc && c->opt.send_pid && have_start;
-    pk_request(&sb, &pk, k.id, "hello", 1 + (c->opt.send_pid ? 1 : 0) + (have_start ? 1 : 0) + (fast ? 1 : 0)
+    pk_request(&sb, &pk, k.id, "hello", 1 + (c->opt.send_pid ? 1 : 0) + (have_start ? 1 : 0) + (fast ? 2 : 0)
                 + (c->model ? 1 : 0));
     pk_str(&pk, "client"); pk_str(&pk, c->name);
     if (c->opt.send_pid) { pk_str(&pk, "pid"); msgpack_pack_int64(&pk, getpid()); }
     if (have_start) { pk_str(&pk, "pid_start"); msgpack_pack_uint64(&pk, start); }
-    if (fast) { pk_str(&pk, "fast_path"); msgpack_pack_true(&pk); }
+    if (fast) {   /* the pin file comes as a sealed fd from the daemon's door */
+        pk_str(&pk, "fast_path"); msgpack_pack_true(&pk);
+        pk_str(&pk, "pin_fd"); msgpack_pack_true(&pk);
+    }
     if (c->model) { pk_str(&pk, "model"); pk_str(&pk, c->model); }
     k.next = c->pending;
     c->pending = &k;
