@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import errno
-import functools
 import heapq
 import logging
 import os
@@ -54,8 +53,8 @@ from moecached.service.endpoint import (ServerError, _ipc_path, lock_endpoint,  
                        process_start_time, unlock_endpoint)
 from moecached.service.identity import admin as is_admin
 from moecached.service.fairness import ServerFairness
-from moecached.service.pindoor import PinDoor, door_path
 from moecached.service.ops import ServerOps
+from moecached.service.pindoor import PinDoor, door_path
 from moecached.service.session import ServerSession
 from moecached.service.views import ServerViews
 
@@ -179,6 +178,7 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
         # Frames up to 16x the limit are received and answered `malformed`; beyond that ZeroMQ
         # drops the connection without allocating (the only defence against a 2 GB frame).
         self.sock.setsockopt(zmq.MAXMSGSIZE, 16 * max(int(max_message_bytes), P.MAX_MESSAGE_BYTES))
+        self._bind(socket_mode, gid)
         # pin files are handed out as sealed memfds through the door beside the socket
         self._door = None
         if self._ipc and self.pin_files and cache is not None:
@@ -187,7 +187,6 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
             except OSError as e:
                 log.warning("cannot open the pin-file door %s: %s; clients use the socket only",
                             door_path(self._ipc), e)
-        self._bind(socket_mode, gid)
         # Wake-ups (read completions from reader threads, stop, SIGHUP) arrive on the ROUTER
         # itself, from an inproc DEALER with a routing id no remote peer can hold (it connects
         # first, and the ROUTER refuses a second peer with the same id), so the loop blocks in
@@ -294,9 +293,9 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
             self._unwatch(c)
         if self.recorder is not None:
             self._trace_stop()
+        self.sock.close(linger=0)
         if self._door is not None:
             self._door.close()
-        self.sock.close(linger=0)
         if self._ipc:
             for p in (self._ipc,):
                 try:
@@ -464,13 +463,9 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
         cache = self.cache
         self._hooks = hooks = ServerHooks(
             clients=self.clients, leases=self.leases, counters=self.counters,
-            limit=self.rate_limit, send=self.sock.send, packb=self._packb,
-            unpack=functools.partial(msgpack.unpackb, **P.UNPACK_LIMITS),
-            register=self._register, undelivered=self._undelivered,
-            acquire_resident=cache.acquire_resident, release=cache.release,
-            generations=cache.lease_generations, drain_pins=cache.drain_pins,
-            prefetch_noop=cache.prefetch_noop, version=P.PROTOCOL_VERSION,
-            fields=P.HOT_PATH_FIELDS, session=self.session,
+            limit=self.rate_limit, sock=self.sock, hits=cache.hit_path,
+            drain_pins=cache.drain_pins, release=cache.release, undelivered=self._undelivered,
+            version=P.PROTOCOL_VERSION, fields=P.HOT_PATH_FIELDS, session=self.session,
             max_message_bytes=self.max_message_bytes, max_experts=self.checker.max_experts,
             tracing=self.recorder is not None, more_nb=_MORE_NB, nb=_NB)
         return FastPath(hooks).handle
