@@ -87,3 +87,11 @@ def test_c_client_knows_every_error_code():
         assert name == f"MC_ERR_D_{s.upper()}", (s, name)
         assert re.search(rf"\b{name}\b", hdr), f"{name} not in mc_code (moecache.h)"
         assert f'case {name}: return "{name}";' in src, f"{name} has no name in mc_code_name"
+
+
+def test_the_python_client_copies_no_lease_rule():
+    """Lease validity is written once, in C (mcshm_valid): the Python client calls it through
+    its extension or asks the daemon (``check``); it reads no slot generations itself."""
+    src = "".join(p.read_text() for p in (ROOT / "clients/python/moecache_client").glob("*.py"))
+    assert "gen_off" not in src and ".gens[" not in src
+    assert '"op": "check"' in src

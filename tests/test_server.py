@@ -164,6 +164,23 @@ def test_lease_ownership_and_double_release(daemon):
     assert daemon.cache.pinned_count() == 0
 
 
+def test_check_says_which_leases_a_client_holds(daemon):
+    """``check``: the lease validity of a client without the shared-memory rule. True for a
+    lease this client holds, false once released, for another client's lease and for an id
+    never issued; a malformed list is one bad_type line."""
+    L = daemon.idx.expert_layers
+    with Client(daemon.endpoint, name="a", fast_path=False) as a, Client(daemon.endpoint, name="b") as b:
+        mine, other = a.acquire(L[0], [1, 2]), b.acquire(L[1], [3])
+        assert a._call({"op": "check", "leases": [mine.id, other.id, 2**63]})["held"] == [True, False, False]
+        mine.release()
+        assert a._call({"op": "check", "leases": [mine.id]})["held"] == [False]
+        assert b._call({"op": "check", "leases": [other.id]})["held"] == [True]
+        with pytest.raises(CError) as ei:
+            a._call({"op": "check", "leases": "all"})
+        assert ei.value.code == "bad_type" and "leases" in str(ei.value)
+        other.release()
+
+
 def test_heartbeat_expiry_releases_pins(daemon, monkeypatch):
     """A client the daemon cannot watch by its process (no verifiable pid) loses its leases
     after ``heartbeat_s`` of silence (a watched one keeps them: test_lease_validity.py)."""

@@ -32,7 +32,7 @@ MAX_BIN_LEN = 0                    # the protocol never carries binary payloads
 UNPACK_LIMITS = dict(raw=False, strict_map_key=True, max_str_len=MAX_STR_LEN, max_bin_len=MAX_BIN_LEN,
                      max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0)
 
-OPS = ("hello", "acquire", "prefetch", "release", "cancel", "stats", "status", "ping", "bye",
+OPS = ("hello", "acquire", "prefetch", "release", "cancel", "check", "stats", "status", "ping", "bye",
        "trace_start", "trace_stop", "models", "clients", "warm")
 
 #: What each op that changes the daemon (rather than one client's own leases) is, as a

@@ -137,6 +137,18 @@ class ServerOps:
         if not quiet:
             self._reply(c.ident, rid, released=len(ids))
 
+    def _op_check(self, c: _Client, rid: int, msg: dict) -> None:
+        """Whether this client still holds each of ``leases`` (granted to it, not released,
+        not taken back): the lease validity of a client without the shared-memory rule."""
+        ids = msg.get("leases")
+        if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+            raise P.ProtocolError(P.E_BAD_TYPE, "field 'leases' must be an array of lease ids")
+        held = []
+        for lid in ids:
+            owner = self.leases.get(lid)
+            held.append(owner is not None and owner[0] == c.ident)
+        self._reply(c.ident, rid, held=held)
+
     def _op_cancel(self, c: _Client, rid: int, msg: dict) -> None:
         """Drop this client's pending acquire whose request id is ``request`` (its caller gave
         up): its pins go, its reads go on as prefetches, it gets no reply. ``cancelled`` is

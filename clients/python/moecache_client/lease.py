@@ -44,10 +44,7 @@ class _Arena:
         if bytes(self.buf[ctl["off"]:ctl["off"] + 8]) != _CONTROL_MAGIC:
             raise ClientError(f"arena {desc['path']}: no control block at offset {ctl['off']} "
                               "(not a moecached arena, or a newer layout); upgrade the client")
-        self._words = np.frombuffer(self.mm, dtype=np.uint64, count=ctl["bytes"] // 8, offset=ctl["off"])
-        self._epoch_i = ctl["epoch_off"] // 8
-        self.gens = {cid: self._words[c["gen_off"] // 8: c["gen_off"] // 8 + c["n_slots"]]
-                     for cid, c in self.classes.items()}
+        self._epoch = np.frombuffer(self.mm, dtype=np.uint64, count=1, offset=ctl["off"] + ctl["epoch_off"])
 
     @property
     def descriptor(self) -> dict:
@@ -66,7 +63,7 @@ class _Arena:
 
     def epoch(self) -> int:
         """Session id of the daemon serving this arena now (0: none)."""
-        return int(self._words[self._epoch_i])
+        return int(self.shm.epoch() if self.shm is not None else self._epoch[0])
 
     def part(self, class_id: int, slot: int, part: str) -> np.ndarray:
         c = self.classes[class_id]
@@ -76,8 +73,7 @@ class _Arena:
 
     def close(self):
         self.shm = None
-        self.buf = self._words = None
-        self.gens = {}
+        self.buf = self._epoch = None
         try:
             self.mm.close()
         except BufferError:
@@ -152,15 +148,6 @@ class Lease:
         if shm_items is not None:
             self._shm_items = shm_items
             return
-        # per size class: (slot indices, their generations at grant), checked by valid()
-        by_cls: dict = {}
-        for (_, _, cid, slot), g in zip(self.items, reply["gens"]):
-            by_cls.setdefault(cid, ([], []))
-            by_cls[cid][0].append(slot)
-            by_cls[cid][1].append(g)
-        self._granted = [(cid, np.array(sl, dtype=np.intp), np.array(gs, dtype=np.uint64))
-                         for cid, (sl, gs) in by_cls.items()]
-
     @classmethod
     def _pinned(cls, client, session, arena, lid, shm_items) -> "Lease":
         """A lease pinned without a message (all hits)."""
@@ -189,22 +176,25 @@ class Lease:
         if a is None or a.buf is None:
             return "its arena is no longer mapped"
         it = self._shm_items
-        if it is not None:
+        if it is not None:   # the shared-memory rule, compiled from moecache_shm.h
             if it.valid():
                 return None
             if a.epoch() != self.session:
                 return "the daemon that granted it no longer serves this arena"
             return "the daemon revoked it and reused its slots"
-        if a.epoch() != self.session:
-            return "the daemon that granted it no longer serves this arena"
-        for cid, slots, gens in self._granted:
-            if not np.array_equal(a.gens[cid][slots], gens):
-                return "the daemon revoked it and reused its slots"
-        return None
+        # socket only (no compiled rule here): the daemon says whether it still holds the lease
+        try:
+            held = self._client._call({"op": "check", "leases": [self.id]})["held"][0]
+        except ClientError as e:
+            return f"the daemon could not confirm it ({e})"
+        if self._client.session != self.session:
+            return "the daemon that granted it restarted or went away"
+        return None if held else "the daemon revoked it (released its pins; its slots may be reused)"
 
     def valid(self) -> bool:
         """True while the lease pins its experts: bytes read through it before this call
-        returned True are the granted experts'. A few shared-memory loads, no message."""
+        returned True are the granted experts'. With the compiled extension a few
+        shared-memory loads and no message; socket only, one ``check`` round trip."""
         return self._invalid_because() is None
 
     def check(self) -> None:
