@@ -499,6 +499,13 @@ class ExpertCache:
                 self._kick(submits, promotes, done)
         self._after(submits, promotes, done)
 
+    def check_resident_map(self) -> int:
+        """Check the resident map clients pin through against the cache's own state and repair
+        what another process changed (the server calls it every tick); returns the entries
+        repaired now (all of them are counted in ``map_repairs``)."""
+        with self._lock:
+            return 0 if self._closed else self._layout.check_map()
+
     @property
     def pin_files(self) -> int:
         """Pin files open now (and found truncated, not yet taken by :meth:`take_broken_pin_files`)."""

@@ -83,8 +83,12 @@ class Pools:
         expert was evicted for it (given back if the load fails untouched), slot -1 if none
         (-2: for a prefetch, the victim would have been demand-hot)."""
         if pool.free:
-            return pool.free.pop(), None
-        return self.evict(pool, prefetch)
+            slot, victim = pool.free.pop(), None
+        else:
+            slot, victim = self.evict(pool, prefetch)
+        if slot >= 0:
+            self.layout.vacate(pool.cid, slot)   # no stale map entry may name the slot
+        return slot, victim
 
     def give_back(self, load, untouched: bool) -> None:
         """A load that published nothing gives its slot back: to the expert it evicted when

@@ -11,7 +11,9 @@ the resident map (a part of ``moecached.engine.cache.ExpertCache``).
 * :class:`Layout` builds both from the index and the arena, keeps the slot generations (the
   arena's control block: a generation moves whenever a slot changes hands, so a lease can
   tell it is void) and the resident map (``moecached.engine._shm.ShmArena``, the rules of
-  ``clients/c/include/moecache_shm.h``), and says where a load's bytes go.
+  ``clients/c/include/moecache_shm.h``), says where a load's bytes go, and checks the
+  resident map it published against the pools (``check_map``, ``vacate``: another process
+  of the daemon's uid could have written it).
 * :class:`Tally`: the per-layer counters.
 
 Lock discipline: the structure is built once and never changes; the pools' arrays, the
@@ -19,6 +21,8 @@ generations and the tallies are read and changed only under the cache's lock (ev
 writes them there; nothing here takes a lock).
 """
 from __future__ import annotations
+
+import numpy as np
 
 from moecached.engine._shm import ShmArena
 from moecached.engine.errors import CacheError
@@ -140,6 +144,13 @@ class Layout:
         self.moe_layers = [int(l) for l in index.expert_layers]
         self.shm = ShmArena(arena.base_address, ne, arena.n_keys,
                             [(c.gen_off, c.n_slots) for c in arena.classes], arena.resmap_off)
+        # the resident map as published, checked against the pools (check_map, vacate): a
+        # process that can write the arena (the daemon's uid) may have changed it
+        self.resmap = arena.resident_map()
+        self.class_keys = {c.id: np.concatenate([np.arange(moe[int(l)] * ne, (moe[int(l)] + 1) * ne)
+                                                 for l in c.layers]).astype(np.int64)
+                           for c in arena.classes}
+        self.map_repairs = 0
 
     def reads_for(self, L: _Layer, expert: int, slot: int) -> list:
         """The reads of one load: ``(file, offset, nbytes, dest address)`` per part."""
@@ -155,6 +166,42 @@ class Layout:
         """The resident map says ``k`` is in ``slot`` (its bytes are complete)."""
         ne = self.n_experts
         self.shm.publish(pool.gbase[k // ne] + k % ne, slot)
+
+    def expected_map(self) -> np.ndarray:
+        """The resident map as the pools say it must be (0, or slot + 1, per key)."""
+        want = np.zeros(len(self.resmap), dtype=np.uint64)
+        ne = self.n_experts
+        for pool in self.pools:
+            res, gbase = pool.res, pool.gbase
+            for k, slot in enumerate(res):
+                if slot >= 0:
+                    want[gbase[k // ne] + k % ne] = slot + 1
+        return want
+
+    def check_map(self) -> int:
+        """Compare the published resident map with the pools and write back every entry some
+        other process changed (under the cache's lock, so never in the middle of a publish
+        or an eviction's handshake); returns the entries repaired (counted in
+        ``map_repairs``). Clients pin through this map: after a repair every pin reads the
+        daemon's truth again."""
+        want = self.expected_map()
+        bad = np.flatnonzero(self.resmap != want)
+        if len(bad):
+            self.resmap[bad] = want[bad]
+            self.map_repairs += len(bad)
+        return len(bad)
+
+    def vacate(self, cid: int, slot: int) -> int:
+        """Before ``slot`` of class ``cid`` takes a new expert: no key of the class may name it
+        in the resident map any more (its expert left it, cleared by the eviction); an entry
+        that still does was written by another process and is cleared, so no pin through it
+        can reach the new expert's bytes as another's. Returns the entries cleared."""
+        keys = self.class_keys[cid]
+        bad = keys[self.resmap[keys] == slot + 1]
+        if len(bad):
+            self.resmap[bad] = 0
+            self.map_repairs += len(bad)
+        return len(bad)
 
     def shm_key(self, pool: _Pool, k: int) -> int:
         """The resident-map key of pool key ``k``."""

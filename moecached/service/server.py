@@ -428,6 +428,8 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
                     if now >= next_tick:
                         next_tick = now + self.tick_s
                         self._check_socket_file()
+                        if cache is not None:
+                            self._check_resident_map()
                         if self.on_tick is not None:
                             try:
                                 self.on_tick(now)

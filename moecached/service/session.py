@@ -67,3 +67,15 @@ class ServerSession:
                                         max_experts=self.checker.max_experts)
         self.moe_index = {l: i for i, l in enumerate(self.index.expert_layers)}
         self.new_session()
+
+    def _check_resident_map(self) -> None:
+        """Every tick: the resident map clients pin through must say what the cache says; a
+        process that can write the arena may have changed it (repaired, counted, logged)."""
+        try:
+            n = self.cache.check_resident_map()
+        except Exception:
+            log.exception("internal error checking the resident map")
+            return
+        if n:
+            log.warning("resident map: %d entries were changed by another process (one with the "
+                        "daemon's uid can write the arena); repaired", n)
