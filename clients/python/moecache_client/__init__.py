@@ -42,7 +42,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import logging
-import mmap
 import numbers
 import operator
 import os
@@ -57,6 +56,7 @@ import zmq
 
 from ._call import _Call
 from .errors import ClientError, DaemonRestarted, LeaseInvalid, ServerError, Timeout
+from .fastpath import fast_session
 from .lease import DESCRIPTOR_VERSION, _Arena, Lease, LeaseFuture, Subst  # noqa: F401  (the public API)
 
 __version__ = "0.1.0"
@@ -112,22 +112,6 @@ def _own_start_time() -> int | None:
 
 
 
-def _fetch_pin_fd(pins: dict) -> int:
-    """The pin file's fd from the daemon's door (docs/protocol.md, "Shared-memory hit path"):
-    connect to the unix socket ``pins["door"]``, send the hello's one-time ``token``, receive
-    the fd (``SCM_RIGHTS``) of a memfd whose size is sealed, so no process can truncate it
-    under this client's mapping."""
-    import socket
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as s:
-        s.settimeout(5.0)
-        s.connect(pins["door"])
-        s.sendall(str(pins["token"]).encode("ascii"))
-        msg, fds, _, _ = socket.recv_fds(s, 16, 1)
-    if msg != b"ok" or len(fds) != 1:
-        for fd in fds:
-            os.close(fd)
-        raise OSError(f"the daemon's door refused the pin file ({msg!r})")
-    return fds[0]
 
 class Client:
     """Connection to a moecached daemon.
@@ -579,32 +563,8 @@ class Client:
         self._last_rx = time.monotonic()
 
     def _shm_session(self, arena: _Arena, rep: dict):
-        """The session's mcshm layout: the arena's control block, and the pin file when the
-        hello reply offers one (mapped read-write)."""
-        pins = rep.get("pins") if self._want_fast else None
-        pin_mm = None
-        if pins is not None:
-            try:
-                fd = _fetch_pin_fd(pins) if pins.get("door") else os.open(pins["path"], os.O_RDWR)
-                try:
-                    pin_mm = mmap.mmap(fd, pins["size"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-                finally:
-                    os.close(fd)
-            except (OSError, KeyError, TypeError, ValueError) as e:
-                where = (pins.get("path") or pins.get("door")) if isinstance(pins, dict) else pins
-                raise ClientError(f"pin file {where!r}: "
-                                  f"cannot map it read-write ({e}); pass fast_path=False to use the socket "
-                                  "only") from None
-        self.pin_map = pin_mm   # the pin file's read-write mapping (None: no fast path)
-        try:
-            shm = _shm.Shm(arena.mm, arena.desc, list(rep["expert_layers"]), int(rep["n_experts"]),
-                           rep["session"], pin_mm, pins)
-            limit = (rep.get("limits") or {}).get("max_request_experts")
-            if limit is not None:
-                shm.max_experts = int(limit)
-            return shm
-        except (ValueError, KeyError, TypeError) as e:
-            raise ClientError(f"hello reply from {self.endpoint}: {e}") from None
+        shm, self.pin_map = fast_session(_shm, arena, rep, self._want_fast, self.endpoint)
+        return shm
 
     def _pump_locked(self, until: _Call | None, wait: float, hello: bool = False) -> None:
         """Read replies for up to ``wait`` seconds, until ``until`` is done.
