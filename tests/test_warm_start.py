@@ -322,3 +322,16 @@ def test_periodic_save_survives_a_crash(model, tmp_path):
             assert st["warm_loaded"] == 3 and _resident(st) == 3
     finally:
         stop_daemon(b)
+
+
+def test_fill_without_prefetch_loads_nothing_and_ends(model, tmp_path):
+    """With prefetch off (max_prefetch_loads = 0) a fill cannot load at prefetch priority: it
+    plans nothing, says why, and ends at once."""
+    from moecached.engine.cache import ExpertCache
+    from moecached.engine.warmth import WarmFill, counters_of
+    idx = open_index(model)
+    with ExpertCache(idx, slots=12, readers=2, lock_memory=False, arena_dir=str(tmp_path),
+                     max_prefetch_loads=0) as cache:
+        f = WarmFill(cache, [(idx.expert_layers[0], 1)]).start()
+        assert f.join(5) and f.planned == 0 and "max_prefetch_loads = 0" in f.why_not
+        assert counters_of(cache).running is None and counters_of(cache).loaded == 0

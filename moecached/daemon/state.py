@@ -176,6 +176,8 @@ class WarmStates:
                      format_bytes(f.nbytes), f.elapsed, format_bytes(rate),
                      " (stopped)" if f.stopped else "")
         fill.on_done = done
+        if fill.why_not is not None:
+            log.warning("%s: nothing loaded: %s", what, fill.why_not)
         log.info("%s: loading %d experts (%s; %d wanted, the rest resident or past the budget) "
                  "in file order", what, fill.planned, format_bytes(nbytes), len(set(wanted)))
         return fill.start()

@@ -41,6 +41,9 @@ __all__ = ["StateError", "FORMAT", "VERSION", "model_identity", "identity_mismat
 
 FORMAT = "moecached-warm"
 VERSION = 1
+#: a fill that sees no load finish or start for this long (the prefetch cap held full by
+#: engines' prefetches) ends
+STALL_S = 60.0
 #: state files larger than this are refused unread (a model of 1M experts is ~12 MiB)
 MAX_STATE_BYTES = 64 << 20
 
@@ -254,7 +257,13 @@ class WarmFill:
         self.quota = PrefetchQuota(None)
         self.progress, self.on_done = progress, on_done
         self.passes = passes
-        self.plan = plan_fill(cache, self.wanted)
+        #: why nothing is loaded although experts are wanted (None: nothing stops the fill)
+        self.why_not = None
+        if cap <= 0:
+            self.plan = []
+            self.why_not = "prefetch is off (max_prefetch_loads = 0), and a fill loads at prefetch priority"
+        else:
+            self.plan = plan_fill(cache, self.wanted)
         self.planned = len(self.plan)
         self.done = self.nbytes = 0
         self.t0 = None
@@ -339,14 +348,26 @@ class WarmFill:
             for _ in range(self.passes):
                 inflight: list = []
                 i = 0
+                moved = time.monotonic()
                 while (i < len(todo) or inflight) and not self._stop.is_set():
                     if inflight:
+                        n = len(inflight)
                         inflight = self._count(inflight)
+                        if len(inflight) < n:
+                            moved = time.monotonic()
                     room = min(self.window - quota.in_flight,
                                cache.max_prefetch_loads - cache._pf_loading)
                     if i >= len(todo) or room <= 0:
+                        if time.monotonic() - moved > STALL_S:   # engines' prefetches hold the cap
+                            self.log.warning("warm fill from %s: no load finished or started for "
+                                             "%.0f s (the prefetch cap stays full): ended with %d "
+                                             "of %d experts", self.source or "a list", STALL_S,
+                                             self.done, self.planned)
+                            self._stop.set()
+                            break
                         time.sleep(0.002)
                         continue
+                    moved = time.monotonic()
                     batch, i = self._batch(todo[i:i + room]), i + room
                     if batch:
                         self._queue(batch)
