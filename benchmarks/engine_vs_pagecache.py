@@ -37,6 +37,7 @@ import argparse
 import filecmp
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -114,10 +115,15 @@ class Cgroup:
 
 # -- one engine run -----------------------------------------------------------------------------
 
+#: mc-decode arguments of every run (``--cpu-moe``, ``--engine-args``)
+ENGINE_ARGS: list = []
+
+
 def engine(bin_dir, model, dump, steps, threads, *, cg: Cgroup | None = None, endpoint=None) -> dict:
     """mc-decode once (in ``cg`` when given); timing, bytes it read from the drive, wall time."""
     cmd = [str(bin_dir / "mc-decode"), "-m", model, "-p", PROMPT, "-n", str(steps), "-t",
-           str(threads), "--dump", str(dump)] + (["--moecached", endpoint] if endpoint else [])
+           str(threads), "--dump", str(dump)] + (["--moecached", endpoint] if endpoint else []) \
+        + ENGINE_ARGS
     if cg is not None:
         cmd = ["sh", "-c", f'echo $$ > {cg.procs} && exec "$@"', "sh"] + cmd
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -174,6 +180,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fractions", default="0.25,0.5,0.75,0.9,1.0")
+    ap.add_argument("--rounds", type=int, default=1, help="the whole matrix this many times; "
+                    "the table shows each row's median")
+    ap.add_argument("--cpu-moe", action="store_true", help="mc-decode --cpu-moe in every run: on a "
+                    "GPU build the routed experts stay on the CPU (memory-mapped) as the daemon's "
+                    "rows compute them, the rest on the GPU")
+    ap.add_argument("--engine-args", default="", help="more mc-decode arguments for every run "
+                    "(one string, split on spaces)")
     ap.add_argument("--readers", type=int, default=16, help="the daemon's reader threads")
     ap.add_argument("--bw-seconds", type=float, default=5.0)
     ap.add_argument("--dir", default="/work/bench-tmp")
@@ -185,6 +198,7 @@ def main(argv=None) -> int:
     if bin_dir is None:
         sys.exit(f"engine_vs_pagecache: no patched llama.cpp: {engine_llama.BUILD_HINT}")
     fracs = [float(x) for x in a.fractions.split(",")]
+    ENGINE_ARGS[:] = (["--cpu-moe"] if a.cpu_moe else []) + a.engine_args.split()
     work = Path(a.dir)
     work.mkdir(parents=True, exist_ok=True)
     model = a.model
@@ -207,6 +221,7 @@ def main(argv=None) -> int:
     state = run_dir / "state"
     tag = f"mcbench-{os.getpid()}"
     rows, cgs, daemons = [], [], []
+    rnd = [0]
     ref = run_dir / "ref.bin"
 
     def say(msg):
@@ -223,7 +238,7 @@ def main(argv=None) -> int:
         daemons.remove(d)
 
     def row(kind, frac, temp, r, **kw):
-        x = dict(run=kind, cached=frac, state=temp, **r, **kw)
+        x = dict(run=kind, cached=frac, state=temp, round=rnd[0], **r, **kw)
         x["read_bytes"] = x["engine_read_bytes"] + x.get("daemon_read_bytes", 0)
         dump = x.pop("dump")
         x["identical"] = filecmp.cmp(ref, dump, shallow=False) if ref.exists() and dump != ref else True
@@ -236,13 +251,6 @@ def main(argv=None) -> int:
     try:
         ceiling = [drive_ceiling(model, a.bw_seconds, a.readers)]
         say(f"drive ceiling {ceiling[0]:.0f} MiB/s")
-        # resident: llama.cpp alone, no limit
-        drop_caches()
-        r = engine(bin_dir, model, run_dir / "res0.bin", a.steps, a.threads)
-        r0 = row("resident", None, "cold", dict(r, dump=run_dir / "res0.bin"))
-        r = engine(bin_dir, model, ref, a.steps, a.threads)
-        row("resident", None, "warm", dict(r, dump=ref))
-        r0["identical"] = filecmp.cmp(ref, run_dir / "res0.bin", shallow=False)
         # the engine's own peak through the daemon: every expert in the arena, page cache dropped
         d = start(n_all)
         engine(bin_dir, model, run_dir / "warmup.bin", a.steps, a.threads, endpoint=ep)
@@ -253,47 +261,55 @@ def main(argv=None) -> int:
         engine_peak = cg.peak()
         say(f"engine peak through the daemon: {engine_peak / 2**20:.0f} MiB")
         stop(d)
-        for f in fracs:
-            slots = max(1, int(round(f * n_all)))
-            budget = slots * (expert_bytes // n_all)
-            limit = engine_peak + budget
-            # page cache: llama.cpp alone under the limit
+        for rnd[0] in range(a.rounds):
+            # resident: llama.cpp alone, no limit
             drop_caches()
-            cg = Cgroup(f"{tag}-pc{int(f * 100)}", limit)
-            cgs.append(cg)
-            for temp in ("cold", "warm"):
-                out = run_dir / f"pc{f}{temp}.bin"
-                r = engine(bin_dir, model, out, a.steps, a.threads, cg=cg)
-                row("page cache", f, temp, dict(r, dump=out), limit_bytes=limit, cgroup_peak=cg.peak())
-            cg.close()
-            cgs.remove(cg)
-            # the daemon: arena = the expert budget
-            shutil.rmtree(state, ignore_errors=True)
-            state.mkdir()
-            drop_caches()
-            d = start(slots)
-            for temp in ("cold", "warm"):
-                s0 = daemon_stats(ep)
-                out = run_dir / f"d{f}{temp}.bin"
+            r = engine(bin_dir, model, run_dir / "res0.bin", a.steps, a.threads)
+            r0 = row("resident", None, "cold", dict(r, dump=run_dir / "res0.bin"))
+            r = engine(bin_dir, model, ref, a.steps, a.threads)
+            row("resident", None, "warm", dict(r, dump=ref))
+            r0["identical"] = filecmp.cmp(ref, run_dir / "res0.bin", shallow=False)
+            for f in fracs:
+                slots = max(1, int(round(f * n_all)))
+                budget = slots * (expert_bytes // n_all)
+                limit = engine_peak + budget
+                # page cache: llama.cpp alone under the limit
+                drop_caches()
+                cg = Cgroup(f"{tag}-pc{int(f * 100)}-r{rnd[0]}", limit)
+                cgs.append(cg)
+                for temp in ("cold", "warm"):
+                    out = run_dir / f"pc{f}{temp}.bin"
+                    r = engine(bin_dir, model, out, a.steps, a.threads, cg=cg)
+                    row("page cache", f, temp, dict(r, dump=out), limit_bytes=limit, cgroup_peak=cg.peak())
+                cg.close()
+                cgs.remove(cg)
+                # the daemon: arena = the expert budget
+                shutil.rmtree(state, ignore_errors=True)
+                state.mkdir()
+                drop_caches()
+                d = start(slots)
+                for temp in ("cold", "warm"):
+                    s0 = daemon_stats(ep)
+                    out = run_dir / f"d{f}{temp}.bin"
+                    r = engine(bin_dir, model, out, a.steps, a.threads, endpoint=ep)
+                    st = daemon_stats(ep)
+                    row("daemon", f, temp, dict(r, dump=out), arena_bytes=st["budget"]["current_bytes"],
+                        slots=slots, daemon_read_bytes=st["bytes_read"] - s0["bytes_read"],
+                        hits=st["hits"] + st["prefetch_hits"] - s0["hits"] - s0["prefetch_hits"],
+                        demand_misses=st["demand_misses"] - s0["demand_misses"])
+                stop(d)        # writes the state file
+                drop_caches()
+                t0 = time.monotonic()
+                d = start(slots)
+                serving_s = time.monotonic() - t0
+                out = run_dir / f"d{f}restart.bin"
                 r = engine(bin_dir, model, out, a.steps, a.threads, endpoint=ep)
                 st = daemon_stats(ep)
-                row("daemon", f, temp, dict(r, dump=out), arena_bytes=st["budget"]["current_bytes"],
-                    slots=slots, daemon_read_bytes=st["bytes_read"] - s0["bytes_read"],
-                    hits=st["hits"] + st["prefetch_hits"] - s0["hits"] - s0["prefetch_hits"],
-                    demand_misses=st["demand_misses"] - s0["demand_misses"])
-            stop(d)        # writes the state file
-            drop_caches()
-            t0 = time.monotonic()
-            d = start(slots)
-            serving_s = time.monotonic() - t0
-            out = run_dir / f"d{f}restart.bin"
-            r = engine(bin_dir, model, out, a.steps, a.threads, endpoint=ep)
-            st = daemon_stats(ep)
-            row("daemon", f, "restart", dict(r, dump=out), arena_bytes=st["budget"]["current_bytes"],
-                slots=slots, daemon_read_bytes=st["bytes_read"], hits=st["hits"] + st["prefetch_hits"],
-                demand_misses=st["demand_misses"], warm_loaded=st["warm_loaded"],
-                warm_bytes=st["warm_bytes"], warm_seconds=st["warm_seconds"], serving_s=serving_s)
-            stop(d)
+                row("daemon", f, "restart", dict(r, dump=out), arena_bytes=st["budget"]["current_bytes"],
+                    slots=slots, daemon_read_bytes=st["bytes_read"], hits=st["hits"] + st["prefetch_hits"],
+                    demand_misses=st["demand_misses"], warm_loaded=st["warm_loaded"],
+                    warm_bytes=st["warm_bytes"], warm_seconds=st["warm_seconds"], serving_s=serving_s)
+                stop(d)
         ceiling.append(drive_ceiling(model, a.bw_seconds, a.readers))
     finally:
         for d in list(daemons):
@@ -304,19 +320,31 @@ def main(argv=None) -> int:
     drive = sum(ceiling) / len(ceiling)
     for x in rows:
         x["read_s_at_ceiling"] = x["read_bytes"] / (drive * 2**20)
+    table = []   # one row per (run, share, state): the median of each number over the rounds
+    for key in dict.fromkeys((x["run"], x["cached"], x["state"]) for x in rows):
+        xs = [x for x in rows if (x["run"], x["cached"], x["state"]) == key]
+        t = dict(xs[-1])
+        for k, v in t.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("cached", "round"):
+                t[k] = statistics.median(x[k] for x in xs)
+        t["identical"] = all(x["identical"] for x in xs)
+        t["rounds"] = len(xs)
+        table.append(t)
     print(f"\nmodel {os.path.basename(model)}: {len(idx.expert_layers)} MoE blocks x {idx.n_experts} "
           f"experts (top-{idx.top_k}), {file_bytes / 2**30:.2f} GiB file, {expert_bytes / 2**30:.2f} GiB "
           f"of routed experts; {a.steps} steps, {a.threads} threads; engine peak through the daemon "
           f"{engine_peak / 2**20:.0f} MiB; drive ceiling {drive:.0f} MiB/s "
-          f"({', '.join(f'{c:.0f}' for c in ceiling)}); cgroup v{2 if Cgroup.V2 else 1}")
+          f"({', '.join(f'{c:.0f}' for c in ceiling)}); cgroup v{2 if Cgroup.V2 else 1}; "
+          f"{a.rounds} round{'s' if a.rounds > 1 else ''} (medians)"
+          + (f"; mc-decode {' '.join(ENGINE_ARGS)}" if ENGINE_ARGS else ""))
     print("| run | experts in RAM | memory | state | decode tok/s | prompt tok/s | wall s | read GiB | "
           "read s at ceiling | hits / misses | logits |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for x in rows:
+    for x in table:
         mem = (f"cgroup {x['limit_bytes'] / 2**30:.2f} GiB" if "limit_bytes" in x else
                f"arena {x['arena_bytes'] / 2**30:.2f} GiB" if "arena_bytes" in x else "no limit")
-        hm = f"{x['hits']} / {x['demand_misses']}" if "hits" in x else "-"
-        extra = (f" (fill {x['warm_loaded']} experts in {x['warm_seconds']:.1f} s)"
+        hm = f"{x['hits']:.0f} / {x['demand_misses']:.0f}" if "hits" in x else "-"
+        extra = (f" (fill {x['warm_loaded']:.0f} experts in {x['warm_seconds']:.1f} s)"
                  if x["state"] == "restart" else "")
         share = "all" if x["cached"] is None else f"{x['cached']:.0%}"
         print(f"| {x['run']} | {share} | {mem} | "
@@ -327,7 +355,8 @@ def main(argv=None) -> int:
                         "top_k": idx.top_k, "file_bytes": file_bytes, "routed_expert_bytes": expert_bytes,
                         "steps": a.steps, "threads": a.threads, "engine_peak_bytes": engine_peak,
                         "drive_mib_s": drive, "drive_runs_mib_s": ceiling,
-                        "cgroup": "v2" if Cgroup.V2 else "v1", "rows": rows, "argv": sys.argv[1:],
+                        "cgroup": "v2" if Cgroup.V2 else "v1", "rounds": a.rounds,
+                        "engine_args": ENGINE_ARGS, "table": table, "rows": rows, "argv": sys.argv[1:],
                         "time": time.time()})
     return 0 if all(x["identical"] for x in rows) else 1
 
