@@ -335,3 +335,22 @@ def test_fill_without_prefetch_loads_nothing_and_ends(model, tmp_path):
         f = WarmFill(cache, [(idx.expert_layers[0], 1)]).start()
         assert f.join(5) and f.planned == 0 and "max_prefetch_loads = 0" in f.why_not
         assert counters_of(cache).running is None and counters_of(cache).loaded == 0
+
+
+def test_fill_leaves_the_wanted_order_in_the_lru(model, tmp_path):
+    """Loaded in file order, the filled experts end in the order they were wanted: the most
+    wanted the least cold, the least wanted the next victim."""
+    from moecached.engine.cache import ExpertCache
+    from moecached.engine.warmth import WarmFill, resident_experts
+    idx = open_index(model)
+    layers = idx.expert_layers
+    with ExpertCache(idx, slots=64, readers=2, lock_memory=False, arena_dir=str(tmp_path)) as cache:
+        wanted = [(layers[3], 2), (layers[0], 9), (layers[2], 15), (layers[0], 1), (layers[1], 7)]
+        f = WarmFill(cache, wanted).start()
+        assert f.join(30) and f.done == len(wanted)
+        got = [x for x in resident_experts(cache) if x in wanted]
+        pools = {}
+        for x in wanted:
+            pools.setdefault(id(cache._layers[x[0]].pool), []).append(x)
+        for xs in pools.values():   # recency order holds within each pool
+            assert [x for x in got if x in xs] == xs, (got, xs)

@@ -17,7 +17,9 @@ wanted that fit the free slots of their pool, then sorted by file offset, so the
 the model front to back; they go through the cache's prefetch path (prefetch priority: every
 demand read goes first, leases and slot generations as for any load), a window of loads in
 flight, never evicting anything (an expert whose pool has no free slot left is skipped: the
-budget is full). While a fill runs, prefetch chunks may take every reader thread when no demand
+budget is full). Once loaded they are put in the eviction order as they were wanted (at the
+cold end, as prefetched experts enter: the least wanted is the next victim, below every expert
+used since). While a fill runs, prefetch chunks may take every reader thread when no demand
 read waits (``prefetch_chunks`` is raised to the threads; a demand job still cuts them to
 ``prefetch_with_demand`` at once). Their confidence is the cache's ``prefetch_min_confidence``, the lowest a
 prefetch may have, so an engine's prefetch displaces a queued warm read at the prefetch cap.
@@ -377,6 +379,8 @@ class WarmFill:
                 todo = self._batch(self.remaining())   # failed, withdrawn or skipped: again
                 if not todo:
                     break
+            if not self._stop.is_set():
+                self._reorder()
         except Exception as e:   # the cache closed under us, or a bug: end the fill, say why
             if not self._stop.is_set():
                 self.log.warning("warm fill from %s ended early: %s", self.source or "a list", e)
@@ -395,6 +399,22 @@ class WarmFill:
                     self.on_done(self)
                 except Exception:
                     self.log.exception("warm fill done callback raised")
+
+    def _reorder(self) -> None:
+        """Put the experts the fill loaded in the order they were wanted: loaded in file order,
+        each entered at the cold end; now the most wanted of them is the least cold, the least
+        wanted the next victim (still below every expert used since). Experts used or pinned
+        meanwhile keep their place."""
+        cache = self.cache
+        with cache._lock:
+            for layer, expert in self.wanted:   # most wanted first: each goes to the cold end
+                L = cache._layers.get(layer)
+                if L is None:
+                    continue
+                pool, k = L.pool, L.base + expert
+                if pool.res[k] >= 0 and pool.unused[k] and not pool.lru.pin_count(k):
+                    pool.lru.remove(k)
+                    pool.lru.insert(k, True)
 
     def _batch(self, items: list) -> list:
         """Of ``items``, those still absent and with a free slot in their pool now (a fill never
