@@ -2,7 +2,7 @@
 below: shared facts -> engine -> service -> daemon -> tools. Every import of every module is
 read (the AST: imports inside functions included) and checked against :data:`LAYERS`; an
 import of a higher layer, or a circle of imports (even within one layer), fails, and so does
-a module the map does not place."""
+a module the map does not place. No module may be over :data:`MAX_LINES` lines."""
 import ast
 import re
 from pathlib import Path
@@ -20,6 +20,9 @@ LAYERS = {
 }
 #: import circles allowed for now: none
 KNOWN_CIRCLES: list = []
+#: the most lines a module may have: every .py under moecached/, every .pyx and .pxd under
+#: cython_ext/ (the generated .c files aside)
+MAX_LINES = 700
 
 
 def _module_name(path: Path) -> str:
@@ -149,3 +152,17 @@ def test_the_checker_sees_function_level_imports(tmp_path):
     assert got == [(2, "moecached.engine.cache"), (3, "moecached.service.server")]
     assert _circles(["a", "b", "c"], {"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}}) == [["a", "b", "c"]]
     assert _circles(["a", "b"], {"a": {"b": 1}}) == []
+
+
+def _sizes() -> dict:
+    """Source path (relative to the checkout) -> lines, for every module the limit covers."""
+    files = [*PKG.rglob("*.py"), *(ROOT / "cython_ext").rglob("*.pyx"),
+             *(ROOT / "cython_ext").rglob("*.pxd")]
+    return {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in files}
+
+
+def test_no_module_is_over_the_line_limit():
+    """The largest module has at most MAX_LINES lines; the message names every one over."""
+    over = sorted(((n, p) for p, n in _sizes().items() if n > MAX_LINES), reverse=True)
+    assert not over, (f"modules over {MAX_LINES} lines (split them): "
+                      + ", ".join(f"{p} ({n})" for n, p in over))
