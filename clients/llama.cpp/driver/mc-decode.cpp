@@ -4,7 +4,7 @@
 //   mc-decode -m MODEL [--moecached ENDPOINT] [-p PROMPT] [-n STEPS] [-t THREADS]
 //             [--ubatch N] [--dump FILE] [--step-delay-ms MS] [--retries N] [--rounds N]
 //             [--moecached-subst R] [--moecached-subst-cap N] [--dump-moe FILE] [--cpu-moe]
-//             [--moecached-gpu cpu|zerocopy]
+//             [--moecached-gpu cpu|zerocopy] [--moecached-prefetch off|next|two]
 //   mc-decode --help      (-h) prints the options and exits 0
 //
 // Prints one line per step ("step I token T") and a final "timing" line:
@@ -23,6 +23,14 @@
 // daemon's arena, so `--cpu-moe` and `--moecached` runs compare bit for bit there too.
 // --moecached-gpu zerocopy (LLAMA_MOECACHED_GPU) registers the arena with CUDA instead: the expert
 // matmuls run on the GPU, reading the slots over the host link (a CUDA build only).
+// --moecached-prefetch next|two (LLAMA_MOECACHED_PREFETCH): while block l runs, block l+1's (and
+// l+2's) router guesses their experts from block l's FFN input and the guesses go to the daemon
+// as prefetches; a last line says how good the guesses were:
+//   prefetch mode=M width=K calls=N sent=N useful=N errors=N recall_hits=N recall_n=N recall=R
+//            recall2_hits=N recall2_n=N recall2=R pf_hits=N
+// (recall: of block l+1's routed experts, the share block l's guess named; recall2 two ahead;
+// useful: sent experts the block then routed to; pf_hits: experts the daemon said a prefetch
+// brought in, over the socket only: shared-memory hits are not told apart).
 #include "llama.h"
 #include "ggml-cpu.h"
 
@@ -60,7 +68,7 @@ static const char * USAGE =
     "usage: mc-decode -m MODEL [--moecached ENDPOINT] [-p PROMPT] [-n STEPS] [-t THREADS]\n"
     "                 [--ubatch N] [--dump FILE] [--step-delay-ms MS] [--retries N] [--rounds N]\n"
     "                 [--moecached-subst R] [--moecached-subst-cap N] [--dump-moe FILE] [--cpu-moe]\n"
-    "                 [--moecached-gpu cpu|zerocopy]\n"
+    "                 [--moecached-gpu cpu|zerocopy] [--moecached-prefetch off|next|two]\n"
     "Greedy decode with llama.cpp, every step's logits dumped, through moecached or not.\n"
     "  -m MODEL                  GGUF model (required)\n"
     "  --moecached ENDPOINT      take the routed experts from the daemon at ENDPOINT\n"
@@ -78,6 +86,8 @@ static const char * USAGE =
     "  --cpu-moe                 keep the routed expert tensors on the CPU (llama.cpp's --cpu-moe, -ot exps=CPU)\n"
     "  --moecached-gpu MODE      CUDA build: served experts computed on the CPU (cpu, default) or on the GPU\n"
     "                            reading the arena over the host link (zerocopy)\n"
+    "  --moecached-prefetch MODE guess the next block's experts (next) or the next two blocks' (two) with\n"
+    "                            their routers on this block's FFN input and prefetch them (default off)\n"
     "  -h, --help                print this and exit\n";
 
 static double now_s() {
@@ -110,6 +120,7 @@ int main(int argc, char ** argv) {
         else if (a == "--dump-moe") dump_moe_path = next();
         else if (a == "--cpu-moe") cpu_moe = true;
         else if (a == "--moecached-gpu") setenv("LLAMA_MOECACHED_GPU", next(), 1);   // read at load
+        else if (a == "--moecached-prefetch") setenv("LLAMA_MOECACHED_PREFETCH", next(), 1);   // read at load
         else { fprintf(stderr, "mc-decode: unknown argument %s\n%s", a.c_str(), USAGE); return 2; }
     }
     if (model_path.empty()) { fprintf(stderr, "mc-decode: -m MODEL is required\n%s", USAGE); return 2; }
@@ -205,6 +216,11 @@ int main(int argc, char ** argv) {
     printf("timing prompt_tokens=%d prompt_s=%.6f decode_tokens=%d decode_s=%.6f rounds=%d\n",
            n_prompt * rounds, t_prompt, n_decoded, t_decode, rounds);
     printf("moecached %s\n", endpoint.empty() ? "off" : st);
+    if (!endpoint.empty()) {
+        char pf[512];
+        llama_moecached_prefetch_stats(pf, sizeof pf);
+        printf("prefetch %s\n", pf);
+    }
     fflush(stdout);
     llama_model_free(model);
     return 0;
