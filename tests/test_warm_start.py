@@ -354,3 +354,25 @@ def test_fill_leaves_the_wanted_order_in_the_lru(model, tmp_path):
             pools.setdefault(id(cache._layers[x[0]].pool), []).append(x)
         for xs in pools.values():   # recency order holds within each pool
             assert [x for x in got if x in xs] == xs, (got, xs)
+
+
+def test_warm_is_an_admin_op(model_factory):
+    """``warm`` changes what the daemon holds for everyone: an ordinary account in the socket's
+    group is refused ``not_permitted``; an admin gets through (here a server without warm
+    starts: ``refused``)."""
+    from as_user import needs_root, run_as, shared_dir, temp_group, temp_user
+    from daemon_util import Daemon
+    from test_security import ask, code
+    if needs_root.args[0]:
+        pytest.skip(needs_root.kwargs["reason"])
+    path = model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8)
+    with temp_group() as g, temp_group() as a, temp_user([g.gr_name]) as user, \
+            temp_user([g.gr_name, a.gr_name]) as adm, shared_dir() as d:
+        with Daemon(path, d, gid=g.gr_gid, heartbeat_s=30, admin_gid=a.gr_gid) as dm:
+            msg = {"op": "warm", "experts": [[0, 1]]}
+            (rep,) = run_as(user, ask, dm.endpoint, msg)
+            assert code(rep) == "not_permitted" and rep["error"]["message"].startswith(
+                "warm: not permitted"), rep
+            (rep,) = run_as(adm, ask, dm.endpoint, msg)
+            assert code(rep) == "refused" and "no warm starts" in rep["error"]["message"], rep
+            assert dm.cache.stats()["warm_loaded"] == 0
