@@ -176,6 +176,7 @@ FILE_ERRORS = [
                                                'group (name or gid), or "" for none'),
     ('group = 3.5', 'group = 3.5: expected an existing group (name or gid), or "" for none'),
     ('fast_path = "yes"', 'fast_path = "yes": expected true or false'),
+    ('client_loop_share = 1.5', 'client_loop_share = 1.5: expected a number from 0 to 1'),
     ('admin_group = "no-such-group-moecached-test"', 'admin_group = "no-such-group-moecached-test": '
                                                      'expected an existing group (name or gid), or "" for none'),
     ('model_dirs = ["srv/models"]', "model_dirs = ['srv/models']: expected absolute directory paths (a "

@@ -117,6 +117,7 @@ def server_kwargs(cfg) -> dict:
                 client_rate_limit=cfg.client_rate_limit,
                 client_rate_burst=cfg.client_rate_burst,
                 client_max_prefetch=cfg.client_max_prefetch,
+                client_loop_share=cfg.client_loop_share,
                 pin_files=cfg.fast_path, pin_quota=cfg.fast_path_quota,
                 admin_gid=grp.getgrnam(cfg.admin_group).gr_gid if cfg.admin_group else None,
                 model_dirs=tuple(cfg.model_dirs))

@@ -76,6 +76,7 @@ class Config:
     prefetch_min_confidence: float = 0.0     # prefetched experts below this confidence are dropped
     client_rate_limit: float = 40000.0       # requests/s per client (0: off)
     client_rate_burst: int = 40000           # requests a client may send at once
+    client_loop_share: float = 0.02          # share of the daemon's loop one client may use while others are active (0: off)
     floor: Optional[int] = None              # memory floor, bytes; None = off
     floor_hysteresis: int = 1 * GiB          # grow back above floor + this
     floor_interval_s: float = 1.0            # floor sampling period
@@ -193,6 +194,10 @@ KEYS: dict[str, Key] = {
                              "requests a client may send at once above its rate (default 40000)",
                              "N", "int",
         reload="client_limits", scope="socket"),
+    "client_loop_share": Key(_fraction, "--client-loop-share",
+                             "share of the daemon's loop time one client may use while other "
+                             "clients are active; over it its noreply prefetches are held back "
+                             "(the newest runs later) (default 0.02; 0: off)", "F", "float"),
     "floor": Key(_size(optional_zero=True), "--floor",
                  "shrink the cache when available memory falls under SIZE (default off)", "SIZE", "size",
         reload="floor", scope="budget"),

@@ -119,7 +119,8 @@ CACHE_STATS = (
 SERVER_COUNTERS = tuple(
     Stat(k, "counter", f"server_{k}", f"server {k.replace('_', ' ')} (all clients)", None)
     for k in ("requests", "errors", "malformed", "undeliverable", "clients_dropped", "rate_limited",
-              "pin_file_errors", "pin_files_truncated", "socket_rebinds", "not_permitted"))
+              "pin_file_errors", "pin_files_truncated", "socket_rebinds", "not_permitted", "throttled",
+              "prefetches_coalesced"))
 
 #: The shared-memory hit path over all clients (``stats["fast_path"]``), exported as ``fast_*``.
 #: value: a function ``cache -> value`` (under the cache's lock).
@@ -217,6 +218,12 @@ CLIENT_STATS = (
          "prefetch loads of the client in flight now (client_max_prefetch caps them)", lambda c, f: c.pf.in_flight),
     Stat("rate_limited", "counter", "client_rate_limited", "requests of the client over the rate limit",
          lambda c, f: c.rate_limited),
+    Stat("throttled", "counter", "client_throttled",
+         "noreply prefetches of the client held back: over its share of the daemon's loop",
+         lambda c, f: c.throttled),
+    Stat("prefetches_coalesced", "counter", "client_prefetches_coalesced",
+         "held-back prefetches of the client replaced by a newer one (never carried out)",
+         lambda c, f: c.coalesced),
     Stat("errors", "counter", "client_errors", "error replies to the client", lambda c, f: c.errors),
     Stat("stall_s", "counter", "client_stall_seconds", "time the client's acquires waited for reads",
          lambda c, f: round(c.stall_s, 6)),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import time
 
 import numpy as np
 
@@ -32,7 +33,8 @@ class _Client:
     __slots__ = ("ident", "delim", "name", "pid", "first_seen", "last_seen", "leases", "pending",
                  "requests", "acquires", "hits", "misses", "prefetch_hits", "prefetches",
                  "errors", "stall_s", "pidfd", "bucket", "pf", "rate_limited", "pins", "fast_closed",
-                 "subst", "peer_addr", "peer", "admin", "pin_words")
+                 "subst", "peer_addr", "peer", "admin", "pin_words", "loop_tokens", "loop_t",
+                 "throttled", "coalesced")
 
     def __init__(self, ident: bytes, now: float, burst: float = 1.0, max_prefetch=None,
                  peer_addr: str | None = None):
@@ -43,6 +45,10 @@ class _Client:
         self.peer = parse_peer(peer_addr)
         self.admin = False
         self.pin_words = None   # (byte offset, count) of its pin file's u32 pin counts
+        # its share of the loop (moecached.service.fairness): bucket of loop seconds, last
+        # refill (perf_counter), noreply prefetches held back, held ones replaced by newer
+        self.loop_tokens, self.loop_t = 0.02, time.perf_counter()
+        self.throttled = self.coalesced = 0
         self.delim = False  # the client frames requests REQ-style (empty delimiter first)
         self.name = ident.hex()
         self.pid = None

@@ -3,6 +3,8 @@
 * The endpoint's lock (:func:`lock_endpoint`, :func:`unlock_endpoint`): an exclusive ``flock``
   on ``<socket>.lock`` holding the daemon's pid, taken before anything is indexed or reserved,
   so a second daemon on a live endpoint is refused at once.
+* The socket file itself (:class:`ServerSocketFile`, a part of the server): bound with its
+  mode and group, bound again when some process removed it.
 * A client's process on this machine (:func:`process_start_time`, a pidfd; who connected:
   ``moecached.service.identity``): a local
   client is watched through its process, not its heartbeats (``moecached.service.clients``).
@@ -10,10 +12,15 @@
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import socket
 
+import zmq
+
 from moecached import MoecacheError
+
+log = logging.getLogger("moecached.service.server")
 
 
 class ServerError(MoecacheError):
@@ -102,3 +109,50 @@ def unlock_endpoint(endpoint: str, fd: int | None) -> None:
     except (FileNotFoundError, TypeError):
         pass
     os.close(fd)
+
+
+class ServerSocketFile:
+    """The ipc socket file of :class:`moecached.service.server.Server` (a part of it): bound
+    under the endpoint's lock with the configured mode and group, bound again when some
+    process removed it."""
+
+    def _bind(self, mode: int, gid: int | None) -> None:
+        if self._ipc:
+            fd = self._endpoint_lock if self._endpoint_lock is not None else lock_endpoint(self.endpoint)
+            self._endpoint_lock = None
+            self._lock_fd = fd
+            if os.path.exists(self._ipc):
+                # We hold the lock, so whoever made this socket file is gone: a crash left it.
+                log.warning("removing stale socket %s left by a previous daemon", self._ipc)
+                os.unlink(self._ipc)
+            self._bind_ipc(mode, gid)
+        else:
+            try:
+                self.sock.bind(self.endpoint)
+            except zmq.ZMQError as e:
+                raise ServerError(f"endpoint {self.endpoint}: cannot bind: {e}")
+
+    def _bind_ipc(self, mode: int, gid: int | None) -> None:
+        old = os.umask(0o777 & ~mode)
+        try:
+            self.sock.bind(self.endpoint)
+        finally:
+            os.umask(old)
+        os.chmod(self._ipc, mode)
+        if gid is not None:
+            os.chown(self._ipc, -1, gid)
+        self._bound = (mode, gid)
+
+    def _check_socket_file(self) -> None:
+        """Bind the ipc path again when some process removed the socket file (connected
+        clients keep their connections; new ones could not reach the daemon otherwise)."""
+        if not self._ipc or self._bound is None or os.path.lexists(self._ipc):
+            return
+        log.warning("socket %s was removed by some process; bound it again (new clients could "
+                    "not connect meanwhile)", self._ipc)
+        self.counters["socket_rebinds"] += 1
+        try:   # a second bind (no unbind: that would drop every connection accepted on it)
+            self._bind_ipc(*self._bound)
+        except (zmq.ZMQError, OSError) as e:
+            log.error("cannot bind %s again: %s; restart the daemon", self.endpoint, e)
+            self._bound = None   # said once

@@ -49,8 +49,8 @@ from moecached.service._serve import FastPath, RateLimit, ServerHooks
 from moecached.engine.arena import STATE_MODEL_CHANGED, STATE_SERVING
 from moecached.service.admin import ServerAdmin
 from moecached.service.clients import ServerClients, _Client
-from moecached.service.endpoint import (ServerError, _ipc_path, lock_endpoint,  # noqa: F401 (re-exported)
-                       process_start_time, unlock_endpoint)
+from moecached.service.endpoint import (ServerError, ServerSocketFile, _ipc_path,  # noqa: F401 (re-exported)
+                       lock_endpoint, process_start_time, unlock_endpoint)
 from moecached.service.identity import admin as is_admin
 from moecached.service.fairness import ServerFairness
 from moecached.service.ops import ServerOps
@@ -69,7 +69,8 @@ HOT_PATH_ENV = "MOECACHED_HOT_PATH"
 _UNLIMITED_OPS = frozenset({"release", "bye"})
 
 
-class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness, ServerSession):
+class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness, ServerSession,
+             ServerSocketFile):
     """Serves one ExpertCache on one ZeroMQ endpoint.
 
     Args:
@@ -111,7 +112,8 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
                  acquire_timeout_s: float | None = None, endpoint_lock: int | None = None,
                  client_rate_limit: float = 0.0, client_rate_burst: float = 1.0,
                  client_max_prefetch: int | None = None, pin_files: bool = True,
-                 pin_quota: int | None = None, admin_gid: int | None = None, model_dirs=()):
+                 pin_quota: int | None = None, admin_gid: int | None = None, model_dirs=(),
+                 client_loop_share: float = 0.02):
         self.cache = cache
         self.index = cache.index if cache is not None else None   # None: a Router
         self.endpoint = endpoint
@@ -140,6 +142,7 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
         self.rate_limit = RateLimit()
         self.client_max_prefetch = None
         self.set_client_limits(client_rate_limit, client_rate_burst, client_max_prefetch)
+        self._fair_init(client_loop_share)
         self.leases: dict[int, tuple[bytes, object]] = {}
         self.deadlines: list = []  # heap of (t, ticket, ident, rid)
         self.done = collections.deque()
@@ -215,47 +218,6 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
         return {op: getattr(self, "_op_" + op) for op in P.OPS}
 
     # ---- start / stop -------------------------------------------------------------------
-    def _bind(self, mode: int, gid: int | None) -> None:
-        if self._ipc:
-            fd = self._endpoint_lock if self._endpoint_lock is not None else lock_endpoint(self.endpoint)
-            self._endpoint_lock = None
-            self._lock_fd = fd
-            if os.path.exists(self._ipc):
-                # We hold the lock, so whoever made this socket file is gone: a crash left it.
-                log.warning("removing stale socket %s left by a previous daemon", self._ipc)
-                os.unlink(self._ipc)
-            self._bind_ipc(mode, gid)
-        else:
-            try:
-                self.sock.bind(self.endpoint)
-            except zmq.ZMQError as e:
-                raise ServerError(f"endpoint {self.endpoint}: cannot bind: {e}")
-
-    def _bind_ipc(self, mode: int, gid: int | None) -> None:
-        old = os.umask(0o777 & ~mode)
-        try:
-            self.sock.bind(self.endpoint)
-        finally:
-            os.umask(old)
-        os.chmod(self._ipc, mode)
-        if gid is not None:
-            os.chown(self._ipc, -1, gid)
-        self._bound = (mode, gid)
-
-    def _check_socket_file(self) -> None:
-        """Bind the ipc path again when some process removed the socket file (connected
-        clients keep their connections; new ones could not reach the daemon otherwise)."""
-        if not self._ipc or self._bound is None or os.path.lexists(self._ipc):
-            return
-        log.warning("socket %s was removed by some process; bound it again (new clients could "
-                    "not connect meanwhile)", self._ipc)
-        self.counters["socket_rebinds"] += 1
-        try:   # a second bind (no unbind: that would drop every connection accepted on it)
-            self._bind_ipc(*self._bound)
-        except (zmq.ZMQError, OSError) as e:
-            log.error("cannot bind %s again: %s; restart the daemon", self.endpoint, e)
-            self._bound = None   # said once
-
     def stop(self) -> None:
         """Ask the loop to stop (thread- and signal-safe)."""
         self._stopping = True
@@ -341,7 +303,7 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
         next_hb = now + self.heartbeat_s / 4
         next_timer = min(next_tick, next_hb)
         next_sweep = now
-        recv, more = sock.recv, zmq.RCVMORE
+        recv, more, pc = sock.recv, zmq.RCVMORE, time.perf_counter
         getmore = sock.getsockopt
         clients = self.clients
         handle = self._handle
@@ -391,14 +353,17 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
                         if c is not None and c.peer_addr != peer:
                             self._replaced(c)
                         self._peer_addr = peer   # for a client first seen in _handle
-                        try:
-                            served = fast(frames)
-                        except Exception:  # a bug in the hot path must not stop the loop
-                            log.exception("internal error in the fast path; "
-                                          "the request goes to the general path")
-                            served = False
-                        if not served:
-                            handle(frames)
+                        if c is None or c.loop_tokens >= 0 or not self._hold(c, frames):
+                            t0 = pc()
+                            try:
+                                served = fast(frames)
+                            except Exception:  # a bug in the hot path must not stop the loop
+                                log.exception("internal error in the fast path; "
+                                              "the request goes to the general path")
+                                served = False
+                            if not served:
+                                handle(frames)
+                            self._charge(c or clients.get(frames[0]), t0, pc())
                 if self.done:
                     self._drain_done()
                 dl = self.deadlines
@@ -411,6 +376,8 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
                             del c.pending[ticket]
                             c.errors += 1
                             self._send_error(ident, rid, P.E_TIMEOUT, "acquire timed out waiting for reads")
+                    if now >= self._next_share:
+                        self._fair_timer(now)   # held prefetches of clients back in budget
                     if now >= next_hb:
                         self._expire_clients(now)
                         next_hb = now + max(0.05, self.heartbeat_s / 4)
@@ -436,7 +403,7 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
                             except Exception as e:  # never let the floor kill the server
                                 log.error("periodic task failed: %s", e)
                             fast = self._fast   # the periodic task may have reloaded the model
-                    next_timer = min(next_tick, next_hb)
+                    next_timer = min(next_tick, next_hb, self._next_share)
                     if cache is not None and cache.pin_files:
                         # releases through shared memory send no message: under a steady stream
                         # of requests the sweep must still come every PIN_DRAIN_MS
@@ -447,6 +414,8 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
                     cache = self.cache
                     if cache is not None and cache.pin_files:
                         want = min(want, self.PIN_DRAIN_MS)
+                    if self._held:
+                        want = min(want, self.PIN_DRAIN_MS)   # held prefetches: look again soon
                     if want != cur_ms:
                         sock.setsockopt(zmq.RCVTIMEO, want)
                         cur_ms = want
