@@ -246,7 +246,8 @@ def test_several_models_each_come_back(model, model_factory, tmp_path):
     """With several models each has its own state file and comes back with its own experts;
     ``moecache-ctl warm --model NAME`` reaches the model's socket."""
     from moecached.tools.ctl import main as ctl
-    other = model_factory("qwen3-30b-a3b-Q4_K_M", layers=[0, 6], experts=16)
+    # neither model fits its share whole (else a cold start reads it all)
+    other = model_factory("qwen3-30b-a3b-Q4_K_M", layers=[0, 6], experts=64)
     state = tmp_path / "state"
     state.mkdir()
     sock = str(tmp_path / "d.sock")
@@ -376,3 +377,36 @@ def test_warm_is_an_admin_op(model_factory):
             (rep,) = run_as(adm, ask, dm.endpoint, msg)
             assert code(rep) == "refused" and "no warm starts" in rep["error"]["message"], rep
             assert dm.cache.stats()["warm_loaded"] == 0
+
+
+@pytest.mark.daemon
+def test_cold_daemon_whose_arena_holds_the_model_reads_it_whole(model, tmp_path):
+    """Warm starts on but no state file yet: an arena with a slot for every expert is filled
+    with the whole model in file order at start (as a memory-mapped engine's load reads its
+    file), so the first engine pays no demand miss per expert; a smaller arena, or warm starts
+    off, is left cold."""
+    idx = open_index(model)
+    everything = [(l, e) for l in idx.expert_layers for e in range(int(idx.n_experts))]
+    ep = f"ipc://{tmp_path}/d.sock"
+    (tmp_path / "state").mkdir()
+    d = start_daemon(model, str(tmp_path / "d.sock"), "--slots", str(len(everything)),
+                     "--state-dir", str(tmp_path / "state"))
+    try:
+        with Client(ep) as c:
+            st = _wait_warm(c, len(everything))
+            assert st["warm_loaded"] == len(everything) and _resident(st) == len(everything)
+            _check_bytes(c, idx, everything[::5])
+            assert c.stats()["demand_misses"] == 0
+    finally:
+        out = stop_daemon(d)
+    assert "the whole model" in out and "Traceback" not in out, out
+    for slots, state in ((len(everything) - 8, str(tmp_path / "state2")), (len(everything), "")):
+        if state:
+            os.mkdir(state)
+        small = start_daemon(model, str(tmp_path / "s.sock"), "--slots", str(slots), "--state-dir", state)
+        try:
+            with Client(f"ipc://{tmp_path}/s.sock") as c:
+                st = c.stats()
+                assert st["warm_loaded"] == 0 and _resident(st) == 0, (slots, state)
+        finally:
+            stop_daemon(small)

@@ -3,7 +3,9 @@
 Per model a state file in ``state_dir`` (``moecached.engine.warmth`` has the format): written
 atomically every ``state_interval_s`` seconds (in a thread: the loop only takes the snapshot)
 and when the daemon stops gracefully; read once the daemon serves, and filled back in file
-order at prefetch priority while it serves (:class:`moecached.engine.warmth.WarmFill`).
+order at prefetch priority while it serves (:class:`moecached.engine.warmth.WarmFill`). A
+model without a state file (warm starts on) whose arena holds all of its experts is read
+whole the same way.
 Progress goes to stderr: a live percentage on a terminal, else one line every
 :data:`PROGRESS_S` seconds, and one line at the end. A state file of another model (the file
 changed: its fingerprint, size, mtime, ctime or inode differ) or one that cannot be read
@@ -23,7 +25,8 @@ import time
 
 from moecached.daemon.logs import _live_stream
 from moecached.engine.warmth import (StateError, WarmFill, counters_of, identity_mismatch,
-                                     load_state, resident_experts, save_state)
+                                     load_state, resident_experts, save_state,
+                                     whole_model_if_it_fits)
 from moecached.facts import protocol as P
 from moecached.facts.units import format_bytes
 
@@ -134,18 +137,22 @@ class WarmStates:
     def start(self) -> None:
         """The daemon serves: fill each model from its state file (in the background)."""
         self.install()
-        if self.dir is None:
-            return
         for name, mpath, server in _served(self.daemon.models):
             path = self.path(name, mpath)
-            try:
-                wanted = self._read(path, server.cache)
-            except StateError as e:
-                log.warning("%s; starting cold", e)
+            wanted = None
+            if path is not None:
+                try:
+                    wanted = self._read(path, server.cache)
+                except StateError as e:
+                    log.warning("%s; starting cold", e)
+            if wanted is not None:
+                self._fill(server.cache, wanted, f"state file {path}")
                 continue
-            if wanted is None:
-                continue
-            self._fill(server.cache, wanted, f"state file {path}")
+            # no state file, and the arena holds the whole model: read it all in file order (as
+            # a memory-mapped engine's load would) rather than one demand miss per expert
+            everything = whole_model_if_it_fits(server.cache) if path is not None else None
+            if everything:
+                self._fill(server.cache, everything, "the whole model (a cold start; the arena holds it)")
 
     def _read(self, path, cache):
         """The experts of ``path`` for ``cache``'s model; None (one log line) when there is no

@@ -111,6 +111,19 @@ def _valid(cache, layer, expert) -> bool:
             and 0 <= expert < cache.n_experts)
 
 
+def whole_model_if_it_fits(cache) -> list | None:
+    """Every expert of the model (``[(layer, expert)]``) when the free slots of each pool hold
+    all of its missing experts now, else None: a cold daemon whose arena holds the whole model
+    reads it all, in file order, instead of one demand miss per expert."""
+    ne = cache.n_experts
+    with cache._lock:
+        for p in cache._pools:
+            missing = sum(1 for k in range(len(p.layers) * ne) if p.alloc[k] < 0)
+            if missing > len(p.free):
+                return None
+        return [(int(layer), e) for p in cache._pools for layer in p.layers for e in range(ne)]
+
+
 def plan_fill(cache, wanted) -> list:
     """Which of ``wanted`` (``[(layer, expert)]``, most wanted first) a fill loads: those not
     resident or loading, at most as many per pool as it has free slots now (the most wanted
