@@ -275,9 +275,15 @@ def test_add_refusals(models, tmp_path):
     try:
         with pytest.raises(ServerError, match="refused: model qwen is already served"):
             d.ctl.models("add", name="qwen", path=models["qwen"])
-        with pytest.raises(ServerError, match="refused: model x: path /nonexistent.gguf: expected "
-                                              "an existing GGUF file"):
+        # only files under model_dirs (by default the configured models' directories), and one
+        # answer for a missing file and an unreadable one (docs/operations.md, "Security model")
+        with pytest.raises(ServerError, match="refused: models add: /nonexistent.gguf is not under "
+                                              "model_dirs"):
             d.ctl.models("add", name="x", path="/nonexistent.gguf")
+        missing = os.path.join(os.path.dirname(models["qwen"]), "nope.gguf")
+        with pytest.raises(ServerError, match=f"refused: models add: {missing}: no file under "
+                                              "model_dirs there that uid 0 can read"):
+            d.ctl.models("add", name="x", path=missing)
         with pytest.raises(ServerError, match="refused: model name 'a b'"):
             d.ctl.models("add", name="a b", path=models["qwen"])
         # no room above the others' minimums: refused after indexing, said in the list
@@ -295,10 +301,14 @@ def test_add_refusals(models, tmp_path):
             wait_for(lambda: "w" not in d.ctl.models()["split"]["adding"], "w refused", 60)
             assert why in d.ctl.models()["split"]["failed"]["w"]
         # not a GGUF file: one line naming it once, without quoting its bytes
-        junk = tmp_path / "junk.gguf"
-        junk.write_text("root:x:0:0:root:/root:/bin/bash\n")
-        d.ctl.models("add", name="junk", path=str(junk))
-        wait_for(lambda: "junk" not in d.ctl.models()["split"]["adding"], "junk refused", 60)
+        junk = os.path.join(os.path.dirname(models["qwen"]), f"junk-{os.getpid()}.gguf")  # in model_dirs
+        with open(junk, "w") as f:
+            f.write("root:x:0:0:root:/root:/bin/bash\n")
+        try:
+            d.ctl.models("add", name="junk", path=junk)
+            wait_for(lambda: "junk" not in d.ctl.models()["split"]["adding"], "junk refused", 60)
+        finally:
+            os.unlink(junk)
         assert d.ctl.models()["split"]["failed"]["junk"] == (
             f"model junk: {junk}: not a GGUF file (expected the magic GGUF at its start)")
         # every model removed: the daemon serves none, and says so

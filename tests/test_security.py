@@ -198,3 +198,13 @@ def test_ctl_clients_and_client_drop(world, capsys):
         assert "dropped client" in capsys.readouterr().out
         assert world.cache.pinned_count() == 0
         lease.released = True
+
+
+def test_model_dirs_default_to_the_configured_models_directories():
+    from types import SimpleNamespace
+    from moecached.daemon.assemble import model_dirs
+    cfg = SimpleNamespace(model_dirs=[], model=None,
+                          models=[{"name": "a", "path": "/srv/a/x.gguf"}, {"name": "b", "path": "/srv/b/y.gguf"}])
+    assert model_dirs(cfg) == ("/srv/a", "/srv/b")
+    cfg.model_dirs = ["/opt/models"]
+    assert model_dirs(cfg) == ("/opt/models",)

@@ -120,4 +120,16 @@ def server_kwargs(cfg) -> dict:
                 client_loop_share=cfg.client_loop_share,
                 pin_files=cfg.fast_path, pin_quota=cfg.fast_path_quota,
                 admin_gid=grp.getgrnam(cfg.admin_group).gr_gid if cfg.admin_group else None,
-                model_dirs=tuple(cfg.model_dirs))
+                model_dirs=model_dirs(cfg))
+
+
+def model_dirs(cfg) -> tuple:
+    """Where ``models add`` may take files from: ``model_dirs``, else the directories of the
+    models the configuration names (an operator's own choice of place)."""
+    if cfg.model_dirs:
+        return tuple(cfg.model_dirs)
+    paths = [m.get("path") for m in (cfg.models or []) if isinstance(m, dict)]
+    if cfg.model:
+        p = cfg.model
+        paths.append(p.split("=", 1)[1] if "=" in p and not os.path.exists(p) else p)
+    return tuple(sorted({os.path.dirname(os.path.abspath(p)) for p in paths if p}))

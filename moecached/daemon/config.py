@@ -234,7 +234,7 @@ KEYS: dict[str, Key] = {
                        "daemon (models add/remove/rebalance, trace start/stop, client drop) "
                        "besides root and the daemon's uid (default none)", "GROUP"),
     "model_dirs": Key(_dirs, "--model-dirs", "directories `models add` may take model files from, "
-                      "separated by ':' (default none: no live adds)", "DIR[:DIR...]"),
+                      "separated by ':' (default: the configured models' directories)", "DIR[:DIR...]"),
     "log_level": Key(_log_level, "--log-level", "debug, info (default), warning or error", "LEVEL",
         reload="log_level", scope="daemon"),
     "max_request_experts": Key(_int_range(1, 1 << 24), "--max-request-experts",

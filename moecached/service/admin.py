@@ -108,7 +108,7 @@ class ServerAdmin:
         if not under(norm, dirs):
             raise P.ProtocolError(P.E_REFUSED, f"models add: {path} is not under model_dirs ({shown})")
         got = readable_as(norm, c.peer)
-        if got is None or not under(got[0], dirs):
+        if got is None or not (under(got[0], dirs) or under(got[0], map(os.path.realpath, dirs))):
             raise P.ProtocolError(P.E_REFUSED, f"models add: {path}: no file under model_dirs there "
                                   f"that uid {c.peer.uid} can read")
         return dict(msg, path=got[0])
