@@ -98,6 +98,7 @@ class FakeDaemon:
         self.ring = self.pmem[self.ring_off:self.ring_off + 16 * RING_N].view(np.uint64).reshape(RING_N, 2)
         self.drained: list[int] = []   # keys (not key + 1) taken from the ring, in order
         self.leases: dict[int, list] = {}
+        self.lease_gens: dict[int, list] = {}
         self._next_lease = 1
         self._stop = threading.Event()
         self._ctx = zmq.Context.instance()
@@ -217,12 +218,21 @@ class FakeDaemon:
         lid = self._next_lease
         self._next_lease += 1
         self.leases[lid] = items
+        self.lease_gens[lid] = gens
         return {"lease": lid, "items": items, "gens": gens, "hits": 0, "prefetch_hits": 0,
                 "misses": len(items), "stall_us": 0}
 
     def _op_release(self, msg):
         self.leases.pop(msg["lease"], None)
         return {"released": 1}
+
+    def _op_check(self, msg):
+        """Held: granted, not released, and (a fake's revocation) no slot of it reused since."""
+        def held(lid):
+            items = self.leases.get(lid)
+            return items is not None and all(
+                int(self.gens(cls)[slot]) == g for (_, _, cls, slot), g in zip(items, self.lease_gens[lid]))
+        return {"held": [held(lid) for lid in msg["leases"]]}
 
     def _op_ping(self, msg):
         return {"t": 0.0}

@@ -165,7 +165,12 @@ class Lease:
         self._shm_items = shm_items
         return self
 
-    def _invalid_because(self) -> str | None:
+    _refused = None   # socket only: why the daemon's check said this lease is no longer held
+
+    def _invalid_because(self, ask: bool = True) -> str | None:
+        """Why the lease is no longer valid, or None. ``ask`` False (``part()``), socket only:
+        what this client knows without a message (released, closed, another session, a
+        ``check`` that said no); True asks the daemon."""
         if self.released:
             return "it was released"
         if self._client._closed:
@@ -183,13 +188,17 @@ class Lease:
                 return "the daemon that granted it no longer serves this arena"
             return "the daemon revoked it and reused its slots"
         # socket only (no compiled rule here): the daemon says whether it still holds the lease
+        if self._refused is not None or not ask:
+            return self._refused
         try:
             held = self._client._call({"op": "check", "leases": [self.id]})["held"][0]
         except ClientError as e:
             return f"the daemon could not confirm it ({e})"
         if self._client.session != self.session:
             return "the daemon that granted it restarted or went away"
-        return None if held else "the daemon revoked it (released its pins; its slots may be reused)"
+        if not held:
+            self._refused = "the daemon revoked it (released its pins; its slots may be reused)"
+        return self._refused
 
     def valid(self) -> bool:
         """True while the lease pins its experts: bytes read through it before this call
@@ -197,9 +206,10 @@ class Lease:
         shared-memory loads and no message; socket only, one ``check`` round trip."""
         return self._invalid_because() is None
 
-    def check(self) -> None:
-        """Raise :class:`LeaseInvalid` (saying why) unless :meth:`valid`."""
-        why = self._invalid_because()
+    def check(self, ask: bool = True) -> None:
+        """Raise :class:`LeaseInvalid` (saying why) unless :meth:`valid` (``ask`` False, socket
+        only: without a message, as :meth:`part` does)."""
+        why = self._invalid_because(ask)
         if why is not None:
             raise LeaseInvalid(f"lease {self.id} is no longer valid: {why}")
 
@@ -220,8 +230,10 @@ class Lease:
         ``layer`` may be left out when the lease covers one layer. Raises KeyError when the
         expert is not in this lease, :class:`LeaseInvalid` when the lease is no longer valid
         (call :meth:`valid` again after using the bytes: a revocation may come at any time).
+        Socket only (no compiled extension), it sends no message: it knows what the client
+        knows (released, closed, another session, a :meth:`valid` that said no).
         """
-        self.check()
+        self.check(ask=False)
         if layer is None:
             layers = {l for l, _, _, _ in self.items}
             if len(layers) != 1:
@@ -232,7 +244,7 @@ class Lease:
 
     def parts(self, expert: int, layer: int | None = None) -> dict[str, np.ndarray]:
         """All parts of one expert as {part: uint8 view} (:class:`LeaseInvalid` as :meth:`part`)."""
-        self.check()
+        self.check(ask=False)
         if layer is None:
             layer = self.items[0][0]
         cls, _ = self._where[(layer, expert)]
