@@ -33,3 +33,19 @@ def write_json(path: str, results: dict) -> None:
     with open(path, "w") as f:
         json.dump(results, f, indent=1)
     print(f"wrote {path}")
+
+
+def fixture_model(a, note: str = "writing") -> tuple:
+    """(the model to read, the folder to remove at the end or None) for a benchmark's
+    ``--model`` / ``--dir --layout --layers --experts --keep`` arguments: the given model, else
+    a dense fixture written under ``--dir`` once (kept between runs with ``--keep``)."""
+    if a.model:
+        return a.model, None
+    from pathlib import Path
+    import sys
+    from moecached.tools.synth import write_model
+    out = Path(a.dir) / f"{a.layout}-L{a.layers}-E{a.experts}" / "model.gguf"
+    if not out.exists():
+        print(f"{note} {out} ...", file=sys.stderr)
+        write_model(a.layout, out, layers=a.layers, experts=a.experts, progress=False, sparse=False)
+    return str(out), (None if a.keep else out.parent)

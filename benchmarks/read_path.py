@@ -40,13 +40,14 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 import numpy as np  # noqa: E402
 
 from moecached.engine.arena import Arena  # noqa: E402
 from moecached.engine.index import open_index  # noqa: E402
 from moecached.engine.readers import ReaderPool  # noqa: E402
+from benchutil import fixture_model  # noqa: E402
 
 
 def parse_size(s: str) -> int:
@@ -181,19 +182,7 @@ def main(argv=None) -> int:
     chunk, budget = parse_size(a.chunk), parse_size(a.budget)
     fio = ensure_fio()
 
-    written = None
-    if a.model:
-        model = a.model
-    else:
-        from moecached.tools.synth import write_model
-        out = Path(a.dir) / f"{a.layout}-L{a.layers}-E{a.experts}" / "model.gguf"
-        if not out.exists():
-            print(f"writing fixture {out} ...", file=sys.stderr)
-            write_model(a.layout, out, layers=a.layers, experts=a.experts, progress=False, sparse=False)
-            written = out.parent
-        elif not a.keep:
-            written = out.parent
-        model = str(out)
+    model, written = fixture_model(a, "writing fixture")
     try:
         idx = open_index(model)
         expert_bytes = idx.routed_expert_bytes

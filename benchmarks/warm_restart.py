@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
 
-from benchutil import start_daemon, stop_daemon, write_json  # noqa: E402
+from benchutil import fixture_model, start_daemon, stop_daemon, write_json  # noqa: E402
 from read_path import drop_caches, parse_size, run_ours  # noqa: E402
 from moecached.engine.arena import Arena  # noqa: E402
 from moecached.engine.index import open_index  # noqa: E402
@@ -122,18 +122,7 @@ def main(argv=None) -> int:
     chunk = parse_size(a.chunk)
     work = Path(a.dir) / "warm_restart"
     work.mkdir(parents=True, exist_ok=True)
-    written = None
-    if a.model:
-        model = a.model
-    else:
-        from moecached.tools.synth import write_model
-        out = Path(a.dir) / f"{a.layout}-L{a.layers}-E{a.experts}" / "model.gguf"
-        if not out.exists():
-            print(f"writing {out} ...", file=sys.stderr)
-            write_model(a.layout, out, layers=a.layers, experts=a.experts, progress=False, sparse=False)
-        if not a.keep:
-            written = out.parent
-        model = str(out)
+    model, written = fixture_model(a)
     rng = np.random.default_rng(0)
     rounds = []
     try:
