@@ -56,3 +56,12 @@ def test_readme_map_names_every_module():
     assert not missing, f"README.md's map of the code does not name {missing}"
     gone = [n for n in named if "/" in n and not n.startswith(("ipc:", "http")) and not (ROOT / n).exists()]
     assert not gone, f"README.md's map names paths that do not exist: {gone}"
+
+
+def test_every_package_of_the_daemon_is_installed():
+    """``pip install .`` (not editable) ships every package under moecached/: the wings are
+    listed in pyproject.toml's ``packages``, and a new one must be too."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "moecached").rglob("__init__.py")}
+    assert found == listed, f"pyproject.toml packages: missing {sorted(found - listed)}, stale {sorted(listed - found)}"
