@@ -49,14 +49,10 @@ def state_path(state_dir: str, endpoint: str, model_path: str, name: str | None 
 
 
 def _served(models) -> list:
-    """``[(name or None, path, server)]`` of the models served now (one model or several)."""
-    ms = getattr(models, "models", None)
-    if isinstance(ms, dict):
-        several = len(ms) > 1 or getattr(models, "several", False)
-        return [(m.name if several else None, m.path, m.server) for m in list(ms.values())
-                if m.server is not None and getattr(m, "draining", None) is None]
-    server = getattr(models, "server", None)
-    return [] if server is None else [(None, models.path, server)]
+    """``[(name or None, path, server)]`` of the models served now (one model or several:
+    ``moecached.daemon.multi.Models``; a model alone has no name in its state file's)."""
+    return [(m.name if models.several else None, m.path, m.server) for m in list(models.models.values())
+            if m.server is not None and m.draining is None]
 
 
 class _Progress:
