@@ -1,0 +1,199 @@
+"""A cold daemon's whole-model fill against the page cache's cold load of the same file.
+
+    python benchmarks/whole_fill.py [--model PATH | --blocks 4] [--rounds 2]
+        [--chunks 256KiB,1MiB,4MiB] [--threads 16] [--dir /work/bench-tmp] [--json out.json]
+
+A memory-mapped engine's cold load reads the whole file through the page cache (big
+sequential reads, the kernel's read-ahead); a cold daemon whose arena holds the whole model
+reads all its experts in file order (``state_dir`` set, no state file). Per round, page cache
+dropped before each (needs root), in rotating order:
+
+* ``buffered``: ``read()`` of the whole file, 1 MiB at a time (``POSIX_FADV_SEQUENTIAL``);
+* ``mmap populate``: ``mmap(MAP_POPULATE)`` of the whole file, as llama.cpp loads;
+* ``direct C``: the file read front to back with O_DIRECT, ``--threads`` threads taking
+  chunks of C bytes in order (the drive's rate for that read size);
+* ``daemon C``: a fresh daemon (``--chunk C``, ``--readers`` threads, every expert fits)
+  filling the whole model; its ``warm_bytes / warm_seconds`` and the time from start to the
+  fill's end (the daemon's own start included).
+
+MiB/s for each; the daemon's rows read the routed experts only (the file less its other
+tensors). Prints a table and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE.parent / "clients" / "python"), str(HERE)]
+
+from benchutil import start_daemon, stop_daemon, write_json  # noqa: E402
+from read_path import drop_caches  # noqa: E402
+from moecached.facts.units import parse_size  # noqa: E402
+from moecached.engine.index import open_index  # noqa: E402
+
+
+def buffered(path: str) -> tuple:
+    t0 = time.monotonic()
+    n = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                break
+            n += len(b)
+    finally:
+        os.close(fd)
+    return n, time.monotonic() - t0
+
+
+def populate(path: str) -> tuple:
+    t0 = time.monotonic()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        m.close()
+    finally:
+        os.close(fd)
+    return size, time.monotonic() - t0
+
+
+def direct(path: str, chunk: int, threads: int) -> tuple:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    size = os.fstat(fd).st_size
+    nxt = [0]
+    lock = threading.Lock()
+    total = [0]
+
+    def work():
+        buf = mmap.mmap(-1, chunk)
+        got = 0
+        while True:
+            with lock:
+                off = nxt[0]
+                nxt[0] += chunk
+            if off >= size:
+                break
+            got += os.preadv(fd, [buf], off)
+        with lock:
+            total[0] += got
+    t0 = time.monotonic()
+    ts = [threading.Thread(target=work) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    dt = time.monotonic() - t0
+    os.close(fd)
+    return total[0], dt
+
+
+def daemon_fill(model: str, run_dir: Path, chunk: int, readers: int, n_all: int) -> tuple:
+    from moecache_client import Client
+    sock = str(run_dir / f"d{chunk}.sock")
+    state = run_dir / f"state-{chunk}"
+    state.mkdir(exist_ok=True)
+    for f in state.iterdir():
+        f.unlink()
+    t0 = time.monotonic()
+    d = start_daemon(model, sock, "--slots", str(n_all), "--state-dir", str(state),
+                     "--state-interval", "0", "--readers", str(readers), "--chunk", str(chunk))
+    try:
+        with Client(f"ipc://{sock}", name="whole-fill", map_arena=False) as c:
+            deadline = time.monotonic() + 300
+            while True:
+                st = c.stats()
+                if st["warm_wanted"] and st["warm_loaded"] >= st["warm_wanted"]:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the fill did not end in 300 s: {st['warm_loaded']} of "
+                                       f"{st['warm_wanted']}")
+                time.sleep(0.01)
+            wall = time.monotonic() - t0
+            return st["warm_bytes"], st["warm_seconds"], wall
+    finally:
+        stop_daemon(d)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model")
+    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--quant", default="q8_0")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--chunks", default="256KiB,1MiB,4MiB")
+    ap.add_argument("--threads", type=int, default=16, help="O_DIRECT threads and daemon readers")
+    ap.add_argument("--dir", default="/work/bench-tmp")
+    ap.add_argument("--json", default=str(HERE / "results" / "whole_fill.json"))
+    a = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        sys.exit("whole_fill: needs root (dropping the page cache)")
+    work = Path(a.dir)
+    work.mkdir(parents=True, exist_ok=True)
+    model = a.model
+    if not model:
+        from moecached.tools.synth_runnable import write_runnable
+        model = str(work / f"runnable-qwen3moe-qwen3-30b-a3b-{a.blocks}b-{a.quant}.gguf")
+        if not os.path.exists(model):
+            print(f"writing {model} ...", file=sys.stderr)
+            write_runnable(model + ".tmp", arch="qwen3moe", geometry="qwen3-30b-a3b",
+                           blocks=a.blocks, quant=a.quant, quantize_bin=None)
+            os.replace(model + ".tmp", model)
+    idx = open_index(model)
+    n_all = len(idx.expert_layers) * idx.n_experts
+    chunks = [parse_size(c) for c in a.chunks.split(",")]
+    kinds = ["buffered", "mmap populate"] + [f"direct {c >> 10}K" for c in chunks] \
+        + [f"daemon {c >> 10}K" for c in chunks]
+    res = {k: [] for k in kinds}
+    run_dir = Path(tempfile.mkdtemp(prefix="wf-", dir=str(work)))
+    try:
+        for r in range(a.rounds):
+            order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
+            for k in order:
+                drop_caches()
+                if k == "buffered":
+                    n, dt = buffered(model)
+                    x = dict(bytes=n, seconds=dt)
+                elif k == "mmap populate":
+                    n, dt = populate(model)
+                    x = dict(bytes=n, seconds=dt)
+                elif k.startswith("direct"):
+                    c = chunks[[f"direct {c >> 10}K" for c in chunks].index(k)]
+                    n, dt = direct(model, c, a.threads)
+                    x = dict(bytes=n, seconds=dt)
+                else:
+                    c = chunks[[f"daemon {c >> 10}K" for c in chunks].index(k)]
+                    n, dt, wall = daemon_fill(model, run_dir, c, a.threads, n_all)
+                    x = dict(bytes=n, seconds=dt, start_to_end_s=wall)
+                x["mib_s"] = x["bytes"] / 2**20 / max(x["seconds"], 1e-9)
+                res[k].append(x)
+                print(f"round {r} {k:>16}: {x['bytes'] / 2**30:.2f} GiB in {x['seconds']:.2f} s, "
+                      f"{x['mib_s']:.0f} MiB/s" + (f" (start to end {x['start_to_end_s']:.2f} s)"
+                                                   if "start_to_end_s" in x else ""), file=sys.stderr)
+    finally:
+        import shutil
+        shutil.rmtree(run_dir, ignore_errors=True)
+    print("| read | GiB | median s | median MiB/s | rounds MiB/s |")
+    print("|---|---|---|---|---|")
+    for k in kinds:
+        xs = res[k]
+        per = " / ".join(f"{x['mib_s']:.0f}" for x in xs)
+        print(f"| {k} | {xs[0]['bytes'] / 2**30:.2f} | "
+              f"{statistics.median(x['seconds'] for x in xs):.2f} | "
+              f"{statistics.median(x['mib_s'] for x in xs):.0f} | {per} |")
+    write_json(a.json, dict(model=model, threads=a.threads, rounds=a.rounds, results=res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
