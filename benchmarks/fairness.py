@@ -317,7 +317,9 @@ def main(argv=None) -> int:
             for i, (name, tree) in enumerate(trees):
                 sock = os.path.join(d, f"d{i}.sock")
                 p = start_daemon(model, sock, "--slots", str(args.slots), "--readers", "16", *args.daemon_arg,
-                                 env=dict(os.environ, PYTHONPATH=f"{tree}:{tree}/clients"))
+                                 env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                                     [tree, f"{tree}/clients/python"] + ([os.environ["PYTHONPATH"]]
+                                     if os.environ.get("PYTHONPATH") else []))))
                 daemons[name] = (p, f"ipc://{sock}")
                 if args.read_mbps > 0:
                     why = _throttle(p.pid, model, args.read_mbps)
