@@ -82,6 +82,7 @@ def test_restart_round_trip(model, tmp_path):
         with Client(ep) as c:
             st = _wait_warm(c, len(wanted))
             assert st["warm_loaded"] == len(wanted) == st["warm_wanted"]
+            assert st["warm_pending"] == 0                # the fill ended
             assert st["warm_bytes"] == sum(
                 sum(s.nbytes for s in idx.parts(l, e)) for l, e in wanted)
             assert st["warm_seconds"] > 0
@@ -410,3 +411,24 @@ def test_cold_daemon_whose_arena_holds_the_model_reads_it_whole(model, tmp_path)
                 assert st["warm_loaded"] == 0 and _resident(st) == 0, (slots, state)
         finally:
             stop_daemon(small)
+
+
+def test_warm_pending_is_what_the_running_fill_has_left():
+    """``warm_pending`` (what a C engine waits on at connect) is the running fill's planned less
+    its loaded experts, and 0 when no fill runs."""
+    import types
+    from moecached.engine.warmth import WarmCounters
+    from moecached.facts.stats import CACHE_STATS
+    (row,) = [s for s in CACHE_STATS if s.key == "warm_pending"]
+    cache = types.SimpleNamespace(warm=WarmCounters())
+    assert row.value(cache) == 0
+    fill = types.SimpleNamespace(planned=12, done=0, t0=None)
+    cache.warm.running = fill
+    seen = []
+    for done in (0, 5, 12):
+        fill.done = done
+        seen.append(row.value(cache))
+    assert seen == [12, 7, 0]
+    cache.warm.running = None
+    assert row.value(cache) == 0
+    assert row.value(types.SimpleNamespace()) == 0        # a cache that never filled

@@ -225,7 +225,8 @@ def load_state(path: str) -> dict:
 class WarmCounters:
     """What fills did to one cache (``cache.warm``): ``loaded`` experts and their ``bytes``,
     ``seconds`` spent filling (a running fill counts up to now), ``wanted`` (experts the last
-    fill set out to load), ``running`` (the fill now, or None)."""
+    fill set out to load), ``running`` (the fill now, or None), ``pending`` (experts the running
+    fill has yet to load)."""
 
     def __init__(self):
         self.loaded = 0
@@ -239,6 +240,12 @@ class WarmCounters:
         r = self.running
         live = time.monotonic() - r.t0 if r is not None and r.t0 is not None else 0.0
         return round(self._seconds + live, 3)
+
+    @property
+    def pending(self) -> int:
+        """Experts the running fill has yet to load (0: no fill runs)."""
+        r = self.running
+        return max(0, r.planned - r.done) if r is not None else 0
 
 
 def counters_of(cache) -> WarmCounters:

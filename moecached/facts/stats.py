@@ -112,6 +112,9 @@ CACHE_STATS = (
     Stat("warm_wanted", "gauge", "warm_wanted",
          "experts the last warm fill set out to load (absent ones that fit the free slots)",
          lambda c: _warm(c, "wanted")),
+    Stat("warm_pending", "gauge", "warm_pending",
+         "experts the running warm fill has yet to load (0: none runs; C engines wait for 0 at connect)",
+         lambda c: _warm(c, "pending")),
     Stat("uptime_s", "gauge", "uptime_seconds", "seconds since the daemon started", None),
 )
 

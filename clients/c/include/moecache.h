@@ -126,6 +126,11 @@ typedef struct mc_options {
                                * so a removed model's calls fail at once with the daemon's
                                * unknown_model line, and work again once it is added back).
                                * NULL: none (a daemon serving one model). Default NULL */
+    int warm_wait_ms;         /* mc_connect waits while the daemon's warm fill of the model runs
+                               * (a cold start reading the whole model, a restart's state file:
+                               * as a memory-mapped load waits for its reads), at most this long,
+                               * then connects anyway; 0: no wait; -1: until it ends. Default
+                               * 600000 (mc_warm_wait) */
 } mc_options;
 
 /* Fill *opt with the defaults. */
@@ -140,8 +145,16 @@ typedef struct mc_lease mc_lease;
  * read-only and, when the daemon offers it, the pin file read-write. NULL on error (*err set;
  * err may be NULL): an ipc endpoint without a socket file fails at once (MC_ERR_SYSTEM, "no
  * daemon socket at ..."), a daemon that does not answer after connect_timeout_ms
- * (MC_ERR_TIMEOUT). opt may be NULL (defaults). name may be NULL ("pid<N>"). */
+ * (MC_ERR_TIMEOUT). Then waits for a running warm fill (opt->warm_wait_ms, mc_warm_wait; a
+ * fill still running after it does not fail the connect). opt may be NULL (defaults). name may
+ * be NULL ("pid<N>"). */
 MC_API mc_client *mc_connect(const char *endpoint, const char *name, const mc_options *opt, mc_error *err);
+
+/* Wait while the daemon's warm fill of this client's model runs (its stats' warm_pending > 0),
+ * polling every 20 ms, at most timeout_ms (-1: until it ends). MC_OK once none runs (at once when
+ * none does, or the daemon does not report warm_pending); MC_ERR_TIMEOUT when it still runs
+ * (*pending, may be NULL, gets the experts it has yet to load). */
+MC_API int mc_warm_wait(mc_client *c, int timeout_ms, uint64_t *pending, mc_error *err);
 
 /* Say bye (the daemon releases this client's leases), stop the heartbeat, close the socket. */
 MC_API void mc_close(mc_client *c);

@@ -579,6 +579,7 @@ void mc_options_init(mc_options *opt) {
     opt->heartbeat_ms = 0;
     opt->send_pid = 1;
     opt->model = NULL;
+    opt->warm_wait_ms = 600000;
 }
 
 static int new_socket(mc_client *c, mc_error *err) {
@@ -1121,6 +1122,8 @@ mc_client *mc_connect(const char *endpoint, const char *name, const mc_options *
         mc_close(c);
         return NULL;
     }
+    if (c->opt.warm_wait_ms != 0)
+        (void)mc_warm_wait(c, c->opt.warm_wait_ms, NULL, NULL);   /* still running: serve anyway */
     if (c->opt.heartbeat_thread) {
         extern void *mc__heartbeat_main(void *);
         if (pthread_create(&c->hb, NULL, mc__heartbeat_main, c) == 0)
@@ -1262,6 +1265,27 @@ char *mc_stats_text(mc_client *c, mc_error *err) {
     msgpack_unpacked_destroy(&rep);
     if (!out) seterr(err, MC_ERR_PROTOCOL, "stats: no 'stats' map in the reply");
     return out;
+}
+
+int mc_warm_wait(mc_client *c, int timeout_ms, uint64_t *pending, mc_error *err) {
+    double t0 = now_s();
+    for (;;) {
+        msgpack_unpacked rep;
+        int r = do_call(c, "stats", 0, NULL, NULL, -1, 1, &rep, NULL, err);
+        if (r != MC_OK) return r;
+        const msgpack_object *s = mget(&rep.data, "stats");
+        const msgpack_object *p = s ? mget(s, "warm_pending") : NULL;
+        uint64_t left = p && p->type == MSGPACK_OBJECT_POSITIVE_INTEGER ? p->via.u64 : 0;
+        msgpack_unpacked_destroy(&rep);
+        if (pending) *pending = left;
+        if (left == 0) { okerr(err); return MC_OK; }
+        double waited_ms = (now_s() - t0) * 1000.0;
+        if (timeout_ms >= 0 && waited_ms >= timeout_ms)
+            return seterr(err, MC_ERR_TIMEOUT, "the daemon's warm fill still has %llu experts to load after "
+                          "%d ms (mc_options.warm_wait_ms)", (unsigned long long)left, timeout_ms);
+        struct timespec ts = {0, 20 * 1000000L};
+        nanosleep(&ts, NULL);
+    }
 }
 
 const mc_arena *mc_arena_get(mc_client *c, mc_error *err) {

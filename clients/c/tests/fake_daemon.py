@@ -73,6 +73,7 @@ def main(build: str, d: str) -> int:
     ctl.flush()
     pinw = np.memmap(f"{d}/pins4", dtype=np.uint64, mode="r", shape=(fast_pins["size"] // 8,))
     fast_pings = 0
+    stats_calls = {}
     cancels, late_rid = [], None
     hb_wait = None
     proc = subprocess.Popen([os.path.join(build, "test_fake"), f"ipc://{d}/fake.sock"])
@@ -101,7 +102,7 @@ def main(build: str, d: str) -> int:
         op, rid = m["op"], m["id"]
         if op == "hello":
             hellos.append(m)
-            if m.get("client") == "hbwait":
+            if m.get("client") in ("hbwait", "warmwait", "warmslow"):
                 reply(ident, rid, S1, arena=arenas[S1], expert_layers=LAYERS, n_experts=E, top_k=2,
                       heartbeat_s=5.0, lease_watch="heartbeat", limits={"max_request_experts": 64}, pins=None)
                 continue
@@ -163,6 +164,13 @@ def main(build: str, d: str) -> int:
             cancels.append(m.get("request"))
             if m.get("noreply") is not True:
                 problems.append(f"cancel without noreply: {m}")
+        elif op == "stats":
+            who = hellos[-1].get("client") if hellos else None
+            stats_calls[who] = stats_calls.get(who, 0) + 1
+            # warmwait: a warm fill with 3 experts left, one fewer at each ask; warmslow: never ends
+            pending = {"warmwait": max(0, 4 - stats_calls[who]), "warmslow": 5}.get(who, 0)
+            reply(ident, rid, {"fastc": S3, "hbwait": S1, "warmwait": S1, "warmslow": S1}.get(who, session),
+                  stats={"hits": 0, "warm_pending": pending})
         elif op == "bye":
             byes += 1
             reply(ident, rid, session, released=0)
@@ -176,8 +184,15 @@ def main(build: str, d: str) -> int:
         problems.append(f"test_fake exited {rc}")
     if releases != [22, 44, 55]:
         problems.append(f"releases sent: {releases} (expected the late lease 22 and the socket leases 44, 55)")
-    if [h.get("client") for h in hellos] != ["fake", "fake", "v3", "fastc", "hbwait"]:
-        problems.append(f"hellos: {[h.get('client') for h in hellos]} (expected fake, fake again, v3, fastc, hbwait)")
+    if [h.get("client") for h in hellos] != ["fake", "fake", "v3", "fastc", "hbwait", "warmwait", "warmslow"]:
+        problems.append(f"hellos: {[h.get('client') for h in hellos]} (expected fake, fake again, v3, fastc, "
+                        f"hbwait, warmwait, warmslow)")
+    # mc_connect asks once when no fill runs; warmwait: 4 asks in mc_connect (3, 2, 1, 0 left) and
+    # one more by mc_warm_wait; warmslow connects without waiting, then mc_warm_wait asks for 100 ms
+    if {k: stats_calls.get(k) for k in ("fake", "fastc", "hbwait", "warmwait")} != \
+            {"fake": 1, "fastc": 1, "hbwait": 1, "warmwait": 5} or not 2 <= stats_calls.get("warmslow", 0) <= 10:
+        problems.append(f"stats asked: {stats_calls} (expected fake, fastc, hbwait 1 each, warmwait 5, "
+                        f"warmslow 2-10)")
     if hb_wait is None or hb_wait[1] < 3:
         problems.append(f"pings while an acquire waited 1.5 s (heartbeat every 0.1 s): "
                         f"{hb_wait and hb_wait[1]}, expected at least 3")
@@ -185,8 +200,8 @@ def main(build: str, d: str) -> int:
         problems.append(f"{fast_pings} pings from the fast-path client, expected 2")
     if cancels != [late_rid]:
         problems.append(f"cancels sent: {cancels} (expected one, for the acquire that timed out: id {late_rid})")
-    if byes != 2:
-        problems.append(f"{byes} bye(s), expected 2 (fake after its restart, hbwait)")
+    if byes != 4:
+        problems.append(f"{byes} bye(s), expected 4 (fake after its restart, hbwait, warmwait, warmslow)")
     for p in problems:
         print("fake_daemon: FAIL:", p)
     if not problems:

@@ -103,6 +103,25 @@ int main(int argc, char **argv) {
     CHECK(r == MC_OK && l, "the slow acquire: %s", e.message);
     mc_release(l);
     mc_close(c);
+
+    /* a warm fill runs: mc_connect waits until the daemon's warm_pending is 0 (the fake says 3,
+     * 2, 1, 0); with warm_wait_ms = 0 it does not wait (warmslow's fill never ends), and
+     * mc_warm_wait gives up after its timeout with what is left */
+    o.heartbeat_thread = 0;
+    o.timeout_ms = 2000;
+    c = mc_connect(argv[1], "warmwait", &o, &e);
+    if (!c) { fprintf(stderr, "connect warmwait: %s\n", e.message); return 1; }
+    uint64_t left = 99;
+    CHECK(mc_warm_wait(c, 0, &left, &e) == MC_OK && left == 0, "the fill ended before mc_connect returned: %s",
+          e.message);
+    mc_close(c);
+    o.warm_wait_ms = 0;
+    c = mc_connect(argv[1], "warmslow", &o, &e);
+    if (!c) { fprintf(stderr, "connect warmslow: %s\n", e.message); return 1; }
+    r = mc_warm_wait(c, 100, &left, &e);
+    CHECK(r == MC_ERR_TIMEOUT && left == 5 && strstr(e.message, "5 experts"), "a fill that does not end: %s %s",
+          mc_code_name(r), e.message);
+    mc_close(c);
     if (g_failures) return 1;
     printf("test_fake: ok\n");
     return 0;
