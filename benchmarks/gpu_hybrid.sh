@@ -17,10 +17,18 @@
 #            rung1    --moecached --cpu-moe: the expert matmuls on the CPU over the arena
 #            rung2    --moecached --cpu-moe --moecached-gpu zerocopy: on the GPU, reading the
 #                     arena (registered with CUDA) over the host link
+#            rung3_P  (P = 10, 25, 50, 100) rung 2 plus --moecached-vram P%: a tier of P % of the
+#                     served experts in VRAM, filled from the arena; the block's matmuls read
+#                     the tier (a prompt that can need more experts than the tier holds runs as
+#                     rung 2); per row also the tier's hits, misses, bytes copied to the device
+#                     per decoded token (and per token overall) and the VRAM it takes
 #          then the logits of each pair: max |diff|, identical rows, greedy tokens identical
-#          (rung 1 against cpu_moe: 0 and all expected; rung 2 against gpu: the same kernels over
-#          the same bytes), and one decode step of each daemon row with GGML_SCHED_DEBUG (its
-#          graph splits)
+#          (rung 1 against cpu_moe: 0 and all expected; rungs 2 and 3 against gpu: the same
+#          kernels over the same bytes), and one decode step of each daemon row with
+#          GGML_SCHED_DEBUG (its graph splits)
+#          Rung 3 with its references (gpu for the logits, rung2 for the speed without the tier),
+#          once the build phase has run:
+#            RUNGS=gpu,rung2,rung3_10,rung3_25,rung3_50,rung3_100 bash benchmarks/gpu_hybrid.sh OUT measure
 # all:     both (one call, when the machine is warm enough). Each phase is idempotent: a warm
 #          machine keeps the build (/tmp/llama), the model and the llama-bench results
 #          (/tmp/gpu-hybrid) between calls, and both phases copy what exists into OUT_DIR:
@@ -92,7 +100,11 @@ ROWS = {   # name: (what, mc-decode arguments, environment, through the daemon)
     "rung2": ("--moecached --cpu-moe --moecached-gpu zerocopy: experts on the GPU over the host link (rung 2)",
               ["--cpu-moe", "--moecached-gpu", "zerocopy"], {}, True),
 }
-PAIRS = [("cpu_moe", "rung1"), ("gpu", "rung2"), ("gpu", "cpu_moe"), ("rung1", "rung2")]
+for pct in (10, 25, 50, 100):
+    ROWS[f"rung3_{pct}"] = (f"rung 2 + --moecached-vram {pct}%: a tier of {pct} % of the experts in VRAM (rung 3)",
+                            ["--cpu-moe", "--moecached-gpu", "zerocopy", "--moecached-vram", f"{pct}%"], {}, True)
+PAIRS = [("cpu_moe", "rung1"), ("gpu", "rung2"), ("gpu", "cpu_moe"), ("rung1", "rung2"),
+         ("gpu", "rung3_10"), ("gpu", "rung3_25"), ("gpu", "rung3_50"), ("gpu", "rung3_100")]
 rows = [r for r in want if r in ROWS]
 sock = "/tmp/gpu-hybrid.sock"
 work = "/tmp/gpu-hybrid/runs"; os.makedirs(work, exist_ok=True)
@@ -116,6 +128,9 @@ def decode(name, dump, rnd, extra_env=None, n=steps):
     res["tokens"] = [int(x) for x in re.findall(r"^step \d+ token (\d+)$", r.stdout, re.M)]
     s = re.search(r"^moecached (acquires=.*)$", r.stdout, re.M)
     res["stats"] = {k: int(v) for k, v in (kv.split("=") for kv in s.group(1).split())} if s else {}
+    v = re.search(r"^vram (slots=.*)$", r.stdout, re.M)
+    res["vram"] = {k: int(x) for k, x in (kv.split("=") for kv in v.group(1).split())} if v else {}
+    res["prompt_tokens"], res["decode_tokens"] = int(m.group(1)), int(m.group(3))
     return res, r
 
 results = {"model": os.path.basename(model), "blocks": blocks, "experts": N_EXPERTS, "top_k": 8, "steps": steps,
@@ -147,6 +162,12 @@ for name in rows:
         row |= {"decode_tps": statistics.median(x["decode_tps"] for x in ok),
                 "prompt_tps": statistics.median(x["prompt_tps"] for x in ok),
                 "decode_tps_rounds": [round(x["decode_tps"], 2) for x in ok], "stats": ok[-1]["stats"]}
+        vr = ok[-1].get("vram") or {}
+        if vr.get("slots"):   # rung 3: the tier's counters of the last round (one process, one tier)
+            n_tok = ok[-1]["prompt_tokens"] + ok[-1]["decode_tokens"]
+            row["vram"] = vr | {"copied_bytes_per_decoded_token": vr["decode_copied_bytes"] / max(ok[-1]["decode_tokens"], 1),
+                                "copied_bytes_per_token": vr["copied_bytes"] / max(n_tok, 1),
+                                "decode_hit_rate": vr["decode_hits"] / max(vr["decode_hits"] + vr["decode_misses"], 1)}
         # the same logits in every round?
         dumps = [open(f"{work}/{name}-{i}.bin", "rb").read() for i, x in enumerate(runs[name]) if x["rc"] == 0]
         row["reproducible"] = all(d == dumps[0] for d in dumps)
@@ -202,6 +223,15 @@ for q in results["pairs"]:
         lines.append(f"| {q['a']} | {q['b']} | {q['max_abs_diff']:.3g} | {q['identical_rows']}/{q['rows']} | "
                      f"{'yes' if q['bit_identical'] else 'no'} | "
                      f"{'yes (' + str(q['steps']) + ' steps)' if q['tokens_identical'] else 'no, from step ' + str(q['first_token_difference'])} |")
+tier = [(n, r) for n, r in results["rows"].items() if "vram" in r]
+if tier:
+    lines += ["", "| run | tier slots | VRAM MiB | decode hits / misses (hit rate) | MiB copied per decoded token | "
+              "MiB copied per token, prompt included | evictions | blocks run on the arena |", "|---|---|---|---|---|---|---|---|"]
+    for name, row in tier:
+        vr = row["vram"]
+        lines.append(f"| {name} | {vr['slots']} | {vr['vram_bytes'] / 2**20:.0f} | {vr['decode_hits']} / {vr['decode_misses']} "
+                     f"({vr['decode_hit_rate']:.3f}) | {vr['copied_bytes_per_decoded_token'] / 2**20:.2f} | "
+                     f"{vr['copied_bytes_per_token'] / 2**20:.2f} | {vr['evictions']} | {vr['fallbacks']} |")
 if results["sched"]:
     lines += ["", "graph splits of one decode step: " + ", ".join(f"{k} {v['splits']}" for k, v in results["sched"].items())]
 open(f"{out}/rungs.md", "w").write("\n".join(lines) + "\n")

@@ -4,7 +4,7 @@
 //   mc-decode -m MODEL [--moecached ENDPOINT] [-p PROMPT] [-n STEPS] [-t THREADS]
 //             [--ubatch N] [--dump FILE] [--step-delay-ms MS] [--retries N] [--rounds N]
 //             [--moecached-subst R] [--moecached-subst-cap N] [--dump-moe FILE] [--cpu-moe]
-//             [--moecached-gpu cpu|zerocopy] [--moecached-prefetch off|next|two]
+//             [--moecached-gpu cpu|zerocopy] [--moecached-prefetch off|next|two] [--moecached-vram SIZE]
 //   mc-decode --help      (-h) prints the options and exits 0
 //
 // Prints one line per step ("step I token T") and a final "timing" line:
@@ -31,6 +31,12 @@
 // (recall: of block l+1's routed experts, the share block l's guess named; recall2 two ahead;
 // useful: sent experts the block then routed to; pf_hits: experts the daemon said a prefetch
 // brought in, over the socket only: shared-memory hits are not told apart).
+// --moecached-vram SIZE|N% (LLAMA_MOECACHED_VRAM): a tier of the served experts in the memory of the
+// device that runs the MoE blocks (a CPU buffer on a CPU build), filled from the arena; a last line:
+//   vram slots=N vram_bytes=N hits=N misses=N copied_bytes=N evictions=N fallbacks=N invalidations=N
+//        decode_hits=N decode_misses=N decode_copied_bytes=N
+// (misses: experts copied into the tier; fallbacks: block calls run on the arena because their
+// ubatch could need more experts than the tier holds; decode_*: over the decode steps only).
 #include "llama.h"
 #include "ggml-cpu.h"
 
@@ -68,7 +74,7 @@ static const char * USAGE =
     "usage: mc-decode -m MODEL [--moecached ENDPOINT] [-p PROMPT] [-n STEPS] [-t THREADS]\n"
     "                 [--ubatch N] [--dump FILE] [--step-delay-ms MS] [--retries N] [--rounds N]\n"
     "                 [--moecached-subst R] [--moecached-subst-cap N] [--dump-moe FILE] [--cpu-moe]\n"
-    "                 [--moecached-gpu cpu|zerocopy] [--moecached-prefetch off|next|two]\n"
+    "                 [--moecached-gpu cpu|zerocopy] [--moecached-prefetch off|next|two] [--moecached-vram SIZE]\n"
     "Greedy decode with llama.cpp, every step's logits dumped, through moecached or not.\n"
     "  -m MODEL                  GGUF model (required)\n"
     "  --moecached ENDPOINT      take the routed experts from the daemon at ENDPOINT\n"
@@ -88,6 +94,8 @@ static const char * USAGE =
     "                            reading the arena over the host link (zerocopy)\n"
     "  --moecached-prefetch MODE guess the next block's experts (next) or the next two blocks' (two) with\n"
     "                            their routers on this block's FFN input and prefetch them (default off)\n"
+    "  --moecached-vram SIZE     a tier of the served experts in the memory of the device running the MoE blocks\n"
+    "                            (8GiB, 512MiB, or 25% of the served experts), filled from the arena\n"
     "  -h, --help                print this and exit\n";
 
 static double now_s() {
@@ -121,6 +129,7 @@ int main(int argc, char ** argv) {
         else if (a == "--cpu-moe") cpu_moe = true;
         else if (a == "--moecached-gpu") setenv("LLAMA_MOECACHED_GPU", next(), 1);   // read at load
         else if (a == "--moecached-prefetch") setenv("LLAMA_MOECACHED_PREFETCH", next(), 1);   // read at load
+        else if (a == "--moecached-vram") setenv("LLAMA_MOECACHED_VRAM", next(), 1);   // read at load
         else { fprintf(stderr, "mc-decode: unknown argument %s\n%s", a.c_str(), USAGE); return 2; }
     }
     if (model_path.empty()) { fprintf(stderr, "mc-decode: -m MODEL is required\n%s", USAGE); return 2; }
@@ -162,6 +171,14 @@ int main(int argc, char ** argv) {
 
     double t_prompt = 0, t_decode = 0;
     int n_decoded = 0;
+    // the tier's counters over the decode steps only (the prompts' are the rest)
+    auto vram_counter = [](const char * key) -> unsigned long long {
+        char b[512];
+        llama_moecached_vram_stats(b, sizeof b);
+        const char * p = strstr(b, key);
+        return p ? strtoull(p + strlen(key), nullptr, 10) : 0;
+    };
+    unsigned long long dec_hits = 0, dec_misses = 0, dec_copied = 0;
     for (int round = 0; round < rounds; ++round) {
         llama_context_params cp = llama_context_default_params();
         cp.n_ctx = n_prompt + n_steps + 8;
@@ -201,9 +218,13 @@ int main(int argc, char ** argv) {
         llama_token tok = emit(0, llama_get_logits_ith(ctx, -1));
         for (int s = 1; s <= n_steps; ++s) {
             if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+            const unsigned long long h0 = vram_counter(" hits="), m0 = vram_counter(" misses="), c0 = vram_counter(" copied_bytes=");
             t0 = now_s();
             if (!decode(llama_batch_get_one(&tok, 1))) return 3;
             t_decode += now_s() - t0;
+            dec_hits += vram_counter(" hits=") - h0;
+            dec_misses += vram_counter(" misses=") - m0;
+            dec_copied += vram_counter(" copied_bytes=") - c0;
             n_decoded++;
             tok = emit(s, llama_get_logits_ith(ctx, -1));
         }
@@ -220,6 +241,9 @@ int main(int argc, char ** argv) {
         char pf[512];
         llama_moecached_prefetch_stats(pf, sizeof pf);
         printf("prefetch %s\n", pf);
+        char vr[512];
+        llama_moecached_vram_stats(vr, sizeof vr);
+        printf("vram %s decode_hits=%llu decode_misses=%llu decode_copied_bytes=%llu\n", vr, dec_hits, dec_misses, dec_copied);
     }
     fflush(stdout);
     llama_model_free(model);

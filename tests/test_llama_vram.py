@@ -1,0 +1,268 @@
+"""The patched llama.cpp's tier of experts in device memory (--moecached-vram, patch 0007), on the
+CPU build.
+
+With --moecached-vram SIZE|N% every engine keeps its own slot table of experts in a buffer of the
+device that runs the MoE blocks; the acquire op looks the router's experts up there, acquires only
+the ones missing, copies their bytes from the arena into least recently used tier slots (through
+ggml_backend_tensor_set_async) and the block's matmuls read the tier. A CPU build puts the tier in
+a CPU buffer of its own, the same code path: the logits must be the resident run's bytes, and the
+tier's counters (mc-decode's ``vram`` line) must add up.
+
+Needs the patched llama.cpp (clients/llama.cpp/build.sh); skipped with one line when it is not
+built.
+"""
+from __future__ import annotations
+
+import filecmp
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from daemon_util import start_daemon, stop_daemon
+from moecache_client import Client
+from moecached.engine.index import open_index
+from moecached.tools import engine_llama
+from moecached.tools.synth_runnable import write_runnable
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "benchmarks" / "models" / "qwen3moe-stdlib-8x32-q8_0.gguf"   # 8 blocks x 32 experts, top-4
+HELDOUT = ROOT / "benchmarks" / "models" / "qwen3moe-stdlib-heldout.txt"
+BIN = engine_llama.llama_bin()
+pytestmark = [pytest.mark.skipif(BIN is None, reason="patched llama.cpp not built: run clients/llama.cpp/build.sh "
+                                                     "(or set MOECACHED_LLAMA_BIN to its bin directory)"),
+              pytest.mark.timeout(900)]
+STEPS = 40
+
+
+def prompt() -> str:
+    return HELDOUT.read_text(encoding="utf-8", errors="replace")[:300]
+
+
+def parse_kv(stdout: str, head: str) -> dict:
+    m = re.search(rf"^{head} (.*)$", stdout, re.M)
+    assert m, f"no '{head}' line:\n{stdout[-1500:]}"
+    return {k: int(v) if re.fullmatch(r"-?\d+", v) else v for k, v in (kv.split("=", 1) for kv in m.group(1).split())}
+
+
+def vram(r) -> dict:
+    return parse_kv(r.stdout, "vram")
+
+
+def timing(r) -> dict:
+    m = re.search(r"^timing prompt_tokens=(\d+) prompt_s=\S+ decode_tokens=(\d+)", r.stdout, re.M)
+    assert m, r.stdout[-1500:]
+    return {"prompt_tokens": int(m.group(1)), "decode_tokens": int(m.group(2))}
+
+
+def decode(model, dump, *extra, endpoint=None, text=None, check=True):
+    r = engine_llama.decode(BIN, str(model), str(dump), prompt=text or prompt(), steps=STEPS, endpoint=endpoint,
+                            extra=extra, timeout=300)
+    if check:
+        assert r.returncode == 0, f"mc-decode failed ({r.returncode}): {r.stderr[-2000:]}"
+    return r
+
+
+def served(model, tmp_path, name, slots, *extra, text=None):
+    """mc-decode through a fresh daemon of `slots` slots: (the run, the daemon's stats)."""
+    sock = str(tmp_path / f"{name}.sock")
+    p = start_daemon(str(model), sock, "--slots", str(slots))
+    try:
+        r = decode(model, tmp_path / f"{name}.bin", *extra, endpoint=f"ipc://{sock}", text=text)
+        with Client(f"ipc://{sock}", name="test", map_arena=False) as c:
+            st = c.stats()
+    finally:
+        stop_daemon(p)
+    return r, st
+
+
+@pytest.fixture(scope="module")
+def geometry():
+    idx = open_index(str(MODEL)).to_json()
+    assert len(idx["size_classes"]) == 1
+    return {"blocks": len(idx["expert_layers"]), "experts": idx["n_experts"], "k": idx["top_k"],
+            "slot_bytes": idx["size_classes"][0]["slot_bytes"]}
+
+
+@pytest.fixture(scope="module")
+def resident(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vram-ref")
+    decode(MODEL, d / "resident.bin")
+    return d / "resident.bin"
+
+
+@pytest.mark.parametrize("share", ["10%", "25%", "50%", "100%"])
+def test_tier_gives_the_resident_logits_and_its_counters_add_up(resident, geometry, tmp_path, share):
+    """Half the experts in the arena; the tier at a share of the served experts: the resident
+    run's logits and those of the run without the tier, byte for byte. Every decoded token's
+    block calls are hits or copies; bytes copied are whole experts; a prompt that can need more
+    experts than the tier holds runs on the arena (one fallback per block it reaches)."""
+    g = geometry
+    served_experts = g["blocks"] * g["experts"]
+    arena_slots = served_experts // 2
+    plain, _ = served(MODEL, tmp_path, "plain", arena_slots)
+    r, st = served(MODEL, tmp_path, "tier", arena_slots, "--moecached-vram", share)
+    assert filecmp.cmp(resident, tmp_path / "plain.bin", shallow=False), "the run without the tier differs"
+    assert filecmp.cmp(resident, tmp_path / "tier.bin", shallow=False), f"--moecached-vram {share}: logits differ"
+    v, t = vram(r), timing(r)
+    n = int(share[:-1]) * served_experts // 100
+    assert v["slots"] == n, v
+    assert v["vram_bytes"] >= n * g["slot_bytes"], v
+    assert v["misses"] > 0 and v["copied_bytes"] == v["misses"] * g["slot_bytes"], v
+    assert v["invalidations"] == 0, v
+    assert 0 < v["misses"] - v["evictions"] <= n, v            # the slots filled, never more
+    assert v["decode_hits"] + v["decode_misses"] == STEPS * g["blocks"] * g["k"], v
+    assert v["decode_copied_bytes"] == v["decode_misses"] * g["slot_bytes"], v
+    prompt_fits = min(g["experts"], t["prompt_tokens"] * g["k"]) <= n
+    # (the last block's FFN runs on the one token whose logits are output: it fits)
+    assert v["fallbacks"] == (0 if prompt_fits else g["blocks"] - 1), (v, t)
+    if share == "10%":
+        assert v["evictions"] > 0 and not prompt_fits, v
+    else:
+        assert v["decode_hits"] > 0, v
+    if share == "100%":
+        # the prompt through the tier too; each expert copied once, the decode never acquires
+        assert prompt_fits and v["evictions"] == 0 and v["misses"] <= served_experts, v
+        eng = engine_llama.parse_stats(r.stdout)
+        assert eng["acquires"] < engine_llama.parse_stats(plain.stdout)["acquires"], (eng, plain.stdout[-500:])
+
+
+def test_tier_larger_than_the_arena_with_prompt_waves(resident, geometry, tmp_path):
+    """A daemon of top-k + 2 slots (the prompt runs in waves of experts on the arena) and a tier
+    of half the experts, far larger than the arena: decode copies at most what one acquire
+    holds; the same logits."""
+    g = geometry
+    r, st = served(MODEL, tmp_path, "tight", g["k"] + 2, "--moecached-vram", "50%")
+    assert filecmp.cmp(resident, tmp_path / "tight.bin", shallow=False), "logits differ"
+    eng, v = engine_llama.parse_stats(r.stdout), vram(r)
+    assert eng["waves"] > 0, eng
+    assert v["fallbacks"] == g["blocks"] - 1 and v["decode_hits"] > 0 and v["decode_misses"] > 0, v
+
+
+def test_tier_by_size_and_with_two_size_classes(tmp_path):
+    """A Q4_K_M model (two size classes, Q4_K and Q6_K down projections): the tier sized in
+    bytes covers both classes; the resident run's logits."""
+    q = BIN / "llama-quantize"
+    if not q.exists():
+        pytest.skip("no llama-quantize in the build")
+    model = write_runnable(str(tmp_path / "q4.gguf"), arch="qwen3moe", blocks=4, experts=16, top_k=4, hidden=256,
+                           expert_ff=256, quant="Q4_K_M", seed=3, quantize_bin=str(q))
+    idx = open_index(model).to_json()
+    assert len(idx["size_classes"]) == 2
+    total = sum(len(c["layers"]) * idx["n_experts"] * c["slot_bytes"] for c in idx["size_classes"])
+    decode(model, tmp_path / "resident.bin")
+    r, _ = served(model, tmp_path, "tier", 4 * 16, "--moecached-vram", f"{total // 2}")
+    assert filecmp.cmp(tmp_path / "resident.bin", tmp_path / "tier.bin", shallow=False), "logits differ"
+    v = vram(r)
+    want = sum(int(0.5 * len(c["layers"]) * idx["n_experts"] + 1e-9) for c in idx["size_classes"])
+    assert abs(v["slots"] - want) <= 2 and v["misses"] > 0 and v["decode_hits"] > 0, (v, want)
+
+
+def test_tier_with_substitution_and_prefetch(resident, geometry, tmp_path):
+    """Substitution: the daemon decides on what its arena holds, the tier only moves the bytes: the
+    same substitutions and logits as without the tier. Prefetch: the resident run's logits."""
+    g = geometry
+    slots = g["blocks"] * g["experts"] // 2
+    subst = ["--moecached-subst", "0.5", "--moecached-subst-cap", "1"]
+    r0, st0 = served(MODEL, tmp_path, "subst", slots, *subst)
+    r1, st1 = served(MODEL, tmp_path, "subst_tier", slots, *subst, "--moecached-vram", "25%")
+    assert st0["substitutions"] > 0, st0
+    assert st1["substitutions"] == st0["substitutions"], (st0["substitutions"], st1["substitutions"])
+    assert filecmp.cmp(tmp_path / "subst.bin", tmp_path / "subst_tier.bin", shallow=False), "substituted logits differ"
+    assert vram(r1)["decode_misses"] > 0 and vram(r1)["decode_hits"] > 0, vram(r1)
+    r2, st2 = served(MODEL, tmp_path, "pf_tier", slots, "--moecached-prefetch", "next", "--moecached-vram", "25%")
+    assert filecmp.cmp(resident, tmp_path / "pf_tier.bin", shallow=False), "prefetch + tier: logits differ"
+    assert parse_kv(r2.stdout, "prefetch")["calls"] > 0 and st2["prefetches"] > 0
+
+
+def test_daemon_restart_with_the_tier_is_an_error_or_a_correct_continuation(tmp_path):
+    """A tier of exactly top-k experts for two blocks: every block call copies, so every call
+    acquires and sees the new daemon; the tier is then invalidated (what it holds came from the
+    old arena) and the logits stay the resident run's."""
+    model = write_runnable(str(tmp_path / "f32.gguf"), arch="qwen3moe", blocks=2, experts=16, top_k=4, quant="f32", seed=1)
+    decode(model, tmp_path / "resident.bin", text="Experts in shared memory, served to every engine.")
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(model, sock, "--slots", "12")
+    cmd = [str(BIN / "mc-decode"), "-m", model, "-p", "Experts in shared memory, served to every engine.",
+           "-n", str(STEPS), "-t", "2", "--dump", str(tmp_path / "out.bin"), "--moecached", f"ipc://{sock}",
+           "--moecached-vram", "12.5%", "--step-delay-ms", "50", "--retries", "40"]
+    eng = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p2 = None
+    try:
+        time.sleep(1.0)
+        assert eng.poll() is None, "the engine finished before the restart: make the decode longer"
+        stop_daemon(p)
+        p2 = start_daemon(model, sock, "--slots", "12")
+        out, err = eng.communicate(timeout=300)
+    finally:
+        if eng.poll() is None:
+            eng.kill()
+        if p2:
+            stop_daemon(p2)
+    ref = (tmp_path / "resident.bin").read_bytes()
+    if eng.returncode == 0:
+        assert (tmp_path / "out.bin").read_bytes() == ref, "wrong logits after a restart"
+        st = engine_llama.parse_stats(out)
+        v = parse_kv(out, "vram")
+        assert st["restarts"] >= 1 and v["invalidations"] >= 1, (st, v)
+        assert v["slots"] == 4 and v["evictions"] > 0, v
+    else:
+        assert "moecached error:" in err, err[-2000:]
+        assert ref.startswith((tmp_path / "out.bin").read_bytes())
+
+
+@pytest.mark.slow
+def test_lease_invalid_under_a_copy_invalidates_the_tier_and_the_retry_is_correct(tmp_path):
+    """The whole model in the tier (the prompt goes through it too) and every lease kept 3 s
+    (LLAMA_MOECACHED_HOLD_US): the daemon is killed while the engine holds the lease of experts it
+    copied into the tier; the lease reads invalid (or the next acquire finds no daemon), the batch
+    is discarded, the tier forgotten, and the retry on a new daemon gives the resident logits."""
+    text = "Experts in shared memory, served to every engine."
+    model = write_runnable(str(tmp_path / "f32.gguf"), arch="qwen3moe", blocks=2, experts=16, top_k=4, quant="f32", seed=1)
+    steps = 2
+    subprocess.run([str(BIN / "mc-decode"), "-m", model, "-p", text, "-n", str(steps), "-t", "2",
+                    "--dump", str(tmp_path / "resident.bin")], check=True, capture_output=True, timeout=300)
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(model, sock, "--slots", "32")
+    cmd = [str(BIN / "mc-decode"), "-m", model, "-p", text, "-n", str(steps), "-t", "2", "--dump", str(tmp_path / "out.bin"),
+           "--moecached", f"ipc://{sock}", "--moecached-vram", "100%", "--retries", "60"]
+    eng = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=dict(os.environ, LLAMA_MOECACHED_HOLD_US="3000000"))
+    p2 = None
+    try:
+        with Client(f"ipc://{sock}", name="watcher", map_arena=False) as c:
+            deadline = time.monotonic() + 120
+            while c.stats()["leases"] < 1 and eng.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert c.stats()["leases"] >= 1, "the engine acquired nothing in 120 s"
+        stop_daemon(p, sig=signal.SIGKILL)
+        p2 = start_daemon(model, sock, "--slots", "32")
+        out, err = eng.communicate(timeout=600)
+    finally:
+        if eng.poll() is None:
+            eng.kill()
+        if p2:
+            stop_daemon(p2)
+    assert eng.returncode == 0, err[-2000:]
+    assert "moecached error:" in err, err[-2000:]          # a batch was discarded, then retried
+    assert (tmp_path / "out.bin").read_bytes() == (tmp_path / "resident.bin").read_bytes(), "wrong logits after a crash"
+    v = parse_kv(out, "vram")
+    assert v["invalidations"] >= 1 and v["fallbacks"] == 0, v
+
+
+@pytest.mark.parametrize("value,want", [("lots", "expected a size such as 8GiB"), ("-5", "expected a size such as 8GiB"),
+                                        ("150%", "above 100%"), ("1%", "fewer than top-k 4")])
+def test_bad_tier_size_is_one_line(geometry, tmp_path, value, want):
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(str(MODEL), sock, "--slots", "128")
+    try:
+        r = decode(MODEL, tmp_path / "out.bin", "--moecached-vram", value, endpoint=f"ipc://{sock}", check=False)
+    finally:
+        stop_daemon(p)
+    assert r.returncode != 0
+    lines = [l for l in r.stderr.splitlines() if l.startswith("moecached:")]
+    assert len(lines) == 1 and "--moecached-vram" in lines[0] and value in lines[0] and want in lines[0], r.stderr[-2000:]
