@@ -188,6 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-args", default="", help="more mc-decode arguments for every run "
                     "(one string, split on spaces)")
     ap.add_argument("--readers", type=int, default=16, help="the daemon's reader threads")
+    ap.add_argument("--daemon-arg", action="append", default=[],
+                    help="one more daemon flag for every daemon run (repeatable), e.g. --daemon-arg=--chunk=4MiB")
     ap.add_argument("--bw-seconds", type=float, default=5.0)
     ap.add_argument("--dir", default="/work/bench-tmp")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "engine_vs_pagecache.json"))
@@ -229,7 +231,7 @@ def main(argv=None) -> int:
 
     def start(slots):
         d = start_daemon(model, sock, "--slots", str(slots), "--state-dir", str(state),
-                         "--state-interval", "0", "--readers", str(a.readers))
+                         "--state-interval", "0", "--readers", str(a.readers), *a.daemon_arg)
         daemons.append(d)
         return d
 
