@@ -49,3 +49,20 @@ def fixture_model(a, note: str = "writing") -> tuple:
         print(f"{note} {out} ...", file=sys.stderr)
         write_model(a.layout, out, layers=a.layers, experts=a.experts, progress=False, sparse=False)
     return str(out), (None if a.keep else out.parent)
+
+
+def runnable_model(work, *, blocks: int, quant: str, arch: str = "qwen3moe",
+                   geometry: str = "qwen3-30b-a3b", bin_dir=None) -> str:
+    """A ``synth --runnable`` model under ``work`` (written once, reused by name). ``bin_dir``:
+    the patched build, whose ``llama-quantize`` makes the quantizations synth does not write."""
+    import sys
+    from pathlib import Path
+    from moecached.tools.synth_runnable import write_runnable
+    model = str(Path(work) / f"runnable-{arch}-{geometry}-{blocks}b-{quant}.gguf")
+    if not os.path.exists(model):
+        print(f"writing {model} ...", file=sys.stderr)
+        q = str(Path(bin_dir) / "llama-quantize") if bin_dir and quant.lower() not in ("f32", "q8_0") else None
+        write_runnable(model + ".tmp", arch=arch, geometry=geometry, blocks=blocks, quant=quant,
+                       quantize_bin=q)
+        os.replace(model + ".tmp", model)
+    return model

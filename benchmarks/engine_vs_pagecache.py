@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from benchutil import start_daemon, stop_daemon, write_json  # noqa: E402
+from benchutil import runnable_model, start_daemon, stop_daemon, write_json  # noqa: E402
 from read_path import drop_caches  # noqa: E402
 from moecached.tools import engine_llama  # noqa: E402
 from moecached.engine.index import open_index  # noqa: E402
@@ -203,16 +203,8 @@ def main(argv=None) -> int:
     ENGINE_ARGS[:] = (["--cpu-moe"] if a.cpu_moe else []) + a.engine_args.split()
     work = Path(a.dir)
     work.mkdir(parents=True, exist_ok=True)
-    model = a.model
-    if not model:
-        from moecached.tools.synth_runnable import write_runnable
-        model = str(work / f"runnable-{a.arch}-{a.geometry}-{a.blocks}b-{a.quant}.gguf")
-        if not os.path.exists(model):
-            print(f"writing {model} ...", file=sys.stderr)
-            q = str(bin_dir / "llama-quantize") if a.quant.lower() not in ("f32", "q8_0") else None
-            write_runnable(model + ".tmp", arch=a.arch, geometry=a.geometry, blocks=a.blocks,
-                           quant=a.quant, quantize_bin=q)
-            os.replace(model + ".tmp", model)
+    model = a.model or runnable_model(work, blocks=a.blocks, quant=a.quant, arch=a.arch,
+                                      geometry=a.geometry, bin_dir=bin_dir)
     idx = open_index(model)
     n_all = len(idx.expert_layers) * idx.n_experts
     expert_bytes = idx.routed_expert_bytes

@@ -34,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent / "clients" / "python"), str(HERE)]
 
-from benchutil import start_daemon, stop_daemon, write_json  # noqa: E402
+from benchutil import runnable_model, start_daemon, stop_daemon, write_json  # noqa: E402
 from read_path import drop_caches  # noqa: E402
 from moecached.facts.units import parse_size  # noqa: E402
 from moecached.engine.index import open_index  # noqa: E402
@@ -140,15 +140,7 @@ def main(argv=None) -> int:
         sys.exit("whole_fill: needs root (dropping the page cache)")
     work = Path(a.dir)
     work.mkdir(parents=True, exist_ok=True)
-    model = a.model
-    if not model:
-        from moecached.tools.synth_runnable import write_runnable
-        model = str(work / f"runnable-qwen3moe-qwen3-30b-a3b-{a.blocks}b-{a.quant}.gguf")
-        if not os.path.exists(model):
-            print(f"writing {model} ...", file=sys.stderr)
-            write_runnable(model + ".tmp", arch="qwen3moe", geometry="qwen3-30b-a3b",
-                           blocks=a.blocks, quant=a.quant, quantize_bin=None)
-            os.replace(model + ".tmp", model)
+    model = a.model or runnable_model(work, blocks=a.blocks, quant=a.quant)
     idx = open_index(model)
     n_all = len(idx.expert_layers) * idx.n_experts
     chunks = [parse_size(c) for c in a.chunks.split(",")]
