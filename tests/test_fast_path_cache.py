@@ -80,3 +80,39 @@ def test_request_waits_for_a_slot_held_by_a_fast_pin_then_gets_it(cache):
     cache.close_pin_file(f)
     assert cache.stats()["fast_path"]["held_keys"] == 0
     assert not os.path.exists(f.path)
+
+
+def test_a_pin_within_the_quota_is_honoured_while_released_pins_are_not_swept_yet(cache):
+    # quota 2: two slots pinned, found by evictions (honoured), released with a store; before
+    # the next sweep the client pins two other slots (still 2, within its quota). An eviction
+    # must see those pins: the released ones may not keep the quota full, or the daemon
+    # would reuse a slot under a live pin (its lease would go invalid)
+    L = cache.index.expert_layers
+    f, h, _ = attach(cache, quota=2)
+    cache.release(cache.acquire(L[0], [0, 1, 2, 3], timeout=30))
+    old = shm_pin(h, [0, 1])
+    assert isinstance(old, list)
+    cache.drain_pins()                                        # the pins' hits reach the LRU
+    cache.release(cache.acquire(L[0], [2, 3], timeout=30))   # then these: 0 and 1 the coldest
+    cache.release(cache.acquire(L[1], [5, 6], timeout=30))   # skips the pinned, takes the others
+    assert sorted(f.honoured) == sorted(cache._shm.global_slot(it.cls, it.slot) for it in old)
+    lib().shim_unpin(h, (Item * 2)(*old), 2)                  # released: no message, no sweep yet
+    new = shm_pin(h, [16 + 5, 16 + 6])
+    assert isinstance(new, list), new
+    got = []
+    cache.acquire_async([(L[0], [7])], got.append)          # needs a victim
+    for it in new:
+        assert cache.arena.generations(it.cls)[it.slot] == it.gen, "a slot pinned within the quota was reused"
+    assert cache.stats()["fast_path"]["pins_ignored"] == 0
+    cache.sweep_pins()                                       # the old pins' slots are free again
+    import time
+    t = time.monotonic() + 20
+    while not got and time.monotonic() < t:
+        time.sleep(0.01)
+    assert got and not isinstance(got[0], Exception), got
+    assert got[0].items[0][3] in {it.slot for it in old}
+    for it in new:
+        assert cache.arena.generations(it.cls)[it.slot] == it.gen
+    cache.release(got[0])
+    lib().shim_unpin(h, (Item * 2)(*new), 2)
+    cache.close_pin_file(f)

@@ -333,7 +333,8 @@ cdef class ShmArena:
         True: the map is cleared and the generation moved (the slot may be refilled). False:
         a pin holds it (nothing changed); the slot is recorded as honoured for each file that
         pins it. A file already honouring ``quota`` other slots is not asked (its pins there
-        are ignored and counted)."""
+        are ignored and counted); slots it released since the last sweep are not counted
+        (forgotten first), so a client within its quota is always asked."""
         cdef uint32_t n, gslot = self.L.slot_base[cls] + slot
         cdef PinFile f
         cdef int r
@@ -341,17 +342,23 @@ cdef class ShmArena:
             return False
         while True:
             n = 0
+            r = 0
             for f in self.files:
                 if f.p == NULL:
                     continue
+                if gslot not in f.honoured and len(f.honoured) >= f.quota:
+                    r = self._forget_released(f)
+                    if r < 0:
+                        break
                 if gslot in f.honoured or len(f.honoured) < f.quota:
                     self.ptrs[n] = f.p
                     n += 1
                 elif g_pinned(&self.L, f.p, gslot) == 1:
                     f.ignored += 1
-            r = g_try_evict(&self.L, self.ptrs, n, key, cls, slot)
             if r >= 0:
-                break
+                r = g_try_evict(&self.L, self.ptrs, n, key, cls, slot)
+                if r >= 0:
+                    break
             self._drop_broken()
         if r:
             return True
@@ -361,6 +368,21 @@ cdef class ShmArena:
                 f.honoured.add(gslot)
         self.evictions_held += 1
         return False
+
+    cdef int _forget_released(self, PinFile f) except -2:
+        """Drop from ``f.honoured`` the slots ``f`` pins no more (released since the last
+        sweep): they may not fill its quota. -1 on a fault (the caller drops broken files)."""
+        cdef uint32_t g
+        cdef int r
+        keep = set()
+        for g in f.honoured:
+            r = g_pinned(&self.L, f.p, g)
+            if r < 0:
+                return -1
+            if r:
+                keep.add(g)
+        f.honoured = keep
+        return 0
 
     cpdef uint32_t global_slot(self, uint32_t cls, uint32_t slot):
         return self.L.slot_base[cls] + slot
