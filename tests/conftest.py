@@ -120,6 +120,7 @@ def _module_defs(path: str) -> dict:
             names = [node.name]
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            targets = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
             names = [t.id for t in targets if isinstance(t, ast.Name)]
         else:
             continue
@@ -137,7 +138,13 @@ def _kinds_in(src: str, path: str, seen: set) -> set:
     for name in set(_IDENT.findall(src)) & defs.keys():
         if (path, name) not in seen:
             seen.add((path, name))
-            kinds |= _kinds_in(defs[name], path, seen)
+            text, where = defs[name], path
+            m = re.fullmatch(r"from (\w+) import (\w+)", text)
+            helper = Path(path).parent / f"{m.group(1)}.py" if m else None
+            if helper is not None and helper.is_file():   # a helper module beside the tests
+                where = str(helper)
+                text = _module_defs(where).get(m.group(2), "")
+            kinds |= _kinds_in(text, where, seen)
     return kinds
 
 

@@ -14,27 +14,18 @@ from __future__ import annotations
 
 import filecmp
 import re
-from pathlib import Path
 
 import pytest
 
 from daemon_util import start_daemon, stop_daemon
-from moecache_client import Client
 from moecached.tools import engine_llama
+from llama_util import MODEL, NEEDS_BUILD, Runner
 from moecached.tools.synth_runnable import write_runnable
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL = ROOT / "benchmarks" / "models" / "qwen3moe-stdlib-8x32-q8_0.gguf"
-HELDOUT = ROOT / "benchmarks" / "models" / "qwen3moe-stdlib-heldout.txt"
-BIN = engine_llama.llama_bin()
-pytestmark = [pytest.mark.skipif(BIN is None, reason="patched llama.cpp not built: run clients/llama.cpp/build.sh "
-                                                     "(or set MOECACHED_LLAMA_BIN to its bin directory)"),
-              pytest.mark.timeout(900)]
+pytestmark = NEEDS_BUILD
 STEPS = 48
-
-
-def prompt() -> str:
-    return HELDOUT.read_text(encoding="utf-8", errors="replace")[:300]
+RUN = Runner(STEPS)
+decode, served = RUN.decode, RUN.served
 
 
 def parse_prefetch(stdout: str) -> dict:
@@ -45,27 +36,6 @@ def parse_prefetch(stdout: str) -> dict:
         k, v = kv.split("=", 1)
         out[k] = v if k == "mode" else (float(v) if "." in v else int(v))
     return out
-
-
-def decode(model, dump, *extra, endpoint=None, text=None, check=True):
-    r = engine_llama.decode(BIN, str(model), str(dump), prompt=text or prompt(), steps=STEPS, endpoint=endpoint,
-                            extra=extra, timeout=300)
-    if check:
-        assert r.returncode == 0, f"mc-decode failed ({r.returncode}): {r.stderr[-2000:]}"
-    return r
-
-
-def served(model, tmp_path, name, slots, *extra, text=None):
-    """mc-decode through a fresh daemon of `slots` slots: (the run, the daemon's stats)."""
-    sock = str(tmp_path / f"{name}.sock")
-    p = start_daemon(str(model), sock, "--slots", str(slots))
-    try:
-        r = decode(model, tmp_path / f"{name}.bin", *extra, endpoint=f"ipc://{sock}", text=text)
-        with Client(f"ipc://{sock}", name="test", map_arena=False) as c:
-            st = c.stats()
-    finally:
-        stop_daemon(p)
-    return r, st
 
 
 @pytest.fixture(scope="module")

@@ -19,28 +19,20 @@ import re
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from daemon_util import start_daemon, stop_daemon
+from moecached.tools import engine_llama
+from llama_util import BIN, MODEL, NEEDS_BUILD, Runner
 from moecache_client import Client
 from moecached.engine.index import open_index
-from moecached.tools import engine_llama
 from moecached.tools.synth_runnable import write_runnable
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL = ROOT / "benchmarks" / "models" / "qwen3moe-stdlib-8x32-q8_0.gguf"   # 8 blocks x 32 experts, top-4
-HELDOUT = ROOT / "benchmarks" / "models" / "qwen3moe-stdlib-heldout.txt"
-BIN = engine_llama.llama_bin()
-pytestmark = [pytest.mark.skipif(BIN is None, reason="patched llama.cpp not built: run clients/llama.cpp/build.sh "
-                                                     "(or set MOECACHED_LLAMA_BIN to its bin directory)"),
-              pytest.mark.timeout(900)]
+pytestmark = NEEDS_BUILD
 STEPS = 40
-
-
-def prompt() -> str:
-    return HELDOUT.read_text(encoding="utf-8", errors="replace")[:300]
+RUN = Runner(STEPS)
+decode, served = RUN.decode, RUN.served
 
 
 def parse_kv(stdout: str, head: str) -> dict:
@@ -57,27 +49,6 @@ def timing(r) -> dict:
     m = re.search(r"^timing prompt_tokens=(\d+) prompt_s=\S+ decode_tokens=(\d+)", r.stdout, re.M)
     assert m, r.stdout[-1500:]
     return {"prompt_tokens": int(m.group(1)), "decode_tokens": int(m.group(2))}
-
-
-def decode(model, dump, *extra, endpoint=None, text=None, check=True):
-    r = engine_llama.decode(BIN, str(model), str(dump), prompt=text or prompt(), steps=STEPS, endpoint=endpoint,
-                            extra=extra, timeout=300)
-    if check:
-        assert r.returncode == 0, f"mc-decode failed ({r.returncode}): {r.stderr[-2000:]}"
-    return r
-
-
-def served(model, tmp_path, name, slots, *extra, text=None):
-    """mc-decode through a fresh daemon of `slots` slots: (the run, the daemon's stats)."""
-    sock = str(tmp_path / f"{name}.sock")
-    p = start_daemon(str(model), sock, "--slots", str(slots))
-    try:
-        r = decode(model, tmp_path / f"{name}.bin", *extra, endpoint=f"ipc://{sock}", text=text)
-        with Client(f"ipc://{sock}", name="test", map_arena=False) as c:
-            st = c.stats()
-    finally:
-        stop_daemon(p)
-    return r, st
 
 
 @pytest.fixture(scope="module")
