@@ -101,6 +101,39 @@ def test_held_fast_lease_survives_eviction_churn(daemon):
         assert not held.valid()
 
 
+def test_pins_stay_within_the_quota_and_the_rest_goes_over_the_socket(daemon):
+    """The daemon honours a client's pins on at most ``quota`` slots and reuses the others
+    (their leases go invalid): the client pins no more than that; an acquire that would take
+    it past the quota goes over the socket, and every lease survives another client's churn."""
+    ep, _ = daemon("--slots", "12", "--fast-path-quota", "2")
+    with Client(ep, name="holder") as c, Client(ep, name="churn", fast_path=False) as other:
+        L = c.expert_layers
+        if FAST:
+            assert c.info["pins"]["quota"] == 2
+        c.acquire(L[0], [0, 1, 2]).release()
+        three = c.acquire(L[0], [0, 1, 2])           # resident, but 3 > quota 2: the socket
+        assert three.id >= 0
+        three.release()
+        two = c.acquire(L[0], [0, 1])
+        assert (two.id < 0) is FAST
+        one = c.acquire(L[0], [2])                   # 2 pinned already: the socket
+        assert one.id >= 0
+        for _ in range(2):
+            for layer in L:
+                for e in range(3, N_EXP):
+                    other.acquire(layer, [e]).release()
+        for lease in (two, one):
+            assert lease.valid()
+            check_bytes(lease)
+            assert lease.valid()
+        assert me(c)["pins_ignored"] == 0
+        two.release()
+        one.release()
+        again = c.acquire(L[0], [0, 1])              # released: room for two again
+        assert (again.id < 0) is FAST
+        again.release()
+
+
 def test_daemon_restart_makes_the_session_stale_and_the_client_says_hello_again(daemon):
     ep, p = daemon()
     with Client(ep, name="restart") as c:

@@ -32,6 +32,8 @@
  *   - the daemon evicts key k from slot s by: pins(s) == 0, resident map[k] = 0, full fence,
  *     pins(s) again; non-zero -> republish, not evicted; else generation[s] += 1, then reuse.
  *     (Dekker: either the client sees the cleared map or the daemon sees the pin.)
+ *   - the daemon honours a pin file's pins on at most `quota` (word 6) slots and may reuse the
+ *     others: a client whose live pins would then name more experts than that uses the socket.
  *   - a hit taken without a message goes into the client's ring; the daemon applies the ring
  *     to its LRU, in timestamp order over all clients, before it serves any request and before
  *     it picks a victim, so its eviction order is the one the socket path would produce.

@@ -303,6 +303,7 @@ static int arena_from_hello(const msgpack_object *rep, uint64_t session, mc_aren
     if (!am) return seterr(err, MC_ERR_SYSTEM, "out of memory");
     atomic_init(&am->refs, 1);
     atomic_init(&am->maprefs, 1);
+    atomic_init(&am->fast_items, 0);
     atomic_init(&am->voided, 0);
     am->session = session;
     am->size = (size_t)size;
@@ -485,6 +486,11 @@ static int arena_from_hello(const msgpack_object *rep, uint64_t session, mc_aren
             return seterr(err, MC_ERR_PROTOCOL, "pin file %s: bad magic or slot count", ppath);
         }
         lay->pin = pw;
+        /* the daemon honours pins on at most `quota` slots: more go over the socket */
+        int64_t quota = 0;
+        if (!mint(mget(pins, "quota"), &quota) || quota <= 0)
+            quota = (int64_t)atomic_load(&pw[MCSHM_PIN_W_QUOTA]);
+        am->pin_quota = quota > 0 ? (uint64_t)quota : 0;   /* none given: no bound */
         lay->ring_n = (uint32_t)ring_n;
         lay->pins_word32 = (uint64_t)pins_off / 4;
         lay->ring_word = (uint64_t)ring_off / 8;
@@ -1413,6 +1419,10 @@ int mc__pin_lease(mc_arena_map *am, const mc_request *reqs, uint32_t n, mc_lease
     uint32_t total = 0;
     for (uint32_t i = 0; i < n; i++) total += reqs[i].n;
     if (!am->lay.pin || total == 0) return MCSHM_MISS;
+    if (am->pin_quota) {   /* the daemon ignores pins past its quota: a lease on them could go invalid */
+        uint64_t held = atomic_load(&am->fast_items);
+        if (held > am->pin_quota || total > am->pin_quota - held) return MCSHM_MISS;
+    }
     uint32_t kbuf[256];
     uint32_t *keys = total <= 256 ? kbuf : malloc(total * sizeof(uint32_t));
     if (!keys) return MCSHM_MISS;
@@ -1432,6 +1442,7 @@ int mc__pin_lease(mc_arena_map *am, const mc_request *reqs, uint32_t n, mc_lease
     if (!l) goto done;
     s = mcshm_pin(&am->lay, keys, total, l->mi);
     if (s == MCSHM_OK) {
+        atomic_fetch_add(&am->fast_items, total);
         atomic_fetch_add(&am->refs, 1);
         atomic_fetch_add(&am->maprefs, 1);
         l->am = am;
@@ -1687,6 +1698,7 @@ void mc_release(mc_lease *l) {
     if (am) {
         if (l->fast) {
             mcshm_unpin(&am->lay, l->mi, l->n);   /* lock-free; harmless on a gone daemon's pin file */
+            atomic_fetch_sub(&am->fast_items, l->n);
         } else if (l->c && !atomic_load(&am->closed) && !atomic_load(&am->voided)) {
             mc_client *c = l->c;
             pthread_mutex_lock(&c->mu);

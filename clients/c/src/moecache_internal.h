@@ -21,6 +21,8 @@ typedef struct mc_arena_map {
     void *pin;
     size_t pin_size;
     int has_resmap;
+    uint64_t pin_quota;        /* slots whose fast-path pins the daemon honours (0: no bound) */
+    _Atomic uint64_t fast_items;   /* items of the live fast leases on this pin file */
     mcshm_layout lay;
     uint32_t *key_class;       /* moe layer index -> class */
     int32_t *layer_moe;        /* block -> moe layer index (-1) */
@@ -59,7 +61,9 @@ void mc_arena_unref(mc_arena_map *am);
 void mc_arena_unref_map(mc_arena_map *am);
 
 /* The fast path on one arena (caller serialises calls per pin file): MCSHM_OK with *out a
- * new lease, else the mcshm_pin status (MCSHM_MISS also for a layer/expert out of range). */
+ * new lease, else the mcshm_pin status (MCSHM_MISS also for a layer/expert out of range, and
+ * when the live fast leases plus this one would hold more items than pin_quota: the daemon
+ * ignores pins past its quota, so those go over the socket). */
 int mc__pin_lease(mc_arena_map *am, const mc_request *reqs, uint32_t n, mc_lease **out);
 
 #endif

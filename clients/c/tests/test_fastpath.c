@@ -90,6 +90,34 @@ static void test_revocation_detected(void) {
     fa_free(f);
 }
 
+static void test_pins_stay_within_the_quota(void) {
+    /* the daemon honours pins on at most `quota` slots of a pin file and reuses the others
+     * (test_revocation_detected): the library pins no more than that, the rest goes over the
+     * socket (MCSHM_MISS), so a lease through shared memory is never revoked for the quota */
+    fake_arena *f = fa_new(SESSION);
+    f->am->pin_quota = 3;
+    for (uint32_t e = 0; e < 4; e++) fa_load(f, 0, e, e);
+    int st, four[] = {0, 1, 2, 3}, two[] = {0, 1}, one[] = {2}, other[] = {3};
+    mc_lease *l = pin(f, FA_L0, four, 4, &st);
+    CHECK(st == MCSHM_MISS && !l, "4 experts, quota 3: socket (status %d)", st);
+    CHECK(fa_pins(f, 0, 0) == 0 && head(f) == 0, "nothing pinned, no ring entry");
+    mc_lease *a = pin(f, FA_L0, two, 2, &st);
+    REQUIRE(st == MCSHM_OK && a, "2 of quota 3: pinned (status %d)", st);
+    mc_lease *b = pin(f, FA_L0, one, 1, &st);
+    REQUIRE(st == MCSHM_OK && b, "3 of quota 3: pinned (status %d)", st);
+    l = pin(f, FA_L0, other, 1, &st);
+    CHECK(st == MCSHM_MISS && !l, "a 4th slot past quota 3: socket (status %d)", st);
+    CHECK(fa_pins(f, 0, 3) == 0, "no pin past the quota");
+    mc_release(a);
+    l = pin(f, FA_L0, other, 1, &st);
+    CHECK(st == MCSHM_OK && l, "room again after a release (status %d)", st);
+    CHECK(atomic_load(&f->am->fast_items) == 2, "2 items held");
+    mc_release(l);
+    mc_release(b);
+    CHECK(atomic_load(&f->am->fast_items) == 0, "none held after the releases");
+    fa_free(f);
+}
+
 static void test_epoch_state_void(void) {
     fake_arena *f = fa_new(SESSION);
     fa_load(f, 1, 0, 0);
@@ -182,6 +210,7 @@ int main(void) {
     test_hit_read_release();
     test_miss_and_range();
     test_revocation_detected();
+    test_pins_stay_within_the_quota();
     test_epoch_state_void();
     test_ring_full_and_multi();
     test_socket_lease_validity();

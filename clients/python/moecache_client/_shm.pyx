@@ -44,11 +44,14 @@ cdef class Shm:
     cdef PyThread_type_lock lock
     cdef readonly object session
     cdef public Py_ssize_t max_experts   # the daemon's max_request_experts (more: the socket says no)
+    cdef readonly Py_ssize_t quota       # slots whose pins the daemon honours (0: no bound)
+    cdef readonly Py_ssize_t held        # items of the live pins (released: Items.release)
 
     def __cinit__(self):
         self.have_arena = self.have_pin = False
         self.key_class = NULL
         self.max_experts = 1 << 20
+        self.quota = self.held = 0
         self.lock = PyThread_allocate_lock()
         if self.lock == NULL:
             raise MemoryError()
@@ -124,6 +127,8 @@ cdef class Shm:
             raise ValueError(f"pin file {pins.get('path')}: bad magic or slot count "
                              f"({pw[2]} slots, the arena has {base})")
         self.lay.pin = <mcshm_u64 *>self.pin_buf.buf
+        # the daemon honours pins on at most `quota` slots: more go over the socket
+        self.quota = int(pins.get("quota") or 0) or <Py_ssize_t>pw[6]
         self.lay.ring_n = ring_n
         self.lay.pins_word32 = pins_off // 4
         self.lay.ring_word = ring_off // 8
@@ -155,7 +160,9 @@ cdef class Shm:
         every group's -- without a message. Returns :class:`Items` on success, else the
         mcshm result code: MISS also for anything the socket path must judge (a layer without
         experts, an expert out of range or not an integer, a repeated expert, more experts
-        than ``max_experts``), so the socket gives the daemon's answer."""
+        than ``max_experts``), so the socket gives the daemon's answer; and when the live pins
+        and these would name more experts than ``quota`` (the daemon ignores pins past it:
+        a lease on them could go invalid)."""
         cdef uint32_t stack_keys[STACK_KEYS]
         cdef uint32_t stack_sorted[STACK_KEYS]
         cdef uint32_t *keys = stack_keys
@@ -211,7 +218,12 @@ cdef class Shm:
             it = Items.__new__(Items)
             it.alloc(self, n)
             PyThread_acquire_lock(self.lock, WAIT_LOCK)   # one ring producer per pin file
-            rc = mcshm_pin(&self.lay, keys, <uint32_t>n, it.items)
+            if self.quota > 0 and self.held + n > self.quota:
+                rc = MCSHM_MISS
+            else:
+                rc = mcshm_pin(&self.lay, keys, <uint32_t>n, it.items)
+                if rc == MCSHM_OK:
+                    self.held += n
             PyThread_release_lock(self.lock)
             if rc != MCSHM_OK:
                 return rc
@@ -271,6 +283,7 @@ cdef class Items:
         if self.pinned:
             self.pinned = False
             mcshm_unpin(&self.shm.lay, self.items, self.n)
+            self.shm.held -= self.n
 
     def gens(self):
         return [self.items[j].gen for j in range(self.n)]
