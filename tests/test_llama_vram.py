@@ -102,6 +102,40 @@ def test_tier_gives_the_resident_logits_and_its_counters_add_up(resident, geomet
         assert eng["acquires"] < engine_llama.parse_stats(plain.stdout)["acquires"], (eng, plain.stdout[-500:])
 
 
+def test_two_engines_with_tiers_share_one_arena(resident, geometry, tmp_path):
+    """Two engines (two processes) at once on one daemon holding every expert, each with its own
+    tier of half the experts: each gets the resident run's logits and keeps its own tier (its own
+    copies), and the arena reads each expert from the file once for both."""
+    import threading
+    g = geometry
+    served_experts = g["blocks"] * g["experts"]
+    sock = str(tmp_path / "two.sock")
+    p = start_daemon(str(MODEL), sock, "--slots", str(served_experts))
+    runs = {}
+    try:
+        def run(i):
+            runs[i] = decode(MODEL, tmp_path / f"e{i}.bin", "--moecached-vram", "50%",
+                             endpoint=f"ipc://{sock}", check=False)
+        ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        with Client(f"ipc://{sock}", name="test", map_arena=False) as c:
+            st = c.stats()
+    finally:
+        stop_daemon(p)
+    for i in range(2):
+        assert runs[i].returncode == 0, runs[i].stderr[-2000:]
+        assert filecmp.cmp(resident, tmp_path / f"e{i}.bin", shallow=False), f"engine {i}: logits differ"
+        v = vram(runs[i])
+        assert v["slots"] == served_experts // 2 and v["misses"] > 0 and v["decode_hits"] > 0, v
+        assert v["invalidations"] == 0, v
+    # one copy in the arena: every expert read once at most, whichever engine asked first
+    assert st["demand_misses"] + st["prefetches"] <= served_experts, st
+    assert st["bytes_read"] <= served_experts * g["slot_bytes"], st
+
+
 def test_tier_larger_than_the_arena_with_prompt_waves(resident, geometry, tmp_path):
     """A daemon of top-k + 2 slots (the prompt runs in waves of experts on the arena) and a tier
     of half the experts, far larger than the arena: decode copies at most what one acquire
