@@ -25,13 +25,15 @@ def prompt() -> str:
 
 
 class Runner:
-    """mc-decode of ``steps`` greedy steps on :func:`prompt` (or ``text``)."""
+    """mc-decode of ``steps`` greedy steps on :func:`prompt` (or ``text``), from ``bin_dir``
+    (default: the CPU build, :data:`BIN`)."""
 
-    def __init__(self, steps: int):
+    def __init__(self, steps: int, bin_dir=None):
         self.steps = steps
+        self.bin_dir = bin_dir or BIN
 
     def decode(self, model, dump, *extra, endpoint=None, text=None, check=True):
-        r = engine_llama.decode(BIN, str(model), str(dump), prompt=text or prompt(), steps=self.steps,
+        r = engine_llama.decode(self.bin_dir, str(model), str(dump), prompt=text or prompt(), steps=self.steps,
                                 endpoint=endpoint, extra=extra, timeout=300)
         if check:
             assert r.returncode == 0, f"mc-decode failed ({r.returncode}): {r.stderr[-2000:]}"

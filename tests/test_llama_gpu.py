@@ -1,0 +1,72 @@
+"""The patched llama.cpp's GPU rungs on a CUDA build: the experts computed on the GPU over the
+arena (``--moecached-gpu zerocopy``) and from a tier in VRAM (``--moecached-vram``) give the
+logits of the same build with every layer on the GPU, byte for byte (the same CUDA kernels over
+the same bytes), with the arena holding every expert or half of them.
+
+Runs where a CUDA build of the patched llama.cpp and an NVIDIA GPU are present:
+``MOECACHED_LLAMA_CUDA_BIN`` names its bin directory (``benchmarks/gpu_hybrid.sh OUT build``
+and the device kit's ``setup.sh cuda`` make one in /tmp/llama/build-cuda/bin). Skipped with one
+line elsewhere; CI runs the same paths on the CPU build (tests/test_llama_engine.py,
+tests/test_llama_vram.py).
+"""
+from __future__ import annotations
+
+import filecmp
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from llama_util import MODEL, Runner
+
+CUDA_BIN = Path(os.environ["MOECACHED_LLAMA_CUDA_BIN"]) if os.environ.get("MOECACHED_LLAMA_CUDA_BIN") else None
+
+
+def _why_not() -> str | None:
+    if CUDA_BIN is None or not (CUDA_BIN / "mc-decode").exists():
+        return ("no CUDA build of the patched llama.cpp: set MOECACHED_LLAMA_CUDA_BIN to its bin directory "
+                "(benchmarks/gpu_hybrid.sh OUT build makes /tmp/llama/build-cuda/bin)")
+    if shutil.which("nvidia-smi") is None or subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode:
+        return "no NVIDIA GPU (nvidia-smi -L fails)"
+    return None
+
+
+WHY_NOT = _why_not()
+pytestmark = [pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or ""), pytest.mark.timeout(900)]
+STEPS = 32
+RUN = Runner(STEPS, CUDA_BIN)
+ZEROCOPY = ("--cpu-moe", "--moecached-gpu", "zerocopy")
+
+
+def _served_experts() -> int:
+    from moecached.engine.index import open_index
+    idx = open_index(str(MODEL))
+    return len(idx.expert_layers) * idx.n_experts
+
+
+@pytest.fixture(scope="module")
+def all_on_the_gpu(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpu-ref")
+    RUN.decode(MODEL, d / "gpu.bin")
+    return d / "gpu.bin"
+
+
+@pytest.mark.parametrize("arena", [1.0, 0.5])
+@pytest.mark.parametrize("tier", [None, "25%", "100%"])
+def test_gpu_rungs_give_the_all_on_the_gpu_logits(all_on_the_gpu, tmp_path, arena, tier):
+    """Rung 2 (zerocopy) and rung 3 (a VRAM tier over it), the arena holding every expert or
+    half: the logits of the run with every layer on the GPU, and the tier's counters add up."""
+    extra = ZEROCOPY + (("--moecached-vram", tier) if tier else ())
+    r, st = RUN.served(MODEL, tmp_path, "rung", int(arena * _served_experts()), *extra)
+    assert filecmp.cmp(all_on_the_gpu, tmp_path / "rung.bin", shallow=False), \
+        f"arena {arena:.0%}, tier {tier}: logits differ from every layer on the GPU"
+    assert st["demand_misses"] > 0 or arena == 1.0, st
+    if tier:
+        m = re.search(r"^vram (.*)$", r.stdout, re.M)
+        assert m, r.stdout[-1500:]
+        v = {k: int(x) for k, x in (kv.split("=", 1) for kv in m.group(1).split())}
+        assert v["slots"] > 0 and v["misses"] > 0 and v["invalidations"] == 0, v
+        assert v["vram_bytes"] > 0 and v["copied_bytes"] > 0, v
