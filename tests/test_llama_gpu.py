@@ -16,11 +16,13 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from llama_util import MODEL, Runner
+from daemon_util import start_daemon, stop_daemon
+from llama_util import MODEL, Runner, prompt
 
 CUDA_BIN = Path(os.environ["MOECACHED_LLAMA_CUDA_BIN"]) if os.environ.get("MOECACHED_LLAMA_CUDA_BIN") else None
 
@@ -70,3 +72,38 @@ def test_gpu_rungs_give_the_all_on_the_gpu_logits(all_on_the_gpu, tmp_path, aren
         v = {k: int(x) for k, x in (kv.split("=", 1) for kv in m.group(1).split())}
         assert v["slots"] > 0 and v["misses"] > 0 and v["invalidations"] == 0, v
         assert v["vram_bytes"] > 0 and v["copied_bytes"] > 0, v
+
+
+@pytest.mark.parametrize("tier", [None, "25%"])
+def test_daemon_restart_on_the_gpu_is_an_error_or_a_correct_continuation(all_on_the_gpu, tmp_path, tier):
+    """Zerocopy (with a tier or not), the daemon restarted mid-decode: the new arena is registered
+    with CUDA anew (the tier invalidated) and the logits stay the all-on-the-GPU run's, or the
+    engine stops with one moecached error line and what it wrote is a prefix of them."""
+    n = _served_experts()
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(str(MODEL), sock, "--slots", str(n))
+    cmd = [str(CUDA_BIN / "mc-decode"), "-m", str(MODEL), "-p", prompt(), "-n", str(STEPS), "-t", "2",
+           "--dump", str(tmp_path / "out.bin"), "--moecached", f"ipc://{sock}", *ZEROCOPY,
+           *(("--moecached-vram", tier) if tier else ()), "--step-delay-ms", "50", "--retries", "40"]
+    eng = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p2 = None
+    try:
+        time.sleep(3.0)
+        assert eng.poll() is None, "the engine finished before the restart: make the decode longer"
+        stop_daemon(p)
+        p2 = start_daemon(str(MODEL), sock, "--slots", str(n))
+        out, err = eng.communicate(timeout=600)
+    finally:
+        if eng.poll() is None:
+            eng.kill()
+        if p2:
+            stop_daemon(p2)
+    ref = all_on_the_gpu.read_bytes()
+    if eng.returncode == 0:
+        assert (tmp_path / "out.bin").read_bytes() == ref, "other logits after a restart"
+        m = re.search(r"^moecached (acquires=.*)$", out, re.M)
+        st = {k: int(v) for k, v in (kv.split("=", 1) for kv in m.group(1).split())} if m else {}
+        assert st.get("restarts", 0) >= 1, out[-1500:]
+    else:
+        assert "moecached error:" in err, err[-2000:]
+        assert ref.startswith((tmp_path / "out.bin").read_bytes())
