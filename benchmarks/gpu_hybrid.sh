@@ -3,7 +3,7 @@
 # offloaded, the routed experts taken from the daemon's arena, against llama.cpp's own runs.
 # From the project's root on the GPU machine (carry .whl and .dev: ../shared/device/README.md):
 #
-#   bash benchmarks/gpu_hybrid.sh OUT_DIR [build|measure|all] [BLOCKS] [STEPS]
+#   bash benchmarks/gpu_hybrid.sh OUT_DIR [build|measure|test|all] [BLOCKS] [STEPS]
 #
 # build:   the CUDA build (the kit's setup.sh; FlashAttention kernels off to save build time),
 #          a synth --runnable model of the Qwen3-30B-A3B expert geometry (BLOCKS blocks, Q8_0;
@@ -29,14 +29,17 @@
 #          Rung 3 with its references (gpu for the logits, rung2 for the speed without the tier),
 #          once the build phase has run:
 #            RUNGS=gpu,rung2,rung3_10,rung3_25,rung3_50,rung3_100 bash benchmarks/gpu_hybrid.sh OUT measure
-# all:     both (one call, when the machine is warm enough). Each phase is idempotent: a warm
+# test:    the build, then tests/test_llama_gpu.py on it (zerocopy and the VRAM tier against the
+#          all-on-the-GPU logits, a daemon restart under both; pytest from .whl, which the kit
+#          installs): its output in OUT_DIR/test.txt
+# all:     build and measure (one call, when the machine is warm enough). Each phase is idempotent: a warm
 #          machine keeps the build (/tmp/llama), the model and the llama-bench results
 #          (/tmp/gpu-hybrid) between calls, and both phases copy what exists into OUT_DIR:
 #   log.txt, setup.log, bench_gpu.json, bench_exps_cpu.json, rungs.json, rungs.md, sched.txt
 set -uo pipefail
-OUT=${1:?usage: gpu_hybrid.sh OUT_DIR [build|measure|all] [BLOCKS] [STEPS]}
+OUT=${1:?usage: gpu_hybrid.sh OUT_DIR [build|measure|test|all] [BLOCKS] [STEPS]}
 PHASE=${2:-all}; BLOCKS=${3:-4}; STEPS=${4:-64}
-case "$PHASE" in build|measure|all) ;; *) echo "gpu_hybrid.sh: phase $PHASE: expected build, measure or all" >&2; exit 2 ;; esac
+case "$PHASE" in build|measure|all|test) ;; *) echo "gpu_hybrid.sh: phase $PHASE: expected build, measure, test or all" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 KEEP=/tmp/gpu-hybrid; mkdir -p "$KEEP"
 t0=$(date +%s)
@@ -67,6 +70,14 @@ say "built: $(tail -1 "$OUT/setup.log") ($(grep -o 'GGML_CUDA_FA:BOOL=[A-Z]*' /t
 [ -n "${SYNTH:-}" ] && { wait "$SYNTH" || { tail -5 "$KEEP/synth.log"; exit 1; }; }
 say "model $M: $(du -h "$M" | cut -f1)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$OUT/log.txt" 2>&1
+
+if [ "$PHASE" = test ]; then
+    MOECACHED_LLAMA_CUDA_BIN=$BIN TMPDIR=/tmp python3 -m pytest -q -p no:cacheprovider -rs tests/test_llama_gpu.py \
+        > "$OUT/test.txt" 2>&1
+    rc=$?
+    say "tests/test_llama_gpu.py: exit $rc: $(tail -1 "$OUT/test.txt")"
+    exit $rc
+fi
 
 # llama-bench rows, in whichever call has the time (the build phase stops at 8 minutes)
 if [ "$PHASE" != build ] || [ $(( $(date +%s) - t0 )) -lt 480 ]; then
