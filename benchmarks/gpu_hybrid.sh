@@ -30,8 +30,8 @@
 #          once the build phase has run:
 #            RUNGS=gpu,rung2,rung3_10,rung3_25,rung3_50,rung3_100 bash benchmarks/gpu_hybrid.sh OUT measure
 # test:    the build, then tests/test_llama_gpu.py on it (zerocopy and the VRAM tier against the
-#          all-on-the-GPU logits, a daemon restart under both; pytest from .whl, which the kit
-#          installs): its output in OUT_DIR/test.txt
+#          all-on-the-GPU logits, a daemon restart under both; the GPU machine has pytest; the
+#          trained model of benchmarks/models travels with the tree): its output in OUT_DIR/test.txt
 # all:     build and measure (one call, when the machine is warm enough). Each phase is idempotent: a warm
 #          machine keeps the build (/tmp/llama), the model and the llama-bench results
 #          (/tmp/gpu-hybrid) between calls, and both phases copy what exists into OUT_DIR:
