@@ -83,6 +83,7 @@ def test_restart_round_trip(model, tmp_path):
             st = _wait_warm(c, len(wanted))
             assert st["warm_loaded"] == len(wanted) == st["warm_wanted"]
             assert st["warm_pending"] == 0                # the fill ended
+            assert c._call({"op": "ping"})["warm_pending"] == 0   # what a C engine polls
             assert st["warm_bytes"] == sum(
                 sum(s.nbytes for s in idx.parts(l, e)) for l, e in wanted)
             assert st["warm_seconds"] > 0

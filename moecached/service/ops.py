@@ -70,7 +70,9 @@ class ServerOps:
                             "client_max_prefetch": self.client_max_prefetch or 0})
 
     def _op_ping(self, c: _Client, rid: int, msg: dict) -> None:
-        self._reply(c.ident, rid, t=time.time())
+        # warm_pending: what an engine waiting for the warm fill polls (cheap, unlike stats)
+        w = getattr(self.cache, "warm", None)
+        self._reply(c.ident, rid, t=time.time(), warm_pending=w.pending if w is not None else 0)
 
     def _op_acquire(self, c: _Client, rid: int, msg: dict) -> None:
         reqs = self.checker.requests(msg)

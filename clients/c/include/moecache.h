@@ -130,7 +130,9 @@ typedef struct mc_options {
                                * (a cold start reading the whole model, a restart's state file:
                                * as a memory-mapped load waits for its reads), at most this long,
                                * then connects anyway; 0: no wait; -1: until it ends. Default
-                               * 600000 (mc_warm_wait) */
+                               * 600000, or the environment's MOECACHE_WARM_WAIT_MS (mc_warm_wait;
+                               * a wait says so on stderr, one line as it starts and one as it
+                               * ends) */
 } mc_options;
 
 /* Fill *opt with the defaults. */
@@ -150,7 +152,7 @@ typedef struct mc_lease mc_lease;
  * be NULL ("pid<N>"). */
 MC_API mc_client *mc_connect(const char *endpoint, const char *name, const mc_options *opt, mc_error *err);
 
-/* Wait while the daemon's warm fill of this client's model runs (its stats' warm_pending > 0),
+/* Wait while the daemon's warm fill of this client's model runs (ping's warm_pending > 0),
  * polling every 20 ms, at most timeout_ms (-1: until it ends). MC_OK once none runs (at once when
  * none does, or the daemon does not report warm_pending); MC_ERR_TIMEOUT when it still runs
  * (*pending, may be NULL, gets the experts it has yet to load). */

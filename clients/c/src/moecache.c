@@ -586,6 +586,8 @@ void mc_options_init(mc_options *opt) {
     opt->send_pid = 1;
     opt->model = NULL;
     opt->warm_wait_ms = 600000;
+    const char *w = getenv("MOECACHE_WARM_WAIT_MS");   /* an engine's user sets it without code */
+    if (w && *w) opt->warm_wait_ms = atoi(w);
 }
 
 static int new_socket(mc_client *c, mc_error *err) {
@@ -1128,8 +1130,20 @@ mc_client *mc_connect(const char *endpoint, const char *name, const mc_options *
         mc_close(c);
         return NULL;
     }
-    if (c->opt.warm_wait_ms != 0)
-        (void)mc_warm_wait(c, c->opt.warm_wait_ms, NULL, NULL);   /* still running: serve anyway */
+    if (c->opt.warm_wait_ms != 0) {   /* a fill still running after the wait: go on anyway */
+        uint64_t left = 0;
+        mc_error we;
+        double t0 = now_s();
+        if (mc_warm_wait(c, 0, &left, &we) == MC_ERR_TIMEOUT && left > 0) {
+            fprintf(stderr, "moecache: the daemon is filling the model (%llu experts to load): waiting up to %d ms "
+                    "(MOECACHE_WARM_WAIT_MS or mc_options.warm_wait_ms; 0: do not wait)\n",
+                    (unsigned long long)left, c->opt.warm_wait_ms);
+            if (mc_warm_wait(c, c->opt.warm_wait_ms, &left, &we) == MC_OK)
+                fprintf(stderr, "moecache: the daemon's fill ended after %.1f s\n", now_s() - t0);
+            else
+                fprintf(stderr, "moecache: %s; going on without it\n", we.message);
+        }
+    }
     if (c->opt.heartbeat_thread) {
         extern void *mc__heartbeat_main(void *);
         if (pthread_create(&c->hb, NULL, mc__heartbeat_main, c) == 0)
@@ -1277,10 +1291,9 @@ int mc_warm_wait(mc_client *c, int timeout_ms, uint64_t *pending, mc_error *err)
     double t0 = now_s();
     for (;;) {
         msgpack_unpacked rep;
-        int r = do_call(c, "stats", 0, NULL, NULL, -1, 1, &rep, NULL, err);
+        int r = do_call(c, "ping", 0, NULL, NULL, -1, 1, &rep, NULL, err);
         if (r != MC_OK) return r;
-        const msgpack_object *s = mget(&rep.data, "stats");
-        const msgpack_object *p = s ? mget(s, "warm_pending") : NULL;
+        const msgpack_object *p = mget(&rep.data, "warm_pending");
         uint64_t left = p && p->type == MSGPACK_OBJECT_POSITIVE_INTEGER ? p->via.u64 : 0;
         msgpack_unpacked_destroy(&rep);
         if (pending) *pending = left;
