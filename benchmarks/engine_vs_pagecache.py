@@ -173,13 +173,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bin", help="directory of the patched build's binaries")
     ap.add_argument("--model", help="a runnable MoE GGUF (default: write one under --dir)")
-    ap.add_argument("--arch", default="qwen3moe")
-    ap.add_argument("--geometry", default="qwen3-30b-a3b")
-    ap.add_argument("--blocks", type=int, default=2)
-    ap.add_argument("--quant", default="q8_0")
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--fractions", default="0.25,0.5,0.75,0.9,1.0")
+    ap.add_argument("--arch", default="qwen3moe", help="architecture of the model written (default %(default)s)")
+    ap.add_argument("--geometry", default="qwen3-30b-a3b", help="its expert geometry (default %(default)s)")
+    ap.add_argument("--blocks", type=int, default=2, help="its MoE blocks (default %(default)s)")
+    ap.add_argument("--quant", default="q8_0", help="its quantization (default %(default)s)")
+    ap.add_argument("--steps", type=int, default=32, help="greedy steps per run (default %(default)s)")
+    ap.add_argument("--threads", type=int, default=2, help="mc-decode threads (default %(default)s)")
+    ap.add_argument("--fractions", default="0.25,0.5,0.75,0.9,1.0",
+                    help="shares of the routed experts in memory, each in (0, 1] (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=1, help="the whole matrix this many times; "
                     "the table shows each row's median")
     ap.add_argument("--cpu-moe", action="store_true", help="mc-decode --cpu-moe in every run: on a "
@@ -190,16 +191,28 @@ def main(argv=None) -> int:
     ap.add_argument("--readers", type=int, default=16, help="the daemon's reader threads")
     ap.add_argument("--daemon-arg", action="append", default=[],
                     help="one more daemon flag for every daemon run (repeatable), e.g. --daemon-arg=--chunk=4MiB")
-    ap.add_argument("--bw-seconds", type=float, default=5.0)
-    ap.add_argument("--dir", default="/work/bench-tmp")
-    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "engine_vs_pagecache.json"))
+    ap.add_argument("--bw-seconds", type=float, default=5.0,
+                    help="seconds of each drive-rate measurement (default %(default)s)")
+    ap.add_argument("--dir", default="/work/bench-tmp", help="the model and the runs' files (default %(default)s)")
+    ap.add_argument("--json", help="where the results go (default: DIR/engine_vs_pagecache.json; the "
+                    "committed figures are in benchmarks/results/)")
     a = ap.parse_args(argv)
+    try:
+        fracs = [float(x) for x in a.fractions.split(",")]
+    except ValueError:
+        ap.error(f"--fractions {a.fractions}: expected shares such as 0.25,0.5,1.0")
+    if not all(0 < f <= 1 for f in fracs):
+        ap.error(f"--fractions {a.fractions}: every share must be in (0, 1]")
+    for name in ("steps", "threads", "rounds", "blocks", "readers"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name} {getattr(a, name)}: must be at least 1")
+    if a.bin and not (Path(a.bin) / "mc-decode").exists():
+        ap.error(f"--bin {a.bin}: no mc-decode there (clients/llama.cpp/build.sh makes one)")
     if os.geteuid() != 0:
         sys.exit("engine_vs_pagecache: needs root (memory cgroups, dropping the page cache)")
     bin_dir = Path(a.bin) if a.bin else engine_llama.llama_bin()
     if bin_dir is None:
         sys.exit(f"engine_vs_pagecache: no patched llama.cpp: {engine_llama.BUILD_HINT}")
-    fracs = [float(x) for x in a.fractions.split(",")]
     ENGINE_ARGS[:] = (["--cpu-moe"] if a.cpu_moe else []) + a.engine_args.split()
     work = Path(a.dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -345,7 +358,7 @@ def main(argv=None) -> int:
               f"{x['state']}{extra} | {x['decode_tps']:.2f} | {x['prompt_tps']:.1f} | {x['wall_s']:.1f} | "
               f"{x['read_bytes'] / 2**30:.2f} | {x['read_s_at_ceiling']:.1f} | {hm} | "
               f"{'same' if x['identical'] else 'DIFFER'} |")
-    write_json(a.json, {"model": model, "blocks": len(idx.expert_layers), "experts": idx.n_experts,
+    write_json(a.json or str(work / "engine_vs_pagecache.json"), {"model": model, "blocks": len(idx.expert_layers), "experts": idx.n_experts,
                         "top_k": idx.top_k, "file_bytes": file_bytes, "routed_expert_bytes": expert_bytes,
                         "steps": a.steps, "threads": a.threads, "engine_peak_bytes": engine_peak,
                         "drive_mib_s": drive, "drive_runs_mib_s": ceiling,

@@ -127,15 +127,29 @@ def daemon_fill(model: str, run_dir: Path, chunk: int, readers: int, n_all: int)
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model")
-    ap.add_argument("--blocks", type=int, default=4)
-    ap.add_argument("--quant", default="q8_0")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--chunks", default="256KiB,1MiB,4MiB")
-    ap.add_argument("--threads", type=int, default=16, help="O_DIRECT threads and daemon readers")
-    ap.add_argument("--dir", default="/work/bench-tmp")
-    ap.add_argument("--json", default=str(HERE / "results" / "whole_fill.json"))
+    ap.add_argument("--model", help="a MoE GGUF (default: a runnable one written under --dir)")
+    ap.add_argument("--blocks", type=int, default=4, help="MoE blocks of the model written (default %(default)s)")
+    ap.add_argument("--quant", default="q8_0", help="its quantization (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default %(default)s)")
+    ap.add_argument("--chunks", default="256KiB,1MiB,4MiB",
+                    help="read sizes, multiples of 4 KiB (default %(default)s)")
+    ap.add_argument("--threads", type=int, default=16,
+                    help="O_DIRECT threads and daemon readers (default %(default)s)")
+    ap.add_argument("--dir", default="/work/bench-tmp", help="the model and the runs' files (default %(default)s)")
+    ap.add_argument("--json", help="where the results go (default: DIR/whole_fill.json; the committed "
+                    "figures are in benchmarks/results/)")
     a = ap.parse_args(argv)
+    for name in ("rounds", "threads", "blocks"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name} {getattr(a, name)}: must be at least 1")
+    try:
+        chunks = [parse_size(c) for c in a.chunks.split(",")]
+    except Exception as e:
+        ap.error(f"--chunks {a.chunks}: {e}")
+    bad = [c for c in chunks if c < 4096 or c % 4096 or c > 64 << 20]
+    if bad:
+        ap.error(f"--chunks {a.chunks}: {bad[0]} bytes: each read size must be a multiple of 4 KiB, "
+                 f"from 4 KiB to 64 MiB")
     if os.geteuid() != 0:
         sys.exit("whole_fill: needs root (dropping the page cache)")
     work = Path(a.dir)
@@ -143,7 +157,6 @@ def main(argv=None) -> int:
     model = a.model or runnable_model(work, blocks=a.blocks, quant=a.quant)
     idx = open_index(model)
     n_all = len(idx.expert_layers) * idx.n_experts
-    chunks = [parse_size(c) for c in a.chunks.split(",")]
     kinds = ["buffered", "mmap populate"] + [f"direct {c >> 10}K" for c in chunks] \
         + [f"daemon {c >> 10}K" for c in chunks]
     res = {k: [] for k in kinds}
@@ -183,7 +196,7 @@ def main(argv=None) -> int:
         print(f"| {k} | {xs[0]['bytes'] / 2**30:.2f} | "
               f"{statistics.median(x['seconds'] for x in xs):.2f} | "
               f"{statistics.median(x['mib_s'] for x in xs):.0f} | {per} |")
-    write_json(a.json, dict(model=model, threads=a.threads, rounds=a.rounds, results=res))
+    write_json(a.json or str(work / "whole_fill.json"), dict(model=model, threads=a.threads, rounds=a.rounds, results=res))
     return 0
 
 
