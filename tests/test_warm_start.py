@@ -433,3 +433,21 @@ def test_warm_pending_is_what_the_running_fill_has_left():
     cache.warm.running = None
     assert row.value(cache) == 0
     assert row.value(types.SimpleNamespace()) == 0        # a cache that never filled
+
+
+def test_the_stop_line_tells_resident_from_still_to_load(monkeypatch, caplog):
+    """Stopped during a fill, the daemon saves the resident experts and then what the fill had
+    still to load; its line counts them apart (it said "saved 256 resident experts" with 74 in)."""
+    import logging
+    import types
+    from moecached.daemon import state as st_mod
+    monkeypatch.setattr(st_mod, "save_state", lambda path, cache, experts, model=None: len(experts))
+    states = types.SimpleNamespace(saved={})
+    experts = [(0, e) for e in range(256)]
+    with caplog.at_level(logging.INFO, logger="moecached.warm"):
+        st_mod.WarmStates._write(states, [("/s/m.warm", None, experts, "/m.gguf", 74)], "stop")
+        st_mod.WarmStates._write(states, [("/s/n.warm", None, experts[:9], "/n.gguf", 9)], "stop")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["saved 74 resident experts and 182 a running warm fill had still to load to /s/m.warm (stop)",
+                     "saved 9 resident experts to /s/n.warm (stop)"], lines
+    assert states.saved == {"/s/m.warm": 256, "/s/n.warm": 9}

@@ -242,20 +242,22 @@ class WarmStates:
             if path is None or cache.model_changed is not None:
                 continue
             experts = resident_experts(cache)
+            resident = len(experts)
             running = counters_of(cache).running
             if running is not None:   # what the fill has still to load comes after
                 have = set(experts)
                 experts += [x for x in running.wanted if x not in have]
-            out.append((path, cache, experts, mpath))
+            out.append((path, cache, experts, mpath, resident))
         return out
 
     def _write(self, snap, why: str) -> None:
-        for path, cache, experts, mpath in snap:
+        for path, cache, experts, mpath, resident in snap:
             try:
                 n = save_state(path, cache, experts, model=mpath)
                 self.saved[path] = n
+                more = f" and {n - resident} a running warm fill had still to load" if n > resident else ""
                 log.log(logging.INFO if why == "stop" else logging.DEBUG,
-                        "saved %d resident experts to %s (%s)", n, path, why)
+                        "saved %d resident experts%s to %s (%s)", resident, more, path, why)
             except OSError as e:
                 log.warning("cannot save the state file %s: %s", path, e.strerror or e)
 
