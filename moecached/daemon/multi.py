@@ -129,7 +129,7 @@ class Models:
                 raise P.ProtocolError(P.E_UNKNOWN_MODEL, "this daemon serves several models ("
                                       + ", ".join(m.name for m in live) + "): name one in hello "
                                       "(Python: Client(endpoint, model=NAME); C: mc_options.model) "
-                                      "or use its own socket (llama.cpp: --moecached ENDPOINT.NAME)")
+                                      "or use its own socket, ENDPOINT.NAME (what a llama.cpp engine is given)")
             m = self.models.get(want)
             if m is None or m.draining is not None:
                 why = "is being removed" if m is not None else "is not served here"
