@@ -3,6 +3,7 @@
 fresh daemon."""
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,22 @@ class Runner:
         finally:
             stop_daemon(p)
         return r, st
+
+
+def across_restart(cmd, under_way, restart, *, env=None, timeout=600) -> tuple:
+    """Run the engine ``cmd``; once ``under_way()`` returns (it waits until the engine is at work
+    and asserts so), ``restart()`` stops the daemon and returns the one started after it (or
+    None). ``(returncode, stdout, stderr)`` of the engine; the engine (if still running) and that
+    daemon are stopped at the end."""
+    eng = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    p2 = None
+    try:
+        under_way(eng)
+        p2 = restart()
+        out, err = eng.communicate(timeout=timeout)
+    finally:
+        if eng.poll() is None:
+            eng.kill()
+        if p2:
+            stop_daemon(p2)
+    return eng.returncode, out, err

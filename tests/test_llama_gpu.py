@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from daemon_util import start_daemon, stop_daemon
-from llama_util import MODEL, Runner, prompt
+from llama_util import MODEL, Runner, across_restart, prompt
 
 CUDA_BIN = Path(os.environ["MOECACHED_LLAMA_CUDA_BIN"]) if os.environ.get("MOECACHED_LLAMA_CUDA_BIN") else None
 
@@ -85,21 +85,13 @@ def test_daemon_restart_on_the_gpu_is_an_error_or_a_correct_continuation(all_on_
     cmd = [str(CUDA_BIN / "mc-decode"), "-m", str(MODEL), "-p", prompt(), "-n", str(STEPS), "-t", "2",
            "--dump", str(tmp_path / "out.bin"), "--moecached", f"ipc://{sock}", *ZEROCOPY,
            *(("--moecached-vram", tier) if tier else ()), "--step-delay-ms", "50", "--retries", "40"]
-    eng = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    p2 = None
-    try:
+    def under_way(eng):
         time.sleep(3.0)
         assert eng.poll() is None, "the engine finished before the restart: make the decode longer"
-        stop_daemon(p)
-        p2 = start_daemon(str(MODEL), sock, "--slots", str(n))
-        out, err = eng.communicate(timeout=600)
-    finally:
-        if eng.poll() is None:
-            eng.kill()
-        if p2:
-            stop_daemon(p2)
+    rc, out, err = across_restart(cmd, under_way,
+                                  lambda: (stop_daemon(p), start_daemon(str(MODEL), sock, "--slots", str(n)))[1])
     ref = all_on_the_gpu.read_bytes()
-    if eng.returncode == 0:
+    if rc == 0:
         assert (tmp_path / "out.bin").read_bytes() == ref, "other logits after a restart"
         m = re.search(r"^moecached (acquires=.*)$", out, re.M)
         st = {k: int(v) for k, v in (kv.split("=", 1) for kv in m.group(1).split())} if m else {}

@@ -24,7 +24,7 @@ import pytest
 
 from daemon_util import start_daemon, stop_daemon
 from moecached.tools import engine_llama
-from llama_util import BIN, MODEL, NEEDS_BUILD, Runner
+from llama_util import BIN, MODEL, NEEDS_BUILD, Runner, across_restart
 from moecache_client import Client
 from moecached.engine.index import open_index
 from moecached.tools.synth_runnable import write_runnable
@@ -195,21 +195,13 @@ def test_daemon_restart_with_the_tier_is_an_error_or_a_correct_continuation(tmp_
     cmd = [str(BIN / "mc-decode"), "-m", model, "-p", "Experts in shared memory, served to every engine.",
            "-n", str(STEPS), "-t", "2", "--dump", str(tmp_path / "out.bin"), "--moecached", f"ipc://{sock}",
            "--moecached-vram", "12.5%", "--step-delay-ms", "50", "--retries", "40"]
-    eng = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    p2 = None
-    try:
+    def under_way(eng):
         time.sleep(1.0)
         assert eng.poll() is None, "the engine finished before the restart: make the decode longer"
-        stop_daemon(p)
-        p2 = start_daemon(model, sock, "--slots", "12")
-        out, err = eng.communicate(timeout=300)
-    finally:
-        if eng.poll() is None:
-            eng.kill()
-        if p2:
-            stop_daemon(p2)
+    rc, out, err = across_restart(cmd, under_way, lambda: (stop_daemon(p), start_daemon(model, sock, "--slots", "12"))[1],
+                                  timeout=300)
     ref = (tmp_path / "resident.bin").read_bytes()
-    if eng.returncode == 0:
+    if rc == 0:
         assert (tmp_path / "out.bin").read_bytes() == ref, "wrong logits after a restart"
         st = engine_llama.parse_stats(out)
         v = parse_kv(out, "vram")
@@ -235,24 +227,16 @@ def test_lease_invalid_under_a_copy_invalidates_the_tier_and_the_retry_is_correc
     p = start_daemon(model, sock, "--slots", "32")
     cmd = [str(BIN / "mc-decode"), "-m", model, "-p", text, "-n", str(steps), "-t", "2", "--dump", str(tmp_path / "out.bin"),
            "--moecached", f"ipc://{sock}", "--moecached-vram", "100%", "--retries", "60"]
-    eng = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env=dict(os.environ, LLAMA_MOECACHED_HOLD_US="3000000"))
-    p2 = None
-    try:
+    def under_way(eng):
         with Client(f"ipc://{sock}", name="watcher", map_arena=False) as c:
             deadline = time.monotonic() + 120
             while c.stats()["leases"] < 1 and eng.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert c.stats()["leases"] >= 1, "the engine acquired nothing in 120 s"
-        stop_daemon(p, sig=signal.SIGKILL)
-        p2 = start_daemon(model, sock, "--slots", "32")
-        out, err = eng.communicate(timeout=600)
-    finally:
-        if eng.poll() is None:
-            eng.kill()
-        if p2:
-            stop_daemon(p2)
-    assert eng.returncode == 0, err[-2000:]
+    rc, out, err = across_restart(cmd, under_way,
+                                  lambda: (stop_daemon(p, sig=signal.SIGKILL), start_daemon(model, sock, "--slots", "32"))[1],
+                                  env=dict(os.environ, LLAMA_MOECACHED_HOLD_US="3000000"))
+    assert rc == 0, err[-2000:]
     assert "moecached error:" in err, err[-2000:]          # a batch was discarded, then retried
     assert (tmp_path / "out.bin").read_bytes() == (tmp_path / "resident.bin").read_bytes(), "wrong logits after a crash"
     v = parse_kv(out, "vram")
