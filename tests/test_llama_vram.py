@@ -131,9 +131,10 @@ def test_two_engines_with_tiers_share_one_arena(resident, geometry, tmp_path):
         v = vram(runs[i])
         assert v["slots"] == served_experts // 2 and v["misses"] > 0 and v["decode_hits"] > 0, v
         assert v["invalidations"] == 0, v
-    # one copy in the arena: every expert read once at most, whichever engine asked first
-    assert st["demand_misses"] + st["prefetches"] <= served_experts, st
-    assert st["bytes_read"] <= served_experts * g["slot_bytes"], st
+    # one copy in the arena: every expert read once at most, whichever engine asked first (both
+    # engines waiting on one load count a miss each: the bytes read are what says it)
+    resident = sum(c["used"] for c in st["classes"])
+    assert 0 < resident <= served_experts and st["bytes_read"] == resident * g["slot_bytes"], st
 
 
 def test_tier_larger_than_the_arena_with_prompt_waves(resident, geometry, tmp_path):
