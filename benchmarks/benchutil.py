@@ -66,3 +66,10 @@ def runnable_model(work, *, blocks: int, quant: str, arch: str = "qwen3moe",
                        quantize_bin=q)
         os.replace(model + ".tmp", model)
     return model
+
+
+def at_least_one(ap, a, *names: str) -> None:
+    """``ap.error`` in one line for the first of ``a``'s integer options ``names`` below 1."""
+    for name in names:
+        if getattr(a, name) < 1:
+            ap.error(f"--{name} {getattr(a, name)}: must be at least 1")

@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from benchutil import runnable_model, start_daemon, stop_daemon, write_json  # noqa: E402
+from benchutil import at_least_one, runnable_model, start_daemon, stop_daemon, write_json  # noqa: E402
 from read_path import drop_caches  # noqa: E402
 from moecached.tools import engine_llama  # noqa: E402
 from moecached.engine.index import open_index  # noqa: E402
@@ -203,9 +203,7 @@ def main(argv=None) -> int:
         ap.error(f"--fractions {a.fractions}: expected shares such as 0.25,0.5,1.0")
     if not all(0 < f <= 1 for f in fracs):
         ap.error(f"--fractions {a.fractions}: every share must be in (0, 1]")
-    for name in ("steps", "threads", "rounds", "blocks", "readers"):
-        if getattr(a, name) < 1:
-            ap.error(f"--{name} {getattr(a, name)}: must be at least 1")
+    at_least_one(ap, a, "steps", "threads", "rounds", "blocks", "readers")
     if a.bin and not (Path(a.bin) / "mc-decode").exists():
         ap.error(f"--bin {a.bin}: no mc-decode there (clients/llama.cpp/build.sh makes one)")
     if os.geteuid() != 0:

@@ -34,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent / "clients" / "python"), str(HERE)]
 
-from benchutil import runnable_model, start_daemon, stop_daemon, write_json  # noqa: E402
+from benchutil import at_least_one, runnable_model, start_daemon, stop_daemon, write_json  # noqa: E402
 from read_path import drop_caches  # noqa: E402
 from moecached.facts.units import parse_size  # noqa: E402
 from moecached.engine.index import open_index  # noqa: E402
@@ -139,9 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="where the results go (default: DIR/whole_fill.json; the committed "
                     "figures are in benchmarks/results/)")
     a = ap.parse_args(argv)
-    for name in ("rounds", "threads", "blocks"):
-        if getattr(a, name) < 1:
-            ap.error(f"--{name} {getattr(a, name)}: must be at least 1")
+    at_least_one(ap, a, "rounds", "threads", "blocks")
     try:
         chunks = [parse_size(c) for c in a.chunks.split(",")]
     except Exception as e:
