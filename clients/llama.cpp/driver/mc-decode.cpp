@@ -5,6 +5,7 @@
 //             [--ubatch N] [--dump FILE] [--step-delay-ms MS] [--retries N] [--rounds N]
 //             [--moecached-subst R] [--moecached-subst-cap N] [--dump-moe FILE] [--cpu-moe]
 //             [--moecached-gpu cpu|zerocopy] [--moecached-prefetch off|next|two] [--moecached-vram SIZE]
+//             [--moecached-vram-lookup auto|device|host]
 //   mc-decode --help      (-h) prints the options and exits 0
 //
 // Prints one line per step ("step I token T") and a final "timing" line:
@@ -34,9 +35,16 @@
 // --moecached-vram SIZE|N% (LLAMA_MOECACHED_VRAM): a tier of the served experts in the memory of the
 // device that runs the MoE blocks (a CPU buffer on a CPU build), filled from the arena; a last line:
 //   vram slots=N vram_bytes=N hits=N misses=N copied_bytes=N evictions=N fallbacks=N invalidations=N
+//        lookup=M device_ubatches=N reruns=N reads=N fill_syncs=N switches=N spec_copies=N
 //        decode_hits=N decode_misses=N decode_copied_bytes=N
 // (misses: experts copied into the tier; fallbacks: block calls run on the arena because their
 // ubatch could need more experts than the tier holds; decode_*: over the decode steps only).
+// --moecached-vram-lookup auto|device|host (LLAMA_MOECACHED_VRAM_LOOKUP): a decoded token's blocks look
+// their experts up in a table in the tier (device: no host op in the graph; the host reads every
+// block's routed ids once after the graph, copies in what was missing and computes the graph again:
+// reruns; reads: those reads; fill_syncs: waits for such copies; spec_copies: experts copied for a
+// routing the final pass did not have), or per block on the host (host, the tier's acquire op); auto:
+// device, host for a while when tokens ran again often (switches).
 #include "llama.h"
 #include "ggml-cpu.h"
 
@@ -75,6 +83,7 @@ static const char * USAGE =
     "                 [--ubatch N] [--dump FILE] [--step-delay-ms MS] [--retries N] [--rounds N]\n"
     "                 [--moecached-subst R] [--moecached-subst-cap N] [--dump-moe FILE] [--cpu-moe]\n"
     "                 [--moecached-gpu cpu|zerocopy] [--moecached-prefetch off|next|two] [--moecached-vram SIZE]\n"
+    "                 [--moecached-vram-lookup auto|device|host]\n"
     "Greedy decode with llama.cpp, every step's logits dumped, through moecached or not.\n"
     "  -m MODEL                  GGUF model (required)\n"
     "  --moecached ENDPOINT      take the routed experts from the daemon at ENDPOINT\n"
@@ -96,6 +105,8 @@ static const char * USAGE =
     "                            their routers on this block's FFN input and prefetch them (default off)\n"
     "  --moecached-vram SIZE     a tier of the served experts in the memory of the device running the MoE blocks\n"
     "                            (8GiB, 512MiB, or 25% of the served experts), filled from the arena\n"
+    "  --moecached-vram-lookup M where a decoded token's experts are looked up in the tier: device (a table in\n"
+    "                            the tier, the token computed again after a miss), host (per block), auto (default)\n"
     "  -h, --help                print this and exit\n";
 
 static double now_s() {
@@ -130,6 +141,7 @@ int main(int argc, char ** argv) {
         else if (a == "--moecached-gpu") setenv("LLAMA_MOECACHED_GPU", next(), 1);   // read at load
         else if (a == "--moecached-prefetch") setenv("LLAMA_MOECACHED_PREFETCH", next(), 1);   // read at load
         else if (a == "--moecached-vram") setenv("LLAMA_MOECACHED_VRAM", next(), 1);   // read at load
+        else if (a == "--moecached-vram-lookup") setenv("LLAMA_MOECACHED_VRAM_LOOKUP", next(), 1);   // read at load
         else { fprintf(stderr, "mc-decode: unknown argument %s\n%s", a.c_str(), USAGE); return 2; }
     }
     if (model_path.empty()) { fprintf(stderr, "mc-decode: -m MODEL is required\n%s", USAGE); return 2; }
@@ -173,7 +185,7 @@ int main(int argc, char ** argv) {
     int n_decoded = 0;
     // the tier's counters over the decode steps only (the prompts' are the rest)
     auto vram_counter = [](const char * key) -> unsigned long long {
-        char b[512];
+        char b[1024];
         llama_moecached_vram_stats(b, sizeof b);
         const char * p = strstr(b, key);
         return p ? strtoull(p + strlen(key), nullptr, 10) : 0;
@@ -241,7 +253,7 @@ int main(int argc, char ** argv) {
         char pf[512];
         llama_moecached_prefetch_stats(pf, sizeof pf);
         printf("prefetch %s\n", pf);
-        char vr[512];
+        char vr[1024];
         llama_moecached_vram_stats(vr, sizeof vr);
         printf("vram %s decode_hits=%llu decode_misses=%llu decode_copied_bytes=%llu\n", vr, dec_hits, dec_misses, dec_copied);
     }
