@@ -15,7 +15,11 @@ cgroup), warms the demand client's working set up, then runs interleaved rounds 
 * ``wide`` (``--phases alone,wide``): the same, beside a client sending noreply prefetches that
   name every expert of every layer (``--wide-rate`` messages/s: inside every request limit,
   but each costs the daemon's loop a look at every expert). ``--demand-socket``: the demand
-  client acquires over the socket (no shared-memory path), to see the loop's share directly.
+  client acquires over the socket (no shared-memory path), to see the loop's share directly;
+* ``stats`` and ``ping``: the same, beside ``--flood-clients`` clients (default 2) each sending
+  ``stats`` requests (``--stats-rate`` per client, default 800/s) or ``ping`` requests
+  (``--ping-rate``, default 5000/s) without waiting for the replies: requests inside every limit
+  that are not the cache's hot path (a ``stats`` reply lists every client and model).
 
 Every client is its own process. The table shows the demand client's acquires/s and acquire
 latency p50/p99 per phase (median over rounds) and the ratio to ``alone`` of the same run, and
@@ -105,6 +109,8 @@ def worker(kind: str, endpoint: str, seconds: float, k: int, rate: float, seed: 
             msgs = [(rng.choice(layers), rng.sample(range(ne), k)) for _ in range(4096)]
         frames = [msgpack.packb({"v": 1, "id": i + 1, "op": "prefetch", "layer": l, "experts": ex,
                                  "noreply": True}) for i, (l, ex) in enumerate(msgs)]
+        if kind in ("stats", "ping"):
+            frames = [msgpack.packb({"v": 1, "id": i + 1, "op": kind}) for i in range(64)]
         if kind == "wide":   # every expert of every layer in each prefetch: inside every limit,
             # mostly resident (nothing to read), but the daemon looks at each expert
             frames = [msgpack.packb({"v": 1, "id": i + 1, "op": "prefetch", "noreply": True,
@@ -185,6 +191,12 @@ def _run_phase(phase: str, endpoint: str, args, seed: int, pid: int | None = Non
     elif phase == "wide":
         others.append(subprocess.Popen(base + ["--worker", "wide", "--rate", str(args.wide_rate)],
                                        stdout=subprocess.PIPE, text=True))
+    elif phase in ("stats", "ping"):
+        rate = args.stats_rate if phase == "stats" else args.ping_rate
+        for i in range(args.flood_clients):
+            others.append(subprocess.Popen(base[:-4] + ["--seed", str(seed * 100 + i), "--hot", str(args.hot),
+                                                        "--worker", phase, "--rate", str(rate)],
+                                           stdout=subprocess.PIPE, text=True))
     if others:
         time.sleep(0.3)  # the other client is up and sending
     cpu0 = _cpu_s(pid) if pid else 0.0
@@ -192,9 +204,13 @@ def _run_phase(phase: str, endpoint: str, args, seed: int, pid: int | None = Non
                          stdout=subprocess.PIPE, text=True, check=True)
     out = {"demand": json.loads(dem.stdout.strip().splitlines()[-1])}
     out["daemon_cpu_s"] = (_cpu_s(pid) - cpu0) if pid else None
+    per = []
     for o in others:
         so, _ = o.communicate(timeout=60)
-        out["other"] = json.loads(so.strip().splitlines()[-1])
+        per.append(json.loads(so.strip().splitlines()[-1]))
+    if per:   # the other clients together
+        out["other"] = {k: (sum(x.get(k) or 0 for x in per) if k != "seconds" else per[0][k])
+                        for k in per[0]}
     return out
 
 
@@ -282,8 +298,11 @@ def main(argv=None) -> int:
     ap.add_argument("--noop-rate", type=float, default=9000.0, help="no-op prefetch messages/s")
     ap.add_argument("--wide-rate", type=float, default=2400.0,
                     help="wide prefetch messages/s (every expert of every layer in each)")
+    ap.add_argument("--stats-rate", type=float, default=800.0, help="stats requests/s per flood client")
+    ap.add_argument("--ping-rate", type=float, default=5000.0, help="ping requests/s per flood client")
+    ap.add_argument("--flood-clients", type=int, default=2, help="clients of the stats and ping phases")
     ap.add_argument("--phases", default="alone,storm,noop",
-                    help="phases to run, comma-separated, 'alone' first (also: wide)")
+                    help="phases to run, comma-separated, 'alone' first (also: wide, stats, ping)")
     ap.add_argument("--demand-socket", action="store_true",
                     help="the demand client acquires over the socket only (no shared-memory path)")
     ap.add_argument("--read-mbps", type=float, default=100.0,
@@ -294,7 +313,7 @@ def main(argv=None) -> int:
     ap.add_argument("--daemon-arg", action="append", default=[], help="extra daemon flag (repeatable)")
     ap.add_argument("--json", default=os.path.join(HERE, "results", "fairness.json"))
     # worker mode (internal)
-    ap.add_argument("--worker", choices=["demand", "demand-socket", "storm", "noop", "wide"])
+    ap.add_argument("--worker", choices=["demand", "demand-socket", "storm", "noop", "wide", "stats", "ping"])
     ap.add_argument("--endpoint")
     ap.add_argument("--rate", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)

@@ -208,3 +208,49 @@ def test_model_dirs_default_to_the_configured_models_directories():
     assert model_dirs(cfg) == ("/srv/a", "/srv/b")
     cfg.model_dirs = ["/opt/models"]
     assert model_dirs(cfg) == ("/opt/models",)
+
+
+# ---- fairness: one user's connections share one control share --------------------------------
+
+def _hello_answered(endpoint, name, wait_s=1.0):
+    """Open a connection, say hello; whether the reply came within ``wait_s`` (the socket kept
+    open: returned too)."""
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    s.send(msgpack.packb({"v": 1, "id": 1, "op": "hello", "client": name}))
+    return bool(s.poll(int(wait_s * 1000))), s
+
+
+def _two_connections(endpoint):
+    import time
+    first, a = _hello_answered(endpoint, "mine-1", 5.0)
+    time.sleep(0.3)        # the loop has counted the clients active
+    second, b = _hello_answered(endpoint, "mine-2")
+    a.close()
+    b.close()
+    return first, second
+
+
+def test_one_user_opening_connections_gets_no_more_of_the_loop(world, monkeypatch):
+    """Requests that are not the hot path (stats, hello, ping, ...) are charged to a share of
+    the loop; for clients that are no admin the share is their uid's, so a user flooding from
+    many connections gets no more of the loop than from one. An admin's share is per
+    connection. (A burst of a microsecond and a share that does not refill here: each share is
+    spent by one hello.)"""
+    from moecached.service import fairness
+    monkeypatch.setattr(fairness, "LOOP_BURST_S", 1e-6)
+    world.server.set_loop_share(1e-9)
+    with Client(world.endpoint, name="engine", fast_path=False) as c:
+        c.ping()
+        import time
+        time.sleep(0.3)
+        r1, s1 = _hello_answered(world.endpoint, "root-1", 5.0)
+        time.sleep(0.3)
+        r2, s2 = _hello_answered(world.endpoint, "root-2")
+        assert r1 and r2     # admins: a share per connection
+        first, second = run_as(world.user, _two_connections, world.endpoint)
+        s1.close()
+        s2.close()
+    assert first and not second   # the user's second connection waits on the first's share

@@ -196,8 +196,10 @@ KEYS: dict[str, Key] = {
         reload="client_limits", scope="socket"),
     "client_loop_share": Key(_fraction, "--client-loop-share",
                              "share of the daemon's loop time one client may use while other "
-                             "clients are active; over it its noreply prefetches are held back "
-                             "(the newest runs later) (default 0.02; 0: off)", "F", "float"),
+                             "clients are active; over it its prefetches, and its requests that "
+                             "are not the hot path (stats, ping, ...), wait their turn (the newest "
+                             "noreply prefetch runs later) (default 0.02; 0: off)", "F", "float",
+        reload="client_limits", scope="socket"),
     "floor": Key(_size(optional_zero=True), "--floor",
                  "shrink the cache when available memory falls under SIZE (default off)", "SIZE", "size",
         reload="floor", scope="budget"),

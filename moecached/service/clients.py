@@ -14,6 +14,7 @@ import logging
 import os
 import select
 import time
+from collections import deque
 
 import numpy as np
 
@@ -34,7 +35,7 @@ class _Client:
                  "requests", "acquires", "hits", "misses", "prefetch_hits", "prefetches",
                  "errors", "stall_s", "pidfd", "bucket", "pf", "rate_limited", "pins", "fast_closed",
                  "subst", "peer_addr", "peer", "admin", "pin_words", "loop_tokens", "loop_t",
-                 "throttled", "coalesced")
+                 "throttled", "coalesced", "ctl", "held")
 
     def __init__(self, ident: bytes, now: float, burst: float = 1.0, max_prefetch=None,
                  peer_addr: str | None = None):
@@ -46,8 +47,11 @@ class _Client:
         self.admin = False
         self.pin_words = None   # (byte offset, count) of its pin file's u32 pin counts
         # its share of the loop (moecached.service.fairness): bucket of loop seconds, last
-        # refill (perf_counter), noreply prefetches held back, held ones replaced by newer
+        # refill (perf_counter); the control bucket (its uid's unless an admin: set by the
+        # server); its requests held back, in order; requests held, held ones replaced by newer
         self.loop_tokens, self.loop_t = 0.02, time.perf_counter()
+        self.ctl = None
+        self.held = deque()
         self.throttled = self.coalesced = 0
         self.delim = False  # the client frames requests REQ-style (empty delimiter first)
         self.name = ident.hex()

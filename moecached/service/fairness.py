@@ -2,30 +2,97 @@
 loads in flight) and their fair share, and each client's share of the daemon's loop.
 
 A request's cost to the loop is not its count: a prefetch naming every expert of every layer
-costs the loop a hundred times a resident acquire, so a flood of them inside every request
-limit took the loop from everyone else. Each client therefore has a bucket of *loop time*
-(seconds, measured around each of its requests), refilled at ``client_loop_share`` of a second
-per second while other clients are active (a client alone is never held back), holding at most
-:data:`LOOP_BURST_S`. A client whose bucket is empty has its ``noreply`` prefetches held back,
-not carried out: the newest one waits (an older one it replaces is dropped, counted
-``prefetches_coalesced``: a newer prediction supersedes it) and runs once the bucket is full
-again; every other request of it is served as usual (releases must never wait) and charged.
-``throttled`` counts the prefetches held back. :class:`ServerFairness` is a part of
-:class:`moecached.service.server.Server` (docs/operations.md, "Fairness between clients").
+costs the loop a hundred times a resident acquire, and a ``stats`` reply (every client, every
+model) costs it more still, so a flood of either inside every request limit took the loop from
+everyone else. Each request's loop time is therefore measured and charged to its client, in two
+buckets of *loop time* (seconds), each refilled at ``client_loop_share`` of a second per second
+while other clients are active (a client alone is never held back) and holding at most
+:data:`LOOP_BURST_S`:
+
+* the **loop** bucket of the client, charged for every request: over it (empty), its prefetches
+  are held back; a ``noreply`` one waits as the newest (an older one it replaces is dropped,
+  counted ``prefetches_coalesced``: a newer prediction supersedes it);
+* the **control** bucket, charged only for what is not the cache's hot path (``stats``,
+  ``status``, ``ping``, ``hello``, ``models``, ``clients``, traces, ``warm``, malformed requests):
+  over it, such requests are held back. It is one bucket per uid for clients that are no admin
+  (``Peer-Address``: several connections of one user share it), one per connection for admins.
+  An engine's acquires and releases never drain it, so a busy engine's ``stats`` are not held.
+
+A held request waits in its client's queue, in order (once a client has requests waiting, its
+later ones queue behind them, acquires included, so it sees its replies in the order it asked),
+and runs when its bucket is back in budget. Releases, cancels and ``bye`` are never held:
+they give resources back. A client with :data:`HELD_MAX` requests waiting has the next refused
+``rate_limited`` (a ``noreply`` one dropped). ``throttled`` counts the requests held back.
+:class:`ServerFairness` is a part of :class:`moecached.service.server.Server`
+(docs/operations.md, "Fairness between clients").
 """
 from __future__ import annotations
 
 import time
+from collections import deque
+
+import msgpack
+
+from moecached.facts import protocol as P
+from moecached.service.identity import admin as is_admin, parse_peer
 
 #: most loop time (seconds) a client may spend at once after being quiet
 LOOP_BURST_S = 0.02
 #: seconds between two looks at how many clients are active (the loop-share applies to >= 2)
 SHARE_PERIOD_S = 0.1
-#: seconds between two looks at held prefetches
+#: seconds between two looks at held requests
 HOLD_PERIOD_S = 0.003
-#: the msgpack bytes of ``"op": "prefetch"`` and ``"noreply": true`` (a held request is
-#: recognised without decoding it: it is the sender's own request either way)
-_PREFETCH, _NOREPLY = b"\xa8prefetch", b"\xa7noreply\xc3"
+#: requests one client may have held back; the next is refused ``rate_limited``
+HELD_MAX = 64
+#: ops of the cache's hot path: charged to the loop bucket only, never to the control bucket
+HOT_OPS = frozenset({"acquire", "prefetch", "release", "cancel", "check", "bye"})
+#: ops never held back: they give resources back
+NEVER_HELD = frozenset({"release", "cancel", "bye"})
+#: held request kinds: the bucket that lets each run
+_PF, _CTL, _ANY = 0, 1, 2
+#: the msgpack bytes of ``"prefetch"``: a request without them is no prefetch
+_PREFETCH = b"\xa8prefetch"
+#: fields a held request is recognised by (the rest of it is skipped, not decoded)
+_PEEK = frozenset({"op", "id", "noreply"})
+
+
+def peek(payload: bytes):
+    """``(op, id, noreply)`` of a request frame without decoding the rest of it (each absent,
+    or not of its type: None). Only the map's keys and these three values are decoded, within
+    the protocol's limits; anything malformed gives what was read before it."""
+    op = rid = noreply = None
+    try:
+        up = msgpack.Unpacker(max_buffer_size=len(payload) + 1, **P.UNPACK_LIMITS)
+        up.feed(payload)
+        for _ in range(min(up.read_map_header(), P.MAX_MAP_LEN)):
+            k = up.unpack()
+            if k.__class__ is str and k in _PEEK:
+                v = up.unpack()
+                if k == "op":
+                    op = v if v.__class__ is str else None
+                elif k == "id":
+                    rid = v if v.__class__ is int and 0 <= v < 2**64 else None
+                else:
+                    noreply = v if v.__class__ is bool else None
+            else:
+                up.skip()
+    except Exception:
+        pass
+    return op, rid, noreply
+
+
+class LoopBucket:
+    """Loop seconds one principal may still spend (refilled lazily at the share)."""
+    __slots__ = ("tokens", "t")
+
+    def __init__(self):
+        self.tokens, self.t = LOOP_BURST_S, time.perf_counter()
+
+    def refill(self, now: float, rate: float) -> float:
+        tok = self.tokens + (now - self.t) * rate
+        self.tokens = tok if tok < LOOP_BURST_S else LOOP_BURST_S
+        self.t = now
+        return self.tokens
 
 
 class ServerFairness:
@@ -61,54 +128,146 @@ class ServerFairness:
     # ---- each client's share of the loop -------------------------------------------------
     def _fair_init(self, share: float) -> None:
         self.client_loop_share = max(0.0, float(share))
-        self._held: dict = {}          # routing id -> the frames of its held noreply prefetch
-        self._share_now = float("inf")  # refill rate now (inf: nobody is held back)
+        self._held: set = set()          # routing ids of clients with requests held back
+        self._ctl_buckets: dict = {}     # uid -> the control bucket its non-admin clients share
+        self._share_now = float("inf")   # refill rate now (inf: nobody is held back)
         self._next_share = 0.0
+        # the op of the request being handled by the general path ("" when it has none); None
+        # while the hot path serves it (so it is charged as the hot path)
+        self._op = None
+
+    def set_loop_share(self, share: float) -> None:
+        """Apply ``client_loop_share`` (at start and on reload); 0 turns the holding off."""
+        self.client_loop_share = max(0.0, float(share))
+        self._next_share = 0.0           # the timer looks again at once
+
+    def _ctl_bucket(self, c) -> LoopBucket:
+        """The control bucket of a new client: its uid's (shared) unless it is an admin."""
+        uid = getattr(c.peer, "uid", None)
+        if c.admin or uid is None:
+            return LoopBucket()
+        b = self._ctl_buckets.get(uid)
+        if b is None:
+            b = self._ctl_buckets[uid] = LoopBucket()
+        return b
+
+    def _first_of_spent_uid(self, ident: bytes, peer: str | None):
+        """A new connection whose uid (no admin) has spent its control share: its client, made
+        now so that its first request waits like the others of its uid; else None."""
+        uid = parse_peer(peer).uid if peer else None
+        b = self._ctl_buckets.get(uid)
+        if b is None or self._share_now == float("inf") or not b.refill(time.perf_counter(), self._share_now) < 0:
+            return None
+        if is_admin(parse_peer(peer), self.admin_gid):
+            return None
+        return self._new_client(ident, time.monotonic())
 
     def _charge(self, c, t0: float, t1: float) -> None:
-        """Charge client ``c`` the loop time ``t1 - t0`` its request took."""
+        """Charge client ``c`` the loop time ``t1 - t0`` its request took (the request's op
+        in ``self._op``; None: the hot path served it)."""
+        op, self._op = self._op, None
         if c is None:
             return
-        tok = c.loop_tokens + (t1 - c.loop_t) * self._share_now
-        c.loop_tokens = (tok if tok < LOOP_BURST_S else LOOP_BURST_S) - (t1 - t0)
+        rate, cost = self._share_now, t1 - t0
+        tok = c.loop_tokens + (t1 - c.loop_t) * rate
+        # the debt is bounded: a busy engine's held prefetch still runs now and then
+        tok = (tok if tok < LOOP_BURST_S else LOOP_BURST_S) - cost
+        c.loop_tokens = tok if tok > -LOOP_BURST_S else -LOOP_BURST_S
         c.loop_t = t1
+        if op is not None and op not in HOT_OPS:
+            b = c.ctl
+            if b is not None:
+                b.refill(t1, rate)
+                b.tokens -= cost
+
+    def _suspect(self, c) -> bool:
+        """Whether ``c``'s next request may have to wait (cheap: no refill, no decoding)."""
+        return bool(c.held) or c.loop_tokens < 0 or (c.ctl is not None and c.ctl.tokens < 0)
 
     def _hold(self, c, frames: list) -> bool:
-        """``c`` is over its loop share: hold its request back when it is a noreply prefetch
-        (True), replacing one held before; anything else is served (False)."""
-        payload = frames[-1]
-        if _PREFETCH not in payload or _NOREPLY not in payload:
+        """Hold ``c``'s request back (True) when it must wait for its share of the loop, or
+        refuse it when too many wait; False: serve it now."""
+        if not c.held:
+            if self._share_now == float("inf"):
+                return False
+            ctl = c.ctl
+            if (ctl is None or not ctl.tokens < 0) and _PREFETCH not in frames[-1]:
+                return False   # only a prefetch could have to wait (a cheap look, no decoding)
+        t0 = time.perf_counter()
+        op, rid, noreply = peek(frames[-1])
+        if op in NEVER_HELD:
             return False
-        if c.ident in self._held:
+        rate = self._share_now
+        if c.held:
+            kind = _ANY if op == "prefetch" or op in HOT_OPS else _CTL
+            kind = _PF if op == "prefetch" else kind
+        elif op == "prefetch":
+            tok = c.loop_tokens + (t0 - c.loop_t) * rate
+            if not tok < 0:
+                return False
+            kind = _PF
+        elif op not in HOT_OPS:
+            if c.ctl is None or not c.ctl.refill(t0, rate) < 0:
+                return False
+            kind = _CTL
+        else:
+            return False
+        held = c.held
+        if kind == _PF and noreply is True and held and held[-1][2]:
+            held[-1] = (kind, frames, True)      # a newer prediction supersedes the held one
             c.coalesced += 1
             self.counters["prefetches_coalesced"] += 1
-        self._held[c.ident] = frames
+        elif len(held) >= HELD_MAX:
+            c.rate_limited += 1
+            self.counters["rate_limited"] += 1
+            if noreply is not True:
+                self._send_error(c.ident, rid or 0, P.E_RATE_LIMITED,
+                                 f"client {c.name} has {len(held)} requests waiting for its share of "
+                                 f"the daemon's loop (client_loop_share {self.client_loop_share:g}); "
+                                 "wait for their replies before sending more")
+        else:
+            held.append((kind, frames, kind == _PF and noreply is True))
+            self._held.add(c.ident)
         c.throttled += 1
         self.counters["throttled"] += 1
+        c.last_seen = time.monotonic()
+        self._op = op if op is not None else ""
+        self._charge(c, t0, time.perf_counter())   # the look at it is its own loop time too
         return True
 
     def _fair_timer(self, now: float) -> None:
         """The loop's timer: how many clients are active (the share applies from two on), and
-        the held prefetches of clients whose bucket filled up again, run now."""
-        pc = time.perf_counter()
+        the held requests of clients whose bucket filled up again, run now, in order."""
         if now >= self._next_share:
             active = sum(1 for x in self.clients.values() if now - x.last_seen < self.ACTIVE_S)
             share = self.client_loop_share
             self._share_now = share if share > 0 and active >= 2 else float("inf")
-        for ident, frames in list(self._held.items()):
+        pc = time.perf_counter
+        rate = self._share_now
+        for ident in list(self._held):
             c = self.clients.get(ident)
-            if c is None:
-                del self._held[ident]
+            if c is None or not c.held:
+                self._held.discard(ident)
                 continue
-            self._charge(c, pc, pc)   # refill
-            if c.loop_tokens >= 0:
-                del self._held[ident]
-                t0 = time.perf_counter()
+            held = c.held
+            while held:
+                kind, frames, _ = held[0]
+                t = pc()
+                if kind == _PF:
+                    if c.loop_tokens + (t - c.loop_t) * rate < 0:
+                        break
+                elif kind == _CTL and c.ctl is not None and c.ctl.refill(t, rate) < 0:
+                    break
+                held.popleft()
                 try:
                     served = self._fast(frames)
                 except Exception:
                     served = False
                 if not served:
                     self._handle(frames)
-                self._charge(c, t0, time.perf_counter())
+                self._charge(self.clients.get(ident), t, pc())
+                if self.clients.get(ident) is not c:
+                    break             # it said bye or was dropped: the rest is moot
+            if not held or self.clients.get(ident) is not c:
+                self._held.discard(ident)
         self._next_share = now + (HOLD_PERIOD_S if self._held else SHARE_PERIOD_S)

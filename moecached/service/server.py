@@ -353,7 +353,9 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
                         if c is not None and c.peer_addr != peer:
                             self._replaced(c)
                         self._peer_addr = peer   # for a client first seen in _handle
-                        if c is None or c.loop_tokens >= 0 or not self._hold(c, frames):
+                        if c is None and self._ctl_buckets:
+                            c = self._first_of_spent_uid(frames[0], peer)
+                        if c is None or not self._suspect(c) or not self._hold(c, frames):
                             t0 = pc()
                             try:
                                 served = fast(frames)
@@ -415,7 +417,7 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
                     if cache is not None and cache.pin_files:
                         want = min(want, self.PIN_DRAIN_MS)
                     if self._held:
-                        want = min(want, self.PIN_DRAIN_MS)   # held prefetches: look again soon
+                        want = min(want, self.PIN_DRAIN_MS)   # held requests: look again soon
                     if want != cur_ms:
                         sock.setsockopt(zmq.RCVTIMEO, want)
                         cur_ms = want
@@ -473,7 +475,16 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
             raise P.ProtocolError(P.E_BAD_TYPE, f"field 'noreply' = {v!r:.20}: expected true or false")
         return v
 
+    def _new_client(self, ident: bytes, now: float) -> _Client:
+        """The client of a routing id first seen now (its credentials: ``self._peer_addr``)."""
+        c = self.clients[ident] = _Client(ident, now, self.rate_limit.burst,
+                                          self.client_max_prefetch, self._peer_addr)
+        c.admin = is_admin(c.peer, self.admin_gid)
+        c.ctl = self._ctl_bucket(c)
+        return c
+
     def _handle(self, frames: list) -> None:
+        self._op = ""   # what it costs is charged to the control share unless it is a hot op
         if len(frames) == 2:
             ident, envelope, payload = frames[0], None, frames[1]
         elif len(frames) == 3 and frames[1] == b"":
@@ -490,9 +501,7 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
         now = time.monotonic()
         c = self.clients.get(ident)
         if c is None:
-            c = self.clients[ident] = _Client(ident, now, self.rate_limit.burst,
-                                              self.client_max_prefetch, self._peer_addr)
-            c.admin = is_admin(c.peer, self.admin_gid)
+            c = self._new_client(ident, now)
         c.last_seen = now
         c.delim = envelope is not None
         c.requests += 1
@@ -502,6 +511,8 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
             msg = P.unpack(payload, self.max_message_bytes)
             r = msg.get("id")
             op = msg.get("op")
+            if type(op) is str:
+                self._op = op
             fn = self._ops.get(op) if type(op) is str else None
             if type(r) is int and 0 <= r < 2**64:
                 rid = r  # answer with the caller's id even when the rest is wrong
