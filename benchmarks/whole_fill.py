@@ -1,7 +1,8 @@
 """A cold daemon's whole-model fill against the page cache's cold load of the same file.
 
     python benchmarks/whole_fill.py [--model PATH | --blocks 4] [--rounds 2]
-        [--chunks 256KiB,1MiB,4MiB] [--threads 16] [--dir /work/bench-tmp] [--json out.json]
+        [--chunks 256KiB,1MiB,4MiB] [--threads 16] [--variant NAME=FLAGS ...]
+        [--dir /work/bench-tmp] [--json out.json]
 
 A memory-mapped engine's cold load reads the whole file through the page cache (big
 sequential reads, the kernel's read-ahead); a cold daemon whose arena holds the whole model
@@ -14,7 +15,8 @@ dropped before each (needs root), in rotating order:
   chunks of C bytes in order (the drive's rate for that read size);
 * ``daemon C``: a fresh daemon (``--chunk C``, ``--readers`` threads, every expert fits)
   filling the whole model; its ``warm_bytes / warm_seconds`` and the time from start to the
-  fill's end (the daemon's own start included).
+  fill's end (the daemon's own start included); with ``--variant NAME=FLAGS`` once more per
+  variant with those daemon flags (``daemon C NAME``), e.g. ``--fill-run=0``.
 
 MiB/s for each; the daemon's rows read the routed experts only (the file less its other
 tensors). Prints a table and writes JSON.
@@ -98,7 +100,8 @@ def direct(path: str, chunk: int, threads: int) -> tuple:
     return total[0], dt
 
 
-def daemon_fill(model: str, run_dir: Path, chunk: int, readers: int, n_all: int) -> tuple:
+def daemon_fill(model: str, run_dir: Path, chunk: int, readers: int, n_all: int,
+                extra: tuple = ()) -> tuple:
     from moecache_client import Client
     sock = str(run_dir / f"d{chunk}.sock")
     state = run_dir / f"state-{chunk}"
@@ -107,7 +110,8 @@ def daemon_fill(model: str, run_dir: Path, chunk: int, readers: int, n_all: int)
         f.unlink()
     t0 = time.monotonic()
     d = start_daemon(model, sock, "--slots", str(n_all), "--state-dir", str(state),
-                     "--state-interval", "0", "--readers", str(readers), "--chunk", str(chunk))
+                     "--state-interval", "0", "--readers", str(readers), "--chunk", str(chunk),
+                     *extra)
     try:
         with Client(f"ipc://{sock}", name="whole-fill", map_arena=False) as c:
             deadline = time.monotonic() + 300
@@ -120,7 +124,7 @@ def daemon_fill(model: str, run_dir: Path, chunk: int, readers: int, n_all: int)
                                        f"{st['warm_wanted']}")
                 time.sleep(0.01)
             wall = time.monotonic() - t0
-            return st["warm_bytes"], st["warm_seconds"], wall
+            return st["warm_bytes"], st["warm_seconds"], wall, st.get("run_reads", 0)
     finally:
         stop_daemon(d)
 
@@ -135,6 +139,10 @@ def main(argv=None) -> int:
                     help="read sizes, multiples of 4 KiB (default %(default)s)")
     ap.add_argument("--threads", type=int, default=16,
                     help="O_DIRECT threads and daemon readers (default %(default)s)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="daemon rows of each read size once more with these daemon flags "
+                    "(space-separated), e.g. --variant 'run0=--fill-run=0' (repeatable; the "
+                    "plain daemon rows always run)")
     ap.add_argument("--dir", default="/work/bench-tmp", help="the model and the runs' files (default %(default)s)")
     ap.add_argument("--json", help="where the results go (default: DIR/whole_fill.json; the committed "
                     "figures are in benchmarks/results/)")
@@ -148,6 +156,12 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"--chunks {a.chunks}: {bad[0]} bytes: each read size must be a multiple of 4 KiB, "
                  f"from 4 KiB to 64 MiB")
+    variants = {"": ()}
+    for v in a.variant:
+        name, eq, flags = v.partition("=")
+        if not eq or not name.strip() or " " in name.strip():
+            ap.error(f"--variant {v}: expected NAME=FLAGS, e.g. run0=--fill-run=0")
+        variants[name.strip()] = tuple(flags.split())
     if os.geteuid() != 0:
         sys.exit("whole_fill: needs root (dropping the page cache)")
     work = Path(a.dir)
@@ -155,8 +169,9 @@ def main(argv=None) -> int:
     model = a.model or runnable_model(work, blocks=a.blocks, quant=a.quant)
     idx = open_index(model)
     n_all = len(idx.expert_layers) * idx.n_experts
-    kinds = ["buffered", "mmap populate"] + [f"direct {c >> 10}K" for c in chunks] \
-        + [f"daemon {c >> 10}K" for c in chunks]
+    daemons = {f"daemon {c >> 10}K{' ' + n if n else ''}": (c, f) for n, f in variants.items()
+               for c in chunks}
+    kinds = ["buffered", "mmap populate"] + [f"direct {c >> 10}K" for c in chunks] + list(daemons)
     res = {k: [] for k in kinds}
     run_dir = Path(tempfile.mkdtemp(prefix="wf-", dir=str(work)))
     try:
@@ -175,26 +190,31 @@ def main(argv=None) -> int:
                     n, dt = direct(model, c, a.threads)
                     x = dict(bytes=n, seconds=dt)
                 else:
-                    c = chunks[[f"daemon {c >> 10}K" for c in chunks].index(k)]
-                    n, dt, wall = daemon_fill(model, run_dir, c, a.threads, n_all)
-                    x = dict(bytes=n, seconds=dt, start_to_end_s=wall)
+                    c, flags = daemons[k]
+                    n, dt, wall, runs = daemon_fill(model, run_dir, c, a.threads, n_all, flags)
+                    x = dict(bytes=n, seconds=dt, start_to_end_s=wall, run_reads=runs,
+                             flags=list(flags))
                 x["mib_s"] = x["bytes"] / 2**20 / max(x["seconds"], 1e-9)
                 res[k].append(x)
                 print(f"round {r} {k:>16}: {x['bytes'] / 2**30:.2f} GiB in {x['seconds']:.2f} s, "
                       f"{x['mib_s']:.0f} MiB/s" + (f" (start to end {x['start_to_end_s']:.2f} s)"
-                                                   if "start_to_end_s" in x else ""), file=sys.stderr)
+                                                   if "start_to_end_s" in x else "")
+                      + (f", {x['run_reads']} run reads" if x.get("run_reads") else ""), file=sys.stderr)
     finally:
         import shutil
         shutil.rmtree(run_dir, ignore_errors=True)
-    print("| read | GiB | median s | median MiB/s | rounds MiB/s |")
-    print("|---|---|---|---|---|")
+    print("| read | GiB | median s | median MiB/s | rounds MiB/s | start to end s |")
+    print("|---|---|---|---|---|---|")
     for k in kinds:
         xs = res[k]
         per = " / ".join(f"{x['mib_s']:.0f}" for x in xs)
+        ends = (f"{statistics.median(x['start_to_end_s'] for x in xs):.2f}"
+                if "start_to_end_s" in xs[0] else "-")
         print(f"| {k} | {xs[0]['bytes'] / 2**30:.2f} | "
               f"{statistics.median(x['seconds'] for x in xs):.2f} | "
-              f"{statistics.median(x['mib_s'] for x in xs):.0f} | {per} |")
-    write_json(a.json or str(work / "whole_fill.json"), dict(model=model, threads=a.threads, rounds=a.rounds, results=res))
+              f"{statistics.median(x['mib_s'] for x in xs):.0f} | {per} | {ends} |")
+    write_json(a.json or str(work / "whole_fill.json"), dict(model=model, threads=a.threads, rounds=a.rounds,
+                                                              argv=sys.argv[1:], results=res))
     return 0
 
 

@@ -197,6 +197,9 @@ FILE_ERRORS = [
                               'must gain 25 % more than it loses)'),
     ('state_dir = "state"', 'state_dir = "state": expected an absolute path, or "" for no warm starts'),
     ('state_interval_s = -1', 'state_interval_s = -1: expected a number of seconds >= 0 and <= 86400'),
+    ('fill_run = "2GiB"', 'fill_run = "2GiB": expected a size such as 8GiB, 512M, 1.5G or a byte count '
+                          '(units B, K/KiB, M/MiB, G/GiB, T/TiB binary; KB, MB, GB, TB decimal), at '
+                          'most 1 GiB'),
     ('[server]\nx = 1', '[server] is a table: expected top-level keys only (key = value lines, no '
                         '[section] headers, dotted keys or inline tables)'),
     ('readers = 4\n[section]\nbudget = "8G"', '[section] is a table: expected top-level keys only '

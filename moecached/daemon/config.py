@@ -101,6 +101,7 @@ class Config:
     split_hysteresis: float = 0.25           # several models: a move's gain must beat its loss by this factor
     state_dir: str = "/var/lib/moecached"    # warm-start state files ("" : none; used when it exists)
     state_interval_s: float = 60.0           # seconds between two saves of the state files (0: at stop only)
+    fill_run: int = 64 * MiB                 # a warm fill's largest run of consecutive experts read at once (0: one per expert)
     # where each value came from: "default", the config file's path, or "command line"
     sources: dict = field(default_factory=dict, repr=False, compare=False)
     path: Optional[str] = field(default=None, compare=False)   # config file read, if any
@@ -266,6 +267,11 @@ KEYS: dict[str, Key] = {
     "state_interval_s": Key(_float_range(0, 86400), "--state-interval",
                             "seconds between two saves of the state files (default 60; 0: only "
                             "when the daemon stops)", "S", "float",
+        reload="read_when_used", scope="daemon"),
+    "fill_run": Key(_size(lo=0, hi=1 << 30), "--fill-run", "warm fills (the state file, the "
+                    "whole model at a cold start, moecache-ctl warm): consecutive experts are "
+                    "read as runs of at most this many bytes, one read per part over their "
+                    "slots (default 64MiB; 0: a read per expert)", "SIZE", "size",
         reload="read_when_used", scope="daemon"),
 }
 

@@ -165,7 +165,8 @@ class WarmStates:
         return st["experts"]
 
     def _fill(self, cache, wanted, source) -> WarmFill:
-        fill = WarmFill(cache, wanted, source=source, log=log)
+        fill = WarmFill(cache, wanted, source=source, log=log,
+                        run_bytes=getattr(self.daemon.cfg, "fill_run", 0))
         nbytes = sum(sum(cache._cls[cache._layers[l].cid][0].part_bytes.values())
                      for l, _ in fill.plan)
         what = f"warm start from {source}"

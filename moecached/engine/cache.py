@@ -62,6 +62,7 @@ from moecached.engine.pins import Lease, ShmPins
 from moecached.engine.policy import EVICTIONS, SCAN_ADMITS
 from moecached.engine.pools import Pools
 from moecached.engine.prefetch import PrefetchGate, PrefetchQuota
+from moecached.engine import runs
 from moecached.engine.requests import Requests
 from moecached.engine.slots import Layout, Tally
 from moecached.facts.stats import CACHE_STATS, CLASS_STATS, FAST_PATH_STATS, LAYER_STATS
@@ -212,6 +213,7 @@ class ExpertCache:
     c_bytes = _Via("_loads", "c_bytes")
     c_read_errors = _Via("_loads", "c_read_errors")
     c_reads_discarded = _Via("_loads", "c_reads_discarded")
+    c_run_reads, c_run_loads = _Via("_loads", "c_run_reads"), _Via("_loads", "c_run_loads")
     c_evictions = _Via("_slots", "c_evictions")
     c_wasted = _Via("_slots", "c_wasted")
     c_ghost_hits = _Via("_slots", "c_ghost_hits")
@@ -235,7 +237,11 @@ class ExpertCache:
     def _after(self, submits, promotes, done) -> None:
         """Submit reads, promote, run callbacks: always called with the lock released."""
         readers = self.readers
-        for load, reads in submits:
+        for run in runs.cut(submits):
+            if len(run) > 1:   # consecutive loads of a fill: one job
+                runs.submit(self, run)
+                continue
+            (load, reads), = run
             try:
                 jid = readers.submit(reads, priority=load.priority,
                                      callback=lambda j, err, n, sec, _l=load:
@@ -422,7 +428,7 @@ class ExpertCache:
         """
         return self.prefetch_many([(layer, experts)], conf=None if conf is None else [conf])
 
-    def prefetch_many(self, requests, quota: PrefetchQuota | None = None, conf=None) -> int:
+    def prefetch_many(self, requests, quota: PrefetchQuota | None = None, conf=None, run_bytes: int = 0) -> int:
         """:meth:`prefetch` for ``[(layer, [experts]), ...]``; returns reads queued in total.
 
         ``quota``: the sender's :class:`PrefetchQuota`: its loads count there, and a read that
@@ -434,7 +440,8 @@ class ExpertCache:
         started of lower confidence (the sender's own when its own cap is the one reached) is
         withdrawn in favour of the new one; a read whose slot would cost a demand-hot expert
         is dropped (``moecached.engine.prefetch``). Everything is validated before anything is
-        queued."""
+        queued. ``run_bytes`` (> 0; a fill's ``fill_run``): the loads this call queues that
+        follow one another are read as runs of that many bytes at most (``engine.runs``)."""
         submits, promotes, done = [], [], []
         if conf is not None and len(conf) != len(requests):
             raise RequestError(f"conf: {len(conf)} lists for {len(requests)} layers, expected one per layer")
@@ -447,6 +454,8 @@ class ExpertCache:
             queued, displaced = self._gate.queue(todo, quota, conf is not None,
                                                  self._requests.waiting_pools(), self.readers,
                                                  submits)
+            for load, _reads in submits if run_bytes > 0 else ():
+                load.run = int(run_bytes)
             if displaced:
                 self._kick(submits, promotes, done)   # a withdrawn read may have freed a slot
         if submits or done:

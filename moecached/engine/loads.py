@@ -32,7 +32,7 @@ __all__ = ["Loads"]
 
 class _Load:
     __slots__ = ("pool", "key", "slot", "layer", "expert", "demanded", "prefetched", "waiters",
-                 "job_id", "priority", "fids", "victim", "quota", "conf", "gen")
+                 "job_id", "priority", "fids", "victim", "quota", "conf", "gen", "run")
 
     def __init__(self, pool, key, slot, layer, expert, demanded, fids, victim=None):
         self.pool, self.key, self.slot, self.layer, self.expert = pool, key, slot, layer, expert
@@ -46,6 +46,7 @@ class _Load:
         self.quota = None   # PrefetchQuota of the prefetch's sender while it counts there
         self.conf = 1.0     # the prefetch's confidence (lower ones are withdrawn first at a cap)
         self.gen = -1       # the slot's generation when the load took it (checked at publish)
+        self.run = 0        # > 0: its reads may join its neighbours' in one run of this many bytes
 
 
 class Loads:
@@ -65,6 +66,8 @@ class Loads:
         self.c_bytes = 0
         self.c_read_errors = 0
         self.c_reads_discarded = 0   # landed in a slot whose generation had moved (never published)
+        self.c_run_reads = 0         # read jobs that loaded a run of several consecutive experts
+        self.c_run_loads = 0         # loads read in such runs
 
     def start(self, L, expert: int, slot: int, demanded: bool, submits: list, victim=None,
               cold: bool = False, probation: bool = False, quota=None, conf: float = 1.0):

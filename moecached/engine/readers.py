@@ -306,7 +306,7 @@ class ReaderPool:
                 chunks.append((fid, lo, hi - lo, dest + (lo - off)))
         return chunks, total
 
-    def submit(self, reads, *, priority: int, callback) -> int:
+    def submit(self, reads, *, priority: int, callback, shared: bool = False) -> int:
         """Queue one job; returns its id (int > 0).
 
         ``reads``: iterable of ``(file_id, file_offset, nbytes, dest_address)`` (bytes; dest is a raw
@@ -314,7 +314,10 @@ class ReaderPool:
         1 prefetch. ``callback(job_id, error, nbytes, seconds)`` runs once from a reader thread:
         error None or :class:`ReadError`; nbytes = total requested bytes; seconds = submit to
         completion. Must not block for long (it holds up a reader thread of every pool on the
-        queue). Raises :class:`ReadError` if the pool is closed or a read is malformed.
+        queue). ``shared``: the job reads for several owners (a run of consecutive experts of a
+        fill, one read per part spanning their slots): :meth:`withdraw` refuses it, since taking
+        it back would take back every owner's read. Raises :class:`ReadError` if the pool is
+        closed or a read is malformed.
         """
         if priority not in (0, 1):
             raise ReadError(f"priority {priority!r}: expected 0 (demand) or 1 (prefetch)")
@@ -329,6 +332,7 @@ class ReaderPool:
                 raise ReadError("reader pool closed: cannot submit")
             jid = next(q._ids)
             job = _Job(jid, self, priority, chunks, callback, total)
+            job.shared = bool(shared)
             self._jobs[jid] = job
             q._push(job)
         return jid
@@ -355,12 +359,13 @@ class ReaderPool:
     def withdraw(self, job_id: int) -> bool:
         """Take back a prefetch job no chunk of which was handed to a reader yet: it is
         forgotten and its callback never runs (dest untouched). Returns False, changing
-        nothing, when the job is unknown (or another pool's), finished, demand priority or
-        already started."""
+        nothing, when the job is unknown (or another pool's), finished, demand priority,
+        already started or ``shared``."""
         q = self.queue
         with q._cond:
             job = self._jobs.get(job_id)
-            if job is None or job.priority == 0 or job.next or job.inflight or job.error is not None:
+            if (job is None or job.priority == 0 or job.next or job.inflight or job.error is not None
+                    or job.shared):
                 return False
             del self._jobs[job_id]
             q._cancel(job)   # its heap entry goes stale

@@ -44,7 +44,7 @@ class ModelChanged(ReadError):
 
 class _Job:
     __slots__ = ("id", "pool", "priority", "chunks", "next", "inflight", "done", "error",
-                 "callback", "t0", "nbytes", "finished", "touched")
+                 "callback", "t0", "nbytes", "finished", "touched", "shared")
 
     def __init__(self, jid, pool, priority, chunks, callback, nbytes):
         self.id = jid
@@ -60,6 +60,7 @@ class _Job:
         self.nbytes = nbytes
         self.finished = False
         self.touched = False      # a chunk was handed to a reader: dest may have been written
+        self.shared = False       # the reads of several loads (a run): never withdrawn
 
 
 class ReadQueue:

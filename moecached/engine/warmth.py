@@ -21,7 +21,11 @@ budget is full). Once loaded they are put in the eviction order as they were wan
 cold end, as prefetched experts enter: the least wanted is the next victim, below every expert
 used since). While a fill runs, prefetch chunks may take every reader thread when no demand
 read waits (``prefetch_chunks`` is raised to the threads; a demand job still cuts them to
-``prefetch_with_demand`` at once). Their confidence is the cache's ``prefetch_min_confidence``, the lowest a
+``prefetch_with_demand`` at once). With ``run_bytes`` (the ``fill_run`` key) loads are queued
+half a window at a time and the consecutive ones (the next expert of a layer into the next slot,
+as a fresh arena hands its slots out) are read as one job per run, each part one read over the
+run's slots (``ExpertCache.prefetch_many``): the drive sees long front-to-back reads instead of
+one job per expert. Their confidence is the cache's ``prefetch_min_confidence``, the lowest a
 prefetch may have, so an engine's prefetch displaces a queued warm read at the prefetch cap.
 Counters: :class:`WarmCounters` (``warm_loaded``, ``warm_bytes``, ``warm_seconds``,
 ``warm_wanted`` in ``stats``; declared in ``moecached.facts.stats``), kept on the cache as
@@ -261,14 +265,18 @@ class WarmFill:
     at prefetch priority, in a thread (:meth:`start`); see the module doc.
 
     ``window``: warm loads in flight (default: half of ``max_prefetch_loads``, at least 2; never
-    more than leaves the cap for engines' prefetches). ``progress(done, total, nbytes)``: called
+    more than leaves the cap for engines' prefetches). ``run_bytes`` (the ``fill_run`` key):
+    loads are queued half a window at a time and consecutive ones (the next expert of a layer
+    into the next slot, as a fresh arena's free slots are taken) are read as one job of at most
+    this many bytes, one read per part spanning their slots
+    (``moecached.engine.cache.ExpertCache.prefetch_many``); 0: a read job per expert. ``progress(done, total, nbytes)``: called
     from the fill's thread as loads finish. ``on_done(fill)``: called once at the end.
     Attributes: ``planned`` (experts to load), ``done`` (loaded), ``nbytes``, ``elapsed``,
     ``stopped``, ``source`` (what the list came from, for messages).
     """
 
     def __init__(self, cache, wanted, *, source: str = "", window: int | None = None,
-                 progress=None, on_done=None, log=None, passes: int = 3):
+                 progress=None, on_done=None, log=None, passes: int = 3, run_bytes: int = 0):
         from moecached.engine.cache import PrefetchQuota
         self.cache = cache
         self.wanted = list(wanted)
@@ -276,6 +284,9 @@ class WarmFill:
         self.log = log or logging.getLogger("moecached.engine.warmth")
         cap = int(cache.max_prefetch_loads)
         self.window = max(1, min(cap, int(window) if window else max(2, cap // 2)))
+        #: ``fill_run``: consecutive experts (file order, consecutive slots) are read as runs of
+        #: at most this many bytes, one read per part spanning their slots (0: one per expert)
+        self.run_bytes = max(0, int(run_bytes))
         self.quota = PrefetchQuota(None)
         self.progress, self.on_done = progress, on_done
         self.passes = passes
@@ -295,6 +306,11 @@ class WarmFill:
         self._thread = None
         self._bytes_of = {L: sum(cache._cls[cache._layers[L].cid][0].part_bytes.values())
                           for L in {layer for layer, _ in self.plan}}
+        #: experts queued together (one run each when they follow one another): half the
+        #: window, so one run reads while the next waits in the queue, and at most a run's bytes
+        big = max(self._bytes_of.values(), default=1)
+        self.group = (max(1, min(self.window // 2, self.run_bytes // max(1, big)))
+                      if self.run_bytes else 1)
 
     # ---- the fill's thread ------------------------------------------------------------------
     def start(self) -> "WarmFill":
@@ -379,6 +395,8 @@ class WarmFill:
                             moved = time.monotonic()
                     room = min(self.window - quota.in_flight,
                                cache.max_prefetch_loads - cache._pf_loading)
+                    if inflight and room < min(self.group, len(todo) - i):
+                        room = 0   # wait for a whole run's room (a run reads as one job)
                     if i >= len(todo) or room <= 0:
                         if time.monotonic() - moved > STALL_S:   # engines' prefetches hold the cap
                             self.log.warning("warm fill from %s: no load finished or started for "
@@ -462,4 +480,4 @@ class WarmFill:
             else:
                 reqs.append((layer, [expert]))
                 conf.append([c])
-        return self.cache.prefetch_many(reqs, quota=self.quota, conf=conf)
+        return self.cache.prefetch_many(reqs, quota=self.quota, conf=conf, run_bytes=self.run_bytes)

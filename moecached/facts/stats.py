@@ -115,6 +115,10 @@ CACHE_STATS = (
     Stat("warm_pending", "gauge", "warm_pending",
          "experts the running warm fill has yet to load (0: none runs; C engines wait for 0 at connect)",
          lambda c: _warm(c, "pending")),
+    Stat("run_reads", "counter", "run_reads",
+         "read jobs that loaded a run of consecutive experts at once (warm fills, fill_run)",
+         "c_run_reads"),
+    Stat("run_loads", "counter", "run_loads", "expert loads read in such runs", "c_run_loads"),
     Stat("uptime_s", "gauge", "uptime_seconds", "seconds since the daemon started", None),
 )
 

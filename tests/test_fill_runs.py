@@ -1,0 +1,199 @@
+"""Warm fills read runs of consecutive experts as one job (``fill_run``): one read per part over
+the run's slots, the bytes of every expert still exactly the file's; a run is never withdrawn,
+a demand for one of its experts promotes it, and a failed run fails each of its loads and gives
+their slots back."""
+import threading
+
+import pytest
+
+from fixtures import file_bytes
+from moecached.engine import readers as readers_mod
+from moecached.engine.cache import ExpertCache
+from moecached.engine.index import open_index
+from moecached.engine.readers import ReaderPool
+from moecached.engine.warmth import WarmFill
+
+
+@pytest.fixture
+def model(model_factory):
+    # 4 blocks x 16 experts of real Qwen3-30B-A3B Q4_K_M sizes (two size classes)
+    return model_factory("qwen3-30b-a3b-Q4_K_M", layers=[0, 6, 7, 8], experts=16)
+
+
+def _resident_bytes_ok(cache, idx, pairs) -> None:
+    """Every expert of ``pairs`` is resident and its slot holds the file's bytes, part by part."""
+    for layer, expert in pairs:
+        L = cache._layers[layer]
+        slot = L.pool.res[L.base + expert]
+        assert slot >= 0, (layer, expert)
+        for part, data in file_bytes(idx, layer, expert).items():
+            got = cache.arena.view(L.cid, slot, part).tobytes()
+            assert got == data, (layer, expert, part)
+
+
+def _everything(idx):
+    return [(l, e) for l in idx.expert_layers for e in range(int(idx.n_experts))]
+
+
+def _cache(idx, tmp_path, slots, **kw):
+    return ExpertCache(idx, slots=slots, readers=4, lock_memory=False, arena_dir=str(tmp_path),
+                       chunk_bytes=64 << 10, **kw)
+
+
+def test_whole_model_fill_reads_runs_and_every_byte_is_the_files(model, tmp_path):
+    """A whole-model fill with runs: far fewer read jobs than experts, every expert's bytes
+    exactly the file's (two size classes, parts cut into chunks across expert boundaries)."""
+    idx = open_index(model)
+    allx = _everything(idx)
+    with _cache(idx, tmp_path, len(allx), max_prefetch_loads=16) as cache:
+        f = WarmFill(cache, allx, run_bytes=64 << 20).start()
+        assert f.join(60) and f.done == len(allx), (f.done, len(allx))
+        st = cache.stats()
+        assert st["run_loads"] == len(allx) and 0 < st["run_reads"] <= len(allx) // 2, st
+        assert st["reads"] == len(allx) and st["read_errors"] == 0
+        _resident_bytes_ok(cache, idx, allx)
+
+
+def test_without_runs_each_expert_is_its_own_read(model, tmp_path):
+    """``fill_run`` 0: one read job per expert, as before (no run counted)."""
+    idx = open_index(model)
+    allx = _everything(idx)[:24]
+    with _cache(idx, tmp_path, len(_everything(idx))) as cache:
+        f = WarmFill(cache, allx, run_bytes=0).start()
+        assert f.join(60) and f.done == len(allx)
+        st = cache.stats()
+        assert st["run_reads"] == 0 and st["run_loads"] == 0
+        _resident_bytes_ok(cache, idx, allx)
+
+
+def test_runs_join_only_neighbours_within_the_run_size(model, tmp_path):
+    """Experts 1-3 and 7-8 of a layer: two runs (a gap ends one), each no larger than the run
+    size; a run size below two experts reads one expert per job."""
+    idx = open_index(model)
+    layer = idx.expert_layers[1]
+    wanted = [(layer, e) for e in (1, 2, 3, 7, 8)]
+    with _cache(idx, tmp_path, 64, max_prefetch_loads=16) as cache:
+        f = WarmFill(cache, wanted, run_bytes=64 << 20).start()
+        assert f.join(30) and f.done == 5
+        st = cache.stats()
+        assert (st["run_reads"], st["run_loads"]) == (2, 5), st
+        _resident_bytes_ok(cache, idx, wanted)
+    one = sum(s.nbytes for s in idx.parts(layer, 0))
+    with _cache(idx, tmp_path, 64, max_prefetch_loads=16) as cache:
+        f = WarmFill(cache, wanted, run_bytes=one + one // 2).start()
+        assert f.join(30) and f.done == 5
+        st = cache.stats()
+        assert (st["run_reads"], st["run_loads"]) == (0, 0), st
+        _resident_bytes_ok(cache, idx, wanted)
+
+
+class Gate:
+    """Stands in for readers.read_many: every read waits until ``open()``."""
+
+    def __init__(self, real):
+        self.real = real
+        self.ev = threading.Event()
+
+    def __call__(self, *a):
+        assert self.ev.wait(30), "gate never opened"
+        return self.real(*a)
+
+
+def test_a_demand_for_an_expert_of_a_queued_run_promotes_it(model, tmp_path, monkeypatch):
+    """An acquire of an expert whose run is queued (reads held back) takes the load over; once
+    the reads go, it gets the file's bytes and the run's other experts land too."""
+    idx = open_index(model)
+    layer = idx.expert_layers[0]
+    wanted = [(layer, e) for e in range(8)]
+    gate = Gate(readers_mod.read_many)
+    monkeypatch.setattr(readers_mod, "read_many", gate)
+    with _cache(idx, tmp_path, 64, max_prefetch_loads=16) as cache:
+        f = WarmFill(cache, wanted, run_bytes=64 << 20).start()
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("lease", cache.acquire(layer, [5], timeout=30)))
+        import time
+        deadline = time.monotonic() + 10
+        while cache.stats()["run_loads"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t.start()
+        time.sleep(0.2)
+        gate.ev.set()
+        t.join(30)
+        assert f.join(30) and f.done == 8
+        lease = got["lease"]
+        cache.release(lease)
+        st = cache.stats()
+        assert st["run_loads"] == 8 and st["demand_misses"] + st["prefetch_hits"] >= 1, st
+        _resident_bytes_ok(cache, idx, wanted)
+
+
+def test_a_shared_job_is_never_withdrawn(model, tmp_path):
+    """ReaderPool.withdraw refuses a job that reads for several loads (it would take back all
+    of them), and takes back an ordinary queued prefetch job."""
+    idx = open_index(model)
+    gate = Gate(readers_mod.read_many)
+    import mmap
+    buf = mmap.mmap(-1, 1 << 20)
+    import ctypes
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    with ReaderPool(idx.files, threads=1, file_sizes=idx.file_sizes,
+                    file_mtimes_ns=idx.file_mtimes_ns) as pool:
+        pool.queue._pf_max = 0  # hold every prefetch chunk back: both jobs stay queued
+        done = []
+        j1 = pool.submit([(0, 0, 4096, addr)], priority=1, callback=lambda *a: done.append(a), shared=True)
+        j2 = pool.submit([(0, 4096, 4096, addr + 4096)], priority=1, callback=lambda *a: done.append(a))
+        assert pool.withdraw(j1) is False
+        assert pool.withdraw(j2) is True
+        with pool.queue._cond:
+            pool.queue._pf_max = 1
+            pool.queue._cond.notify_all()
+        import time
+        deadline = time.monotonic() + 10
+        while not done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [d[0] for d in done] == [j1] and done[0][1] is None
+    del gate
+    with open(idx.files[0], "rb") as fh:
+        assert bytes(buf[:4096]) == fh.read(4096)
+
+
+def test_a_failed_run_fails_each_load_and_gives_the_slots_back(model, tmp_path, monkeypatch):
+    """A run whose read fails publishes none of its experts and frees their slots; the next
+    fill reads them again, byte for byte."""
+    idx = open_index(model)
+    layer = idx.expert_layers[2]
+    wanted = [(layer, e) for e in range(6)]
+    real = readers_mod.read_many
+    fail = {"on": True}
+
+    def broken(chunks, *a):
+        if fail["on"]:
+            return 0, -5   # EIO on the first chunk
+        return real(chunks, *a)
+    monkeypatch.setattr(readers_mod, "read_many", broken)
+    with _cache(idx, tmp_path, 64, max_prefetch_loads=16) as cache:
+        f = WarmFill(cache, wanted, run_bytes=64 << 20, passes=1).start()
+        assert f.join(30)
+        st = cache.stats()
+        assert st["run_loads"] >= 2 and st["read_errors"] >= 2 and f.done == 0, st
+        assert sum(c["used"] for c in st["classes"]) == 0, st["classes"]
+        for l, e in wanted:
+            L = cache._layers[l]
+            assert L.pool.res[L.base + e] < 0 and L.pool.alloc[L.base + e] < 0
+        fail["on"] = False
+        f = WarmFill(cache, wanted, run_bytes=64 << 20).start()
+        assert f.join(30) and f.done == len(wanted)
+        _resident_bytes_ok(cache, idx, wanted)
+
+
+def test_fill_run_is_a_config_key_read_by_the_fill():
+    """``fill_run``: a size (0 turns runs off), on the command line and in the file, changed
+    live (read when a fill starts)."""
+    from moecached.daemon import config as C
+    key = C.KEYS["fill_run"]
+    assert key.flag == "--fill-run" and key.reload == "read_when_used"
+    assert key.check("16MiB") == 16 << 20 and key.check(0) == 0
+    from moecached.daemon.confvalues import _Bad
+    with pytest.raises(_Bad):
+        key.check("2GiB")
+    assert C.Config.__dataclass_fields__["fill_run"].default == 64 << 20
