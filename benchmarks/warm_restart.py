@@ -20,6 +20,7 @@ Usage::
 
     python benchmarks/warm_restart.py [--model PATH.gguf | --layers 4 --experts 128]
         [--budget-frac 0.75] [--rounds 2] [--dir /work/bench-tmp] [--json out.json] [--keep]
+        [--daemon-arg=--fill-run=0 ...]
 
 Without ``--model`` it writes a scaled Qwen3-30B-A3B Q4_K_M model (dense) under ``--dir`` and
 deletes it afterwards unless ``--keep``. Needs root for dropping the page cache (without it the
@@ -118,6 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default="/work/bench-tmp", help="model, sockets and state files")
     ap.add_argument("--json", default=str(HERE / "results" / "warm_restart.json"))
     ap.add_argument("--keep", action="store_true", help="keep the written model")
+    ap.add_argument("--daemon-arg", action="append", default=[],
+                    help="one more flag for both daemons (repeatable), e.g. --daemon-arg=--fill-run=0")
     a = ap.parse_args(argv)
     chunk = parse_size(a.chunk)
     work = Path(a.dir) / "warm_restart"
@@ -131,7 +134,7 @@ def main(argv=None) -> int:
         sock = str(work / "d.sock")
         state = work / "state"
         args = ["--budget", str(budget), "--state-dir", str(state), "--state-interval", "0",
-                "--readers", str(a.threads), "--chunk", str(chunk)]
+                "--readers", str(a.threads), "--chunk", str(chunk), *a.daemon_arg]
         for r in range(a.rounds):
             shutil.rmtree(state, ignore_errors=True)
             state.mkdir()

@@ -200,6 +200,7 @@ FILE_ERRORS = [
     ('fill_run = "2GiB"', 'fill_run = "2GiB": expected a size such as 8GiB, 512M, 1.5G or a byte count '
                           '(units B, K/KiB, M/MiB, G/GiB, T/TiB binary; KB, MB, GB, TB decimal), at '
                           'most 1 GiB'),
+    ('fill_io = "mmap"', 'fill_io = "mmap": expected "direct" or "buffered"'),
     ('[server]\nx = 1', '[server] is a table: expected top-level keys only (key = value lines, no '
                         '[section] headers, dotted keys or inline tables)'),
     ('readers = 4\n[section]\nbudget = "8G"', '[section] is a table: expected top-level keys only '

@@ -40,13 +40,15 @@ def _cache(idx, tmp_path, slots, **kw):
                        chunk_bytes=64 << 10, **kw)
 
 
-def test_whole_model_fill_reads_runs_and_every_byte_is_the_files(model, tmp_path):
+@pytest.mark.parametrize("io", ["direct", "buffered"])
+def test_whole_model_fill_reads_runs_and_every_byte_is_the_files(model, tmp_path, io):
     """A whole-model fill with runs: far fewer read jobs than experts, every expert's bytes
-    exactly the file's (two size classes, parts cut into chunks across expert boundaries)."""
+    exactly the file's (two size classes, parts cut into chunks across expert boundaries),
+    read with O_DIRECT or through the page cache's read-ahead."""
     idx = open_index(model)
     allx = _everything(idx)
     with _cache(idx, tmp_path, len(allx), max_prefetch_loads=16) as cache:
-        f = WarmFill(cache, allx, run_bytes=64 << 20).start()
+        f = WarmFill(cache, allx, run_bytes=64 << 20, run_io=io).start()
         assert f.join(60) and f.done == len(allx), (f.done, len(allx))
         st = cache.stats()
         assert st["run_loads"] == len(allx) and 0 < st["run_reads"] <= len(allx) // 2, st
@@ -186,10 +188,56 @@ def test_a_failed_run_fails_each_load_and_gives_the_slots_back(model, tmp_path, 
         _resident_bytes_ok(cache, idx, wanted)
 
 
+def test_buffered_runs_leave_no_copy_in_the_page_cache(model, tmp_path):
+    """``fill_io = "buffered"``: the runs' pages are dropped from the page cache once copied
+    (the experts' bytes live in the arena only), and the bytes are the file's."""
+    import mmap
+    import os
+    idx = open_index(model)
+    layer = idx.expert_layers[0]
+    wanted = [(layer, e) for e in range(16)]
+    fd = os.open(idx.files[0], os.O_RDONLY)
+    os.fsync(fd)   # just written: clean pages only, which DONTNEED drops
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    spans = [s for e in range(16) for s in idx.parts(layer, e)]
+    lo, hi = min(s.offset for s in spans), max(s.offset + s.nbytes for s in spans)
+    with _cache(idx, tmp_path, 64, max_prefetch_loads=16) as cache:
+        f = WarmFill(cache, wanted, run_bytes=64 << 20, run_io="buffered").start()
+        assert f.join(30) and f.done == 16 and cache.stats()["run_loads"] == 16
+        cached = _cached_pages(fd, lo, hi)   # before the check below reads the file itself
+        _resident_bytes_ok(cache, idx, wanted)
+    os.close(fd)
+    # the experts' pages are gone, also what the read-ahead brought back behind the chunks
+    # and past each run's end (dropping each chunk alone left 80 % here): at most read-ahead
+    # still in flight when the fill ended
+    assert cached * mmap.PAGESIZE < (hi - lo) // 10, (cached, (hi - lo) // mmap.PAGESIZE)
+
+
+def _cached_pages(fd, lo, hi) -> int:
+    """Pages of bytes lo..hi of the file at ``fd`` in the page cache now (mincore)."""
+    import ctypes
+    import mmap
+    m = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)   # writable for ctypes, never written
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        page = mmap.PAGESIZE
+        a, b = (lo // page) * page, -(-hi // page) * page
+        vec = (ctypes.c_ubyte * ((b - a) // page))()
+        base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        assert libc.mincore(ctypes.c_void_p(base + a), ctypes.c_size_t(b - a), vec) == 0
+        del base
+        return sum(v & 1 for v in vec)
+    finally:
+        m.close()
+
+
 def test_fill_run_is_a_config_key_read_by_the_fill():
     """``fill_run``: a size (0 turns runs off), on the command line and in the file, changed
-    live (read when a fill starts)."""
+    live (read when a fill starts); ``fill_io``: direct or buffered, the same way."""
     from moecached.daemon import config as C
+    io = C.KEYS["fill_io"]
+    assert io.flag == "--fill-io" and io.reload == "read_when_used"
+    assert io.check("buffered") == "buffered" and C.Config.__dataclass_fields__["fill_io"].default == "direct"
     key = C.KEYS["fill_run"]
     assert key.flag == "--fill-run" and key.reload == "read_when_used"
     assert key.check("16MiB") == 16 << 20 and key.check(0) == 0

@@ -102,6 +102,7 @@ class Config:
     state_dir: str = "/var/lib/moecached"    # warm-start state files ("" : none; used when it exists)
     state_interval_s: float = 60.0           # seconds between two saves of the state files (0: at stop only)
     fill_run: int = 64 * MiB                 # a warm fill's largest run of consecutive experts read at once (0: one per expert)
+    fill_io: str = "direct"                  # how a fill's runs are read: direct (O_DIRECT) or buffered (read-ahead)
     # where each value came from: "default", the config file's path, or "command line"
     sources: dict = field(default_factory=dict, repr=False, compare=False)
     path: Optional[str] = field(default=None, compare=False)   # config file read, if any
@@ -272,6 +273,10 @@ KEYS: dict[str, Key] = {
                     "whole model at a cold start, moecache-ctl warm): consecutive experts are "
                     "read as runs of at most this many bytes, one read per part over their "
                     "slots (default 64MiB; 0: a read per expert)", "SIZE", "size",
+        reload="read_when_used", scope="daemon"),
+    "fill_io": Key(_choice("direct", "buffered"), "--fill-io", "how a warm fill's runs are "
+                   "read: direct (O_DIRECT, default) or buffered (through the page cache's "
+                   "read-ahead, each piece dropped from it once copied)", "direct|buffered",
         reload="read_when_used", scope="daemon"),
 }
 

@@ -166,7 +166,8 @@ class WarmStates:
 
     def _fill(self, cache, wanted, source) -> WarmFill:
         fill = WarmFill(cache, wanted, source=source, log=log,
-                        run_bytes=getattr(self.daemon.cfg, "fill_run", 0))
+                        run_bytes=getattr(self.daemon.cfg, "fill_run", 0),
+                        run_io=getattr(self.daemon.cfg, "fill_io", "direct"))
         nbytes = sum(sum(cache._cls[cache._layers[l].cid][0].part_bytes.values())
                      for l, _ in fill.plan)
         what = f"warm start from {source}"

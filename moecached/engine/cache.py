@@ -428,7 +428,7 @@ class ExpertCache:
         """
         return self.prefetch_many([(layer, experts)], conf=None if conf is None else [conf])
 
-    def prefetch_many(self, requests, quota: PrefetchQuota | None = None, conf=None, run_bytes: int = 0) -> int:
+    def prefetch_many(self, requests, quota: PrefetchQuota | None = None, conf=None, run=None) -> int:
         """:meth:`prefetch` for ``[(layer, [experts]), ...]``; returns reads queued in total.
 
         ``quota``: the sender's :class:`PrefetchQuota`: its loads count there, and a read that
@@ -440,8 +440,8 @@ class ExpertCache:
         started of lower confidence (the sender's own when its own cap is the one reached) is
         withdrawn in favour of the new one; a read whose slot would cost a demand-hot expert
         is dropped (``moecached.engine.prefetch``). Everything is validated before anything is
-        queued. ``run_bytes`` (> 0; a fill's ``fill_run``): the loads this call queues that
-        follow one another are read as runs of that many bytes at most (``engine.runs``)."""
+        queued. ``run`` (a fill's ``(fill_run, fill_io == "buffered")``): the loads this call
+        queues that follow one another are read as runs of that many bytes (``engine.runs``)."""
         submits, promotes, done = [], [], []
         if conf is not None and len(conf) != len(requests):
             raise RequestError(f"conf: {len(conf)} lists for {len(requests)} layers, expected one per layer")
@@ -454,8 +454,8 @@ class ExpertCache:
             queued, displaced = self._gate.queue(todo, quota, conf is not None,
                                                  self._requests.waiting_pools(), self.readers,
                                                  submits)
-            for load, _reads in submits if run_bytes > 0 else ():
-                load.run = int(run_bytes)
+            for load, _reads in submits if run and run[0] > 0 else ():
+                load.run = (int(run[0]), bool(run[1]))
             if displaced:
                 self._kick(submits, promotes, done)   # a withdrawn read may have freed a slot
         if submits or done:

@@ -46,7 +46,7 @@ class _Load:
         self.quota = None   # PrefetchQuota of the prefetch's sender while it counts there
         self.conf = 1.0     # the prefetch's confidence (lower ones are withdrawn first at a cap)
         self.gen = -1       # the slot's generation when the load took it (checked at publish)
-        self.run = 0        # > 0: its reads may join its neighbours' in one run of this many bytes
+        self.run = None     # (bytes, buffered): its reads may join its neighbours' in one run
 
 
 class Loads:

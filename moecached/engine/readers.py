@@ -130,6 +130,7 @@ class ReaderPool:
         self.log = log or logging.getLogger("moecached.engine.readers")
         self.files = [os.fspath(f) for f in files]
         self._fds: list[int] = []
+        self._bfds: list[int] = []   # the same files opened buffered (read-ahead): ``buffered`` jobs
         self._direct: list[bool] = []
         self._align: list[int] = []
         self._warned = False
@@ -151,9 +152,7 @@ class ReaderPool:
                 self._expect.append((size, mt, int(ct), int(dev), int(ino)))
             self.check_files()
         except BaseException:
-            for fd in self._fds:
-                os.close(fd)
-            self._fds = []
+            self._close_fds()
             raise
         self._own_queue = queue is None
         if queue is None:
@@ -200,6 +199,17 @@ class ReaderPool:
         self._fds.append(fd)
         self._direct.append(bool(_fcntl_getfl(fd) & os.O_DIRECT))
         self._align.append(dio_alignment(path))
+        try:   # the same file (its inode, checked), buffered, for jobs that read it ahead
+            bfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise ReadError(f"cannot open {path}: {e.strerror}; check the model path and "
+                            f"permissions") from None
+        self._bfds.append(bfd)
+        a, b = os.fstat(fd), os.fstat(bfd)
+        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+            raise ReadError(f"model file {path} was replaced while it was opened; restart the "
+                            f"daemon (or reload) so the index is rebuilt")
+        os.posix_fadvise(bfd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
     def _warn_fallback(self, path: str, where: str) -> None:
         if not self._warned:
@@ -306,7 +316,8 @@ class ReaderPool:
                 chunks.append((fid, lo, hi - lo, dest + (lo - off)))
         return chunks, total
 
-    def submit(self, reads, *, priority: int, callback, shared: bool = False) -> int:
+    def submit(self, reads, *, priority: int, callback, shared: bool = False,
+               buffered: bool = False) -> int:
         """Queue one job; returns its id (int > 0).
 
         ``reads``: iterable of ``(file_id, file_offset, nbytes, dest_address)`` (bytes; dest is a raw
@@ -316,8 +327,12 @@ class ReaderPool:
         completion. Must not block for long (it holds up a reader thread of every pool on the
         queue). ``shared``: the job reads for several owners (a run of consecutive experts of a
         fill, one read per part spanning their slots): :meth:`withdraw` refuses it, since taking
-        it back would take back every owner's read. Raises :class:`ReadError` if the pool is
-        closed or a read is malformed.
+        it back would take back every owner's read. ``buffered``: read through the page cache
+        (the files' buffered descriptors, ``POSIX_FADV_SEQUENTIAL``: the kernel's read-ahead
+        reads the file in large requests ahead of the chunks), straight into dest, each chunk's
+        range dropped from the page cache (``POSIX_FADV_DONTNEED``) once copied: for long
+        front-to-back runs. Raises :class:`ReadError` if the pool is closed or a read is
+        malformed.
         """
         if priority not in (0, 1):
             raise ReadError(f"priority {priority!r}: expected 0 (demand) or 1 (prefetch)")
@@ -333,6 +348,7 @@ class ReaderPool:
             jid = next(q._ids)
             job = _Job(jid, self, priority, chunks, callback, total)
             job.shared = bool(shared)
+            job.buffered = bool(buffered)
             self._jobs[jid] = job
             q._push(job)
         return jid
@@ -372,26 +388,50 @@ class ReaderPool:
             job.finished = True
             return True
 
-    def _read(self, chunks, bounce: int, bounce_bytes: int):
-        """Read a run of chunks through the bounce buffer at ``bounce`` (``bounce_bytes`` long);
-        returns (chunks done, None) or (chunks done, ReadError)."""
+    def _read(self, chunks, bounce: int, bounce_bytes: int, buffered: bool = False):
+        """Read a run of chunks through the bounce buffer at ``bounce`` (``bounce_bytes`` long;
+        ``buffered``: through the page cache, see :meth:`submit`); returns (chunks done, None)
+        or (chunks done, ReadError)."""
         if chunks[0] is None:
             return 1, None
         done = 0
         retried = False
+        fds, directs = (self._bfds, [False] * len(self._bfds)) if buffered else (self._fds, self._direct)
         while done < len(chunks):
-            i, got = read_many(chunks[done:], self._fds, self._align, self._direct, bounce,
+            i, got = read_many(chunks[done:], fds, self._align, directs, bounce,
                                bounce_bytes)
             done += i
             if done == len(chunks):
                 return done, None
             fid, off, n, dest = chunks[done]
-            if got == -errno.EINVAL and self._direct[fid] and not retried:
+            if got == -errno.EINVAL and directs[fid] and not retried:
                 self._to_buffered(fid)  # filesystem refused O_DIRECT at read time
                 retried = True
                 continue
             return done, self._error(fid, off, n, got)
         return done, None
+
+    def _drop_cached(self, job) -> None:
+        """A ``buffered`` job ended: drop its ranges from the page cache once more, whole (each
+        chunk dropped its own range when copied, but a chunk read later by another thread may
+        have had the read-ahead bring an earlier chunk's pages back)."""
+        self.drop_cached((c[0], c[1], c[2]) for c in job.chunks if c is not None)
+
+    def drop_cached(self, ranges) -> None:
+        """Drop ``ranges`` (``(file_id, offset, nbytes)``) of the model files from the page
+        cache (``POSIX_FADV_DONTNEED``: clean pages no process maps), adjacent ones joined:
+        what ``buffered`` reads and their read-ahead left there."""
+        spans: list = []
+        for fid, off, n in sorted(ranges):
+            if spans and spans[-1][0] == fid and spans[-1][2] >= off:
+                spans[-1][2] = max(spans[-1][2], off + n)
+            else:
+                spans.append([fid, off, off + n])
+        for fid, lo, hi in spans:
+            try:
+                os.posix_fadvise(self._bfds[fid], lo, hi - lo, os.POSIX_FADV_DONTNEED)
+            except (OSError, IndexError):
+                pass   # closed meanwhile: nothing to drop
 
     def _error(self, fid: int, off: int, n: int, got: int) -> ReadError:
         path = self.files[fid]
@@ -492,9 +532,9 @@ class ReaderPool:
             q.close()
 
     def _close_fds(self) -> None:
-        for fd in self._fds:
+        for fd in self._fds + self._bfds:
             os.close(fd)
-        self._fds = []
+        self._fds, self._bfds = [], []
 
     def __enter__(self):
         return self

@@ -44,7 +44,7 @@ class ModelChanged(ReadError):
 
 class _Job:
     __slots__ = ("id", "pool", "priority", "chunks", "next", "inflight", "done", "error",
-                 "callback", "t0", "nbytes", "finished", "touched", "shared")
+                 "callback", "t0", "nbytes", "finished", "touched", "shared", "buffered")
 
     def __init__(self, jid, pool, priority, chunks, callback, nbytes):
         self.id = jid
@@ -61,6 +61,7 @@ class _Job:
         self.finished = False
         self.touched = False      # a chunk was handed to a reader: dest may have been written
         self.shared = False       # the reads of several loads (a run): never withdrawn
+        self.buffered = False     # read through the page cache (read-ahead), dropped behind
 
 
 class ReadQueue:
@@ -192,7 +193,7 @@ class ReadQueue:
                                 buf.close()
                                 buf, bounce, size = None, 0, 0
                             buf, bounce, size = _bounce(pool._bounce_bytes)
-                        ok, err = pool._read(chunks, bounce, size)
+                        ok, err = pool._read(chunks, bounce, size, job.buffered)
                     except Exception as e:  # never let a reader thread die
                         ok, err = 0, ReadError(f"reader crashed on {pool.files[chunks[0][0]]} offset "
                                                f"{chunks[0][1]}: {e!r}")
@@ -222,6 +223,8 @@ class ReadQueue:
                             pool._finish_stats(job, dt)
                 if fin:
                     try:
+                        if job.buffered:   # what read-ahead brought back behind the chunks
+                            pool._drop_cached(job)
                         if job.error is None:
                             # Bytes are published only if the file is still the one indexed (size,
                             # mtime, ctime, inode): a model rewritten while this job read it must

@@ -1,13 +1,14 @@
 """Runs: consecutive loads of a warm fill read as one job (a part of
 ``moecached.engine.cache.ExpertCache``, used by its ``_after`` with the lock released).
 
-A load queued with ``run`` bytes (``ExpertCache.prefetch_many(run_bytes=...)``, the
-``fill_run`` key) joins the run before it when both are prefetches of the same pool and layer,
+A load queued with ``run = (bytes, buffered)`` (``ExpertCache.prefetch_many(run=...)``, the
+``fill_run`` and ``fill_io`` keys) joins the run before it when both are prefetches of the same pool and layer,
 it is the next expert into the next slot, each of its reads starts in the same file where the
 run's read of that part ends and its bytes go where that read's end in the arena, and the run
 stays within ``run`` bytes (:func:`cut`). A run of several loads is one read job
 (:func:`submit`): per part one read from the first expert's offset and slot over all of them,
-in file order, which the reader pool cuts into ``chunk``-sized pieces as any read. When it
+in file order, which the reader pool cuts into ``chunk``-sized pieces as any read (with
+``buffered``, read through the page cache's read-ahead and dropped behind: ``fill_io``). When it
 ends, every load of the run lands in turn with the job's outcome (a failed run fails each load,
 which gives its slot back). The job is *shared*: the reader pool never withdraws it (it would
 take back every load of the run), and a promotion of one of its loads (a demand took it over)
@@ -36,10 +37,10 @@ def cut(submits) -> list:
 
 
 def _joins(out, ends, size, load, reads, nb) -> bool:
-    if not out or not load.run or ends is None or size + nb > load.run:
+    if not out or not load.run or ends is None or size + nb > load.run[0]:
         return False
     prev = out[-1][-1][0]
-    if (not prev.run or prev.pool is not load.pool or prev.layer != load.layer
+    if (prev.run != load.run or prev.pool is not load.pool or prev.layer != load.layer
             or load.expert != prev.expert + 1 or load.slot != prev.slot + 1
             or prev.priority != load.priority or len(reads) != len(ends)):
         return False
@@ -64,7 +65,7 @@ def submit(cache, run) -> None:
             cache._on_read(load, err, nb, sec)
     try:
         jid = readers.submit([tuple(m) for m in merged], priority=loads[0].priority,
-                             callback=landed, shared=True)
+                             callback=landed, shared=True, buffered=loads[0].run[1])
     except Exception as e:  # pool closed or refused: fail every load like a read error
         e.dest_written = False   # refused before reading: the slots are as they were
         for load in loads:

@@ -269,14 +269,17 @@ class WarmFill:
     loads are queued half a window at a time and consecutive ones (the next expert of a layer
     into the next slot, as a fresh arena's free slots are taken) are read as one job of at most
     this many bytes, one read per part spanning their slots
-    (``moecached.engine.cache.ExpertCache.prefetch_many``); 0: a read job per expert. ``progress(done, total, nbytes)``: called
+    (``moecached.engine.cache.ExpertCache.prefetch_many``); 0: a read job per expert.
+    ``run_io`` (the ``fill_io`` key): ``"direct"`` (O_DIRECT, as every read) or ``"buffered"``
+    (runs read through the page cache's read-ahead, each chunk dropped from it once copied). ``progress(done, total, nbytes)``: called
     from the fill's thread as loads finish. ``on_done(fill)``: called once at the end.
     Attributes: ``planned`` (experts to load), ``done`` (loaded), ``nbytes``, ``elapsed``,
     ``stopped``, ``source`` (what the list came from, for messages).
     """
 
     def __init__(self, cache, wanted, *, source: str = "", window: int | None = None,
-                 progress=None, on_done=None, log=None, passes: int = 3, run_bytes: int = 0):
+                 progress=None, on_done=None, log=None, passes: int = 3, run_bytes: int = 0,
+                 run_io: str = "direct"):
         from moecached.engine.cache import PrefetchQuota
         self.cache = cache
         self.wanted = list(wanted)
@@ -287,6 +290,8 @@ class WarmFill:
         #: ``fill_run``: consecutive experts (file order, consecutive slots) are read as runs of
         #: at most this many bytes, one read per part spanning their slots (0: one per expert)
         self.run_bytes = max(0, int(run_bytes))
+        #: ``fill_io``: "buffered" reads runs through the page cache's read-ahead (dropped behind)
+        self.run_io = run_io
         self.quota = PrefetchQuota(None)
         self.progress, self.on_done = progress, on_done
         self.passes = passes
@@ -426,6 +431,8 @@ class WarmFill:
             with q._cond:
                 if q._pf_max == raised:
                     q._pf_max = pf_max
+            if self.run_io == "buffered":   # the read-ahead past each run's end: dropped too
+                self._drop_cached()
             self.stopped = self._stop.is_set()
             self.elapsed = time.monotonic() - self.t0
             w = counters_of(cache)
@@ -437,6 +444,16 @@ class WarmFill:
                     self.on_done(self)
                 except Exception:
                     self.log.exception("warm fill done callback raised")
+
+    def _drop_cached(self) -> None:
+        """Drop the planned experts' parts from the page cache (buffered runs dropped each chunk
+        once copied, but the read-ahead past a run's end may have brought more)."""
+        idx = self.cache.index
+        try:
+            self.cache.readers.drop_cached((s.file, s.offset, s.nbytes) for layer, expert in self.plan
+                                           for s in idx.parts(layer, expert))
+        except Exception as e:   # the cache closed under us: nothing left to drop
+            self.log.debug("warm fill: page cache not dropped: %s", e)
 
     def _reorder(self) -> None:
         """Put the experts the fill loaded in the order they were wanted: loaded in file order,
@@ -480,4 +497,5 @@ class WarmFill:
             else:
                 reqs.append((layer, [expert]))
                 conf.append([c])
-        return self.cache.prefetch_many(reqs, quota=self.quota, conf=conf, run_bytes=self.run_bytes)
+        return self.cache.prefetch_many(reqs, quota=self.quota, conf=conf,
+                                        run=(self.run_bytes, self.run_io == "buffered"))
