@@ -1,12 +1,16 @@
-"""The patched llama.cpp's tier of experts in device memory (--moecached-vram, patch 0007), on the
-CPU build.
+"""The patched llama.cpp's tier of experts in device memory (--moecached-vram, patches 0007 and
+0008), on the CPU build.
 
 With --moecached-vram SIZE|N% every engine keeps its own slot table of experts in a buffer of the
-device that runs the MoE blocks; the acquire op looks the router's experts up there, acquires only
-the ones missing, copies their bytes from the arena into least recently used tier slots (through
-ggml_backend_tensor_set_async) and the block's matmuls read the tier. A CPU build puts the tier in
-a CPU buffer of its own, the same code path: the logits must be the resident run's bytes, and the
-tier's counters (mc-decode's ``vram`` line) must add up.
+device that runs the MoE blocks. With the lookup on the host (--moecached-vram-lookup host, and
+every prompt) the acquire op looks the router's experts up there, acquires only the ones missing,
+copies their bytes from the arena into least recently used tier slots (through
+ggml_backend_tensor_set_async) and the block's matmuls read the tier. With the lookup on the device
+(device, and auto for a decoded token whose blocks' experts fit in the tier at once) a table per
+block maps the ids to tier slots in the graph, the host reads every block's routed ids once after
+the graph, copies in what was missing and computes the same graph again. A CPU build puts the tier
+in a CPU buffer of its own, the same code path: the logits must be the resident run's bytes, and
+the tier's counters (mc-decode's ``vram`` line) must add up.
 
 Needs the patched llama.cpp (clients/llama.cpp/build.sh); skipped with one line when it is not
 built.
@@ -66,28 +70,40 @@ def resident(tmp_path_factory):
     return d / "resident.bin"
 
 
+@pytest.mark.parametrize("lookup", ["host", "device"])
 @pytest.mark.parametrize("share", ["10%", "25%", "50%", "100%"])
-def test_tier_gives_the_resident_logits_and_its_counters_add_up(resident, geometry, tmp_path, share):
-    """Half the experts in the arena; the tier at a share of the served experts: the resident
-    run's logits and those of the run without the tier, byte for byte. Every decoded token's
-    block calls are hits or copies; bytes copied are whole experts; a prompt that can need more
-    experts than the tier holds runs on the arena (one fallback per block it reaches)."""
+def test_tier_gives_the_resident_logits_and_its_counters_add_up(resident, geometry, tmp_path, share, lookup):
+    """Half the experts in the arena; the tier at a share of the served experts, looked up on the
+    host or on the device: the resident run's logits and those of the run without the tier, byte
+    for byte. Every decoded token's block calls are hits or copies; bytes copied are whole
+    experts; a prompt that can need more experts than the tier holds runs on the arena (one
+    fallback per block it reaches). On the device, every decoded token whose blocks' experts fit
+    in the tier at once (8 blocks x top-4 = 32: not 10 %) runs the device lookup, one read of the
+    routed ids per pass, a pass more for each pass that missed."""
     g = geometry
     served_experts = g["blocks"] * g["experts"]
     arena_slots = served_experts // 2
     plain, _ = served(MODEL, tmp_path, "plain", arena_slots)
-    r, st = served(MODEL, tmp_path, "tier", arena_slots, "--moecached-vram", share)
+    r, st = served(MODEL, tmp_path, "tier", arena_slots, "--moecached-vram", share, "--moecached-vram-lookup", lookup)
     assert filecmp.cmp(resident, tmp_path / "plain.bin", shallow=False), "the run without the tier differs"
     assert filecmp.cmp(resident, tmp_path / "tier.bin", shallow=False), f"--moecached-vram {share}: logits differ"
     v, t = vram(r), timing(r)
     n = int(share[:-1]) * served_experts // 100
-    assert v["slots"] == n, v
+    assert v["slots"] == n and v["lookup"] == lookup, v
     assert v["vram_bytes"] >= n * g["slot_bytes"], v
-    assert v["misses"] > 0 and v["copied_bytes"] == v["misses"] * g["slot_bytes"], v
+    copies = v["misses"] + v["spec_copies"]
+    assert v["misses"] > 0 and v["copied_bytes"] == copies * g["slot_bytes"], v
     assert v["invalidations"] == 0, v
-    assert 0 < v["misses"] - v["evictions"] <= n, v            # the slots filled, never more
+    assert 0 < copies - v["evictions"] <= n, v                 # the slots filled, never more
     assert v["decode_hits"] + v["decode_misses"] == STEPS * g["blocks"] * g["k"], v
-    assert v["decode_copied_bytes"] == v["decode_misses"] * g["slot_bytes"], v
+    assert v["decode_copied_bytes"] == (v["decode_misses"] + v["decode_spec_copies"]) * g["slot_bytes"], v
+    device = lookup == "device" and n >= g["blocks"] * g["k"]
+    assert v["device_ubatches"] == (STEPS if device else 0) and v["switches"] == 0, v
+    assert v["reads"] == v["device_ubatches"] + v["reruns"], v
+    assert v["reruns"] <= v["fill_syncs"] <= v["reruns"] * g["blocks"], v     # a wait per block filled
+    assert v["decode_reruns"] == v["reruns"] and (v["reruns"] > 0) == device, v   # the tier starts empty
+    if not device:
+        assert v["spec_copies"] == 0, v
     prompt_fits = min(g["experts"], t["prompt_tokens"] * g["k"]) <= n
     # (the last block's FFN runs on the one token whose logits are output: it fits)
     assert v["fallbacks"] == (0 if prompt_fits else g["blocks"] - 1), (v, t)
@@ -100,6 +116,46 @@ def test_tier_gives_the_resident_logits_and_its_counters_add_up(resident, geomet
         assert prompt_fits and v["evictions"] == 0 and v["misses"] <= served_experts, v
         eng = engine_llama.parse_stats(r.stdout)
         assert eng["acquires"] < engine_llama.parse_stats(plain.stdout)["acquires"], (eng, plain.stdout[-500:])
+
+
+def test_device_lookup_of_a_full_tier_reads_once_per_token_and_runs_once(resident, geometry, tmp_path):
+    """Every expert in the tier, looked up on the device: a second round of the same prompt and
+    decode in the same process finds every expert its tokens route to in the tier, so it adds no
+    pass, no fill, no acquire: one read of the routed ids per decoded token and nothing else."""
+    g = geometry
+    slots = g["blocks"] * g["experts"]
+    one, _ = served(MODEL, tmp_path, "one", slots, "--moecached-vram", "100%", "--moecached-vram-lookup", "device")
+    two, _ = served(MODEL, tmp_path, "two", slots, "--moecached-vram", "100%", "--moecached-vram-lookup", "device",
+                    "--rounds", "2")
+    assert filecmp.cmp(resident, tmp_path / "one.bin", shallow=False), "logits differ"
+    assert filecmp.cmp(resident, tmp_path / "two.bin", shallow=False), "logits differ (first round)"
+    v1, v2 = vram(one), vram(two)
+    assert v1["device_ubatches"] == STEPS and v2["device_ubatches"] == 2 * STEPS, (v1, v2)
+    assert v1["reruns"] > 0 and v2["reruns"] == v1["reruns"] and v2["fill_syncs"] == v1["fill_syncs"], (v1, v2)
+    assert v2["reads"] == v1["reads"] + STEPS, (v1, v2)
+    assert v2["evictions"] == 0 and v2["misses"] == v1["misses"] and v2["copied_bytes"] == v1["copied_bytes"], (v1, v2)
+    e1, e2 = engine_llama.parse_stats(one.stdout), engine_llama.parse_stats(two.stdout)
+    assert e2["acquires"] == e1["acquires"], (e1, e2)          # the second round asks the daemon nothing
+
+
+def test_auto_lookup_goes_to_the_host_when_the_tier_churns(resident, geometry, tmp_path):
+    """A tier of exactly the experts one token needs (8 blocks x top-4 = 32 slots, 12.5 %) and
+    random routing: nearly every decoded token on the device misses, evicts and runs again. auto
+    sends the next tokens to the host lookup after a window of such tokens (a switch), device keeps
+    running them again; both give the resident logits."""
+    g = geometry
+    slots = g["blocks"] * g["experts"] // 2
+    dev, _ = served(MODEL, tmp_path, "dev", slots, "--moecached-vram", "12.5%", "--moecached-vram-lookup", "device")
+    auto, _ = served(MODEL, tmp_path, "auto", slots, "--moecached-vram", "12.5%")
+    assert filecmp.cmp(resident, tmp_path / "dev.bin", shallow=False), "device: logits differ"
+    assert filecmp.cmp(resident, tmp_path / "auto.bin", shallow=False), "auto: logits differ"
+    vd, va = vram(dev), vram(auto)
+    assert vd["slots"] == g["blocks"] * g["k"], vd
+    assert vd["device_ubatches"] == STEPS and vd["switches"] == 0 and vd["reruns"] >= STEPS // 2, vd
+    assert vd["spec_copies"] > 0, vd                            # copies for a routing a later pass did not have
+    assert va["lookup"] == "auto" and va["switches"] >= 1 and 0 < va["device_ubatches"] < STEPS, va
+    assert va["reruns"] < vd["reruns"], (va, vd)
+    assert va["decode_hits"] + va["decode_misses"] == STEPS * g["blocks"] * g["k"], va
 
 
 def test_two_engines_with_tiers_share_one_arena(resident, geometry, tmp_path):
@@ -213,6 +269,66 @@ def test_daemon_restart_with_the_tier_is_an_error_or_a_correct_continuation(tmp_
         assert ref.startswith((tmp_path / "out.bin").read_bytes())
 
 
+def test_daemon_restart_under_the_device_lookup_is_an_error_or_a_correct_continuation(tmp_path):
+    """The device lookup with a tier of exactly what one token needs (2 blocks x top-4 of 2 x 16
+    experts): tokens keep missing, so fills keep acquiring and one sees the new daemon; the tier is
+    forgotten and the token's next pass fills it from the new arena; the resident logits."""
+    text = "Experts in shared memory, served to every engine."
+    model = write_runnable(str(tmp_path / "f32.gguf"), arch="qwen3moe", blocks=2, experts=16, top_k=4, quant="f32", seed=1)
+    decode(model, tmp_path / "resident.bin", text=text)
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(model, sock, "--slots", "12")
+    cmd = [str(BIN / "mc-decode"), "-m", model, "-p", text, "-n", str(STEPS), "-t", "2", "--dump", str(tmp_path / "out.bin"),
+           "--moecached", f"ipc://{sock}", "--moecached-vram", "25%", "--moecached-vram-lookup", "device",
+           "--step-delay-ms", "50", "--retries", "40"]
+    def under_way(eng):
+        time.sleep(1.0)
+        assert eng.poll() is None, "the engine finished before the restart: make the decode longer"
+    rc, out, err = across_restart(cmd, under_way, lambda: (stop_daemon(p), start_daemon(model, sock, "--slots", "12"))[1],
+                                  timeout=300)
+    ref = (tmp_path / "resident.bin").read_bytes()
+    if rc == 0:
+        assert (tmp_path / "out.bin").read_bytes() == ref, "wrong logits after a restart"
+        st = engine_llama.parse_stats(out)
+        v = parse_kv(out, "vram")
+        assert st["restarts"] >= 1 and v["invalidations"] >= 1, (st, v)
+        assert v["slots"] == 8 and v["device_ubatches"] >= STEPS and v["reruns"] > 0, v
+    else:
+        assert "moecached error:" in err, err[-2000:]
+        assert ref.startswith((tmp_path / "out.bin").read_bytes())
+
+
+@pytest.mark.slow
+def test_lease_invalid_under_a_device_lookup_fill_discards_the_batch_and_the_retry_is_correct(tmp_path):
+    """A prompt of a few tokens runs the device lookup too: its first pass misses every expert, the
+    fill acquires them and keeps the leases 3 s (LLAMA_MOECACHED_HOLD_US) after the copies; the
+    daemon is killed then, the leases read invalid, the batch is discarded and the tier forgotten,
+    and the retry on a new daemon gives the resident logits."""
+    text = "Hi"   # 6 tokens of this model's vocabulary: at most 8 run the device lookup
+    model = write_runnable(str(tmp_path / "f32.gguf"), arch="qwen3moe", blocks=2, experts=16, top_k=4, quant="f32", seed=1)
+    steps = 2
+    subprocess.run([str(BIN / "mc-decode"), "-m", model, "-p", text, "-n", str(steps), "-t", "2",
+                    "--dump", str(tmp_path / "resident.bin")], check=True, capture_output=True, timeout=300)
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(model, sock, "--slots", "32")
+    cmd = [str(BIN / "mc-decode"), "-m", model, "-p", text, "-n", str(steps), "-t", "2", "--dump", str(tmp_path / "out.bin"),
+           "--moecached", f"ipc://{sock}", "--moecached-vram", "100%", "--moecached-vram-lookup", "device", "--retries", "60"]
+    def under_way(eng):
+        with Client(f"ipc://{sock}", name="watcher", map_arena=False) as c:
+            deadline = time.monotonic() + 120
+            while c.stats()["leases"] < 1 and eng.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert c.stats()["leases"] >= 1, "the engine acquired nothing in 120 s"
+    rc, out, err = across_restart(cmd, under_way,
+                                  lambda: (stop_daemon(p, sig=signal.SIGKILL), start_daemon(model, sock, "--slots", "32"))[1],
+                                  env=dict(os.environ, LLAMA_MOECACHED_HOLD_US="3000000"))
+    assert rc == 0, err[-2000:]
+    assert "copied into the tier (daemon restart" in err, err[-2000:]   # a batch was discarded, then retried
+    assert (tmp_path / "out.bin").read_bytes() == (tmp_path / "resident.bin").read_bytes(), "wrong logits after a crash"
+    v = parse_kv(out, "vram")
+    assert v["invalidations"] >= 1 and v["fallbacks"] == 0 and v["device_ubatches"] >= steps + 1 and v["fill_syncs"] >= 1, v
+
+
 @pytest.mark.slow
 def test_lease_invalid_under_a_copy_invalidates_the_tier_and_the_retry_is_correct(tmp_path):
     """The whole model in the tier (the prompt goes through it too) and every lease kept 3 s
@@ -256,3 +372,17 @@ def test_bad_tier_size_is_one_line(geometry, tmp_path, value, want):
     assert r.returncode != 0
     lines = [l for l in r.stderr.splitlines() if l.startswith("moecached:")]
     assert len(lines) == 1 and "--moecached-vram" in lines[0] and value in lines[0] and want in lines[0], r.stderr[-2000:]
+
+
+def test_bad_tier_lookup_is_one_line(tmp_path):
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(str(MODEL), sock, "--slots", "128")
+    try:
+        r = decode(MODEL, tmp_path / "out.bin", "--moecached-vram", "50%", "--moecached-vram-lookup", "gpu",
+                   endpoint=f"ipc://{sock}", check=False)
+    finally:
+        stop_daemon(p)
+    assert r.returncode != 0
+    lines = [l for l in r.stderr.splitlines() if l.startswith("moecached:")]
+    assert len(lines) == 1 and "--moecached-vram-lookup" in lines[0] and "gpu" in lines[0] and "expected auto" in lines[0], \
+        r.stderr[-2000:]
