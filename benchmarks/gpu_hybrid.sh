@@ -17,11 +17,20 @@
 #            rung1    --moecached --cpu-moe: the expert matmuls on the CPU over the arena
 #            rung2    --moecached --cpu-moe --moecached-gpu zerocopy: on the GPU, reading the
 #                     arena (registered with CUDA) over the host link
-#            rung3_P  (P = 10, 25, 50, 100) rung 2 plus --moecached-vram P%: a tier of P % of the
-#                     served experts in VRAM, filled from the arena; the block's matmuls read
-#                     the tier (a prompt that can need more experts than the tier holds runs as
-#                     rung 2); per row also the tier's hits, misses, bytes copied to the device
-#                     per decoded token (and per token overall) and the VRAM it takes
+#            rung3_P  (P = 10, 25, 50, 100) rung 2 plus --moecached-vram P% with
+#                     --moecached-vram-lookup host: a tier of P % of the served experts in VRAM,
+#                     filled from the arena, looked up by a host op per block; the block's
+#                     matmuls read the tier (a prompt that can need more experts than the tier
+#                     holds runs as rung 2); per row also the tier's hits, misses, bytes copied
+#                     to the device per decoded token (and per token overall) and the VRAM it takes
+#            rung4_P  (P = 10, 25, 50, 100) the same tier looked up on the device
+#                     (--moecached-vram-lookup auto, the default: a table per block in VRAM, no
+#                     host op in a decoded token's graph; a token that met a missing expert is
+#                     computed again after the host copied it in; the host lookup for a while
+#                     when that happens often); per row also the passes run again, the reads of
+#                     the routed ids and the switches
+#            rung4_100w  rung4_100 over two rounds in one process (--rounds 2), the second
+#                     round's figures: every expert its tokens need is in the tier already
 #          then the logits of each pair: max |diff|, identical rows, greedy tokens identical
 #          (rung 1 against cpu_moe: 0 and all expected; rungs 2 and 3 against gpu: the same
 #          kernels over the same bytes), and one decode step of each daemon row with
@@ -29,6 +38,8 @@
 #          Rung 3 with its references (gpu for the logits, rung2 for the speed without the tier),
 #          once the build phase has run:
 #            RUNGS=gpu,rung2,rung3_10,rung3_25,rung3_50,rung3_100 bash benchmarks/gpu_hybrid.sh OUT measure
+#          Rung 4 against rung 3:
+#            RUNGS=gpu,rung3_100,rung4_10,rung4_25,rung4_50,rung4_100,rung4_100w bash benchmarks/gpu_hybrid.sh OUT measure
 # test:    the build, then tests/test_llama_gpu.py on it (zerocopy and the VRAM tier against the
 #          all-on-the-GPU logits, a daemon restart under both; the GPU machine has pytest; the
 #          trained model of benchmarks/models travels with the tree): its output in OUT_DIR/test.txt
@@ -112,10 +123,19 @@ ROWS = {   # name: (what, mc-decode arguments, environment, through the daemon)
               ["--cpu-moe", "--moecached-gpu", "zerocopy"], {}, True),
 }
 for pct in (10, 25, 50, 100):
-    ROWS[f"rung3_{pct}"] = (f"rung 2 + --moecached-vram {pct}%: a tier of {pct} % of the experts in VRAM (rung 3)",
-                            ["--cpu-moe", "--moecached-gpu", "zerocopy", "--moecached-vram", f"{pct}%"], {}, True)
+    ROWS[f"rung3_{pct}"] = (f"rung 2 + --moecached-vram {pct}% --moecached-vram-lookup host: a tier of {pct} % of the experts "
+                            f"in VRAM, looked up by a host op per block (rung 3)",
+                            ["--cpu-moe", "--moecached-gpu", "zerocopy", "--moecached-vram", f"{pct}%",
+                             "--moecached-vram-lookup", "host"], {}, True)
+    ROWS[f"rung4_{pct}"] = (f"rung 2 + --moecached-vram {pct}% (lookup auto): the tier looked up on the device (rung 4)",
+                            ["--cpu-moe", "--moecached-gpu", "zerocopy", "--moecached-vram", f"{pct}%",
+                             "--moecached-vram-lookup", "auto"], {}, True)
+ROWS["rung4_100w"] = ("rung4_100, the second of two rounds in one process: the tier already holds every expert (rung 4)",
+                      ["--cpu-moe", "--moecached-gpu", "zerocopy", "--moecached-vram", "100%", "--moecached-vram-lookup",
+                       "auto", "--rounds", "2"], {}, True)
 PAIRS = [("cpu_moe", "rung1"), ("gpu", "rung2"), ("gpu", "cpu_moe"), ("rung1", "rung2"),
-         ("gpu", "rung3_10"), ("gpu", "rung3_25"), ("gpu", "rung3_50"), ("gpu", "rung3_100")]
+         ("gpu", "rung3_10"), ("gpu", "rung3_25"), ("gpu", "rung3_50"), ("gpu", "rung3_100"),
+         ("gpu", "rung4_10"), ("gpu", "rung4_25"), ("gpu", "rung4_50"), ("gpu", "rung4_100"), ("gpu", "rung4_100w")]
 rows = [r for r in want if r in ROWS]
 sock = "/tmp/gpu-hybrid.sock"
 work = "/tmp/gpu-hybrid/runs"; os.makedirs(work, exist_ok=True)
@@ -136,11 +156,15 @@ def decode(name, dump, rnd, extra_env=None, n=steps):
     m = re.search(r"timing prompt_tokens=(\d+) prompt_s=([\d.]+) decode_tokens=(\d+) decode_s=([\d.]+)", r.stdout)
     res["prompt_tps"] = int(m.group(1)) / float(m.group(2))
     res["decode_tps"] = int(m.group(3)) / float(m.group(4))
+    rr = re.findall(r"^round (\d+) prompt_s=([\d.]+) decode_tokens=(\d+) decode_s=([\d.]+)$", r.stdout, re.M)
+    if "--rounds" in args and rr:   # the last round alone
+        res["prompt_tps"] = (int(m.group(1)) / len(rr)) / float(rr[-1][1])
+        res["decode_tps"] = int(rr[-1][2]) / float(rr[-1][3])
     res["tokens"] = [int(x) for x in re.findall(r"^step \d+ token (\d+)$", r.stdout, re.M)]
     s = re.search(r"^moecached (acquires=.*)$", r.stdout, re.M)
     res["stats"] = {k: int(v) for k, v in (kv.split("=") for kv in s.group(1).split())} if s else {}
     v = re.search(r"^vram (slots=.*)$", r.stdout, re.M)
-    res["vram"] = {k: int(x) for k, x in (kv.split("=") for kv in v.group(1).split())} if v else {}
+    res["vram"] = {k: int(x) if x.isdigit() else x for k, x in (kv.split("=") for kv in v.group(1).split())} if v else {}
     res["prompt_tokens"], res["decode_tokens"] = int(m.group(1)), int(m.group(3))
     return res, r
 
@@ -159,9 +183,14 @@ try:
         if ROWS[name][3]:
             res, r = decode(name, None, 0, {"GGML_SCHED_DEBUG": "2"}, n=1)
             text = r.stdout + r.stderr
-            results["sched"][name] = {"splits": text.count("## SPLIT #"), "rc": r.returncode}
+            # every graph the scheduler split in the run (reserved, prompt, decode step), and the last
+            # one's alone: the decode step's graph
+            last = text.rsplit("## SPLIT #0:", 1)
+            last_splits = ("## SPLIT #0:" + last[1]).count("## SPLIT #") if len(last) == 2 else 0
+            results["sched"][name] = {"splits": text.count("## SPLIT #"), "decode_graph_splits": last_splits, "rc": r.returncode}
             with open(f"{out}/sched.txt", "a") as f:
-                f.write(f"==== {name}: splits {text.count('## SPLIT #')}, rc {r.returncode}\n{text[-150000:]}\n")
+                f.write(f"==== {name}: splits {text.count('## SPLIT #')}, the decode step's graph {last_splits}, "
+                        f"rc {r.returncode}\n{text[-150000:]}\n")
 finally:
     if p is not None:
         stop_daemon(p)
@@ -179,6 +208,11 @@ for name in rows:
             row["vram"] = vr | {"copied_bytes_per_decoded_token": vr["decode_copied_bytes"] / max(ok[-1]["decode_tokens"], 1),
                                 "copied_bytes_per_token": vr["copied_bytes"] / max(n_tok, 1),
                                 "decode_hit_rate": vr["decode_hits"] / max(vr["decode_hits"] + vr["decode_misses"], 1)}
+        if vr.get("lookup") in ("auto", "device"):   # rung 4: per decoded token
+            d = max(ok[-1]["decode_tokens"], 1)
+            row["lookup"] = {k: vr.get(k) for k in ("lookup", "device_ubatches", "reruns", "reads", "fill_syncs", "switches",
+                                                    "spec_copies", "decode_reruns", "decode_spec_copies")}
+            row["lookup"]["decode_reruns_per_token"] = vr.get("decode_reruns", 0) / d
         # the same logits in every round?
         dumps = [open(f"{work}/{name}-{i}.bin", "rb").read() for i, x in enumerate(runs[name]) if x["rc"] == 0]
         row["reproducible"] = all(d == dumps[0] for d in dumps)
@@ -243,8 +277,17 @@ if tier:
         lines.append(f"| {name} | {vr['slots']} | {vr['vram_bytes'] / 2**20:.0f} | {vr['decode_hits']} / {vr['decode_misses']} "
                      f"({vr['decode_hit_rate']:.3f}) | {vr['copied_bytes_per_decoded_token'] / 2**20:.2f} | "
                      f"{vr['copied_bytes_per_token'] / 2**20:.2f} | {vr['evictions']} | {vr['fallbacks']} |")
+look = [(n, r) for n, r in results["rows"].items() if "lookup" in r]
+if look:
+    lines += ["", "| run | lookup | ubatches on the device | passes run again (decode) | reads of the routed ids | "
+              "fill waits | switches | copies for a routing not kept |", "|---|---|---|---|---|---|---|---|"]
+    for name, row in look:
+        lk = row["lookup"]
+        lines.append(f"| {name} | {lk['lookup']} | {lk['device_ubatches']} | {lk['reruns']} ({lk['decode_reruns']}) | {lk['reads']} | "
+                     f"{lk['fill_syncs']} | {lk['switches']} | {lk['spec_copies']} |")
 if results["sched"]:
-    lines += ["", "graph splits of one decode step: " + ", ".join(f"{k} {v['splits']}" for k, v in results["sched"].items())]
+    lines += ["", "graph splits of a 1-step run (every graph): " + ", ".join(f"{k} {v['splits']}" for k, v in results["sched"].items()),
+              "graph splits of the decode step's graph: " + ", ".join(f"{k} {v['decode_graph_splits']}" for k, v in results["sched"].items())]
 open(f"{out}/rungs.md", "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF

@@ -1,7 +1,8 @@
 """The patched llama.cpp's GPU rungs on a CUDA build: the experts computed on the GPU over the
-arena (``--moecached-gpu zerocopy``) and from a tier in VRAM (``--moecached-vram``) give the
-logits of the same build with every layer on the GPU, byte for byte (the same CUDA kernels over
-the same bytes), with the arena holding every expert or half of them.
+arena (``--moecached-gpu zerocopy``) and from a tier in VRAM (``--moecached-vram``, looked up per
+block on the host or in the graph on the device, ``--moecached-vram-lookup``) give the logits of
+the same build with every layer on the GPU, byte for byte (the same CUDA kernels over the same
+bytes), with the arena holding every expert or half of them.
 
 Runs where a CUDA build of the patched llama.cpp and an NVIDIA GPU are present:
 ``MOECACHED_LLAMA_CUDA_BIN`` names its bin directory (``benchmarks/gpu_hybrid.sh OUT build``
@@ -56,35 +57,45 @@ def all_on_the_gpu(tmp_path_factory):
     return d / "gpu.bin"
 
 
+def _vram(stdout: str) -> dict:
+    m = re.search(r"^vram (.*)$", stdout, re.M)
+    assert m, stdout[-1500:]
+    return {k: int(x) if x.isdigit() else x for k, x in (kv.split("=", 1) for kv in m.group(1).split())}
+
+
 @pytest.mark.parametrize("arena", [1.0, 0.5])
-@pytest.mark.parametrize("tier", [None, "25%", "100%"])
-def test_gpu_rungs_give_the_all_on_the_gpu_logits(all_on_the_gpu, tmp_path, arena, tier):
-    """Rung 2 (zerocopy) and rung 3 (a VRAM tier over it), the arena holding every expert or
-    half: the logits of the run with every layer on the GPU, and the tier's counters add up."""
-    extra = ZEROCOPY + (("--moecached-vram", tier) if tier else ())
+@pytest.mark.parametrize("tier,lookup", [(None, None), ("25%", "host"), ("25%", "device"), ("100%", "host"), ("100%", "device")])
+def test_gpu_rungs_give_the_all_on_the_gpu_logits(all_on_the_gpu, tmp_path, arena, tier, lookup):
+    """Rung 2 (zerocopy), rung 3 (a VRAM tier over it, looked up on the host) and rung 4 (the
+    tier looked up on the device, a token computed again after a miss), the arena holding every
+    expert or half: the logits of the run with every layer on the GPU, and the tier's counters add
+    up (on the device: every decoded token, 8 blocks x top-4 fitting in 25 % of 8 x 32)."""
+    extra = ZEROCOPY + (("--moecached-vram", tier, "--moecached-vram-lookup", lookup) if tier else ())
     r, st = RUN.served(MODEL, tmp_path, "rung", int(arena * _served_experts()), *extra)
     assert filecmp.cmp(all_on_the_gpu, tmp_path / "rung.bin", shallow=False), \
         f"arena {arena:.0%}, tier {tier}: logits differ from every layer on the GPU"
     assert st["demand_misses"] > 0 or arena == 1.0, st
     if tier:
-        m = re.search(r"^vram (.*)$", r.stdout, re.M)
-        assert m, r.stdout[-1500:]
-        v = {k: int(x) for k, x in (kv.split("=", 1) for kv in m.group(1).split())}
+        v = _vram(r.stdout)
         assert v["slots"] > 0 and v["misses"] > 0 and v["invalidations"] == 0, v
         assert v["vram_bytes"] > 0 and v["copied_bytes"] > 0, v
+        assert v["device_ubatches"] == (STEPS if lookup == "device" else 0), v
+        assert v["reads"] == v["device_ubatches"] + v["reruns"], v
 
 
-@pytest.mark.parametrize("tier", [None, "25%"])
-def test_daemon_restart_on_the_gpu_is_an_error_or_a_correct_continuation(all_on_the_gpu, tmp_path, tier):
-    """Zerocopy (with a tier or not), the daemon restarted mid-decode: the new arena is registered
-    with CUDA anew (the tier invalidated) and the logits stay the all-on-the-GPU run's, or the
-    engine stops with one moecached error line and what it wrote is a prefix of them."""
+@pytest.mark.parametrize("tier,lookup", [(None, None), ("25%", "host"), ("12.5%", "device")])
+def test_daemon_restart_on_the_gpu_is_an_error_or_a_correct_continuation(all_on_the_gpu, tmp_path, tier, lookup):
+    """Zerocopy (with a tier looked up on the host or on the device, or none), the daemon
+    restarted mid-decode: the new arena is registered with CUDA anew (the tier invalidated) and
+    the logits stay the all-on-the-GPU run's, or the engine stops with one moecached error line
+    and what it wrote is a prefix of them."""
     n = _served_experts()
     sock = str(tmp_path / "d.sock")
     p = start_daemon(str(MODEL), sock, "--slots", str(n))
     cmd = [str(CUDA_BIN / "mc-decode"), "-m", str(MODEL), "-p", prompt(), "-n", str(STEPS), "-t", "2",
            "--dump", str(tmp_path / "out.bin"), "--moecached", f"ipc://{sock}", *ZEROCOPY,
-           *(("--moecached-vram", tier) if tier else ()), "--step-delay-ms", "50", "--retries", "40"]
+           *(("--moecached-vram", tier, "--moecached-vram-lookup", lookup) if tier else ()),
+           "--step-delay-ms", "50", "--retries", "40"]
     def under_way(eng):
         time.sleep(3.0)
         assert eng.poll() is None, "the engine finished before the restart: make the decode longer"

@@ -8,7 +8,8 @@
 //             [--moecached-vram-lookup auto|device|host]
 //   mc-decode --help      (-h) prints the options and exits 0
 //
-// Prints one line per step ("step I token T") and a final "timing" line:
+// Prints one line per step ("step I token T"), one line per round and a final "timing" line:
+//   round R prompt_s=S decode_tokens=N decode_s=S
 //   timing prompt_tokens=P prompt_s=S decode_tokens=N decode_s=S
 // --dump writes the float32 logits of the prompt's last token and of each step, in order.
 // --dump-moe writes, per MoE block of every ubatch, the router's probabilities, its top-k ids,
@@ -224,6 +225,8 @@ int main(int argc, char ** argv) {
             return best;
         };
 
+        const double tp0 = t_prompt, td0 = t_decode;
+        const int nd0 = n_decoded;
         double t0 = now_s();
         if (!decode(llama_batch_get_one(toks.data(), n_prompt))) return 3;
         t_prompt += now_s() - t0;
@@ -243,6 +246,8 @@ int main(int argc, char ** argv) {
             n_decoded++;
             tok = emit(s, llama_get_logits_ith(ctx, -1));
         }
+        // this round alone (with --rounds, the later rounds find the VRAM tier as the earlier ones left it)
+        printf("round %d prompt_s=%.6f decode_tokens=%d decode_s=%.6f\n", round, t_prompt - tp0, n_decoded - nd0, t_decode - td0);
         llama_free(ctx);
     }
     if (fd) fclose(fd);
