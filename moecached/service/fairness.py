@@ -29,7 +29,6 @@ they give resources back. A client with :data:`HELD_MAX` requests waiting has th
 from __future__ import annotations
 
 import time
-from collections import deque
 
 import msgpack
 
@@ -52,6 +51,8 @@ NEVER_HELD = frozenset({"release", "cancel", "bye"})
 _PF, _CTL, _ANY = 0, 1, 2
 #: the msgpack bytes of ``"prefetch"``: a request without them is no prefetch
 _PREFETCH = b"\xa8prefetch"
+#: ... of ``"release"`` and ``"bye"`` (a request without them is neither: cheap to tell)
+_RELEASE, _BYE = b"\xa7release", b"\xa3bye"
 #: fields a held request is recognised by (the rest of it is skipped, not decoded)
 _PEEK = frozenset({"op", "id", "noreply"})
 
@@ -130,6 +131,7 @@ class ServerFairness:
         self.client_loop_share = max(0.0, float(share))
         self._held: set = set()          # routing ids of clients with requests held back
         self._ctl_buckets: dict = {}     # uid -> the control bucket its non-admin clients share
+        self._told: set = set()          # clients told their queue is full (until it is not)
         self._share_now = float("inf")   # refill rate now (inf: nobody is held back)
         self._next_share = 0.0
         # the op of the request being handled by the general path ("" when it has none); None
@@ -187,7 +189,17 @@ class ServerFairness:
     def _hold(self, c, frames: list) -> bool:
         """Hold ``c``'s request back (True) when it must wait for its share of the loop, or
         refuse it when too many wait; False: serve it now."""
-        if not c.held:
+        held = c.held
+        if (len(held) >= HELD_MAX and c.ident in self._told and _RELEASE not in frames[-1]
+                and _BYE not in frames[-1]):
+            # it sends without reading its replies: the cheapest way out (no decoding); it was
+            # told once, when its queue filled up
+            c.rate_limited += 1
+            self.counters["rate_limited"] += 1
+            c.throttled += 1
+            self.counters["throttled"] += 1
+            return True
+        if not held:
             if self._share_now == float("inf"):
                 return False
             ctl = c.ctl
@@ -212,7 +224,6 @@ class ServerFairness:
             kind = _CTL
         else:
             return False
-        held = c.held
         if kind == _PF and noreply is True and held and held[-1][2]:
             held[-1] = (kind, frames, True)      # a newer prediction supersedes the held one
             c.coalesced += 1
@@ -224,7 +235,9 @@ class ServerFairness:
                 self._send_error(c.ident, rid or 0, P.E_RATE_LIMITED,
                                  f"client {c.name} has {len(held)} requests waiting for its share of "
                                  f"the daemon's loop (client_loop_share {self.client_loop_share:g}); "
-                                 "wait for their replies before sending more")
+                                 "wait for their replies before sending more (until fewer wait, "
+                                 "further requests are dropped without a reply)")
+                self._told.add(c.ident)
         else:
             held.append((kind, frames, kind == _PF and noreply is True))
             self._held.add(c.ident)
@@ -248,6 +261,7 @@ class ServerFairness:
             c = self.clients.get(ident)
             if c is None or not c.held:
                 self._held.discard(ident)
+                self._told.discard(ident)
                 continue
             held = c.held
             while held:
@@ -268,6 +282,8 @@ class ServerFairness:
                 self._charge(self.clients.get(ident), t, pc())
                 if self.clients.get(ident) is not c:
                     break             # it said bye or was dropped: the rest is moot
+            if len(held) < HELD_MAX:
+                self._told.discard(ident)
             if not held or self.clients.get(ident) is not c:
                 self._held.discard(ident)
         self._next_share = now + (HOLD_PERIOD_S if self._held else SHARE_PERIOD_S)
