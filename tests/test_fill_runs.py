@@ -51,7 +51,8 @@ def test_whole_model_fill_reads_runs_and_every_byte_is_the_files(model, tmp_path
         f = WarmFill(cache, allx, run_bytes=64 << 20, run_io=io).start()
         assert f.join(60) and f.done == len(allx), (f.done, len(allx))
         st = cache.stats()
-        assert st["run_loads"] == len(allx) and 0 < st["run_reads"] <= len(allx) // 2, st
+        # a run ends at a layer's end and at a run's size: a few experts may be read alone
+        assert st["run_loads"] >= len(allx) * 3 // 4 and 0 < st["run_reads"] <= len(allx) // 2, st
         assert st["reads"] == len(allx) and st["read_errors"] == 0
         _resident_bytes_ok(cache, idx, allx)
 
@@ -193,6 +194,8 @@ def test_buffered_runs_leave_no_copy_in_the_page_cache(model, tmp_path):
     (the experts' bytes live in the arena only), and the bytes are the file's."""
     import mmap
     import os
+    import time
+    from moecached.engine.warmth import DROP_AGAIN_S
     idx = open_index(model)
     layer = idx.expert_layers[0]
     wanted = [(layer, e) for e in range(16)]
@@ -204,13 +207,13 @@ def test_buffered_runs_leave_no_copy_in_the_page_cache(model, tmp_path):
     with _cache(idx, tmp_path, 64, max_prefetch_loads=16) as cache:
         f = WarmFill(cache, wanted, run_bytes=64 << 20, run_io="buffered").start()
         assert f.join(30) and f.done == 16 and cache.stats()["run_loads"] == 16
+        time.sleep(2 * DROP_AGAIN_S)
         cached = _cached_pages(fd, lo, hi)   # before the check below reads the file itself
         _resident_bytes_ok(cache, idx, wanted)
     os.close(fd)
     # the experts' pages are gone, also what the read-ahead brought back behind the chunks
-    # and past each run's end (dropping each chunk alone left 80 % here): at most read-ahead
-    # still in flight when the fill ended
-    assert cached * mmap.PAGESIZE < (hi - lo) // 10, (cached, (hi - lo) // mmap.PAGESIZE)
+    # and past each run's end (dropping each chunk alone left 80 % here)
+    assert cached * mmap.PAGESIZE < (hi - lo) // 50, (cached, (hi - lo) // mmap.PAGESIZE)
 
 
 def _cached_pages(fd, lo, hi) -> int:

@@ -41,13 +41,17 @@ class PrefetchQuota:
             stops counting when it lands, fails or a demand takes it over).
         dropped: its prefetch reads not queued because a limit (its own or the cache's) was
             reached.
+        past_cap: the cache's ``max_prefetch_loads`` does not apply to this sender's loads (a
+            warm fill reading runs keeps two runs in flight: its own window is the limit; its
+            loads still count in the cache's, so engines' prefetches wait for it to end).
     """
-    __slots__ = ("limit", "in_flight", "dropped")
+    __slots__ = ("limit", "in_flight", "dropped", "past_cap")
 
-    def __init__(self, limit: int | None = None):
+    def __init__(self, limit: int | None = None, past_cap: bool = False):
         self.limit = limit
         self.in_flight = 0
         self.dropped = 0
+        self.past_cap = past_cap
 
 
 class PrefetchGate:
@@ -120,13 +124,14 @@ class PrefetchGate:
                 self.c_pf_hot += 1
                 continue
             mine = own is not None and quota.in_flight >= own
-            over = mine or loads.pf_loading >= self.max_prefetch_loads
+            capped = quota is None or not quota.past_cap
+            over = mine or (capped and loads.pf_loading >= self.max_prefetch_loads)
             if over and loads.withdraw(c, quota if mine else None, readers):
                 self.c_pf_displaced += 1
                 displaced = True
                 if pool.alloc[L.base + e] >= 0:
                     continue   # the withdrawn read had evicted this very expert: it is back
-                over = loads.pf_loading >= self.max_prefetch_loads or (
+                over = (capped and loads.pf_loading >= self.max_prefetch_loads) or (
                     own is not None and quota.in_flight >= own)
             if over:
                 self.c_pf_dropped += 1

@@ -417,17 +417,21 @@ class ReaderPool:
         have had the read-ahead bring an earlier chunk's pages back)."""
         self.drop_cached((c[0], c[1], c[2]) for c in job.chunks if c is not None)
 
-    def drop_cached(self, ranges) -> None:
+    def drop_cached(self, ranges, join_gap: int = 0) -> None:
         """Drop ``ranges`` (``(file_id, offset, nbytes)``) of the model files from the page
-        cache (``POSIX_FADV_DONTNEED``: clean pages no process maps), adjacent ones joined:
-        what ``buffered`` reads and their read-ahead left there."""
+        cache (``POSIX_FADV_DONTNEED``: clean pages no process maps), adjacent ones joined, and
+        those at most ``join_gap`` bytes apart, each widened by ``join_gap`` at both ends (a
+        large folio across the gap between two tensors, or across a range's end, is dropped only
+        by a range that holds it whole; the read-ahead ran past the end): what ``buffered``
+        reads and their read-ahead left there."""
         spans: list = []
         for fid, off, n in sorted(ranges):
-            if spans and spans[-1][0] == fid and spans[-1][2] >= off:
+            if spans and spans[-1][0] == fid and spans[-1][2] + join_gap >= off:
                 spans[-1][2] = max(spans[-1][2], off + n)
             else:
                 spans.append([fid, off, off + n])
         for fid, lo, hi in spans:
+            lo, hi = max(0, lo - join_gap), hi + join_gap
             try:
                 os.posix_fadvise(self._bfds[fid], lo, hi - lo, os.POSIX_FADV_DONTNEED)
             except (OSError, IndexError):

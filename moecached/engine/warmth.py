@@ -22,10 +22,10 @@ cold end, as prefetched experts enter: the least wanted is the next victim, belo
 used since). While a fill runs, prefetch chunks may take every reader thread when no demand
 read waits (``prefetch_chunks`` is raised to the threads; a demand job still cuts them to
 ``prefetch_with_demand`` at once). With ``run_bytes`` (the ``fill_run`` key) loads are queued
-half a window at a time and the consecutive ones (the next expert of a layer into the next slot,
-as a fresh arena hands its slots out) are read as one job per run, each part one read over the
-run's slots (``ExpertCache.prefetch_many``): the drive sees long front-to-back reads instead of
-one job per expert. Their confidence is the cache's ``prefetch_min_confidence``, the lowest a
+a run at a time, two runs in flight (past the prefetch cap), and the consecutive ones (the next
+expert of a layer into the next slot, as a fresh arena hands its slots out) are read as one job
+per run, each part one read over the run's slots (``ExpertCache.prefetch_many``): the drive sees
+long front-to-back reads and a queue that never drains between runs. Their confidence is the cache's ``prefetch_min_confidence``, the lowest a
 prefetch may have, so an engine's prefetch displaces a queued warm read at the prefetch cap.
 Counters: :class:`WarmCounters` (``warm_loaded``, ``warm_bytes``, ``warm_seconds``,
 ``warm_wanted`` in ``stats``; declared in ``moecached.facts.stats``), kept on the cache as
@@ -50,6 +50,11 @@ VERSION = 1
 #: a fill that sees no load finish or start for this long (the prefetch cap held full by
 #: engines' prefetches) ends
 STALL_S = 60.0
+#: a buffered fill drops its experts' pages from the page cache at its end and this much later
+#: again (read-ahead still in flight at the end lands after the first drop)
+DROP_AGAIN_S = 0.5
+#: ... joining the experts' tensors closer than this (the page cache's large folios straddle them)
+DROP_GAP = 16 << 20
 #: state files larger than this are refused unread (a model of 1M experts is ~12 MiB)
 MAX_STATE_BYTES = 64 << 20
 
@@ -266,9 +271,11 @@ class WarmFill:
 
     ``window``: warm loads in flight (default: half of ``max_prefetch_loads``, at least 2; never
     more than leaves the cap for engines' prefetches). ``run_bytes`` (the ``fill_run`` key):
-    loads are queued half a window at a time and consecutive ones (the next expert of a layer
-    into the next slot, as a fresh arena's free slots are taken) are read as one job of at most
-    this many bytes, one read per part spanning their slots
+    loads are queued a run (at most this many bytes) at a time, the window two runs (past the
+    prefetch cap: one run reads while the next waits behind it, so the drive's queue never
+    drains between runs; engines' prefetches wait for the fill), and consecutive ones (the next
+    expert of a layer into the next slot, as a fresh arena's free slots are taken) are read as
+    one job, one read per part spanning their slots
     (``moecached.engine.cache.ExpertCache.prefetch_many``); 0: a read job per expert.
     ``run_io`` (the ``fill_io`` key): ``"direct"`` (O_DIRECT, as every read) or ``"buffered"``
     (runs read through the page cache's read-ahead, each chunk dropped from it once copied). ``progress(done, total, nbytes)``: called
@@ -289,10 +296,11 @@ class WarmFill:
         self.window = max(1, min(cap, int(window) if window else max(2, cap // 2)))
         #: ``fill_run``: consecutive experts (file order, consecutive slots) are read as runs of
         #: at most this many bytes, one read per part spanning their slots (0: one per expert)
-        self.run_bytes = max(0, int(run_bytes))
+        self.run_bytes = max(0, int(run_bytes)) if cap > 0 else 0
         #: ``fill_io``: "buffered" reads runs through the page cache's read-ahead (dropped behind)
         self.run_io = run_io
-        self.quota = PrefetchQuota(None)
+        #: with runs, the window is two runs (past the prefetch cap, unless ``window`` is given)
+        self.quota = PrefetchQuota(None, past_cap=bool(self.run_bytes) and not window)
         self.progress, self.on_done = progress, on_done
         self.passes = passes
         #: why nothing is loaded although experts are wanted (None: nothing stops the fill)
@@ -311,11 +319,13 @@ class WarmFill:
         self._thread = None
         self._bytes_of = {L: sum(cache._cls[cache._layers[L].cid][0].part_bytes.values())
                           for L in {layer for layer, _ in self.plan}}
-        #: experts queued together (one run each when they follow one another): half the
-        #: window, so one run reads while the next waits in the queue, and at most a run's bytes
+        #: experts queued together (one run each when they follow one another): a run's bytes,
+        #: and the window two of them, so one run reads while the next waits in the queue
         big = max(self._bytes_of.values(), default=1)
-        self.group = (max(1, min(self.window // 2, self.run_bytes // max(1, big)))
-                      if self.run_bytes else 1)
+        self.group = max(1, self.run_bytes // max(1, big)) if self.run_bytes else 1
+        if self.quota.past_cap:
+            self.window = max(self.window, 2 * self.group)
+        self.group = min(self.group, max(1, self.window // 2))
 
     # ---- the fill's thread ------------------------------------------------------------------
     def start(self) -> "WarmFill":
@@ -398,10 +408,13 @@ class WarmFill:
                         inflight = self._count(inflight)
                         if len(inflight) < n:
                             moved = time.monotonic()
-                    room = min(self.window - quota.in_flight,
-                               cache.max_prefetch_loads - cache._pf_loading)
+                    room = self.window - quota.in_flight
+                    if not quota.past_cap:
+                        room = min(room, cache.max_prefetch_loads - cache._pf_loading)
                     if inflight and room < min(self.group, len(todo) - i):
                         room = 0   # wait for a whole run's room (a run reads as one job)
+                    if self.group > 1:   # a run at a time: the next one queued behind it
+                        room = min(room, self.group)
                     if i >= len(todo) or room <= 0:
                         if time.monotonic() - moved > STALL_S:   # engines' prefetches hold the cap
                             self.log.warning("warm fill from %s: no load finished or started for "
@@ -431,8 +444,11 @@ class WarmFill:
             with q._cond:
                 if q._pf_max == raised:
                     q._pf_max = pf_max
-            if self.run_io == "buffered":   # the read-ahead past each run's end: dropped too
-                self._drop_cached()
+            if self.run_io == "buffered":   # the read-ahead past each run's end: dropped too,
+                self._drop_cached()         # and again once the read-ahead in flight landed
+                t = threading.Timer(DROP_AGAIN_S, self._drop_cached)
+                t.daemon = True
+                t.start()
             self.stopped = self._stop.is_set()
             self.elapsed = time.monotonic() - self.t0
             w = counters_of(cache)
@@ -450,8 +466,8 @@ class WarmFill:
         once copied, but the read-ahead past a run's end may have brought more)."""
         idx = self.cache.index
         try:
-            self.cache.readers.drop_cached((s.file, s.offset, s.nbytes) for layer, expert in self.plan
-                                           for s in idx.parts(layer, expert))
+            self.cache.readers.drop_cached(((s.file, s.offset, s.nbytes) for layer, expert in self.plan
+                                            for s in idx.parts(layer, expert)), join_gap=DROP_GAP)
         except Exception as e:   # the cache closed under us: nothing left to drop
             self.log.debug("warm fill: page cache not dropped: %s", e)
 
