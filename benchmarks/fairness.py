@@ -177,6 +177,28 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _core_of(cpu: int) -> set:
+    """The CPUs sharing a core with ``cpu`` (its SMT siblings and itself)."""
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            out = set()
+            for part in f.read().strip().split(","):
+                a, _, b = part.partition("-")
+                out.update(range(int(a), int(b or a) + 1))
+            return out
+    except OSError:
+        return {cpu}
+
+
+def _pin(pid: int, cpus: set) -> None:
+    """Every thread of process ``pid`` onto ``cpus``."""
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(t), cpus)
+        except OSError:
+            pass
+
+
 def _run_phase(phase: str, endpoint: str, args, seed: int, pid: int | None = None) -> dict:
     me = os.path.abspath(__file__)
     base = [sys.executable, me, "--endpoint", endpoint, "--seconds", str(args.seconds),
@@ -201,7 +223,9 @@ def _run_phase(phase: str, endpoint: str, args, seed: int, pid: int | None = Non
         time.sleep(0.3)  # the other client is up and sending
     cpu0 = _cpu_s(pid) if pid else 0.0
     dem = subprocess.run(base + ["--worker", "demand-socket" if args.demand_socket else "demand"],
-                         stdout=subprocess.PIPE, text=True, check=True)
+                         stdout=subprocess.PIPE, text=True, check=True,
+                         preexec_fn=(lambda: os.sched_setaffinity(0, {args.pin_demand}))
+                         if args.pin_demand is not None else None)
     out = {"demand": json.loads(dem.stdout.strip().splitlines()[-1])}
     out["daemon_cpu_s"] = (_cpu_s(pid) - cpu0) if pid else None
     per = []
@@ -215,12 +239,14 @@ def _run_phase(phase: str, endpoint: str, args, seed: int, pid: int | None = Non
 
 
 def micro(model: str, reps: int = 7, n: int = 20000) -> dict:
-    """In-process cost per request of the server's handlers (no sockets: replies go to a stub),
+    """In-process cost per request of the server's handlers (no peer: libzmq drops the replies),
     interleaved ``reps`` times in ABBA order, microseconds (min and median over reps): a no-op noreply
-    prefetch on the hot path vs the general path, and a resident acquire + noreply release on
-    the hot path with the per-client rate limit on (never reached) vs off."""
-    import types
+    prefetch on the hot path vs the general path, a resident acquire + noreply release on
+    the hot path with the per-client rate limit on (never reached) vs off, a ``ping`` and a
+    ``stats`` on the general path, and a ``ping`` of a client over its loop share: put in its
+    queue, or dropped (its queue full)."""
     import msgpack
+    import zmq
     from moecached.engine.cache import ExpertCache
     from moecached.engine.index import open_index
     from moecached.service.server import Server, _Client
@@ -228,14 +254,14 @@ def micro(model: str, reps: int = 7, n: int = 20000) -> dict:
     cache = ExpertCache(idx, lock_memory=False, readers=2)
     d = tempfile.mkdtemp(prefix="moecache-fair-micro-")
     srv = Server(cache, endpoint=f"ipc://{d}/m.sock", client_rate_limit=1e9, client_rate_burst=1e9)
-    real_sock = srv.sock
     try:
         L = idx.expert_layers[0]
         ex = list(range(min(8, idx.n_experts)))
         cache.release(cache.acquire(L, ex, timeout=60))
-        srv.sock = types.SimpleNamespace(send=lambda *a: None)   # replies go nowhere
+        srv.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)   # replies to no peer: dropped by libzmq
         ident = b"micro"
-        srv.clients[ident] = _Client(ident, time.monotonic(), 1e9, None)
+        c = srv.clients[ident] = _Client(ident, time.monotonic(), 1e9, None)
+        c.ctl = srv._ctl_bucket(c)
         fast = srv._fast_handler()
         general = srv._handle
         pf = msgpack.packb({"v": 1, "id": 5, "op": "prefetch", "layer": L, "experts": ex, "noreply": True})
@@ -262,17 +288,51 @@ def micro(model: str, reps: int = 7, n: int = 20000) -> dict:
                 srv.rate_limit.rate = 1e9 if on else 0.0
                 acq_rel()
             return f
+        ping = msgpack.packb({"v": 1, "id": 8, "op": "ping"})
+        stats = msgpack.packb({"v": 1, "id": 9, "op": "stats"})
+
+        def general_of(payload, m):
+            def f():
+                for _ in range(m):
+                    general([ident, payload])
+            return f
+
+        def over_share(full):
+            # a client over its control share while others are active: its ping waits in its
+            # queue (emptied every 32) or, the queue full and the client told, is dropped
+            def f():
+                from moecached.service.fairness import HELD_MAX
+                srv._share_now, c.ctl.tokens = 1e-9, -1.0
+                frames = [ident, ping]
+                try:
+                    for i in range(n):
+                        if full:
+                            if len(c.held) < HELD_MAX:
+                                c.held.extend([(1, frames, False)] * (HELD_MAX - len(c.held)))
+                            srv._told.add(ident)
+                        elif i % 32 == 0:
+                            c.held.clear()
+                        srv._hold(c, frames)
+                finally:
+                    c.held.clear()
+                    srv._held.clear()
+                    srv._told.clear()
+                    srv._share_now = float("inf")
+            return f
         cases = {"noop_prefetch_fast_us": pf_fast, "noop_prefetch_general_us": pf_general,
-                 "acquire_release_limit_on_us": limit(True), "acquire_release_limit_off_us": limit(False)}
+                 "acquire_release_limit_on_us": limit(True), "acquire_release_limit_off_us": limit(False),
+                 "ping_general_us": general_of(ping, n), "stats_general_us": general_of(stats, n // 50),
+                 "ping_over_share_queued_us": over_share(False),
+                 "ping_over_share_dropped_us": over_share(True)}
+        per = {k: (n // 50 if k == "stats_general_us" else n) for k in cases}
         times = {k: [] for k in cases}
         for r in range(reps):   # order reversed every other rep (ABBA): no order effect
             for k, f in (list(cases.items()) if r % 2 == 0 else list(cases.items())[::-1]):
                 t = time.perf_counter()
                 f()
-                times[k].append((time.perf_counter() - t) / n * 1e6)
+                times[k].append((time.perf_counter() - t) / per[k] * 1e6)
         return {k: {"min": min(v), "median": _median(v)} for k, v in times.items()}
     finally:
-        srv.sock = real_sock
         srv.close()
         cache.close()
 
@@ -311,6 +371,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", default=None, metavar="TREE",
                     help="also run every phase against a daemon from this source tree")
     ap.add_argument("--daemon-arg", action="append", default=[], help="extra daemon flag (repeatable)")
+    ap.add_argument("--pin-demand", type=int, default=None, metavar="CPU",
+                    help="run the demand client alone on CPU's core, the daemon and the other "
+                         "clients on the other CPUs (a steadier p50 on a many-core machine)")
     ap.add_argument("--json", default=os.path.join(HERE, "results", "fairness.json"))
     # worker mode (internal)
     ap.add_argument("--worker", choices=["demand", "demand-socket", "storm", "noop", "wide", "stats", "ping"])
@@ -323,6 +386,13 @@ def main(argv=None) -> int:
                                 args.hot)))
         return 0
 
+    rest = None
+    if args.pin_demand is not None:   # the demand client alone on its core, the rest elsewhere
+        rest = set(os.sched_getaffinity(0)) - _core_of(args.pin_demand)
+        if not rest or args.pin_demand not in os.sched_getaffinity(0):
+            ap.error(f"--pin-demand {args.pin_demand}: expected a CPU of this process other than "
+                     f"its whole set {sorted(os.sched_getaffinity(0))}")
+        os.sched_setaffinity(0, rest)   # the flood clients (children) inherit it
     from moecached.tools.synth import write_model
     trees = [("this tree", ROOT)] + ([("compare", os.path.abspath(args.compare))] if args.compare else [])
     phases = args.phases.split(",")
@@ -340,6 +410,8 @@ def main(argv=None) -> int:
                                      [tree, f"{tree}/clients/python"] + ([os.environ["PYTHONPATH"]]
                                      if os.environ.get("PYTHONPATH") else []))))
                 daemons[name] = (p, f"ipc://{sock}")
+                if args.pin_demand is not None:
+                    _pin(p.pid, rest)
                 if args.read_mbps > 0:
                     why = _throttle(p.pid, model, args.read_mbps)
                     if why and why not in notes:
