@@ -130,6 +130,29 @@ def test_a_demand_for_an_expert_of_a_queued_run_promotes_it(model, tmp_path, mon
         _resident_bytes_ok(cache, idx, wanted)
 
 
+def test_two_runs_are_in_flight_past_the_prefetch_cap(model, tmp_path, monkeypatch):
+    """With runs the fill keeps two of them queued (one reads while the next waits, so the
+    drive's queue does not drain between runs), past the cache's prefetch cap (4 here: before,
+    the window was half the cap, two experts, and no run formed); its window is two runs."""
+    import time
+    idx = open_index(model)
+    allx = _everything(idx)
+    gate = Gate(readers_mod.read_many)
+    monkeypatch.setattr(readers_mod, "read_many", gate)
+    with _cache(idx, tmp_path, len(allx), max_prefetch_loads=4) as cache:
+        f = WarmFill(cache, allx, run_bytes=64 << 20).start()
+        deadline = time.monotonic() + 10
+        while cache.stats()["run_reads"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        st = cache.stats()
+        assert st["run_reads"] >= 2 and 4 < st["prefetch_loads_in_flight"] <= f.window, st
+        assert f.window >= 2 * f.group and f.group > 4, (f.window, f.group)
+        gate.ev.set()
+        assert f.join(60) and f.done == len(allx)
+        _resident_bytes_ok(cache, idx, allx)
+
+
 def test_a_shared_job_is_never_withdrawn(model, tmp_path):
     """ReaderPool.withdraw refuses a job that reads for several loads (it would take back all
     of them), and takes back an ordinary queued prefetch job."""
