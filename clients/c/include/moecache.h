@@ -132,7 +132,10 @@ typedef struct mc_options {
                                * then connects anyway; 0: no wait; -1: until it ends. Default
                                * 600000, or the environment's MOECACHE_WARM_WAIT_MS (mc_warm_wait;
                                * a wait says so on stderr, one line as it starts and one as it
-                               * ends) */
+                               * ends, unless quiet) */
+    int quiet;                /* 1: the library writes nothing to stderr (the warm wait's lines;
+                               * errors still come back as mc_error). Default 0, or 1 when the
+                               * environment's MOECACHE_QUIET is set and not "0" */
 } mc_options;
 
 /* Fill *opt with the defaults. */

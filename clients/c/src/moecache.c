@@ -588,6 +588,8 @@ void mc_options_init(mc_options *opt) {
     opt->warm_wait_ms = 600000;
     const char *w = getenv("MOECACHE_WARM_WAIT_MS");   /* an engine's user sets it without code */
     if (w && *w) opt->warm_wait_ms = atoi(w);
+    const char *q = getenv("MOECACHE_QUIET");
+    opt->quiet = q && *q && strcmp(q, "0") != 0;
 }
 
 static int new_socket(mc_client *c, mc_error *err) {
@@ -1134,13 +1136,15 @@ mc_client *mc_connect(const char *endpoint, const char *name, const mc_options *
         uint64_t left = 0;
         mc_error we;
         double t0 = now_s();
+        int say = !c->opt.quiet;
         if (mc_warm_wait(c, 0, &left, &we) == MC_ERR_TIMEOUT && left > 0) {
-            fprintf(stderr, "moecache: the daemon is filling the model (%llu experts to load): waiting up to %d ms "
+            if (say) fprintf(stderr, "moecache: the daemon is filling the model (%llu experts to load): waiting up to %d ms "
                     "(MOECACHE_WARM_WAIT_MS or mc_options.warm_wait_ms; 0: do not wait)\n",
                     (unsigned long long)left, c->opt.warm_wait_ms);
-            if (mc_warm_wait(c, c->opt.warm_wait_ms, &left, &we) == MC_OK)
+            int wr = mc_warm_wait(c, c->opt.warm_wait_ms, &left, &we);
+            if (say && wr == MC_OK)
                 fprintf(stderr, "moecache: the daemon's fill ended after %.1f s\n", now_s() - t0);
-            else
+            else if (say)
                 fprintf(stderr, "moecache: %s; going on without it\n", we.message);
         }
     }

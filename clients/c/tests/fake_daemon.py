@@ -102,7 +102,7 @@ def main(build: str, d: str) -> int:
         op, rid = m["op"], m["id"]
         if op == "hello":
             hellos.append(m)
-            if m.get("client") in ("hbwait", "warmwait", "warmslow"):
+            if m.get("client") in ("hbwait", "warmwait", "warmquiet", "warmslow"):
                 reply(ident, rid, S1, arena=arenas[S1], expert_layers=LAYERS, n_experts=E, top_k=2,
                       heartbeat_s=5.0, lease_watch="heartbeat", limits={"max_request_experts": 64}, pins=None)
                 continue
@@ -142,14 +142,17 @@ def main(build: str, d: str) -> int:
             releases.append(m.get("lease"))
             if m.get("noreply") is not True:
                 problems.append(f"release without noreply: {m}")
-        elif op == "ping" and hellos and (hellos[-1].get("client") in ("warmwait", "warmslow")
+        elif op == "ping" and hellos and (hellos[-1].get("client") in ("warmwait", "warmquiet", "warmslow")
                                           or hellos[-1].get("client") not in warm_polls):
             # mc_connect's poll of the warm fill (the first ping of each client name), and every
-            # ping of warmwait (3 experts left, one fewer at each ask) and warmslow (never ends)
+            # ping of warmwait and warmquiet (3 experts left, one fewer at each ask) and warmslow
+            # (never ends)
             who = hellos[-1].get("client")
             warm_polls[who] = warm_polls.get(who, 0) + 1
-            pending = {"warmwait": max(0, 4 - warm_polls[who]), "warmslow": 5}.get(who, 0)
-            reply(ident, rid, {"fastc": S3, "hbwait": S1, "warmwait": S1, "warmslow": S1}.get(who, session),
+            pending = {"warmwait": max(0, 4 - warm_polls[who]), "warmquiet": max(0, 4 - warm_polls[who]),
+                       "warmslow": 5}.get(who, 0)
+            reply(ident, rid, {"fastc": S3, "hbwait": S1, "warmwait": S1, "warmquiet": S1,
+                               "warmslow": S1}.get(who, session),
                   t=time.time(), warm_pending=pending)
         elif op == "ping" and hellos and hellos[-1].get("client") == "hbwait":
             if hb_wait is not None and time.time() - hb_wait[0] < 1.5:
@@ -186,15 +189,17 @@ def main(build: str, d: str) -> int:
         problems.append(f"test_fake exited {rc}")
     if releases != [22, 44, 55]:
         problems.append(f"releases sent: {releases} (expected the late lease 22 and the socket leases 44, 55)")
-    if [h.get("client") for h in hellos] != ["fake", "fake", "v3", "fastc", "hbwait", "warmwait", "warmslow"]:
+    if [h.get("client") for h in hellos] != ["fake", "fake", "v3", "fastc", "hbwait", "warmwait", "warmquiet",
+                                             "warmslow"]:
         problems.append(f"hellos: {[h.get('client') for h in hellos]} (expected fake, fake again, v3, fastc, "
-                        f"hbwait, warmwait, warmslow)")
+                        f"hbwait, warmwait, warmquiet, warmslow)")
     # mc_connect pings once when no fill runs; warmwait: 4 pings in mc_connect (3, 2, 1, 0 left) and
     # one more by mc_warm_wait; warmslow connects without waiting, then mc_warm_wait asks for 100 ms
-    if {k: warm_polls.get(k) for k in ("fake", "fastc", "hbwait", "warmwait")} != \
-            {"fake": 1, "fastc": 1, "hbwait": 1, "warmwait": 5} or not 2 <= warm_polls.get("warmslow", 0) <= 10:
-        problems.append(f"warm fill polls (pings): {warm_polls} (expected fake, fastc, hbwait 1 each, warmwait 5, "
-                        f"warmslow 2-10)")
+    if {k: warm_polls.get(k) for k in ("fake", "fastc", "hbwait", "warmwait", "warmquiet")} != \
+            {"fake": 1, "fastc": 1, "hbwait": 1, "warmwait": 5, "warmquiet": 5} \
+            or not 2 <= warm_polls.get("warmslow", 0) <= 10:
+        problems.append(f"warm fill polls (pings): {warm_polls} (expected fake, fastc, hbwait 1 each, warmwait "
+                        f"and warmquiet 5, warmslow 2-10)")
     if hb_wait is None or hb_wait[1] < 3:
         problems.append(f"pings while an acquire waited 1.5 s (heartbeat every 0.1 s): "
                         f"{hb_wait and hb_wait[1]}, expected at least 3")
@@ -202,8 +207,9 @@ def main(build: str, d: str) -> int:
         problems.append(f"{fast_pings} pings from the fast-path client, expected 2")
     if cancels != [late_rid]:
         problems.append(f"cancels sent: {cancels} (expected one, for the acquire that timed out: id {late_rid})")
-    if byes != 4:
-        problems.append(f"{byes} bye(s), expected 4 (fake after its restart, hbwait, warmwait, warmslow)")
+    if byes != 5:
+        problems.append(f"{byes} bye(s), expected 5 (fake after its restart, hbwait, warmwait, warmquiet, "
+                        f"warmslow)")
     for p in problems:
         print("fake_daemon: FAIL:", p)
     if not problems:

@@ -6,12 +6,33 @@
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 static int g_failures;
 #define CHECK(cond, ...) do { if (!(cond)) { g_failures++; fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
     fprintf(stderr, __VA_ARGS__); fputc('\n', stderr); } } while (0)
 
 static const uint64_t S1 = 0x111122223333ull, S2 = 0x444455556666ull;
+
+/* stderr into a temporary file until stderr_back (which puts what was written in buf) */
+static int stderr_to_file(void) {
+    fflush(stderr);
+    int saved = dup(2);
+    FILE *t = tmpfile();
+    dup2(fileno(t), 2);
+    fclose(t);   /* fd 2 keeps the file open */
+    return saved;
+}
+
+static void stderr_back(int saved, char *buf, size_t n) {
+    fflush(stderr);
+    off_t end = lseek(2, 0, SEEK_END);
+    ssize_t got = pread(2, buf, n - 1, 0);
+    buf[got > 0 ? got : 0] = 0;
+    (void)end;
+    dup2(saved, 2);
+    close(saved);
+}
 
 int main(int argc, char **argv) {
     if (argc < 2) return 2;
@@ -109,12 +130,25 @@ int main(int argc, char **argv) {
      * mc_warm_wait gives up after its timeout with what is left */
     o.heartbeat_thread = 0;
     o.timeout_ms = 2000;
+    char said[512];
+    int saved = stderr_to_file();
     c = mc_connect(argv[1], "warmwait", &o, &e);
+    stderr_back(saved, said, sizeof said);
     if (!c) { fprintf(stderr, "connect warmwait: %s\n", e.message); return 1; }
     uint64_t left = 99;
     CHECK(mc_warm_wait(c, 0, &left, &e) == MC_OK && left == 0, "the fill ended before mc_connect returned: %s",
           e.message);
+    CHECK(strstr(said, "filling the model") && strstr(said, "fill ended"), "the wait said on stderr: [%s]", said);
     mc_close(c);
+    o.quiet = 1;   /* the same wait says nothing */
+    saved = stderr_to_file();
+    c = mc_connect(argv[1], "warmquiet", &o, &e);
+    stderr_back(saved, said, sizeof said);
+    if (!c) { fprintf(stderr, "connect warmquiet: %s\n", e.message); return 1; }
+    CHECK(mc_warm_wait(c, 0, &left, &e) == MC_OK && left == 0, "the quiet wait ended: %s", e.message);
+    CHECK(said[0] == 0, "quiet: nothing on stderr, got [%s]", said);
+    mc_close(c);
+    o.quiet = 0;
     o.warm_wait_ms = 0;
     c = mc_connect(argv[1], "warmslow", &o, &e);
     if (!c) { fprintf(stderr, "connect warmslow: %s\n", e.message); return 1; }
