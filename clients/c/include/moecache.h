@@ -158,7 +158,10 @@ MC_API mc_client *mc_connect(const char *endpoint, const char *name, const mc_op
 /* Wait while the daemon's warm fill of this client's model runs (ping's warm_pending > 0),
  * polling every 20 ms, at most timeout_ms (-1: until it ends). MC_OK once none runs (at once when
  * none does, or the daemon does not report warm_pending); MC_ERR_TIMEOUT when it still runs
- * (*pending, may be NULL, gets the experts it has yet to load). */
+ * (*pending, may be NULL, gets the experts it has yet to load). A daemon that restarts meanwhile
+ * is waited for (a new hello, then its own fill, e.g. from its state file) as long as it stays
+ * away at most connect_timeout_ms; longer, the call returns its error (MC_ERR_RESTARTED,
+ * MC_ERR_SYSTEM, MC_ERR_TIMEOUT). */
 MC_API int mc_warm_wait(mc_client *c, int timeout_ms, uint64_t *pending, mc_error *err);
 
 /* Say bye (the daemon releases this client's leases), stop the heartbeat, close the socket. */

@@ -1292,11 +1292,25 @@ char *mc_stats_text(mc_client *c, mc_error *err) {
 }
 
 int mc_warm_wait(mc_client *c, int timeout_ms, uint64_t *pending, mc_error *err) {
-    double t0 = now_s();
+    double t0 = now_s(), failing = 0;   /* since when the daemon has not answered (0: it has) */
     for (;;) {
         msgpack_unpacked rep;
         int r = do_call(c, "ping", 0, NULL, NULL, -1, 1, &rep, NULL, err);
+        if (r == MC_ERR_RESTARTED || r == MC_ERR_SYSTEM || (r == MC_ERR_TIMEOUT && !failing)) {
+            /* a daemon restarting mid-fill: the next ping says hello again, and a restarted
+             * daemon refilling from its state file is waited for too; a daemon that stays away
+             * longer than connect_timeout_ms (or past the wait) ends it with its error */
+            double now = now_s();
+            if (!failing) failing = now;
+            int cto = c->opt.connect_timeout_ms > 0 ? c->opt.connect_timeout_ms : 10000;
+            if ((now - failing) * 1000.0 < cto && (timeout_ms < 0 || (now - t0) * 1000.0 < timeout_ms)) {
+                struct timespec ts = {0, 50 * 1000000L};
+                nanosleep(&ts, NULL);
+                continue;
+            }
+        }
         if (r != MC_OK) return r;
+        failing = 0;
         const msgpack_object *p = mget(&rep.data, "warm_pending");
         uint64_t left = p && p->type == MSGPACK_OBJECT_POSITIVE_INTEGER ? p->via.u64 : 0;
         msgpack_unpacked_destroy(&rep);

@@ -74,6 +74,7 @@ def main(build: str, d: str) -> int:
     pinw = np.memmap(f"{d}/pins4", dtype=np.uint64, mode="r", shape=(fast_pins["size"] // 8,))
     fast_pings = 0
     warm_polls = {}
+    restart_hellos, restart_pings = [], []   # warmrestart: its hellos; per ping, its hellos so far
     cancels, late_rid = [], None
     hb_wait = None
     proc = subprocess.Popen([os.path.join(build, "test_fake"), f"ipc://{d}/fake.sock"])
@@ -102,6 +103,15 @@ def main(build: str, d: str) -> int:
         op, rid = m["op"], m["id"]
         if op == "hello":
             hellos.append(m)
+            if m.get("client") == "warmrestart":
+                # the first hello: session S1; after the "restart" (a ping answered from S2),
+                # the client says hello again and gets S2
+                restart_hellos.append(m)
+                sess = S1 if len(restart_hellos) == 1 else S2
+                reply(ident, rid, sess, arena=arenas[S1] if sess == S1 else arenas[S2], expert_layers=LAYERS,
+                      n_experts=E, top_k=2, heartbeat_s=5.0, lease_watch="heartbeat",
+                      limits={"max_request_experts": 64}, pins=None)
+                continue
             if m.get("client") in ("hbwait", "warmwait", "warmquiet", "warmslow"):
                 reply(ident, rid, S1, arena=arenas[S1], expert_layers=LAYERS, n_experts=E, top_k=2,
                       heartbeat_s=5.0, lease_watch="heartbeat", limits={"max_request_experts": 64}, pins=None)
@@ -142,6 +152,15 @@ def main(build: str, d: str) -> int:
             releases.append(m.get("lease"))
             if m.get("noreply") is not True:
                 problems.append(f"release without noreply: {m}")
+        elif op == "ping" and hellos and hellos[-1].get("client") == "warmrestart":
+            # 2 left from S1, then the daemon "restarts": S2 answers (the client says hello
+            # again), its own fill has 2, 1, 0 left
+            restart_pings.append(len(restart_hellos))
+            n1 = restart_pings.count(1)
+            if len(restart_hellos) == 1:
+                reply(ident, rid, S1 if n1 <= 2 else S2, t=time.time(), warm_pending=2)
+            else:
+                reply(ident, rid, S2, t=time.time(), warm_pending=max(0, 3 - restart_pings.count(2)))
         elif op == "ping" and hellos and (hellos[-1].get("client") in ("warmwait", "warmquiet", "warmslow")
                                           or hellos[-1].get("client") not in warm_polls):
             # mc_connect's poll of the warm fill (the first ping of each client name), and every
@@ -190,9 +209,14 @@ def main(build: str, d: str) -> int:
     if releases != [22, 44, 55]:
         problems.append(f"releases sent: {releases} (expected the late lease 22 and the socket leases 44, 55)")
     if [h.get("client") for h in hellos] != ["fake", "fake", "v3", "fastc", "hbwait", "warmwait", "warmquiet",
-                                             "warmslow"]:
+                                             "warmslow", "warmrestart", "warmrestart"]:
         problems.append(f"hellos: {[h.get('client') for h in hellos]} (expected fake, fake again, v3, fastc, "
-                        f"hbwait, warmwait, warmquiet, warmslow)")
+                        f"hbwait, warmwait, warmquiet, warmslow, warmrestart twice)")
+    # warmrestart: 3 pings to the first daemon (2 left, 2 left, then answered by the restarted one),
+    # hello again, 3 to the second (2, 1, 0 left), 1 more by the test's mc_warm_wait
+    if restart_pings != [1, 1, 1, 2, 2, 2, 2]:
+        problems.append(f"warmrestart pings (hellos so far at each): {restart_pings}, expected "
+                        f"[1, 1, 1, 2, 2, 2, 2]")
     # mc_connect pings once when no fill runs; warmwait: 4 pings in mc_connect (3, 2, 1, 0 left) and
     # one more by mc_warm_wait; warmslow connects without waiting, then mc_warm_wait asks for 100 ms
     if {k: warm_polls.get(k) for k in ("fake", "fastc", "hbwait", "warmwait", "warmquiet")} != \
@@ -207,9 +231,9 @@ def main(build: str, d: str) -> int:
         problems.append(f"{fast_pings} pings from the fast-path client, expected 2")
     if cancels != [late_rid]:
         problems.append(f"cancels sent: {cancels} (expected one, for the acquire that timed out: id {late_rid})")
-    if byes != 5:
-        problems.append(f"{byes} bye(s), expected 5 (fake after its restart, hbwait, warmwait, warmquiet, "
-                        f"warmslow)")
+    if byes != 6:
+        problems.append(f"{byes} bye(s), expected 6 (fake after its restart, hbwait, warmwait, warmquiet, "
+                        f"warmslow, warmrestart)")
     for p in problems:
         print("fake_daemon: FAIL:", p)
     if not problems:

@@ -156,6 +156,16 @@ int main(int argc, char **argv) {
     CHECK(r == MC_ERR_TIMEOUT && left == 5 && strstr(e.message, "5 experts"), "a fill that does not end: %s %s",
           mc_code_name(r), e.message);
     mc_close(c);
+
+    /* the daemon restarts while mc_connect waits for its fill: the wait goes on against the
+     * restarted daemon (a new hello) until its own fill has ended */
+    o.warm_wait_ms = 5000;
+    c = mc_connect(argv[1], "warmrestart", &o, &e);
+    if (!c) { fprintf(stderr, "connect warmrestart: %s\n", e.message); return 1; }
+    r = mc_warm_wait(c, 0, &left, &e);
+    CHECK(r == MC_OK && left == 0, "the restarted daemon's fill was waited for: %s %s (%llu left)",
+          mc_code_name(r), e.message, (unsigned long long)left);
+    mc_close(c);
     if (g_failures) return 1;
     printf("test_fake: ok\n");
     return 0;
