@@ -153,6 +153,46 @@ def test_two_runs_are_in_flight_past_the_prefetch_cap(model, tmp_path, monkeypat
         _resident_bytes_ok(cache, idx, allx)
 
 
+def _mapped_bytes(addr: int) -> int:
+    """Rss of this process's mapping that holds ``addr`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("Rss:"):
+                return int(head[1]) * 1024
+    return 0
+
+
+def test_runs_map_their_slots_ahead_of_the_readers(model, tmp_path, monkeypatch):
+    """An unlocked arena's pages are mapped on first use, by the O_DIRECT reads one page at a
+    time; a fill maps each run's slots when it queues the run, so with every read held back
+    the queued runs' slots are mapped already."""
+    import time
+    idx = open_index(model)
+    allx = _everything(idx)
+    gate = Gate(readers_mod.read_many)
+    monkeypatch.setattr(readers_mod, "read_many", gate)
+    with _cache(idx, tmp_path, len(allx), max_prefetch_loads=16) as cache:
+        before = _mapped_bytes(cache.arena.base_address + cache.arena.size - 1)
+        f = WarmFill(cache, allx, run_bytes=64 << 20).start()
+        deadline = time.monotonic() + 10
+        while cache.stats()["run_reads"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        queued = cache.stats()["prefetch_loads_in_flight"]
+        one = min(sum(s.nbytes for s in idx.parts(l, 0)) for l in idx.expert_layers)
+        mapped = _mapped_bytes(cache.arena.base_address + cache.arena.size - 1) - before
+        assert mapped >= queued * one * 9 // 10 and f.populated >= queued * one * 9 // 10, \
+            (mapped, f.populated, queued * one)
+        gate.ev.set()
+        assert f.join(60) and f.done == len(allx)
+        _resident_bytes_ok(cache, idx, allx)
+
+
 def test_a_shared_job_is_never_withdrawn(model, tmp_path):
     """ReaderPool.withdraw refuses a job that reads for several loads (it would take back all
     of them), and takes back an ordinary queued prefetch job."""

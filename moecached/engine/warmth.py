@@ -312,6 +312,7 @@ class WarmFill:
             self.plan = plan_fill(cache, self.wanted)
         self.planned = len(self.plan)
         self.done = self.nbytes = 0
+        self.populated = 0   # bytes of the arena mapped ahead of the readers (:meth:`_populate`)
         self.t0 = None
         self.elapsed = 0.0
         self.stopped = False
@@ -513,5 +514,25 @@ class WarmFill:
             else:
                 reqs.append((layer, [expert]))
                 conf.append([c])
-        return self.cache.prefetch_many(reqs, quota=self.quota, conf=conf,
-                                        run=(self.run_bytes, self.run_io == "buffered"))
+        n = self.cache.prefetch_many(reqs, quota=self.quota, conf=conf,
+                                     run=(self.run_bytes, self.run_io == "buffered"))
+        if self.run_bytes:
+            self._populate(batch)
+        return n
+
+    def _populate(self, batch: list) -> None:
+        """Map the slots of ``batch``'s loads into the daemon now (an unlocked arena's pages are
+        mapped on first use: by each O_DIRECT read, one page at a time, otherwise); the readers
+        are still reading the run before, so this runs ahead of them."""
+        cache, by_class = self.cache, {}
+        with cache._lock:
+            for layer, expert in batch:
+                L = cache._layers[layer]
+                slot = L.pool.alloc[L.base + expert]
+                if slot >= 0:
+                    by_class.setdefault(L.cid, []).append(int(slot))
+        try:
+            for cid, slots in by_class.items():
+                self.populated += cache.arena.populate(cid, slots)
+        except Exception as e:   # the cache closed under us
+            self.log.debug("warm fill: slots not populated: %s", e)
