@@ -2,7 +2,9 @@
 arena (``--moecached-gpu zerocopy``) and from a tier in VRAM (``--moecached-vram``, looked up per
 block on the host or in the graph on the device, ``--moecached-vram-lookup``) give the logits of
 the same build with every layer on the GPU, byte for byte (the same CUDA kernels over the same
-bytes), with the arena holding every expert or half of them.
+bytes), with the arena holding every expert or half of them. The model is a random-weight one of 4
+blocks x 32 experts, top-4, Q8_0, whose expert rows are whole chunks of 256 elements as zerocopy
+needs (the trained model's down projections have rows of 64: zerocopy refuses it at start).
 
 Runs where a CUDA build of the patched llama.cpp and an NVIDIA GPU are present:
 ``MOECACHED_LLAMA_CUDA_BIN`` names its bin directory (``benchmarks/gpu_hybrid.sh OUT build``
@@ -23,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from daemon_util import start_daemon, stop_daemon
-from llama_util import MODEL, Runner, across_restart, prompt
+from llama_util import Runner, across_restart, prompt
+from moecached.tools.synth_runnable import write_runnable
 
 CUDA_BIN = Path(os.environ["MOECACHED_LLAMA_CUDA_BIN"]) if os.environ.get("MOECACHED_LLAMA_CUDA_BIN") else None
 
@@ -44,16 +47,24 @@ RUN = Runner(STEPS, CUDA_BIN)
 ZEROCOPY = ("--cpu-moe", "--moecached-gpu", "zerocopy")
 
 
+BLOCKS, EXPERTS, TOP_K = 4, 32, 4
+
+
 def _served_experts() -> int:
-    from moecached.engine.index import open_index
-    idx = open_index(str(MODEL))
-    return len(idx.expert_layers) * idx.n_experts
+    return BLOCKS * EXPERTS
 
 
 @pytest.fixture(scope="module")
-def all_on_the_gpu(tmp_path_factory):
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpu-model")
+    return Path(write_runnable(str(d / "q8.gguf"), arch="qwen3moe", blocks=BLOCKS, experts=EXPERTS, top_k=TOP_K,
+                               hidden=256, expert_ff=256, quant="q8_0", seed=2))
+
+
+@pytest.fixture(scope="module")
+def all_on_the_gpu(model, tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu-ref")
-    RUN.decode(MODEL, d / "gpu.bin")
+    RUN.decode(model, d / "gpu.bin")
     return d / "gpu.bin"
 
 
@@ -65,13 +76,13 @@ def _vram(stdout: str) -> dict:
 
 @pytest.mark.parametrize("arena", [1.0, 0.5])
 @pytest.mark.parametrize("tier,lookup", [(None, None), ("25%", "host"), ("25%", "device"), ("100%", "host"), ("100%", "device")])
-def test_gpu_rungs_give_the_all_on_the_gpu_logits(all_on_the_gpu, tmp_path, arena, tier, lookup):
+def test_gpu_rungs_give_the_all_on_the_gpu_logits(model, all_on_the_gpu, tmp_path, arena, tier, lookup):
     """Rung 2 (zerocopy), rung 3 (a VRAM tier over it, looked up on the host) and rung 4 (the
     tier looked up on the device, a token computed again after a miss), the arena holding every
     expert or half: the logits of the run with every layer on the GPU, and the tier's counters add
-    up (on the device: every decoded token, 8 blocks x top-4 fitting in 25 % of 8 x 32)."""
+    up (on the device: every decoded token, 4 blocks x top-4 fitting in 25 % of 4 x 32)."""
     extra = ZEROCOPY + (("--moecached-vram", tier, "--moecached-vram-lookup", lookup) if tier else ())
-    r, st = RUN.served(MODEL, tmp_path, "rung", int(arena * _served_experts()), *extra)
+    r, st = RUN.served(model, tmp_path, "rung", int(arena * _served_experts()), *extra)
     assert filecmp.cmp(all_on_the_gpu, tmp_path / "rung.bin", shallow=False), \
         f"arena {arena:.0%}, tier {tier}: logits differ from every layer on the GPU"
     assert st["demand_misses"] > 0 or arena == 1.0, st
@@ -84,23 +95,23 @@ def test_gpu_rungs_give_the_all_on_the_gpu_logits(all_on_the_gpu, tmp_path, aren
 
 
 @pytest.mark.parametrize("tier,lookup", [(None, None), ("25%", "host"), ("12.5%", "device")])
-def test_daemon_restart_on_the_gpu_is_an_error_or_a_correct_continuation(all_on_the_gpu, tmp_path, tier, lookup):
+def test_daemon_restart_on_the_gpu_is_an_error_or_a_correct_continuation(model, all_on_the_gpu, tmp_path, tier, lookup):
     """Zerocopy (with a tier looked up on the host or on the device, or none), the daemon
     restarted mid-decode: the new arena is registered with CUDA anew (the tier invalidated) and
     the logits stay the all-on-the-GPU run's, or the engine stops with one moecached error line
     and what it wrote is a prefix of them."""
     n = _served_experts()
     sock = str(tmp_path / "d.sock")
-    p = start_daemon(str(MODEL), sock, "--slots", str(n))
-    cmd = [str(CUDA_BIN / "mc-decode"), "-m", str(MODEL), "-p", prompt(), "-n", str(STEPS), "-t", "2",
+    p = start_daemon(str(model), sock, "--slots", str(n))
+    cmd = [str(CUDA_BIN / "mc-decode"), "-m", str(model), "-p", prompt(), "-n", str(STEPS), "-t", "2",
            "--dump", str(tmp_path / "out.bin"), "--moecached", f"ipc://{sock}", *ZEROCOPY,
            *(("--moecached-vram", tier, "--moecached-vram-lookup", lookup) if tier else ()),
-           "--step-delay-ms", "50", "--retries", "40"]
+           "--step-delay-ms", "150", "--retries", "40"]
     def under_way(eng):
         time.sleep(3.0)
         assert eng.poll() is None, "the engine finished before the restart: make the decode longer"
     rc, out, err = across_restart(cmd, under_way,
-                                  lambda: (stop_daemon(p), start_daemon(str(MODEL), sock, "--slots", str(n)))[1])
+                                  lambda: (stop_daemon(p), start_daemon(str(model), sock, "--slots", str(n)))[1])
     ref = all_on_the_gpu.read_bytes()
     if rc == 0:
         assert (tmp_path / "out.bin").read_bytes() == ref, "other logits after a restart"

@@ -8,7 +8,8 @@
 //             [--moecached-vram-lookup auto|device|host]
 //   mc-decode --help      (-h) prints the options and exits 0
 //
-// Prints one line per step ("step I token T"), one line per round and a final "timing" line:
+// Prints one line per step ("step I token T"), one line per round and a final "timing" line (the
+// times include the wait for the logits: on a GPU llama_decode returns before they are computed):
 //   round R prompt_s=S decode_tokens=N decode_s=S
 //   timing prompt_tokens=P prompt_s=S decode_tokens=N decode_s=S
 // --dump writes the float32 logits of the prompt's last token and of each step, in order.
@@ -229,6 +230,7 @@ int main(int argc, char ** argv) {
         const int nd0 = n_decoded;
         double t0 = now_s();
         if (!decode(llama_batch_get_one(toks.data(), n_prompt))) return 3;
+        llama_synchronize(ctx);   // llama_decode may return before a GPU has computed the logits
         t_prompt += now_s() - t0;
         llama_token tok = emit(0, llama_get_logits_ith(ctx, -1));
         for (int s = 1; s <= n_steps; ++s) {
@@ -237,6 +239,7 @@ int main(int argc, char ** argv) {
                                      x0 = vram_counter(" spec_copies="), r0 = vram_counter(" reruns=");
             t0 = now_s();
             if (!decode(llama_batch_get_one(&tok, 1))) return 3;
+            llama_synchronize(ctx);
             t_decode += now_s() - t0;
             dec_hits += vram_counter(" hits=") - h0;
             dec_misses += vram_counter(" misses=") - m0;
