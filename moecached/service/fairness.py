@@ -41,6 +41,10 @@ LOOP_BURST_S = 0.02
 SHARE_PERIOD_S = 0.1
 #: seconds between two looks at held requests
 HOLD_PERIOD_S = 0.003
+#: loop and I/O time a message costs beyond what is measured around its handler (receiving it,
+#: its reply's send, libzmq's I/O thread): charged to the control bucket with each request, so
+#: a flood of cheap requests (pings) is held to its share too
+MESSAGE_COST_S = 20e-6
 #: requests one client may have held back; the next is refused ``rate_limited``
 HELD_MAX = 64
 #: ops of the cache's hot path: charged to the loop bucket only, never to the control bucket
@@ -180,7 +184,7 @@ class ServerFairness:
             b = c.ctl
             if b is not None:
                 b.refill(t1, rate)
-                b.tokens -= cost
+                b.tokens -= cost + MESSAGE_COST_S
 
     def _suspect(self, c) -> bool:
         """Whether ``c``'s next request may have to wait (cheap: no refill, no decoding)."""
