@@ -28,7 +28,7 @@ import pytest
 
 from daemon_util import start_daemon, stop_daemon
 from moecached.tools import engine_llama
-from llama_util import BIN, MODEL, NEEDS_BUILD, Runner, across_restart
+from llama_util import BIN, MODEL, NEEDS_BUILD, Runner, across_restart, prompt
 from moecache_client import Client
 from moecached.engine.index import open_index
 from moecached.tools.synth_runnable import write_runnable
@@ -136,6 +136,38 @@ def test_device_lookup_of_a_full_tier_reads_once_per_token_and_runs_once(residen
     assert v2["evictions"] == 0 and v2["misses"] == v1["misses"] and v2["copied_bytes"] == v1["copied_bytes"], (v1, v2)
     e1, e2 = engine_llama.parse_stats(one.stdout), engine_llama.parse_stats(two.stdout)
     assert e2["acquires"] == e1["acquires"], (e1, e2)          # the second round asks the daemon nothing
+
+
+def _last_graph_ops(stderr: str) -> dict:
+    """The op counts of the last graph ggml's scheduler split (GGML_SCHED_DEBUG=2): the decode step's."""
+    from collections import Counter
+    assert "## SPLIT #0:" in stderr, stderr[-1500:]
+    return Counter(re.findall(r"node #\s*\d+ \(\s*(\w+)\)", stderr.rsplit("## SPLIT #0:", 1)[1]))
+
+
+def test_device_lookup_leaves_no_host_op_in_the_decode_graph(geometry, tmp_path):
+    """The decode step's graph (GGML_SCHED_DEBUG=2 prints it): with the host lookup every block has
+    its acquire and release ops (CPU custom ops: on a GPU each one a round trip); with the lookup on
+    the device none, and per block one get_rows of its table and one copy into the routing record."""
+    g = geometry
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(str(MODEL), sock, "--slots", str(g["blocks"] * g["experts"]))
+    ops = {}
+    try:
+        for lookup in ("host", "device"):
+            r = engine_llama.decode(BIN, str(MODEL), str(tmp_path / f"{lookup}.bin"), prompt=prompt(), steps=1,
+                                    endpoint=f"ipc://{sock}", timeout=300,
+                                    extra=("--moecached-vram", "100%", "--moecached-vram-lookup", lookup),
+                                    env=dict(os.environ, GGML_SCHED_DEBUG="2"))
+            assert r.returncode == 0, r.stderr[-2000:]
+            ops[lookup] = _last_graph_ops(r.stderr)
+            assert vram(r)["device_ubatches"] == (1 if lookup == "device" else 0), vram(r)
+    finally:
+        stop_daemon(p)
+    host, dev = ops["host"], ops["device"]
+    assert host["MAP_CUSTOM"] == 2 * g["blocks"] and host["MUL_MAT_ID"] == 3 * g["blocks"], host
+    assert dev["MAP_CUSTOM"] == 0 and dev["MUL_MAT_ID"] == 3 * g["blocks"], dev
+    assert dev["GET_ROWS"] == host["GET_ROWS"] + g["blocks"] and dev["CPY"] == host["CPY"] + g["blocks"], (host, dev)
 
 
 def test_auto_lookup_goes_to_the_host_when_the_tier_churns(resident, geometry, tmp_path):
