@@ -308,7 +308,7 @@ def micro(model: str, reps: int = 7, n: int = 20000) -> dict:
                     for i in range(n):
                         if full:
                             if len(c.held) < HELD_MAX:
-                                c.held.extend([(1, frames, False)] * (HELD_MAX - len(c.held)))
+                                c.held.extend([frames] * (HELD_MAX - len(c.held)))
                             srv._told.add(ident)
                         elif i % 32 == 0:
                             c.held.clear()

@@ -136,9 +136,10 @@ def test_a_stats_flood_waits_for_its_share_and_loses_nothing(model_factory, tmp_
         f.close()
 
 
-def test_releases_never_wait_and_later_requests_queue_in_order(model_factory, tmp_path, tight):
-    """A client with requests waiting gets its releases served at once (they give pins back);
-    its acquire sent after them waits behind them, so its replies keep the order it asked."""
+def test_the_hot_path_never_waits_behind_held_requests(model_factory, tmp_path, tight):
+    """A client with requests waiting gets its releases and acquires served at once (its
+    waiting stats and pings stay in order among themselves): nothing of the hot path queues
+    behind what waits."""
     path = model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=16)
     with Daemon(path, tmp_path, slots=64, client_loop_share=tight) as d, \
             Client(d.endpoint, name="engine", fast_path=False) as c:
@@ -152,9 +153,56 @@ def test_releases_never_wait_and_later_requests_queue_in_order(model_factory, tm
         _send(f, 4, "acquire", layer=L[0], experts=[4])
         _send(f, 5, "release", lease=lease)
         early = _replies(f, 0.5)
-        assert [r["id"] for r in early] == [5] and early[0]["ok"], early
+        assert sorted(r["id"] for r in early) == [4, 5] and all(r["ok"] for r in early), early
         d.server.set_loop_share(0)
-        assert [r["id"] for r in _replies(f, 5.0, n=3)] == [2, 3, 4]
+        assert [r["id"] for r in _replies(f, 5.0, n=2)] == [2, 3]
+        f.close()
+
+
+def test_a_prefetching_engine_beside_another_client_is_not_slowed(model_factory, tmp_path, tight):
+    """An engine over the socket that prefetches the next layer before each acquire used
+    about 10 % of the loop: over its share, its held prefetch made its next acquires queue
+    behind it (5,708 acquires/s alone, 696/s beside a client pinging once a second, p99
+    88 ms). A held prefetch waits alone; the engine's acquires never wait for it."""
+    path = model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=16)
+    with Daemon(path, tmp_path, slots=64, client_loop_share=tight) as d, \
+            Client(d.endpoint, name="engine", fast_path=False) as c, \
+            Client(d.endpoint, name="idle", fast_path=False) as o:
+        L = d.idx.expert_layers
+        for layer in L:
+            c.acquire(layer, [1, 2]).release()
+        o.ping()
+        time.sleep(0.25)                   # both active: the share applies
+        worst = 0.0
+        for i in range(400):
+            layer = L[i % len(L)]
+            c.prefetch(L[(i + 1) % len(L)], [1, 2])
+            t0 = time.perf_counter()
+            c.acquire(layer, [1, 2]).release()
+            worst = max(worst, time.perf_counter() - t0)
+            if i % 100 == 0:
+                o.ping()
+        mine = next(x for x in c.stats()["clients"] if x["name"] == "engine")
+    assert mine["throttled"] > 0, mine    # its prefetches did wait (the share is tiny) ...
+    assert worst < 0.5, worst             # ... its acquires never did (they waited seconds)
+
+
+def test_releases_and_checks_name_a_bounded_number_of_leases(model_factory, tmp_path):
+    """A release or check naming 65,536 leases took the loop for 4.6 / 7.4 ms each (every id
+    looked at), and releases are never held or rate-limited: a few hundred a second took
+    another client's acquires 90x. Now more than MAX_LEASES_PER_REQUEST is refused at once."""
+    from moecached.facts.protocol import MAX_LEASES_PER_REQUEST
+    path = model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=16)
+    with Daemon(path, tmp_path, slots=64) as d:
+        f = _dealer(d.endpoint, "big")
+        for i, op in enumerate(("release", "check")):
+            _send(f, i + 1, op, leases=[7] * 65536)
+            rep = _replies(f, 5.0, n=1)[0]
+            assert not rep["ok"] and rep["error"]["code"] == "too_large", rep
+            assert f"at most {MAX_LEASES_PER_REQUEST}" in rep["error"]["message"], rep
+        _send(f, 3, "check", leases=[7] * MAX_LEASES_PER_REQUEST)
+        rep = _replies(f, 5.0, n=1)[0]
+        assert rep["ok"] and rep["held"] == [False] * MAX_LEASES_PER_REQUEST
         f.close()
 
 

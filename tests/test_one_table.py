@@ -89,6 +89,12 @@ def test_c_client_knows_every_error_code():
         assert f'case {name}: return "{name}";' in src, f"{name} has no name in mc_code_name"
 
 
+def test_the_c_client_releases_within_the_protocols_lease_limit():
+    src = (ROOT / "clients/c/src/moecache.c").read_text()
+    m = re.search(r"#define MC_MAX_LEASES_PER_REQUEST (\d+)", src)
+    assert m and int(m.group(1)) == protocol.MAX_LEASES_PER_REQUEST
+
+
 def test_the_python_client_copies_no_lease_rule():
     """Lease validity is written once, in C (mcshm_valid): the Python client calls it through
     its extension or asks the daemon (``check``); it reads no slot generations itself."""

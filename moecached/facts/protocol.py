@@ -25,6 +25,7 @@ PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 4 << 20        # 4 MiB: ~500k expert ids per message, far above real batches
 MAX_ARRAY_LEN = 1 << 16            # 65536 entries: (layers x top-k) of the largest batches
 MAX_MAP_LEN = 64
+MAX_LEASES_PER_REQUEST = 1024      # lease ids one release or check may name
 MAX_STR_LEN = 4096
 MAX_BIN_LEN = 0                    # the protocol never carries binary payloads
 

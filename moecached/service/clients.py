@@ -35,7 +35,7 @@ class _Client:
                  "requests", "acquires", "hits", "misses", "prefetch_hits", "prefetches",
                  "errors", "stall_s", "pidfd", "bucket", "pf", "rate_limited", "pins", "fast_closed",
                  "subst", "peer_addr", "peer", "admin", "pin_words", "loop_tokens", "loop_t",
-                 "throttled", "coalesced", "ctl", "held")
+                 "throttled", "coalesced", "ctl", "held", "held_pf")
 
     def __init__(self, ident: bytes, now: float, burst: float = 1.0, max_prefetch=None,
                  peer_addr: str | None = None):
@@ -51,7 +51,8 @@ class _Client:
         # server); its requests held back, in order; requests held, held ones replaced by newer
         self.loop_tokens, self.loop_t = 0.02, time.perf_counter()
         self.ctl = None
-        self.held = deque()
+        self.held = deque()     # its requests that are not the hot path, waiting in order
+        self.held_pf = None     # its newest noreply prefetch, waiting
         self.throttled = self.coalesced = 0
         self.delim = False  # the client frames requests REQ-style (empty delimiter first)
         self.name = ident.hex()

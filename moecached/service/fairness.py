@@ -9,20 +9,22 @@ buckets of *loop time* (seconds), each refilled at ``client_loop_share`` of a se
 while other clients are active (a client alone is never held back) and holding at most
 :data:`LOOP_BURST_S`:
 
-* the **loop** bucket of the client, charged for every request: over it (empty), its prefetches
-  are held back; a ``noreply`` one waits as the newest (an older one it replaces is dropped,
-  counted ``prefetches_coalesced``: a newer prediction supersedes it);
+* the **loop** bucket of the client, charged for every request: over it (empty), its newest
+  ``noreply`` prefetch waits (an older one it replaces is dropped, counted
+  ``prefetches_coalesced``: a newer prediction supersedes it);
 * the **control** bucket, charged only for what is not the cache's hot path (``stats``,
-  ``status``, ``ping``, ``hello``, ``models``, ``clients``, traces, ``warm``, malformed requests):
-  over it, such requests are held back. It is one bucket per uid for clients that are no admin
-  (``Peer-Address``: several connections of one user share it), one per connection for admins.
-  An engine's acquires and releases never drain it, so a busy engine's ``stats`` are not held.
+  ``status``, ``ping``, ``hello``, ``models``, ``clients``, traces, ``warm``, requests refused
+  with an error), :data:`MESSAGE_COST_S` more per request: over it, such requests wait. It is
+  one bucket per uid for clients that are no admin (``Peer-Address``: several connections of
+  one user share it), one per connection for admins. An engine's acquires and releases never
+  drain it, so a busy engine's ``stats`` are not held. Its debt is bounded (a flood delays its
+  uid's next requests by about a second at most).
 
-A held request waits in its client's queue, in order (once a client has requests waiting, its
-later ones queue behind them, acquires included, so it sees its replies in the order it asked),
-and runs when its bucket is back in budget. Releases, cancels and ``bye`` are never held:
-they give resources back. A client with :data:`HELD_MAX` requests waiting has the next refused
-``rate_limited`` (a ``noreply`` one dropped). ``throttled`` counts the requests held back.
+Requests of the control kind wait in their client's queue, in order among themselves; nothing
+of the hot path (acquires, releases, checks, cancels, ``bye``, a prefetch that wants a reply)
+ever waits, nor queues behind them. A client with :data:`HELD_MAX` requests waiting has the next
+refused ``rate_limited`` once, and further ones dropped (without decoding) until fewer wait.
+``throttled`` counts the requests held back.
 :class:`ServerFairness` is a part of :class:`moecached.service.server.Server`
 (docs/operations.md, "Fairness between clients").
 """
@@ -51,12 +53,10 @@ HELD_MAX = 64
 HOT_OPS = frozenset({"acquire", "prefetch", "release", "cancel", "check", "bye"})
 #: ops never held back: they give resources back
 NEVER_HELD = frozenset({"release", "cancel", "bye"})
-#: held request kinds: the bucket that lets each run
-_PF, _CTL, _ANY = 0, 1, 2
 #: the msgpack bytes of ``"prefetch"``: a request without them is no prefetch
 _PREFETCH = b"\xa8prefetch"
 #: ... of ``"release"`` and ``"bye"`` (a request without them is neither: cheap to tell)
-_RELEASE, _BYE = b"\xa7release", b"\xa3bye"
+_RELEASE, _BYE, _ACQUIRE = b"\xa7release", b"\xa3bye", b"\xa7acquire"
 #: fields a held request is recognised by (the rest of it is skipped, not decoded)
 _PEEK = frozenset({"op", "id", "noreply"})
 
@@ -184,18 +184,25 @@ class ServerFairness:
             b = c.ctl
             if b is not None:
                 b.refill(t1, rate)
-                b.tokens -= cost + MESSAGE_COST_S
+                tok = b.tokens - cost - MESSAGE_COST_S
+                # the debt is bounded: a flood delays its uid's next requests by at most
+                # about 2 x LOOP_BURST_S / client_loop_share
+                b.tokens = tok if tok > -LOOP_BURST_S else -LOOP_BURST_S
 
     def _suspect(self, c) -> bool:
         """Whether ``c``'s next request may have to wait (cheap: no refill, no decoding)."""
-        return bool(c.held) or c.loop_tokens < 0 or (c.ctl is not None and c.ctl.tokens < 0)
+        return (bool(c.held) or c.held_pf is not None or c.loop_tokens < 0
+                or (c.ctl is not None and c.ctl.tokens < 0))
 
     def _hold(self, c, frames: list) -> bool:
         """Hold ``c``'s request back (True) when it must wait for its share of the loop, or
-        refuse it when too many wait; False: serve it now."""
-        held = c.held
-        if (len(held) >= HELD_MAX and c.ident in self._told and _RELEASE not in frames[-1]
-                and _BYE not in frames[-1]):
+        refuse it when too many wait; False: serve it now. Only two kinds ever wait: a
+        ``noreply`` prefetch (the newest one, over the loop bucket) and what is not the hot
+        path (in order, over the control bucket); acquires, releases and the rest of the hot
+        path are served at once, never behind them."""
+        held, payload = c.held, frames[-1]
+        if (len(held) >= HELD_MAX and c.ident in self._told and _RELEASE not in payload
+                and _BYE not in payload and _ACQUIRE not in payload and _PREFETCH not in payload):
             # it sends without reading its replies: the cheapest way out (no decoding); it was
             # told once, when its queue filled up
             c.rate_limited += 1
@@ -207,31 +214,23 @@ class ServerFairness:
             if self._share_now == float("inf"):
                 return False
             ctl = c.ctl
-            if (ctl is None or not ctl.tokens < 0) and _PREFETCH not in frames[-1]:
+            if (ctl is None or not ctl.tokens < 0) and _PREFETCH not in payload:
                 return False   # only a prefetch could have to wait (a cheap look, no decoding)
         t0 = time.perf_counter()
-        op, rid, noreply = peek(frames[-1])
-        if op in NEVER_HELD:
-            return False
+        op, rid, noreply = peek(payload)
         rate = self._share_now
-        if c.held:
-            kind = _ANY if op == "prefetch" or op in HOT_OPS else _CTL
-            kind = _PF if op == "prefetch" else kind
-        elif op == "prefetch":
-            tok = c.loop_tokens + (t0 - c.loop_t) * rate
-            if not tok < 0:
+        if op == "prefetch":
+            if noreply is not True or not c.loop_tokens + (t0 - c.loop_t) * rate < 0:
                 return False
-            kind = _PF
-        elif op not in HOT_OPS:
-            if c.ctl is None or not c.ctl.refill(t0, rate) < 0:
-                return False
-            kind = _CTL
-        else:
+            if c.held_pf is not None:            # a newer prediction supersedes the held one
+                c.coalesced += 1
+                self.counters["prefetches_coalesced"] += 1
+            c.held_pf = frames
+            self._held.add(c.ident)
+        elif op in HOT_OPS:
             return False
-        if kind == _PF and noreply is True and held and held[-1][2]:
-            held[-1] = (kind, frames, True)      # a newer prediction supersedes the held one
-            c.coalesced += 1
-            self.counters["prefetches_coalesced"] += 1
+        elif not held and (c.ctl is None or not c.ctl.refill(t0, rate) < 0):
+            return False
         elif len(held) >= HELD_MAX:
             c.rate_limited += 1
             self.counters["rate_limited"] += 1
@@ -243,7 +242,7 @@ class ServerFairness:
                                  "further requests are dropped without a reply)")
                 self._told.add(c.ident)
         else:
-            held.append((kind, frames, kind == _PF and noreply is True))
+            held.append(frames)
             self._held.add(c.ident)
         c.throttled += 1
         self.counters["throttled"] += 1
@@ -251,6 +250,18 @@ class ServerFairness:
         self._op = op if op is not None else ""
         self._charge(c, t0, time.perf_counter())   # the look at it is its own loop time too
         return True
+
+    def _run_held(self, ident, frames) -> None:
+        """Serve a request that waited (the general path unless the hot path takes it)."""
+        t = time.perf_counter()
+        self._op = None
+        try:
+            served = self._fast(frames)
+        except Exception:
+            served = False
+        if not served:
+            self._handle(frames)
+        self._charge(self.clients.get(ident), t, time.perf_counter())
 
     def _fair_timer(self, now: float) -> None:
         """The loop's timer: how many clients are active (the share applies from two on), and
@@ -263,31 +274,20 @@ class ServerFairness:
         rate = self._share_now
         for ident in list(self._held):
             c = self.clients.get(ident)
-            if c is None or not c.held:
+            if c is None or (not c.held and c.held_pf is None):
                 self._held.discard(ident)
                 self._told.discard(ident)
                 continue
+            if c.held_pf is not None and not c.loop_tokens + (pc() - c.loop_t) * rate < 0:
+                frames, c.held_pf = c.held_pf, None
+                self._run_held(ident, frames)
             held = c.held
-            while held:
-                kind, frames, _ = held[0]
-                t = pc()
-                if kind == _PF:
-                    if c.loop_tokens + (t - c.loop_t) * rate < 0:
-                        break
-                elif kind == _CTL and c.ctl is not None and c.ctl.refill(t, rate) < 0:
+            while held and self.clients.get(ident) is c:
+                if c.ctl is not None and c.ctl.refill(pc(), rate) < 0:
                     break
-                held.popleft()
-                try:
-                    served = self._fast(frames)
-                except Exception:
-                    served = False
-                if not served:
-                    self._handle(frames)
-                self._charge(self.clients.get(ident), t, pc())
-                if self.clients.get(ident) is not c:
-                    break             # it said bye or was dropped: the rest is moot
+                self._run_held(ident, held.popleft())
             if len(held) < HELD_MAX:
                 self._told.discard(ident)
-            if not held or self.clients.get(ident) is not c:
+            if self.clients.get(ident) is not c or (not held and c.held_pf is None):
                 self._held.discard(ident)
         self._next_share = now + (HOLD_PERIOD_S if self._held else SHARE_PERIOD_S)

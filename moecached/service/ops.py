@@ -118,6 +118,7 @@ class ServerOps:
             ids = msg["leases"]
             if not isinstance(ids, list):
                 raise P.ProtocolError(P.E_BAD_TYPE, "field 'leases' must be an array of lease ids")
+            _few_leases(ids)
         else:
             ids = [msg.get("lease")]
         for lid in ids:
@@ -143,6 +144,8 @@ class ServerOps:
         """Whether this client still holds each of ``leases`` (granted to it, not released,
         not taken back): the lease validity of a client without the shared-memory rule."""
         ids = msg.get("leases")
+        if isinstance(ids, list):
+            _few_leases(ids)
         if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
             raise P.ProtocolError(P.E_BAD_TYPE, "field 'leases' must be an array of lease ids")
         held = []
@@ -168,3 +171,11 @@ class ServerOps:
         n = len(c.leases)
         self._reply(c.ident, rid, released=n)
         self._drop_client(c, "said bye")
+
+
+def _few_leases(ids: list) -> None:
+    """A release or check names at most ``MAX_LEASES_PER_REQUEST`` leases (each is looked at in
+    the loop: a request of 65,536 took it for milliseconds)."""
+    if len(ids) > P.MAX_LEASES_PER_REQUEST:
+        raise P.ProtocolError(P.E_TOO_LARGE, f"field 'leases' names {len(ids)} leases: at most "
+                              f"{P.MAX_LEASES_PER_REQUEST} per request; send several requests")

@@ -534,10 +534,12 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
                 return
             fn(c, rid, msg)
         except P.ProtocolError as e:
+            self._op = ""   # a refused request is no hot path: charged to the control share
             c.errors += 1
             self.counters["errors"] += 1
             self._send_error(ident, rid, e.code, str(e))
         except MoecacheError as e:
+            self._op = ""
             c.errors += 1
             self.counters["errors"] += 1
             self._send_error(ident, rid, _code_of(e), str(e))

@@ -683,10 +683,13 @@ static void send_cancel_locked(mc_client *c, uint64_t rid) {
 }
 
 /* The socket's owner sends the releases queued while it was busy. */
+/* the most lease ids one release may name (the protocol's MAX_LEASES_PER_REQUEST) */
+#define MC_MAX_LEASES_PER_REQUEST 1024
+
 static void flush_releases_locked(mc_client *c) {
     uint32_t i = 0;
     while (i < c->relq_n) {
-        uint32_t k = c->relq_n - i > 4096 ? 4096 : c->relq_n - i;
+        uint32_t k = c->relq_n - i > MC_MAX_LEASES_PER_REQUEST ? MC_MAX_LEASES_PER_REQUEST : c->relq_n - i;
         send_release_locked(c, c->relq + i, k);
         i += k;
     }
