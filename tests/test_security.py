@@ -254,3 +254,25 @@ def test_one_user_opening_connections_gets_no_more_of_the_loop(world, monkeypatc
         s1.close()
         s2.close()
     assert first and not second   # the user's second connection waits on the first's share
+
+
+def test_a_non_admins_stats_builds_no_row_for_the_others(world, monkeypatch):
+    """A non-admin's ``stats`` shows the other clients only as a count, yet built a row for
+    each of them first: with a thousand idle connections of another user a 5-10 Hz poller
+    spent its whole loop share and waited seconds. Now only its own row is built."""
+    from moecached.service.clients import _Client
+    built = []
+    real = _Client.summary
+    monkeypatch.setattr(_Client, "summary", lambda self: built.append(self.name) or real(self))
+    others = [Client(world.endpoint, name=f"idle-{i}", fast_path=False) for i in range(20)]
+    try:
+        rep = run_as(world.user, ask, world.endpoint, {"op": "hello", "client": "poller"}, {"op": "stats"})[1]
+        built_by_stats = list(built)
+    finally:
+        for o in others:
+            o.close()
+    built = built_by_stats
+    assert rep["ok"], rep
+    st = rep["stats"]
+    assert [x["name"] for x in st["clients"]] == ["poller"] and st["clients_other"] >= 20, st["clients"]
+    assert built == ["poller"], built

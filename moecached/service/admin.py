@@ -85,8 +85,9 @@ class ServerAdmin:
         mine = c.ident.hex()
         rows = st.get("clients") or []
         st["clients"] = [x for x in rows if x.get("id") == mine]
-        st["clients_other"] = len(rows) - len(st["clients"])
-        st["departed_clients"] = len(st.get("departed_clients") or [])
+        st.setdefault("clients_other", len(rows) - len(st["clients"]))
+        departed = st.get("departed_clients")
+        st["departed_clients"] = departed if isinstance(departed, int) else len(departed or [])
         return st
 
     # ---- models add ------------------------------------------------------------------------

@@ -21,10 +21,14 @@ class ServerViews:
     def _cache_stats(self) -> dict:
         return dict(self.cache.stats())
 
-    def stats(self) -> dict:
+    def stats(self, only=None) -> dict:
         """Everything ``moecache-ctl stats`` shows: cache counters + server + per client
-        (without a model: the server's own, and what ``extra_stats`` adds)."""
+        (without a model: the server's own, and what ``extra_stats`` adds). ``only``: the
+        client that is no admin asking, whose view lists itself alone (the rows of the others
+        are not built: what they cost grew with every idle connection)."""
         st = self._cache_stats()
+        if only is not None:
+            st["clients_other"] = len(self.clients) - (only.ident in self.clients)
         st.update(uptime_s=round(time.time() - self.started, 3), pid=os.getpid(),
                   version=__version__, model=self.model_path, model_name=self.model_name,
                   endpoint=self.endpoint,
@@ -32,8 +36,8 @@ class ServerViews:
                   fingerprint=self.index.fingerprint() if self.index is not None else None,
                   leases_held=len(self.leases),
                   server={**{k.key: 0 for k in SERVER_COUNTERS}, **self.counters},
-                  clients=[c.summary() for c in self.clients.values()],
-                  departed_clients=list(self.departed),
+                  clients=[c.summary() for c in (self.clients.values() if only is None else [only])],
+                  departed_clients=list(self.departed) if only is None else len(self.departed),
                   tracing=(self.recorder.path if self.recorder is not None else None))
         if self.extra_stats is not None:
             st.update(self.extra_stats())
@@ -56,7 +60,7 @@ class ServerViews:
         self._reply(c.ident, rid, **handler(msg))
 
     def _op_stats(self, c: _Client, rid: int, msg: dict) -> None:
-        self._reply(c.ident, rid, stats=self._visible_stats(c, self.stats()))
+        self._reply(c.ident, rid, stats=self._visible_stats(c, self.stats(None if c.admin else c)))
 
     def _op_status(self, c: _Client, rid: int, msg: dict) -> None:
         st = self._cache_stats()
