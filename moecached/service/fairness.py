@@ -272,22 +272,34 @@ class ServerFairness:
             self._share_now = share if share > 0 and active >= 2 else float("inf")
         pc = time.perf_counter
         rate = self._share_now
+        soonest = SHARE_PERIOD_S    # seconds until a held request may run (the next look)
+        blocked = set()             # control buckets found empty in this pass (shared per uid)
         for ident in list(self._held):
             c = self.clients.get(ident)
             if c is None or (not c.held and c.held_pf is None):
                 self._held.discard(ident)
                 self._told.discard(ident)
                 continue
-            if c.held_pf is not None and not c.loop_tokens + (pc() - c.loop_t) * rate < 0:
-                frames, c.held_pf = c.held_pf, None
-                self._run_held(ident, frames)
+            if c.held_pf is not None:
+                tok = c.loop_tokens + (pc() - c.loop_t) * rate
+                if not tok < 0:
+                    frames, c.held_pf = c.held_pf, None
+                    self._run_held(ident, frames)
+                else:
+                    soonest = min(soonest, -tok / rate)
             held = c.held
+            b = c.ctl
             while held and self.clients.get(ident) is c:
-                if c.ctl is not None and c.ctl.refill(pc(), rate) < 0:
+                if b is not None and (id(b) in blocked or b.refill(pc(), rate) < 0):
+                    if id(b) not in blocked:
+                        blocked.add(id(b))
+                        soonest = min(soonest, -b.tokens / rate)
                     break
                 self._run_held(ident, held.popleft())
             if len(held) < HELD_MAX:
                 self._told.discard(ident)
             if self.clients.get(ident) is not c or (not held and c.held_pf is None):
                 self._held.discard(ident)
-        self._next_share = now + (HOLD_PERIOD_S if self._held else SHARE_PERIOD_S)
+        # with many clients waiting on a drained share, the next look is when it has refilled,
+        # not every HOLD_PERIOD_S (each look walks every client that waits)
+        self._next_share = now + (max(HOLD_PERIOD_S, soonest) if self._held else SHARE_PERIOD_S)
