@@ -159,6 +159,32 @@ def test_the_hot_path_never_waits_behind_held_requests(model_factory, tmp_path, 
         f.close()
 
 
+def test_a_release_or_bye_that_gives_nothing_back_waits_its_turn(model_factory, tmp_path, tight):
+    """Releases and ``bye`` never waited, and cost the loop like any request: a flood of
+    releases of unknown leases (an error each) or of ``bye`` (each giving the next message a new
+    client with full buckets) went around every limit. Those that give nothing back now wait
+    like control requests; one that gives a lease back is still served at once."""
+    path = model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=16)
+    with Daemon(path, tmp_path, slots=64, client_loop_share=tight) as d, \
+            Client(d.endpoint, name="engine", fast_path=False) as c:
+        L = d.idx.expert_layers
+        c.acquire(L[0], [1]).release()
+        f = _dealer(d.endpoint, "flood")       # its hello spent its control share
+        _send(f, 1, "acquire", layer=L[0], experts=[3])
+        lease = _replies(f, 5.0, n=1)[0]["lease"]
+        _send(f, 2, "release", lease=123456789)      # not its lease: an error, later
+        _send(f, 3, "release", lease=lease)          # its own: at once
+        early = _replies(f, 0.5)
+        assert [r["id"] for r in early] == [3] and early[0]["ok"], early
+        _send(f, 4, "bye")                           # holds nothing now: waits too
+        assert _replies(f, 0.5) == []
+        d.server.set_loop_share(0)
+        late = _replies(f, 5.0, n=2)
+        assert [r["id"] for r in late] == [2, 4], late
+        assert not late[0]["ok"] and late[1]["ok"], late
+        f.close()
+
+
 def test_a_prefetching_engine_beside_another_client_is_not_slowed(model_factory, tmp_path, tight):
     """An engine over the socket that prefetches the next layer before each acquire used
     about 10 % of the loop: over its share, its held prefetch made its next acquires queue

@@ -22,7 +22,8 @@ while other clients are active (a client alone is never held back) and holding a
 
 Requests of the control kind wait in their client's queue, in order among themselves; nothing
 of the hot path (acquires, releases, checks, cancels, ``bye``, a prefetch that wants a reply)
-ever waits, nor queues behind them. A client with :data:`HELD_MAX` requests waiting has the next
+ever waits, nor queues behind them, except a release naming no lease of the client and a
+``bye`` of a client that holds nothing (they give nothing back). A client with :data:`HELD_MAX` requests waiting has the next
 refused ``rate_limited`` once, and further ones dropped (without decoding) until fewer wait.
 ``throttled`` counts the requests held back.
 :class:`ServerFairness` is a part of :class:`moecached.service.server.Server`
@@ -51,8 +52,6 @@ MESSAGE_COST_S = 20e-6
 HELD_MAX = 64
 #: ops of the cache's hot path: charged to the loop bucket only, never to the control bucket
 HOT_OPS = frozenset({"acquire", "prefetch", "release", "cancel", "check", "bye"})
-#: ops never held back: they give resources back
-NEVER_HELD = frozenset({"release", "cancel", "bye"})
 #: the msgpack bytes of ``"prefetch"``: a request without them is no prefetch
 _PREFETCH = b"\xa8prefetch"
 #: ... of ``"release"`` and ``"bye"`` (a request without them is neither: cheap to tell)
@@ -84,6 +83,22 @@ def peek(payload: bytes):
     except Exception:
         pass
     return op, rid, noreply
+
+
+def _peek_lease(payload: bytes):
+    """The ``lease`` field of a release (an int), else None (not decoded beyond the keys)."""
+    try:
+        up = msgpack.Unpacker(max_buffer_size=len(payload) + 1, **P.UNPACK_LIMITS)
+        up.feed(payload)
+        for _ in range(min(up.read_map_header(), P.MAX_MAP_LEN)):
+            k = up.unpack()
+            if k == "lease":
+                v = up.unpack()
+                return v if v.__class__ is int else None
+            up.skip()
+    except Exception:
+        pass
+    return None
 
 
 class LoopBucket:
@@ -227,7 +242,7 @@ class ServerFairness:
                 self.counters["prefetches_coalesced"] += 1
             c.held_pf = frames
             self._held.add(c.ident)
-        elif op in HOT_OPS:
+        elif op in HOT_OPS and not self._gives_nothing_back(c, op, payload):
             return False
         elif not held and (c.ctl is None or not c.ctl.refill(t0, rate) < 0):
             return False
@@ -250,6 +265,21 @@ class ServerFairness:
         self._op = op if op is not None else ""
         self._charge(c, t0, time.perf_counter())   # the look at it is its own loop time too
         return True
+
+    def _gives_nothing_back(self, c, op, payload: bytes) -> bool:
+        """A ``bye`` of a client that holds nothing, or a ``release`` naming no lease of the
+        client (a single ``lease``; anything else counts as giving back): nothing that must
+        never wait, so it waits like a control request when its share is spent (a flood of
+        them, each a new client or an error, went around every limit)."""
+        if op == "bye":
+            return not c.leases and not c.pending and c.pins is None
+        if op == "release":
+            lid = _peek_lease(payload)
+            if lid is None:
+                return False
+            owner = self.leases.get(lid)
+            return owner is None or owner[0] != c.ident
+        return False
 
     def _run_held(self, ident, frames) -> None:
         """Serve a request that waited (the general path unless the hot path takes it)."""
