@@ -69,6 +69,21 @@ class Daemon:
         self.stop()
 
 
+class Gate:
+    """Stands in for readers.read_many: every read waits until ``open()``."""
+
+    def __init__(self, real):
+        self.real = real
+        self.ev = threading.Event()
+
+    def __call__(self, *a):
+        assert self.ev.wait(30), "gate never opened"
+        return self.real(*a)
+
+    def open(self):
+        self.ev.set()
+
+
 def wait_for(cond, what: str, timeout: float = 30.0):
     """Poll ``cond()`` every 20 ms until it is truthy and return its value; AssertionError
     naming ``what`` after ``timeout`` seconds."""

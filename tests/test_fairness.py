@@ -14,7 +14,7 @@ from moecached.engine.readers import ReaderPool
 from moecached.service.server import Server
 from moecache_client import Client, ServerError as CError
 
-from daemon_util import Daemon
+from daemon_util import Daemon, Gate
 
 pytestmark = pytest.mark.usefixtures("hot_path")
 
@@ -29,21 +29,6 @@ def model(model_factory):
 
 def client_stats(c: Client, name: str) -> dict:
     return next(x for x in c.stats()["clients"] if x["name"] == name)
-
-
-class Gate:
-    """Stands in for readers.read_many: every read waits until ``open()``."""
-
-    def __init__(self, real):
-        self.real = real
-        self.ev = threading.Event()
-
-    def __call__(self, *a):
-        assert self.ev.wait(30), "gate never opened"
-        return self.real(*a)
-
-    def open(self):
-        self.ev.set()
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "general-path"])

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from daemon_util import Gate
 from fixtures import file_bytes
 from moecached.engine import readers as readers_mod
 from moecached.engine.cache import ExpertCache
@@ -88,18 +89,6 @@ def test_runs_join_only_neighbours_within_the_run_size(model, tmp_path):
         st = cache.stats()
         assert (st["run_reads"], st["run_loads"]) == (0, 0), st
         _resident_bytes_ok(cache, idx, wanted)
-
-
-class Gate:
-    """Stands in for readers.read_many: every read waits until ``open()``."""
-
-    def __init__(self, real):
-        self.real = real
-        self.ev = threading.Event()
-
-    def __call__(self, *a):
-        assert self.ev.wait(30), "gate never opened"
-        return self.real(*a)
 
 
 def test_a_demand_for_an_expert_of_a_queued_run_promotes_it(model, tmp_path, monkeypatch):

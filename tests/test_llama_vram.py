@@ -273,78 +273,65 @@ def test_tier_with_substitution_and_prefetch(resident, geometry, tmp_path):
     assert parse_kv(r2.stdout, "prefetch")["calls"] > 0 and st2["prefetches"] > 0
 
 
-def test_daemon_restart_with_the_tier_is_an_error_or_a_correct_continuation(tmp_path):
-    """A tier of exactly top-k experts for two blocks: every block call copies, so every call
-    acquires and sees the new daemon; the tier is then invalidated (what it holds came from the
-    old arena) and the logits stay the resident run's."""
-    model = write_runnable(str(tmp_path / "f32.gguf"), arch="qwen3moe", blocks=2, experts=16, top_k=4, quant="f32", seed=1)
-    decode(model, tmp_path / "resident.bin", text="Experts in shared memory, served to every engine.")
-    sock = str(tmp_path / "d.sock")
-    p = start_daemon(model, sock, "--slots", "12")
-    cmd = [str(BIN / "mc-decode"), "-m", model, "-p", "Experts in shared memory, served to every engine.",
-           "-n", str(STEPS), "-t", "2", "--dump", str(tmp_path / "out.bin"), "--moecached", f"ipc://{sock}",
-           "--moecached-vram", "12.5%", "--step-delay-ms", "50", "--retries", "40"]
-    def under_way(eng):
-        time.sleep(1.0)
-        assert eng.poll() is None, "the engine finished before the restart: make the decode longer"
-    rc, out, err = across_restart(cmd, under_way, lambda: (stop_daemon(p), start_daemon(model, sock, "--slots", "12"))[1],
-                                  timeout=300)
-    ref = (tmp_path / "resident.bin").read_bytes()
-    if rc == 0:
-        assert (tmp_path / "out.bin").read_bytes() == ref, "wrong logits after a restart"
-        st = engine_llama.parse_stats(out)
-        v = parse_kv(out, "vram")
-        assert st["restarts"] >= 1 and v["invalidations"] >= 1, (st, v)
-        assert v["slots"] == 4 and v["evictions"] > 0, v
-    else:
-        assert "moecached error:" in err, err[-2000:]
-        assert ref.startswith((tmp_path / "out.bin").read_bytes())
-
-
-def test_daemon_restart_under_the_device_lookup_is_an_error_or_a_correct_continuation(tmp_path):
-    """The device lookup with a tier of exactly what one token needs (2 blocks x top-4 of 2 x 16
-    experts): tokens keep missing, so fills keep acquiring and one sees the new daemon; the tier is
-    forgotten and the token's next pass fills it from the new arena; the resident logits."""
+def _restarted_under_the_tier(tmp_path, *tier):
+    """Decode with ``tier`` flags (a tier small enough that tokens keep acquiring) while the
+    daemon is restarted once; an error, or the resident logits with the restart and the tier's
+    invalidation counted. Returns mc-decode's ``vram`` line (None after an error)."""
     text = "Experts in shared memory, served to every engine."
     model = write_runnable(str(tmp_path / "f32.gguf"), arch="qwen3moe", blocks=2, experts=16, top_k=4, quant="f32", seed=1)
     decode(model, tmp_path / "resident.bin", text=text)
     sock = str(tmp_path / "d.sock")
     p = start_daemon(model, sock, "--slots", "12")
     cmd = [str(BIN / "mc-decode"), "-m", model, "-p", text, "-n", str(STEPS), "-t", "2", "--dump", str(tmp_path / "out.bin"),
-           "--moecached", f"ipc://{sock}", "--moecached-vram", "25%", "--moecached-vram-lookup", "device",
-           "--step-delay-ms", "50", "--retries", "40"]
+           "--moecached", f"ipc://{sock}", *tier, "--step-delay-ms", "50", "--retries", "40"]
+
     def under_way(eng):
         time.sleep(1.0)
         assert eng.poll() is None, "the engine finished before the restart: make the decode longer"
     rc, out, err = across_restart(cmd, under_way, lambda: (stop_daemon(p), start_daemon(model, sock, "--slots", "12"))[1],
                                   timeout=300)
     ref = (tmp_path / "resident.bin").read_bytes()
-    if rc == 0:
-        assert (tmp_path / "out.bin").read_bytes() == ref, "wrong logits after a restart"
-        st = engine_llama.parse_stats(out)
-        v = parse_kv(out, "vram")
-        assert st["restarts"] >= 1 and v["invalidations"] >= 1, (st, v)
-        assert v["slots"] == 8 and v["device_ubatches"] >= STEPS and v["reruns"] > 0, v
-    else:
+    if rc != 0:
         assert "moecached error:" in err, err[-2000:]
         assert ref.startswith((tmp_path / "out.bin").read_bytes())
+        return None
+    assert (tmp_path / "out.bin").read_bytes() == ref, "wrong logits after a restart"
+    st = engine_llama.parse_stats(out)
+    v = parse_kv(out, "vram")
+    assert st["restarts"] >= 1 and v["invalidations"] >= 1, (st, v)
+    return v
 
 
-@pytest.mark.slow
-def test_lease_invalid_under_a_device_lookup_fill_discards_the_batch_and_the_retry_is_correct(tmp_path):
-    """A prompt of a few tokens runs the device lookup too: its first pass misses every expert, the
-    fill acquires them and keeps the leases 3 s (LLAMA_MOECACHED_HOLD_US) after the copies; the
-    daemon is killed then, the leases read invalid, the batch is discarded and the tier forgotten,
-    and the retry on a new daemon gives the resident logits."""
-    text = "Hi"   # 6 tokens of this model's vocabulary: at most 8 run the device lookup
+def test_daemon_restart_with_the_tier_is_an_error_or_a_correct_continuation(tmp_path):
+    """A tier of exactly top-k experts for two blocks: every block call copies, so every call
+    acquires and sees the new daemon; the tier is then invalidated (what it holds came from the
+    old arena) and the logits stay the resident run's."""
+    v = _restarted_under_the_tier(tmp_path, "--moecached-vram", "12.5%")
+    if v is not None:
+        assert v["slots"] == 4 and v["evictions"] > 0, v
+
+
+def test_daemon_restart_under_the_device_lookup_is_an_error_or_a_correct_continuation(tmp_path):
+    """The device lookup with a tier of exactly what one token needs (2 blocks x top-4 of 2 x 16
+    experts): tokens keep missing, so fills keep acquiring and one sees the new daemon; the tier is
+    forgotten and the token's next pass fills it from the new arena; the resident logits."""
+    v = _restarted_under_the_tier(tmp_path, "--moecached-vram", "25%", "--moecached-vram-lookup", "device")
+    if v is not None:
+        assert v["slots"] == 8 and v["device_ubatches"] >= STEPS and v["reruns"] > 0, v
+
+
+def _killed_while_leases_held(tmp_path, text, steps, *lookup):
+    """Decode ``text`` (``steps`` steps) with the whole model in the tier and every lease kept
+    3 s (LLAMA_MOECACHED_HOLD_US); once the engine holds a lease the daemon is killed and a new
+    one started. Returns (rc, stdout, stderr, the resident logits, the engine's logits)."""
     model = write_runnable(str(tmp_path / "f32.gguf"), arch="qwen3moe", blocks=2, experts=16, top_k=4, quant="f32", seed=1)
-    steps = 2
     subprocess.run([str(BIN / "mc-decode"), "-m", model, "-p", text, "-n", str(steps), "-t", "2",
                     "--dump", str(tmp_path / "resident.bin")], check=True, capture_output=True, timeout=300)
     sock = str(tmp_path / "d.sock")
     p = start_daemon(model, sock, "--slots", "32")
     cmd = [str(BIN / "mc-decode"), "-m", model, "-p", text, "-n", str(steps), "-t", "2", "--dump", str(tmp_path / "out.bin"),
-           "--moecached", f"ipc://{sock}", "--moecached-vram", "100%", "--moecached-vram-lookup", "device", "--retries", "60"]
+           "--moecached", f"ipc://{sock}", "--moecached-vram", "100%", *lookup, "--retries", "60"]
+
     def under_way(eng):
         with Client(f"ipc://{sock}", name="watcher", map_arena=False) as c:
             deadline = time.monotonic() + 120
@@ -354,9 +341,20 @@ def test_lease_invalid_under_a_device_lookup_fill_discards_the_batch_and_the_ret
     rc, out, err = across_restart(cmd, under_way,
                                   lambda: (stop_daemon(p, sig=signal.SIGKILL), start_daemon(model, sock, "--slots", "32"))[1],
                                   env=dict(os.environ, LLAMA_MOECACHED_HOLD_US="3000000"))
+    return rc, out, err, (tmp_path / "resident.bin").read_bytes(), (tmp_path / "out.bin").read_bytes()
+
+
+@pytest.mark.slow
+def test_lease_invalid_under_a_device_lookup_fill_discards_the_batch_and_the_retry_is_correct(tmp_path):
+    """A prompt of a few tokens runs the device lookup too: its first pass misses every expert, the
+    fill acquires them and keeps the leases 3 s (LLAMA_MOECACHED_HOLD_US) after the copies; the
+    daemon is killed then, the leases read invalid, the batch is discarded and the tier forgotten,
+    and the retry on a new daemon gives the resident logits."""
+    steps = 2
+    rc, out, err, ref, got = _killed_while_leases_held(tmp_path, "Hi", steps, "--moecached-vram-lookup", "device")
     assert rc == 0, err[-2000:]
     assert "copied into the tier (daemon restart" in err, err[-2000:]   # a batch was discarded, then retried
-    assert (tmp_path / "out.bin").read_bytes() == (tmp_path / "resident.bin").read_bytes(), "wrong logits after a crash"
+    assert got == ref, "wrong logits after a crash"
     v = parse_kv(out, "vram")
     assert v["invalidations"] >= 1 and v["fallbacks"] == 0 and v["device_ubatches"] >= steps + 1 and v["fill_syncs"] >= 1, v
 
@@ -367,27 +365,10 @@ def test_lease_invalid_under_a_copy_invalidates_the_tier_and_the_retry_is_correc
     (LLAMA_MOECACHED_HOLD_US): the daemon is killed while the engine holds the lease of experts it
     copied into the tier; the lease reads invalid (or the next acquire finds no daemon), the batch
     is discarded, the tier forgotten, and the retry on a new daemon gives the resident logits."""
-    text = "Experts in shared memory, served to every engine."
-    model = write_runnable(str(tmp_path / "f32.gguf"), arch="qwen3moe", blocks=2, experts=16, top_k=4, quant="f32", seed=1)
-    steps = 2
-    subprocess.run([str(BIN / "mc-decode"), "-m", model, "-p", text, "-n", str(steps), "-t", "2",
-                    "--dump", str(tmp_path / "resident.bin")], check=True, capture_output=True, timeout=300)
-    sock = str(tmp_path / "d.sock")
-    p = start_daemon(model, sock, "--slots", "32")
-    cmd = [str(BIN / "mc-decode"), "-m", model, "-p", text, "-n", str(steps), "-t", "2", "--dump", str(tmp_path / "out.bin"),
-           "--moecached", f"ipc://{sock}", "--moecached-vram", "100%", "--retries", "60"]
-    def under_way(eng):
-        with Client(f"ipc://{sock}", name="watcher", map_arena=False) as c:
-            deadline = time.monotonic() + 120
-            while c.stats()["leases"] < 1 and eng.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert c.stats()["leases"] >= 1, "the engine acquired nothing in 120 s"
-    rc, out, err = across_restart(cmd, under_way,
-                                  lambda: (stop_daemon(p, sig=signal.SIGKILL), start_daemon(model, sock, "--slots", "32"))[1],
-                                  env=dict(os.environ, LLAMA_MOECACHED_HOLD_US="3000000"))
+    rc, out, err, ref, got = _killed_while_leases_held(tmp_path, "Experts in shared memory, served to every engine.", 2)
     assert rc == 0, err[-2000:]
     assert "moecached error:" in err, err[-2000:]          # a batch was discarded, then retried
-    assert (tmp_path / "out.bin").read_bytes() == (tmp_path / "resident.bin").read_bytes(), "wrong logits after a crash"
+    assert got == ref, "wrong logits after a crash"
     v = parse_kv(out, "vram")
     assert v["invalidations"] >= 1 and v["fallbacks"] == 0, v
 
