@@ -86,8 +86,7 @@ class ServerAdmin:
         rows = st.get("clients") or []
         st["clients"] = [x for x in rows if x.get("id") == mine]
         st.setdefault("clients_other", len(rows) - len(st["clients"]))
-        departed = st.get("departed_clients")
-        st["departed_clients"] = departed if isinstance(departed, int) else len(departed or [])
+        st["departed_clients"] = len(st.get("departed_clients") or [])
         return st
 
     # ---- models add ------------------------------------------------------------------------

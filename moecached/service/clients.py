@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import select
-import time
 from collections import deque
 
 import numpy as np
@@ -22,6 +21,7 @@ from moecached.facts import protocol as P
 from moecached.service._serve import TokenBucket
 from moecached.engine._shm import RING_N, PinFile
 from moecached.engine.cache import PrefetchQuota
+from moecached.service.fairness import LoopBucket
 from moecached.service.endpoint import _pidfd_open, process_start_time
 from moecached.service.pindoor import sealed_pin_fd
 from moecached.service.identity import PID_MAX, claimed_pid_matches, parse_peer, process_uid
@@ -34,7 +34,7 @@ class _Client:
     __slots__ = ("ident", "delim", "name", "pid", "first_seen", "last_seen", "leases", "pending",
                  "requests", "acquires", "hits", "misses", "prefetch_hits", "prefetches",
                  "errors", "stall_s", "pidfd", "bucket", "pf", "rate_limited", "pins", "fast_closed",
-                 "subst", "peer_addr", "peer", "admin", "pin_words", "loop_tokens", "loop_t",
+                 "subst", "peer_addr", "peer", "admin", "pin_words", "loop",
                  "throttled", "coalesced", "ctl", "held", "held_pf")
 
     def __init__(self, ident: bytes, now: float, burst: float = 1.0, max_prefetch=None,
@@ -46,10 +46,10 @@ class _Client:
         self.peer = parse_peer(peer_addr)
         self.admin = False
         self.pin_words = None   # (byte offset, count) of its pin file's u32 pin counts
-        # its share of the loop (moecached.service.fairness): bucket of loop seconds, last
-        # refill (perf_counter); the control bucket (its uid's unless an admin: set by the
-        # server); its requests held back, in order; requests held, held ones replaced by newer
-        self.loop_tokens, self.loop_t = 0.02, time.perf_counter()
+        # its share of the loop (moecached.service.fairness): its loop bucket; its control
+        # bucket (its uid's unless an admin: set by the server); its requests held back, in
+        # order; requests held, held ones replaced by newer
+        self.loop = LoopBucket()
         self.ctl = None
         self.held = deque()     # its requests that are not the hot path, waiting in order
         self.held_pf = None     # its newest noreply prefetch, waiting

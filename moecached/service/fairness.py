@@ -57,14 +57,14 @@ _PREFETCH = b"\xa8prefetch"
 #: ... of ``"release"`` and ``"bye"`` (a request without them is neither: cheap to tell)
 _RELEASE, _BYE, _ACQUIRE = b"\xa7release", b"\xa3bye", b"\xa7acquire"
 #: fields a held request is recognised by (the rest of it is skipped, not decoded)
-_PEEK = frozenset({"op", "id", "noreply"})
+_PEEK = frozenset({"op", "id", "noreply", "lease"})
 
 
 def peek(payload: bytes):
-    """``(op, id, noreply)`` of a request frame without decoding the rest of it (each absent,
-    or not of its type: None). Only the map's keys and these three values are decoded, within
+    """``(op, id, noreply, lease)`` of a request frame without decoding the rest of it (each
+    absent, or not of its type: None). Only the map's keys and these values are decoded, within
     the protocol's limits; anything malformed gives what was read before it."""
-    op = rid = noreply = None
+    op = rid = noreply = lease = None
     try:
         up = msgpack.Unpacker(max_buffer_size=len(payload) + 1, **P.UNPACK_LIMITS)
         up.feed(payload)
@@ -74,45 +74,38 @@ def peek(payload: bytes):
                 v = up.unpack()
                 if k == "op":
                     op = v if v.__class__ is str else None
-                elif k == "id":
-                    rid = v if v.__class__ is int and 0 <= v < 2**64 else None
-                else:
+                elif k == "noreply":
                     noreply = v if v.__class__ is bool else None
+                elif v.__class__ is int and 0 <= v < 2**64:
+                    if k == "id":
+                        rid = v
+                    else:
+                        lease = v
             else:
                 up.skip()
     except Exception:
         pass
-    return op, rid, noreply
-
-
-def _peek_lease(payload: bytes):
-    """The ``lease`` field of a release (an int), else None (not decoded beyond the keys)."""
-    try:
-        up = msgpack.Unpacker(max_buffer_size=len(payload) + 1, **P.UNPACK_LIMITS)
-        up.feed(payload)
-        for _ in range(min(up.read_map_header(), P.MAX_MAP_LEN)):
-            k = up.unpack()
-            if k == "lease":
-                v = up.unpack()
-                return v if v.__class__ is int else None
-            up.skip()
-    except Exception:
-        pass
-    return None
+    return op, rid, noreply, lease
 
 
 class LoopBucket:
-    """Loop seconds one principal may still spend (refilled lazily at the share)."""
+    """Loop seconds one principal may still spend: refilled lazily at the share, at most
+    :data:`LOOP_BURST_S`, its debt at most as much (a flood is held back a bounded while)."""
     __slots__ = ("tokens", "t")
 
     def __init__(self):
         self.tokens, self.t = LOOP_BURST_S, time.perf_counter()
 
     def refill(self, now: float, rate: float) -> float:
+        """Its level now (refilled to ``now`` at ``rate`` seconds per second)."""
         tok = self.tokens + (now - self.t) * rate
-        self.tokens = tok if tok < LOOP_BURST_S else LOOP_BURST_S
+        self.tokens = tok if tok < LOOP_BURST_S else LOOP_BURST_S   # NaN (0 x inf): full
         self.t = now
         return self.tokens
+
+    def charge(self, now: float, rate: float, cost: float) -> None:
+        tok = self.refill(now, rate) - cost
+        self.tokens = tok if tok > -LOOP_BURST_S else -LOOP_BURST_S
 
 
 class ServerFairness:
@@ -190,24 +183,13 @@ class ServerFairness:
         if c is None:
             return
         rate, cost = self._share_now, t1 - t0
-        tok = c.loop_tokens + (t1 - c.loop_t) * rate
-        # the debt is bounded: a busy engine's held prefetch still runs now and then
-        tok = (tok if tok < LOOP_BURST_S else LOOP_BURST_S) - cost
-        c.loop_tokens = tok if tok > -LOOP_BURST_S else -LOOP_BURST_S
-        c.loop_t = t1
+        c.loop.charge(t1, rate, cost)
         if op is not None and op not in HOT_OPS:
-            b = c.ctl
-            if b is not None:
-                b.refill(t1, rate)
-                tok = b.tokens - cost - MESSAGE_COST_S
-                # the debt is bounded: a flood delays its uid's next requests by at most
-                # about 2 x LOOP_BURST_S / client_loop_share
-                b.tokens = tok if tok > -LOOP_BURST_S else -LOOP_BURST_S
+            c.ctl.charge(t1, rate, cost + MESSAGE_COST_S)
 
     def _suspect(self, c) -> bool:
         """Whether ``c``'s next request may have to wait (cheap: no refill, no decoding)."""
-        return (bool(c.held) or c.held_pf is not None or c.loop_tokens < 0
-                or (c.ctl is not None and c.ctl.tokens < 0))
+        return bool(c.held) or c.held_pf is not None or c.loop.tokens < 0 or c.ctl.tokens < 0
 
     def _hold(self, c, frames: list) -> bool:
         """Hold ``c``'s request back (True) when it must wait for its share of the loop, or
@@ -228,23 +210,22 @@ class ServerFairness:
         if not held:
             if self._share_now == float("inf"):
                 return False
-            ctl = c.ctl
-            if (ctl is None or not ctl.tokens < 0) and _PREFETCH not in payload:
+            if not c.ctl.tokens < 0 and _PREFETCH not in payload:
                 return False   # only a prefetch could have to wait (a cheap look, no decoding)
         t0 = time.perf_counter()
-        op, rid, noreply = peek(payload)
+        op, rid, noreply, lease = peek(payload)
         rate = self._share_now
         if op == "prefetch":
-            if noreply is not True or not c.loop_tokens + (t0 - c.loop_t) * rate < 0:
+            if noreply is not True or not c.loop.refill(t0, rate) < 0:
                 return False
             if c.held_pf is not None:            # a newer prediction supersedes the held one
                 c.coalesced += 1
                 self.counters["prefetches_coalesced"] += 1
             c.held_pf = frames
             self._held.add(c.ident)
-        elif op in HOT_OPS and not self._gives_nothing_back(c, op, payload):
+        elif op in HOT_OPS and not self._gives_nothing_back(c, op, lease):
             return False
-        elif not held and (c.ctl is None or not c.ctl.refill(t0, rate) < 0):
+        elif not held and not c.ctl.refill(t0, rate) < 0:
             return False
         elif len(held) >= HELD_MAX:
             c.rate_limited += 1
@@ -266,18 +247,15 @@ class ServerFairness:
         self._charge(c, t0, time.perf_counter())   # the look at it is its own loop time too
         return True
 
-    def _gives_nothing_back(self, c, op, payload: bytes) -> bool:
-        """A ``bye`` of a client that holds nothing, or a ``release`` naming no lease of the
-        client (a single ``lease``; anything else counts as giving back): nothing that must
-        never wait, so it waits like a control request when its share is spent (a flood of
-        them, each a new client or an error, went around every limit)."""
+    def _gives_nothing_back(self, c, op, lease) -> bool:
+        """A ``bye`` of a client that holds nothing, or a ``release`` of one ``lease`` that is
+        not the client's (``leases`` counts as giving back): nothing that must never wait, so
+        it waits like a control request when its share is spent (a flood of them, each a new
+        client or an error, went around every limit)."""
         if op == "bye":
             return not c.leases and not c.pending and c.pins is None
-        if op == "release":
-            lid = _peek_lease(payload)
-            if lid is None:
-                return False
-            owner = self.leases.get(lid)
+        if op == "release" and lease is not None:
+            owner = self.leases.get(lease)
             return owner is None or owner[0] != c.ident
         return False
 
@@ -311,7 +289,7 @@ class ServerFairness:
                 self._told.discard(ident)
                 continue
             if c.held_pf is not None:
-                tok = c.loop_tokens + (pc() - c.loop_t) * rate
+                tok = c.loop.refill(pc(), rate)
                 if not tok < 0:
                     frames, c.held_pf = c.held_pf, None
                     self._run_held(ident, frames)
@@ -320,7 +298,7 @@ class ServerFairness:
             held = c.held
             b = c.ctl
             while held and self.clients.get(ident) is c:
-                if b is not None and (id(b) in blocked or b.refill(pc(), rate) < 0):
+                if id(b) in blocked or b.refill(pc(), rate) < 0:
                     if id(b) not in blocked:
                         blocked.add(id(b))
                         soonest = min(soonest, -b.tokens / rate)

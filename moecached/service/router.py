@@ -66,7 +66,7 @@ class Router(Server):
         if msg.get("action", "list") == "drop":
             raise P.ProtocolError(P.E_REFUSED, "clients drop: the daemon serves several models: drop "
                                   "a client on its model's socket (moecache-ctl --model NAME client drop ID)")
-        st = self._visible_stats(c, self.stats())
+        st = self._visible_stats(c, self.stats(None if c.admin else c))
         self._reply(c.ident, rid, clients=st.get("clients", []), others=st.get("clients_other", 0))
 
     def _op_no_model(self, c, rid: int, msg: dict) -> None:

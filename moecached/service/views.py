@@ -37,7 +37,7 @@ class ServerViews:
                   leases_held=len(self.leases),
                   server={**{k.key: 0 for k in SERVER_COUNTERS}, **self.counters},
                   clients=[c.summary() for c in (self.clients.values() if only is None else [only])],
-                  departed_clients=list(self.departed) if only is None else len(self.departed),
+                  departed_clients=list(self.departed),
                   tracing=(self.recorder.path if self.recorder is not None else None))
         if self.extra_stats is not None:
             st.update(self.extra_stats())
