@@ -280,7 +280,8 @@ static int fail_arena(mc_arena_map *am, mc_error *err, int code, const char *msg
 }
 
 /* Build the arena description from the hello reply and map the arena (and the pin file). */
-static int arena_from_hello(const msgpack_object *rep, uint64_t session, mc_arena_map **out, mc_error *err) {
+static int arena_from_hello(const msgpack_object *rep, uint64_t session, int populate, mc_arena_map **out,
+                            mc_error *err) {
     char msg[256];
     const msgpack_object *d = mget(rep, "arena");
     int64_t ver = 0, n_experts = 0, top_k = 0, size = 0, v;
@@ -435,7 +436,9 @@ static int arena_from_hello(const msgpack_object *rep, uint64_t session, mc_aren
                  path, strerror(errno));
         return fail_arena(am, err, MC_ERR_SYSTEM, msg) + (arena_free(am), 0);
     }
-    void *base = mmap(NULL, am->size, PROT_READ, MAP_SHARED, fd, 0);
+    /* MAP_POPULATE: the page tables filled now, as llama.cpp maps a model file, so that a hit's
+     * first touch of a slot costs no page fault in the middle of a token */
+    void *base = mmap(NULL, am->size, PROT_READ, MAP_SHARED | (populate ? MAP_POPULATE : 0), fd, 0);
     close(fd);
     if (base == MAP_FAILED) {
         snprintf(msg, sizeof msg, "arena %s: mmap %zu bytes: %s", path, am->size, strerror(errno));
@@ -590,6 +593,8 @@ void mc_options_init(mc_options *opt) {
     if (w && *w) opt->warm_wait_ms = atoi(w);
     const char *q = getenv("MOECACHE_QUIET");
     opt->quiet = q && *q && strcmp(q, "0") != 0;
+    const char *p = getenv("MOECACHE_POPULATE");
+    opt->populate = !(p && strcmp(p, "0") == 0);
 }
 
 static int new_socket(mc_client *c, mc_error *err) {
@@ -1002,7 +1007,7 @@ static int hello_locked(mc_client *c, mc_error *err) {
         return seterr(err, MC_ERR_PROTOCOL, "hello reply without a session");
     }
     mc_arena_map *am = NULL;
-    r = arena_from_hello(rep, session, &am, err);
+    r = arena_from_hello(rep, session, c->opt.populate, &am, err);
     if (r != MC_OK) {
         msgpack_unpacked_destroy(&k.rep);
         return r;

@@ -111,6 +111,49 @@ static int verify_lease(mc_client *c, const mc_lease *l) {
     return bad;
 }
 
+/* Rss (KiB) of the mapping that starts at base, from /proc/self/smaps: the pages whose page
+ * table entries this process holds; -1 when no mapping starts there. */
+static long mapped_kib(const void *base) {
+    FILE *f = fopen("/proc/self/smaps", "r");
+    if (!f) return -1;
+    char line[512], head[32];
+    snprintf(head, sizeof head, "%lx-", (unsigned long)(uintptr_t)base);
+    long kib = -1;
+    int in = 0;
+    while (fgets(line, sizeof line, f)) {
+        if (strncmp(line, head, strlen(head)) == 0) in = 1;
+        else if (in && sscanf(line, "Rss: %ld kB", &kib) == 1) break;
+    }
+    fclose(f);
+    return in ? kib : -1;
+}
+
+/* The arena mapped with its page tables filled (populate, the default) or not. */
+static void test_populate(void) {
+    mc_client *c[2];
+    long kib[2];
+    uint64_t size = 0;
+    for (int i = 0; i < 2; i++) {
+        mc_options o;
+        mc_options_init(&o);
+        o.connect_timeout_ms = 30000;
+        CHECK(o.populate == 1, "populate is on by default");
+        o.populate = i == 0;
+        mc_error e;
+        c[i] = mc_connect(ENDPOINT, i ? "c-lazy" : "c-populated", &o, &e);
+        REQUIRE(c[i], "connect: %s", e.message);
+        const mc_arena *a = mc_arena_get(c[i], &e);
+        REQUIRE(a, "arena: %s", e.message);
+        size = a->size;
+        kib[i] = mapped_kib(a->base);
+    }
+    CHECK(kib[0] * 1024 >= (long)size * 9 / 10, "populated: %ld KiB of %llu mapped", kib[0], (unsigned long long)size);
+    CHECK(kib[1] >= 0 && kib[1] * 1024 < (long)size / 2, "not populated: %ld KiB of %llu mapped", kib[1],
+          (unsigned long long)size);
+    mc_close(c[0]);
+    mc_close(c[1]);
+}
+
 static void test_basic(mc_client *c) {
     mc_error e;
     const mc_arena *a = mc_arena_get(c, &e);
@@ -409,6 +452,7 @@ int main(void) {
     start_daemon("24", "1");
     mc_client *c = connect_client("c-test", 1, 1);
     test_basic(c);
+    test_populate();
     test_errors(c);
     test_threads(c);
     test_fast(c);
