@@ -31,6 +31,9 @@
 #                     the routed ids and the switches
 #            rung4_100w  rung4_100 over two rounds in one process (--rounds 2), the second
 #                     round's figures: every expert its tokens need is in the tier already
+#          then the H2D rate from pinned memory (PyTorch, the same run) and, per tier row, the
+#          ceiling its copies allow (resident time per token + MiB copied per decoded token / H2D)
+#          and the row's share of it; the device lookup's cost per MoE block (rung4_100w against gpu);
 #          then the logits of each pair: max |diff|, identical rows, greedy tokens identical
 #          (rung 1 against cpu_moe: 0 and all expected; rungs 2 and 3 against gpu: the same
 #          kernels over the same bytes), and one decode step of each daemon row with
@@ -168,8 +171,28 @@ def decode(name, dump, rnd, extra_env=None, n=steps):
     res["prompt_tokens"], res["decode_tokens"] = int(m.group(1)), int(m.group(3))
     return res, r
 
+def h2d_bandwidth(nbytes=256 << 20, reps=8):
+    """Bytes/s of a copy from pinned host memory to the GPU (the tier's fills come from the
+    arena registered with CUDA), median of reps; None without PyTorch's CUDA."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return None
+        src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst.copy_(src, non_blocking=True); torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter(); dst.copy_(src, non_blocking=True); torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t)
+        return nbytes / statistics.median(ts)
+    except Exception as ex:   # no torch, no device: the ceiling column says so
+        print(f"h2d bandwidth not measured: {ex}", flush=True)
+        return None
+
 results = {"model": os.path.basename(model), "blocks": blocks, "experts": N_EXPERTS, "top_k": 8, "steps": steps,
            "threads": THREADS, "rounds": rounds, "prompt_bytes": len(PROMPT), "rows": {}, "pairs": [], "sched": {}}
+results["h2d_bytes_per_s"] = h2d_bandwidth()
 runs = {r: [] for r in rows}
 p = start_daemon(model, sock, "--slots", str(blocks * N_EXPERTS)) if any(ROWS[r][3] for r in rows) else None
 try:
@@ -272,11 +295,28 @@ tier = [(n, r) for n, r in results["rows"].items() if "vram" in r]
 if tier:
     lines += ["", "| run | tier slots | VRAM MiB | decode hits / misses (hit rate) | MiB copied per decoded token | "
               "MiB copied per token, prompt included | evictions | blocks run on the arena |", "|---|---|---|---|---|---|---|---|"]
+    h2d = results.get("h2d_bytes_per_s")
+    # the ceiling a row's misses allow: the resident time per token plus its copies at the H2D rate
+    ceil = {}
+    if h2d and gpu:
+        for name, row in tier:
+            c = 1 / (1 / gpu + row["vram"]["copied_bytes_per_decoded_token"] / h2d)
+            ceil[name] = {"ceiling_tps": c, "of_ceiling": row["decode_tps"] / c}
+            row["ceiling"] = ceil[name]
     for name, row in tier:
         vr = row["vram"]
         lines.append(f"| {name} | {vr['slots']} | {vr['vram_bytes'] / 2**20:.0f} | {vr['decode_hits']} / {vr['decode_misses']} "
                      f"({vr['decode_hit_rate']:.3f}) | {vr['copied_bytes_per_decoded_token'] / 2**20:.2f} | "
                      f"{vr['copied_bytes_per_token'] / 2**20:.2f} | {vr['evictions']} | {vr['fallbacks']} |")
+    lines += ["", f"H2D from pinned memory: {h2d / 1e9:.1f} GB/s (the same run)" if h2d else "H2D: not measured (no PyTorch CUDA)"]
+    if ceil:
+        lines += ["", "| run | decode tok/s | ceiling its copies allow | of the ceiling |", "|---|---|---|---|"]
+        lines += [f"| {n} | {results['rows'][n]['decode_tps']:.1f} | {c['ceiling_tps']:.1f} | {c['of_ceiling']:.3f} |"
+                  for n, c in ceil.items()]
+    w = results["rows"].get("rung4_100w", {}).get("decode_tps")
+    if w and gpu:   # the device lookup's cost per MoE block when every expert is in the tier
+        results["hit_cost_us_per_block"] = (1 / w - 1 / gpu) * 1e6 / blocks
+        lines += ["", f"hit path per MoE block (rung4_100w against gpu): {results['hit_cost_us_per_block']:.1f} us"]
 look = [(n, r) for n, r in results["rows"].items() if "lookup" in r]
 if look:
     lines += ["", "| run | lookup | ubatches on the device | passes run again (decode) | reads of the routed ids | "
@@ -288,6 +328,7 @@ if look:
 if results["sched"]:
     lines += ["", "graph splits of a 1-step run (every graph): " + ", ".join(f"{k} {v['splits']}" for k, v in results["sched"].items()),
               "graph splits of the decode step's graph: " + ", ".join(f"{k} {v['decode_graph_splits']}" for k, v in results["sched"].items())]
+json.dump(results, open(f"{out}/rungs.json", "w"), indent=1)
 open(f"{out}/rungs.md", "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
