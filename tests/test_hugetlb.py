@@ -1,6 +1,7 @@
-"""The arena on hugetlbfs (2 MiB pages): bytes exact, shrink gives huge pages back, grow
-takes them again. Needs root to reserve huge pages and mount hugetlbfs; skipped otherwise.
-The machine's huge-page reservation is restored afterwards."""
+"""The arena on 2 MiB pages. On hugetlbfs: bytes exact, shrink gives huge pages back, grow
+takes them again (needs root to reserve huge pages and mount hugetlbfs; skipped otherwise; the
+machine's huge-page reservation is restored afterwards). On a tmpfs mounted with
+huge=within_size: backed and mapped with 2 MiB pages."""
 import os
 import subprocess
 
@@ -86,3 +87,69 @@ class _Lease:
 
     def __exit__(self, *exc):
         self.cache.release(self.lease)
+
+
+@pytest.fixture
+def huge_tmpfs(tmp_path):
+    """A tmpfs mounted with huge=within_size (2 MiB pages for what lies within the file's size)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    mnt = tmp_path / "hugetmpfs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "huge=within_size,size=512m", "tmpfs", str(mnt)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs with huge= here")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def _pmd_mapped_kib(path: str) -> int:
+    """ShmemPmdMapped (KiB) of this process's mapping of path: the part mapped with 2 MiB pages."""
+    with open("/proc/self/smaps") as f:
+        blocks = f.read().split("\n")
+    inside = False
+    for line in blocks:
+        if "-" in line.split(" ", 1)[0] and len(line.split()) >= 5:
+            inside = line.rstrip().endswith(path)
+        elif inside and line.startswith("ShmemPmdMapped:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping of {path}")
+
+
+def test_arena_on_a_huge_tmpfs(model_factory, huge_tmpfs):
+    """An arena on a tmpfs with huge=within_size is backed and mapped with 2 MiB pages (the
+    model file's page cache is, in large folios: with 4 KiB arena pages an engine's expert
+    reads missed the TLB where the page cache's did not), it says so in its descriptor, and
+    its bytes are the file's."""
+    idx = open_index(model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=8))
+    c = ExpertCache(idx, slots=32, arena_dir=huge_tmpfs, lock_memory=False, readers=4)
+    try:
+        a = c.arena
+        assert a.huge_pages == "within_size" and a.descriptor()["huge_pages"] == "within_size"
+        for k in a.classes:
+            a.populate(k.id, list(range(k.n_slots)))
+        for layer in idx.expert_layers:
+            lease = c.acquire(layer, [0, 3, 7], timeout=30)
+            for lyr, e, cid, slot in lease.items:
+                for part in a.classes[cid].parts:
+                    assert verify_expert_bytes(a.view(cid, slot, part), lyr, part, e, 0) is None
+            c.release(lease)
+        huge = _pmd_mapped_kib(a.path) * 1024
+        assert huge >= (a.size // (2 << 20) - 1) * (2 << 20), f"{huge} of {a.size} bytes on 2 MiB pages"
+    finally:
+        c.close()
+
+
+def test_arena_on_dev_shm_says_its_pages(model_factory, tmp_path):
+    """Where the arena's tmpfs has no huge pages the descriptor says "never"; off a tmpfs, None."""
+    from moecached.engine.arena import tmpfs_huge
+    if tmpfs_huge("/dev/shm") is None:
+        pytest.skip("/dev/shm is not a tmpfs here")
+    idx = open_index(model_factory("qwen3-30b-a3b-Q4_K_M", layers=2, experts=8))
+    c = ExpertCache(idx, slots=8, lock_memory=False, readers=2)
+    try:
+        assert c.arena.huge_pages == tmpfs_huge("/dev/shm") and c.arena.huge_pages is not None
+    finally:
+        c.close()
