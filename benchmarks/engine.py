@@ -2,6 +2,7 @@
 
     python benchmarks/engine.py [--model PATH | --arch qwen3moe --blocks N --quant q8_0] [--rounds 5]
                                 [--steps 64] [--threads 2] [--cached 1.0,0.75,0.5,0.25]
+                                [--variant NAME=DAEMON_ARGS ...]
 
 Needs the patched build (clients/llama.cpp/build.sh; --bin or MOECACHED_LLAMA_BIN or
 ~/.cache/moecached-llama/bin). Without --model it writes a runnable model with the expert
@@ -11,7 +12,8 @@ daemon per cached fraction (slots = fraction x all experts), started before the 
 round runs the resident model and then every fraction, interleaved, with the same prompt and
 greedy steps (mc-decode); the first round is a warm-up (not counted). Every
 run's logits are checked against the resident run's (bit-identical or the run is reported
-as wrong). Prints a table and writes JSON (--json).
+as wrong). ``--variant huge=--arena-dir=/mnt/huge`` adds, per fraction, a daemon started with
+those arguments as well, run in the same rounds. Prints a table and writes JSON (--json).
 """
 from __future__ import annotations
 
@@ -65,9 +67,20 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cached", default="1.0,0.75,0.5,0.25", help="cached fractions of all experts")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "engine.json"))
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=DAEMON_ARGS",
+                    help="per fraction, another daemon with these arguments (split on spaces) in the same rounds")
     a = ap.parse_args(argv)
     bin_dir = find_bin(a.bin)
-    fracs = [float(x) for x in a.cached.split(",")]
+    variants = [("", [])]
+    for v in a.variant:
+        name, sep, args = v.partition("=")
+        if not sep or not name:
+            ap.error(f"--variant {v!r}: expected NAME=DAEMON_ARGS")
+        variants.append((name, args.split()))
+    # a row: (fraction, variant name); the plain daemon's variant name is ""
+    fracs = [(float(x), name) for x in a.cached.split(",") for name, _ in variants]
+    vargs = dict(variants)
+    label = lambda k: f"{int(k[0] * 100)}% cached" + (f", {k[1]}" if k[1] else "")
     with tempfile.TemporaryDirectory(prefix="moecache-engine-") as td:
         td = Path(td)
         model = a.model
@@ -79,27 +92,28 @@ def main(argv=None):
         n_all = len(idx["expert_layers"]) * idx["n_experts"]
         daemons = {}
         try:
-            for f in fracs:
-                sock = str(td / f"d{f}.sock")
+            for i, (f, name) in enumerate(fracs):
+                sock = str(td / f"d{i}.sock")
                 slots = max(int(round(f * n_all)), idx["top_k"] * len(idx["size_classes"]) * 2)
-                daemons[f] = (start_daemon(model, sock, "--slots", str(slots)), f"ipc://{sock}", slots)
+                daemons[f, name] = (start_daemon(model, sock, "--slots", str(slots), *vargs[name]),
+                                    f"ipc://{sock}", slots)
             rows = {"resident": []} | {f: [] for f in fracs}
             wrong = []
             for rnd in range(a.rounds + 1):
                 ref = td / "ref.bin"
                 r0 = run(bin_dir, model, ref, a.steps, a.threads)
                 res = {"resident": r0}
-                for f in fracs:
-                    out = td / f"out{f}.bin"
+                for i, f in enumerate(fracs):
+                    out = td / f"out{i}.bin"
                     res[f] = run(bin_dir, model, out, a.steps, a.threads, daemons[f][1])
                     if not filecmp.cmp(ref, out, shallow=False):
-                        wrong.append((rnd, f))
+                        wrong.append((rnd, label(f)))
                 if rnd == 0:
                     continue   # warm-up: page cache, the 100 % daemon's arena filled
                 for k, v in res.items():
                     rows[k].append(v)
                 print(f"round {rnd}: resident {r0['decode_tps']:.1f} tok/s; " +
-                      ", ".join(f"{int(f*100)}% {res[f]['decode_tps']:.1f}" for f in fracs), file=sys.stderr)
+                      ", ".join(f"{label(f)} {res[f]['decode_tps']:.1f}" for f in fracs), file=sys.stderr)
         finally:
             for p, _, _ in daemons.values():
                 stop_daemon(p)
@@ -111,7 +125,7 @@ def main(argv=None):
         d = med([r["decode_tps"] for r in rows[k]])
         p = med([r["prompt_tps"] for r in rows[k]])
         ratios = [x["decode_tps"] / y["decode_tps"] for x, y in zip(rows[k], rows["resident"])]
-        table.append({"run": k if k == "resident" else f"{int(k * 100)}% cached",
+        table.append({"run": k if k == "resident" else label(k),
                       "slots": None if k == "resident" else daemons[k][2],
                       "decode_tps": d, "decode_ratio": d / base_d, "paired_ratio_median": med(ratios),
                       "prompt_tps": p, "prompt_ratio": p / base_p,
