@@ -204,21 +204,22 @@ def _run_phase(phase: str, endpoint: str, args, seed: int, pid: int | None = Non
     base = [sys.executable, me, "--endpoint", endpoint, "--seconds", str(args.seconds),
             "--k", str(args.k), "--seed", str(seed), "--hot", str(args.hot)]
     others = []
+    nice = (lambda: os.nice(args.flood_nice)) if args.flood_nice else None
     if phase == "storm":
         others.append(subprocess.Popen(base + ["--worker", "storm", "--rate", str(args.storm_rate)],
-                                       stdout=subprocess.PIPE, text=True))
+                                       stdout=subprocess.PIPE, text=True, preexec_fn=nice))
     elif phase == "noop":
         others.append(subprocess.Popen(base + ["--worker", "noop", "--rate", str(args.noop_rate)],
-                                       stdout=subprocess.PIPE, text=True))
+                                       stdout=subprocess.PIPE, text=True, preexec_fn=nice))
     elif phase == "wide":
         others.append(subprocess.Popen(base + ["--worker", "wide", "--rate", str(args.wide_rate)],
-                                       stdout=subprocess.PIPE, text=True))
+                                       stdout=subprocess.PIPE, text=True, preexec_fn=nice))
     elif phase in ("stats", "ping"):
         rate = args.stats_rate if phase == "stats" else args.ping_rate
         for i in range(args.flood_clients):
             others.append(subprocess.Popen(base[:-4] + ["--seed", str(seed * 100 + i), "--hot", str(args.hot),
                                                         "--worker", phase, "--rate", str(rate)],
-                                           stdout=subprocess.PIPE, text=True))
+                                           stdout=subprocess.PIPE, text=True, preexec_fn=nice))
     if others:
         time.sleep(0.3)  # the other client is up and sending
     cpu0 = _cpu_s(pid) if pid else 0.0
@@ -374,6 +375,10 @@ def main(argv=None) -> int:
     ap.add_argument("--pin-demand", type=int, default=None, metavar="CPU",
                     help="run the demand client alone on CPU's core, the daemon and the other "
                          "clients on the other CPUs (a steadier p50 on a many-core machine)")
+    ap.add_argument("--flood-nice", type=int, default=0, metavar="N",
+                    help="run the flood clients at nice N: on a machine with fewer cores than the "
+                         "daemon, the demand client and the flood's processes, the flood's own CPU "
+                         "use then does not starve the daemon (what is left is the daemon's doing)")
     ap.add_argument("--json", default=os.path.join(HERE, "results", "fairness.json"))
     # worker mode (internal)
     ap.add_argument("--worker", choices=["demand", "demand-socket", "storm", "noop", "wide", "stats", "ping"])
