@@ -46,6 +46,11 @@
 # test:    the build, then tests/test_llama_gpu.py on it (zerocopy and the VRAM tier against the
 #          all-on-the-GPU logits, a daemon restart under both; the GPU machine has pytest; the
 #          trained model of benchmarks/models travels with the tree): its output in OUT_DIR/test.txt
+# BACKEND=vulkan (environment): the same phases on the Vulkan backend (the kit's headers, loader
+#          and glslc from .dev/vulkan: clients/llama.cpp/vulkan-kit.sh .dev/vulkan on the 2-core
+#          machine, carried with .dev; the machine's own ICD, nvidia*.json where it has one, else
+#          VK_ICD_FILENAMES): the rows without zero-copy (the tier's misses are copied from the
+#          arena); the test phase is CUDA's only
 # all:     build and measure (one call, when the machine is warm enough). Each phase is idempotent: a warm
 #          machine keeps the build (/tmp/llama), the model and the llama-bench results
 #          (/tmp/gpu-hybrid) between calls, and both phases copy what exists into OUT_DIR:
@@ -71,20 +76,40 @@ if [ ! -f "$M" ]; then
     SYNTH=$!
 fi
 # GGML_CUDA_FA=OFF on the first configure only (the kit's cmake line has no room for it): CMake
-# reads a toolchain file named in the environment when it creates a build tree
-printf 'set(GGML_CUDA_FA OFF CACHE BOOL "gpu_hybrid.sh: no FlashAttention kernels (build time)")\n' > "$KEEP/fa_off.cmake"
-export CMAKE_TOOLCHAIN_FILE=$KEEP/fa_off.cmake
+# reads a toolchain file named in the environment when it creates a build tree. BACKEND=vulkan:
+# the kit's CPU build tree made a Vulkan one the same way, with the headers, loader and glslc of
+# .dev/vulkan (clients/llama.cpp/vulkan-kit.sh .dev/vulkan, on the 2-core machine)
+export BACKEND=${BACKEND:-cuda}
+if [ "$BACKEND" = vulkan ]; then
+    [ -f .dev/vulkan/vulkan.cmake ] || { echo "gpu_hybrid.sh: no .dev/vulkan (run clients/llama.cpp/vulkan-kit.sh .dev/vulkan first)"; exit 1; }
+    printf 'include("%s/.dev/vulkan/vulkan.cmake")\nset(GGML_VULKAN ON CACHE BOOL "gpu_hybrid.sh")\n' "$PWD" > "$KEEP/toolchain.cmake"
+    . .dev/vulkan/env.sh
+    if [ -z "${VK_ICD_FILENAMES:-}" ]; then   # the GPU's driver: its ICD file, where the machine has one
+        icd=$(ls /usr/share/vulkan/icd.d/nvidia*.json /etc/vulkan/icd.d/nvidia*.json /usr/share/glvnd/egl_vendor.d/../../vulkan/icd.d/nvidia*.json 2>/dev/null | head -1)
+        [ -n "$icd" ] && export VK_ICD_FILENAMES=$icd
+    fi
+    say "Vulkan ICD: ${VK_ICD_FILENAMES:-none found, the loader defaults}"
+    kit=cpu
+else
+    printf 'set(GGML_CUDA_FA OFF CACHE BOOL "gpu_hybrid.sh: no FlashAttention kernels (build time)")\n' > "$KEEP/toolchain.cmake"
+    kit=cuda
+fi
+export CMAKE_TOOLCHAIN_FILE=$KEEP/toolchain.cmake
 set +u   # (the kit is sourced: its variables stay in this shell)
 # shellcheck disable=SC1090
-. "$SETUP" cuda > "$OUT/setup.log" 2>&1 || { tail -30 "$OUT/setup.log"; exit 1; }
+. "$SETUP" $kit > "$OUT/setup.log" 2>&1 || { tail -30 "$OUT/setup.log"; exit 1; }
 set -u
 unset CMAKE_TOOLCHAIN_FILE
-BIN=/tmp/llama/build-cuda/bin
-say "built: $(tail -1 "$OUT/setup.log") ($(grep -o 'GGML_CUDA_FA:BOOL=[A-Z]*' /tmp/llama/build-cuda/CMakeCache.txt))"
+BIN=/tmp/llama/build-$kit/bin
+say "built: $(tail -1 "$OUT/setup.log") ($(grep -o 'GGML_CUDA_FA:BOOL=[A-Z]*\|GGML_VULKAN:BOOL=[A-Z]*' /tmp/llama/build-$kit/CMakeCache.txt))"
 [ -n "${SYNTH:-}" ] && { wait "$SYNTH" || { tail -5 "$KEEP/synth.log"; exit 1; }; }
 say "model $M: $(du -h "$M" | cut -f1)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$OUT/log.txt" 2>&1
 
+if [ "$PHASE" = test ] && [ "$BACKEND" = vulkan ]; then
+    say "the test phase runs tests/test_llama_gpu.py, which is CUDA's (zero-copy); BACKEND=vulkan has none"
+    exit 2
+fi
 if [ "$PHASE" = test ]; then
     MOECACHED_LLAMA_CUDA_BIN=$BIN TMPDIR=/tmp python3 -m pytest -q -p no:cacheprovider -rs tests/test_llama_gpu.py \
         > "$OUT/test.txt" 2>&1
@@ -136,6 +161,11 @@ for pct in (10, 25, 50, 100):
 ROWS["rung4_100w"] = ("rung4_100, the second of two rounds in one process: the tier already holds every expert (rung 4)",
                       ["--cpu-moe", "--moecached-gpu", "zerocopy", "--moecached-vram", "100%", "--moecached-vram-lookup",
                        "auto", "--rounds", "2"], {}, True)
+if os.environ.get("BACKEND") == "vulkan":   # no zero-copy there: the tier's misses are copied from the arena
+    for k, (w, a, e, srv) in list(ROWS.items()):
+        if "zerocopy" in a:
+            i = a.index("--moecached-gpu")
+            ROWS[k] = (w.replace("rung 2 + ", "--cpu-moe + "), a[:i] + a[i + 2:], e, srv)
 PAIRS = [("cpu_moe", "rung1"), ("gpu", "rung2"), ("gpu", "cpu_moe"), ("rung1", "rung2"),
          ("gpu", "rung3_10"), ("gpu", "rung3_25"), ("gpu", "rung3_50"), ("gpu", "rung3_100"),
          ("gpu", "rung4_10"), ("gpu", "rung4_25"), ("gpu", "rung4_50"), ("gpu", "rung4_100"), ("gpu", "rung4_100w")]
