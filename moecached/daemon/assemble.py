@@ -101,10 +101,10 @@ def make_cache(cfg, idx, progress=None, fitted=None, read_queue=None):
         if arena.keep_error:
             log.warning("%s; a client that unlinks the arena cannot be repaired", arena.keep_error)
         if arena.huge_pages in ("never", "deny"):
-            log.info("arena %s: 4 KiB pages (%s is a tmpfs with huge=%s); engines read experts faster "
-                     "with 2 MiB pages: set arena_dir to a tmpfs mounted with huge=within_size "
-                     "(docs/operations.md, \"Huge pages for the arena\")", arena.path, cfg.arena_dir,
-                     arena.huge_pages)
+            log.info("arena %s: 4 KiB pages (%s is a tmpfs with huge=%s); for 2 MiB pages, as a model "
+                     "file's page cache has, set arena_dir to a tmpfs mounted with huge=within_size "
+                     "(docs/operations.md, Limits: \"Huge pages for the arena without a reservation\")",
+                     arena.path, cfg.arena_dir, arena.huge_pages)
     except BaseException:
         cache.close()
         raise
