@@ -144,7 +144,7 @@ def test_arena_on_a_huge_tmpfs(model_factory, huge_tmpfs):
 
 def test_arena_on_dev_shm_says_its_pages(model_factory, tmp_path):
     """Where the arena's tmpfs has no huge pages the descriptor says "never"; off a tmpfs, None."""
-    from moecached.engine.arena import tmpfs_huge
+    from moecached.engine.hostmem import tmpfs_huge
     if tmpfs_huge("/dev/shm") is None:
         pytest.skip("/dev/shm is not a tmpfs here")
     idx = open_index(model_factory("qwen3-30b-a3b-Q4_K_M", layers=2, experts=8))

@@ -59,7 +59,7 @@ def _mem_available() -> int | None:
 def _memlock_ok(nbytes: int) -> bool:
     """True when the daemon may lock ``nbytes``: RLIMIT_MEMLOCK allows it, or the process
     holds CAP_IPC_LOCK (root usually does), which makes the kernel ignore the limit."""
-    from moecached.engine.arena import memlock_room  # the same rule the arena applies when it locks
+    from moecached.engine.hostmem import memlock_room  # the same rule the arena applies when it locks
     room = memlock_room()
     return room is None or room >= nbytes + (64 << 20)
 
