@@ -250,8 +250,9 @@ class Arena:
         self.page_size = int(os.statvfs(dir).f_bsize) if hugetlb else mmap.PAGESIZE
         self.hugetlb = bool(hugetlb)
         #: what backs the arena's pages: "hugetlb", the tmpfs's huge= option (2 MiB pages where it
-        #: is always / within_size / advise: an engine's expert reads then miss the TLB 512x less
-        #: often, as with a model file's page cache in large folios), or None (not a tmpfs)
+        #: is always / within_size: an engine's expert reads then miss the TLB 512x less often, as
+        #: with a model file's page cache in large folios; not advise: fallocate allocates the
+        #: pages, and no advice reaches it), or None (not a tmpfs)
         self.huge_pages = "hugetlb" if hugetlb else tmpfs_huge(dir)
         self.n_experts = int(index.n_experts)
         counts = plan_slots(index, budget_bytes=budget_bytes, slots=slots, page_size=self.page_size)
@@ -330,11 +331,6 @@ class Arena:
                                  f"use a tmpfs/hugetlbfs dir that supports fallocate") from None
             self._mm = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED,
                                  mmap.PROT_READ | mmap.PROT_WRITE)
-            if not hugetlb and hasattr(mmap, "MADV_HUGEPAGE"):
-                try:   # a huge=advise tmpfs backs what is advised; elsewhere a no-op
-                    self._mm.madvise(mmap.MADV_HUGEPAGE)
-                except OSError:
-                    pass
             anchor = ctypes.c_char.from_buffer(self._mm)
             self.base_address = ctypes.addressof(anchor)
             del anchor
