@@ -508,6 +508,13 @@ class ExpertCache:
                 self._kick(submits, promotes, done)
         self._after(submits, promotes, done)
 
+    @property
+    def pins_awaited(self) -> bool:
+        """True while an eviction waits on a slot that a fast-path pin holds (the server then
+        sweeps the pins every few milliseconds, since the release sends no message). Read
+        without the lock: a set's truth value, at worst one sweep late."""
+        return bool(self._shmpins.held)
+
     def check_resident_map(self) -> int:
         """Check the resident map clients pin through against the cache's own state and repair
         what another process changed (the server calls it every tick); returns the entries

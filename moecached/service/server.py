@@ -277,8 +277,13 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
     # ---- the loop ---------------------------------------------------------------------
     #: longest the loop sleeps in recv when no deadline is nearer (timers are checked then)
     IDLE_WAKE_MS = 100
-    #: while pin files are open, their rings are drained (and released pins noticed) this often
+    #: while something waits on a slot a fast-path pin holds, pins are swept this often (a
+    #: release through shared memory sends no message: the sweep is how the loop sees it)
     PIN_DRAIN_MS = 3
+    #: while pin files are open and nothing waits on one, their rings are drained this often
+    #: (each wake costs the cores an engine computes on; a ring holds 16,384 hits, and every
+    #: request drains them first, so the order of hits and requests is kept)
+    PIN_SWEEP_MS = 20
 
     def serve_forever(self, ready=None) -> None:
         """Run the event loop until ``stop()``; then ``close()``.
@@ -302,7 +307,7 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
         next_tick = now
         next_hb = now + self.heartbeat_s / 4
         next_timer = min(next_tick, next_hb)
-        next_sweep = now
+        next_sweep = last_sweep = now
         recv, more, pc = sock.recv, zmq.RCVMORE, time.perf_counter
         getmore = sock.getsockopt
         clients = self.clients
@@ -384,8 +389,10 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
                         self._expire_clients(now)
                         next_hb = now + max(0.05, self.heartbeat_s / 4)
                     cache = self.cache   # None: a Router (no model)
-                    if cache is not None and cache.pin_files and now >= next_sweep:
-                        next_sweep = now + self.PIN_DRAIN_MS / 1000
+                    if cache is not None and cache.pin_files and (
+                            now >= next_sweep or
+                            (cache.pins_awaited and now >= last_sweep + self.PIN_DRAIN_MS / 1000)):
+                        last_sweep = now
                         try:
                             self.cache.sweep_pins()
                             if self.recorder is not None:
@@ -406,16 +413,21 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
                                 log.error("periodic task failed: %s", e)
                             fast = self._fast   # the periodic task may have reloaded the model
                     next_timer = min(next_tick, next_hb, self._next_share)
+                    sweep_ms = self.PIN_SWEEP_MS
                     if cache is not None and cache.pin_files:
                         # releases through shared memory send no message: under a steady stream
-                        # of requests the sweep must still come every PIN_DRAIN_MS
+                        # of requests the sweep must still come, every PIN_DRAIN_MS while an
+                        # acquire may wait on a slot a pin holds
+                        if cache.pins_awaited:
+                            sweep_ms = self.PIN_DRAIN_MS
+                        next_sweep = last_sweep + sweep_ms / 1000
                         next_timer = min(next_timer, next_sweep)
                     want = idle_ms
                     if dl:
                         want = max(0, min(idle_ms, int((dl[0][0] - now) * 1000) + 1))
                     cache = self.cache
                     if cache is not None and cache.pin_files:
-                        want = min(want, self.PIN_DRAIN_MS)
+                        want = min(want, max(1, int((next_sweep - now) * 1000) + 1))
                     if self._held:
                         want = min(want, self.PIN_DRAIN_MS)   # held requests: look again soon
                     if want != cur_ms:
