@@ -48,9 +48,10 @@
 #          trained model of benchmarks/models travels with the tree): its output in OUT_DIR/test.txt
 # BACKEND=vulkan (environment): the same phases on the Vulkan backend (the kit's headers, loader
 #          and glslc from .dev/vulkan: clients/llama.cpp/vulkan-kit.sh .dev/vulkan on the 2-core
-#          machine, carried with .dev; the machine's own ICD, nvidia*.json where it has one, else
-#          VK_ICD_FILENAMES): the rows without zero-copy (the tier's misses are copied from the
-#          arena); the test phase is CUDA's only
+#          machine, carried with .dev; the machine's own ICD, nvidia*.json where it has one, made
+#          to name libEGL_nvidia.so.0 for a machine without a display, else VK_ICD_FILENAMES):
+#          the rows without zero-copy (the tier's misses are copied from the arena); the test
+#          phase is CUDA's only; a build tree made without the kit's glslc is to be removed first
 # all:     build and measure (one call, when the machine is warm enough). Each phase is idempotent: a warm
 #          machine keeps the build (/tmp/llama), the model and the llama-bench results
 #          (/tmp/gpu-hybrid) between calls, and both phases copy what exists into OUT_DIR:
@@ -80,6 +81,7 @@ fi
 # the kit's CPU build tree made a Vulkan one the same way, with the headers, loader and glslc of
 # .dev/vulkan (clients/llama.cpp/vulkan-kit.sh .dev/vulkan, on the 2-core machine)
 export BACKEND=${BACKEND:-cuda}
+mkdir -p "$KEEP/$BACKEND"   # llama-bench's results, per backend
 if [ "$BACKEND" = vulkan ]; then
     [ -f .dev/vulkan/vulkan.cmake ] || { echo "gpu_hybrid.sh: no .dev/vulkan (run clients/llama.cpp/vulkan-kit.sh .dev/vulkan first)"; exit 1; }
     printf 'include("%s/.dev/vulkan/vulkan.cmake")\nset(GGML_VULKAN ON CACHE BOOL "gpu_hybrid.sh")\n' "$PWD" > "$KEEP/toolchain.cmake"
@@ -87,6 +89,13 @@ if [ "$BACKEND" = vulkan ]; then
     if [ -z "${VK_ICD_FILENAMES:-}" ]; then   # the GPU's driver: its ICD file, where the machine has one
         icd=$(ls /usr/share/vulkan/icd.d/nvidia*.json /etc/vulkan/icd.d/nvidia*.json /usr/share/glvnd/egl_vendor.d/../../vulkan/icd.d/nvidia*.json 2>/dev/null | head -1)
         [ -n "$icd" ] && export VK_ICD_FILENAMES=$icd
+        # NVIDIA's ICD file names libGLX_nvidia.so.0, which finds no device without a display
+        # ("Could not get 'vkCreateInstance' via 'vk_icdGetInstanceProcAddr'" on the headless
+        # H200); the same driver's EGL library does: an ICD file naming it, the same API version
+        if [ -n "$icd" ] && grep -q libGLX_nvidia "$icd" && ldconfig -p | grep -q 'libEGL_nvidia.so.0 '; then
+            sed 's/libGLX_nvidia\.so\.0/libEGL_nvidia.so.0/' "$icd" > "$KEEP/nvidia_egl_icd.json"
+            export VK_ICD_FILENAMES=$KEEP/nvidia_egl_icd.json
+        fi
     fi
     say "Vulkan ICD: ${VK_ICD_FILENAMES:-none found, the loader defaults}"
     kit=cpu
@@ -100,6 +109,8 @@ set +u   # (the kit is sourced: its variables stay in this shell)
 . "$SETUP" $kit > "$OUT/setup.log" 2>&1 || { tail -30 "$OUT/setup.log"; exit 1; }
 set -u
 unset CMAKE_TOOLCHAIN_FILE
+# shellcheck disable=SC1091
+[ "$BACKEND" = vulkan ] && . .dev/vulkan/env.sh   # the kit's loader again (the kit's setup.sh sets LD_LIBRARY_PATH)
 BIN=/tmp/llama/build-$kit/bin
 say "built: $(tail -1 "$OUT/setup.log") ($(grep -o 'GGML_CUDA_FA:BOOL=[A-Z]*\|GGML_VULKAN:BOOL=[A-Z]*' /tmp/llama/build-$kit/CMakeCache.txt))"
 [ -n "${SYNTH:-}" ] && { wait "$SYNTH" || { tail -5 "$KEEP/synth.log"; exit 1; }; }
@@ -120,16 +131,16 @@ fi
 
 # llama-bench rows, in whichever call has the time (the build phase stops at 8 minutes)
 if [ "$PHASE" != build ] || [ $(( $(date +%s) - t0 )) -lt 480 ]; then
-    [ -s "$KEEP/bench_gpu.json" ] || "$BIN/llama-bench" -m "$M" -ngl 99 -p 0 -n "$STEPS" -t 8 -r 3 -o json \
-        > "$KEEP/bench_gpu.json" 2>> "$OUT/log.txt"
+    [ -s "$KEEP/$BACKEND/bench_gpu.json" ] || "$BIN/llama-bench" -m "$M" -ngl 99 -p 0 -n "$STEPS" -t 8 -r 3 -o json \
+        > "$KEEP/$BACKEND/bench_gpu.json" 2>> "$OUT/log.txt"
     say "llama-bench all on the GPU done"
 fi
 if [ "$PHASE" != build ] || [ $(( $(date +%s) - t0 )) -lt 500 ]; then
-    [ -s "$KEEP/bench_exps_cpu.json" ] || "$BIN/llama-bench" -m "$M" -ngl 99 -ot exps=CPU --repack 1,0 -p 0 \
-        -n "$STEPS" -t 8 -r 3 -o json > "$KEEP/bench_exps_cpu.json" 2>> "$OUT/log.txt"
+    [ -s "$KEEP/$BACKEND/bench_exps_cpu.json" ] || "$BIN/llama-bench" -m "$M" -ngl 99 -ot exps=CPU --repack 1,0 -p 0 \
+        -n "$STEPS" -t 8 -r 3 -o json > "$KEEP/$BACKEND/bench_exps_cpu.json" 2>> "$OUT/log.txt"
     say "llama-bench -ot exps=CPU done"
 fi
-cp "$KEEP"/bench_*.json "$OUT/" 2>/dev/null
+cp "$KEEP/$BACKEND"/bench_*.json "$OUT/" 2>/dev/null
 
 if [ "$PHASE" != build ]; then
     PYTHONUNBUFFERED=1 python3 - "$BIN" "$M" "$OUT" "$BLOCKS" "$STEPS" "${ROUNDS:-4}" "${RUNGS:-gpu,cpu_moe,rung1,rung2}" \

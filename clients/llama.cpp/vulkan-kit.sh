@@ -7,7 +7,8 @@
 # DIR/include  the Vulkan headers of Debian 13's libvulkan-dev (this llama.cpp needs 1.3.268 or
 #              later: VK_EXT_layer_settings; Debian 12's are 1.3.239) and its SPIR-V headers
 #              (ggml-vulkan finds them as the CMake package SPIRV-Headers: DIR/share/cmake)
-# DIR/bin      glslc of Debian 12 (the shader compiler; it lacks the cooperative-matrix and
+# DIR/bin      glslc of Debian 12 (the shader compiler, DIR/libexec, behind a wrapper that finds its
+#              libshaderc in DIR/lib; it lacks the cooperative-matrix and
 #              integer-dot extensions, so ggml leaves those shaders out)
 # DIR/lib      libshaderc (glslc's), and the Vulkan loader of Debian 12 (libvulkan.so.1 and the
 #              libvulkan.so link the build links against; glibc 2.36, so it runs on newer systems)
@@ -41,7 +42,20 @@ done
 R=$DIR/root
 mkdir -p "$DIR/include" "$DIR/bin" "$DIR/lib"
 cp -r "$R/usr/include/." "$DIR/include/"
-cp "$R/usr/bin/glslc" "$DIR/bin/"
+# what ggml-vulkan does not include stays out (the kit travels with .dev/, 64 MiB in all):
+# vulkan.hpp's optional headers, SPIR-V's grammars and other languages' bindings
+( cd "$DIR/include" && rm -f vulkan/vulkan_static_assertions.hpp vulkan/vulkan_hash.hpp vulkan/vulkan_raii.hpp \
+      vulkan/vulkan_video.hpp vulkan/vulkan_format_traits.hpp vulkan/vulkan_extension_inspection.hpp \
+      vulkan/vulkan_shared.hpp spirv/unified1/*.py spirv/unified1/*.cs spirv/unified1/*.bf spirv/unified1/*.json \
+      spirv/unified1/*.hpp11 spirv/unified1/*.lua spirv/unified1/*.jl spirv/unified1/*.d spirv/unified1/*.cppm )
+# glslc behind a wrapper that finds its libshaderc in the kit whatever LD_LIBRARY_PATH the build has
+mkdir -p "$DIR/libexec" && cp "$R/usr/bin/glslc" "$DIR/libexec/"
+cat > "$DIR/bin/glslc" <<'EOF'
+#!/bin/sh
+d=$(cd "$(dirname "$0")/.." && pwd)
+LD_LIBRARY_PATH="$d/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$d/libexec/glslc" "$@"
+EOF
+chmod +x "$DIR/bin/glslc"
 mkdir -p "$DIR/share" && cp -r "$R/usr/share/cmake" "$DIR/share/"
 cp -a "$R"/usr/lib/x86_64-linux-gnu/libshaderc*.so* "$DIR/lib/"
 cp -a "$R"/usr/lib/x86_64-linux-gnu/libvulkan.so.1* "$DIR/lib/"
@@ -60,7 +74,7 @@ cat > "$DIR/env.sh" <<'EOF'
 _kit=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 export PATH="$_kit/bin:$PATH" LD_LIBRARY_PATH="$_kit/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 EOF
-"$DIR/bin/glslc" --version >/dev/null 2>&1 || LD_LIBRARY_PATH=$DIR/lib "$DIR/bin/glslc" --version >/dev/null \
+env -u LD_LIBRARY_PATH "$DIR/bin/glslc" --version >/dev/null \
     || { echo "vulkan-kit.sh: the unpacked glslc does not run here" >&2; exit 1; }
 grep -q VK_EXT_layer_settings "$DIR/include/vulkan/vulkan_core.h" \
     || { echo "vulkan-kit.sh: the headers lack VK_EXT_layer_settings" >&2; exit 1; }
