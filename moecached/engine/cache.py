@@ -483,9 +483,8 @@ class ExpertCache:
                 self._shmpins.drain()
 
     def take_fast_log(self) -> list:
-        """The shared-memory hits applied since the last call, as ``(pin file, t, layer,
-        expert)`` in the order applied (entries of one pin call share ``t``), while
-        ``fast_log`` is a list (the server sets it while a trace is recorded); [] otherwise."""
+        """Shared-memory hits applied since the last call, ``(pin file, t, layer, expert)`` in
+        order (one pin call shares ``t``), while a trace is recorded; [] otherwise."""
         with self._lock:
             return self._shmpins.take_fast_log()
 
@@ -496,9 +495,8 @@ class ExpertCache:
             return 0 if self._closed else self._layout.shm.pinned_now()
 
     def sweep_pins(self) -> None:
-        """Drain the rings, forget fast-path pins that were released, and let waiting acquires
-        use the slots they held (the server calls it every few milliseconds while pin files
-        are open: a release through shared memory sends no message)."""
+        """Drain the rings, forget released fast-path pins, let waiting acquires use their slots
+        (the server calls it while pin files are open: such a release sends no message)."""
         submits, promotes, done = [], [], []
         with self._lock:
             if self._closed:
@@ -510,15 +508,12 @@ class ExpertCache:
 
     @property
     def pins_awaited(self) -> bool:
-        """True while an eviction waits on a slot that a fast-path pin holds (the server then
-        sweeps the pins every few milliseconds, since the release sends no message). Read
-        without the lock: a set's truth value, at worst one sweep late."""
+        """True while an eviction waits on a slot a fast-path pin holds (read without the lock)."""
         return bool(self._shmpins.held)
 
     def check_resident_map(self) -> int:
-        """Check the resident map clients pin through against the cache's own state and repair
-        what another process changed (the server calls it every tick); returns the entries
-        repaired now (all of them are counted in ``map_repairs``)."""
+        """Check the resident map against the cache's own state, repair what another process
+        changed (every tick); returns the entries repaired now (counted in ``map_repairs``)."""
         with self._lock:
             return 0 if self._closed else self._layout.check_map()
 
@@ -539,10 +534,9 @@ class ExpertCache:
         return self._shmpins.default_quota(self.index, self.arena)
 
     def open_pin_file(self, name: str, epoch: int, quota: int, uid: int | None = None):
-        """Create the pin file ``name`` beside the arena for one fast-path client (mode 0600,
-        owned by ``uid`` when given, an exclusive ``flock`` held while it lives, so stale
-        cleanup leaves it alone) and honour its pins from now on. OSError when it cannot be
-        made (nothing is left behind). Returns its ``moecached.engine._shm.PinFile``."""
+        """Create the pin file ``name`` beside the arena for one fast-path client (0600, owned by
+        ``uid`` when given, ``flock``ed while it lives) and honour its pins; its ``PinFile``.
+        OSError when it cannot be made (nothing is left behind)."""
         path = os.path.join(os.path.dirname(self.arena.path), name)
         f = self._shmpins.create_file(path, epoch, quota, uid)
         with self._lock:
