@@ -10,11 +10,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
 from daemon_util import start_daemon, stop_daemon, wait_for
 from moecache_client import Client
+from moecached.service.server import Server
 from moecached.tools.synth import verify_expert_bytes
 from shm_shim import FastClient
 
@@ -373,14 +376,12 @@ def test_an_idle_fast_path_client_does_not_keep_the_loop_awake(daemon_procs):
     """With a pin file open and nothing waiting on a pinned slot, the loop drains the rings
     every PIN_SWEEP_MS, not every PIN_DRAIN_MS: each wake costs an engine sharing the cores
     its CPU time (every 3 ms took 8 % of a decode on a 2-core machine)."""
-    from moecached.service.server import Server
     ep, proc = daemon_procs("--slots", "64")
     fc = FastClient(ep)
     L = fc.layers
     items = pin_resident(fc, L[0], [1, 2])
     fc.unpin(items)
     w0 = _loop_wakes(proc.pid)
-    import time
     time.sleep(1.0)
     wakes = _loop_wakes(proc.pid) - w0
     print(f"loop wakes in 1 s with an idle fast-path client: {wakes}")
@@ -392,8 +393,6 @@ def test_an_idle_fast_path_client_does_not_keep_the_loop_awake(daemon_procs):
 def test_a_release_through_shared_memory_frees_a_waiting_acquire_soon(daemon):
     """While an acquire waits for a slot that a fast-path pin holds, the loop sweeps every
     PIN_DRAIN_MS: the release (which sends no message) frees the acquire within milliseconds."""
-    import threading
-    import time
     ep = daemon("--slots", "4")
     fc = FastClient(ep)
     L = fc.layers

@@ -307,7 +307,7 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
         next_tick = now
         next_hb = now + self.heartbeat_s / 4
         next_timer = min(next_tick, next_hb)
-        next_sweep = last_sweep = now
+        last_sweep = now
         recv, more, pc = sock.recv, zmq.RCVMORE, time.perf_counter
         getmore = sock.getsockopt
         clients = self.clients
@@ -389,9 +389,7 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
                         self._expire_clients(now)
                         next_hb = now + max(0.05, self.heartbeat_s / 4)
                     cache = self.cache   # None: a Router (no model)
-                    if cache is not None and cache.pin_files and (
-                            now >= next_sweep or
-                            (cache.pins_awaited and now >= last_sweep + self.PIN_DRAIN_MS / 1000)):
+                    if cache is not None and cache.pin_files and now - last_sweep >= self._pin_sweep_s(cache):
                         last_sweep = now
                         try:
                             self.cache.sweep_pins()
@@ -413,21 +411,17 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
                                 log.error("periodic task failed: %s", e)
                             fast = self._fast   # the periodic task may have reloaded the model
                     next_timer = min(next_tick, next_hb, self._next_share)
-                    sweep_ms = self.PIN_SWEEP_MS
                     if cache is not None and cache.pin_files:
                         # releases through shared memory send no message: under a steady stream
-                        # of requests the sweep must still come, every PIN_DRAIN_MS while an
-                        # acquire may wait on a slot a pin holds
-                        if cache.pins_awaited:
-                            sweep_ms = self.PIN_DRAIN_MS
-                        next_sweep = last_sweep + sweep_ms / 1000
-                        next_timer = min(next_timer, next_sweep)
+                        # of requests the sweep must still come
+                        next_timer = min(next_timer, last_sweep + self._pin_sweep_s(cache))
                     want = idle_ms
                     if dl:
                         want = max(0, min(idle_ms, int((dl[0][0] - now) * 1000) + 1))
                     cache = self.cache
                     if cache is not None and cache.pin_files:
-                        want = min(want, max(1, int((next_sweep - now) * 1000) + 1))
+                        due = last_sweep + self._pin_sweep_s(cache) - now
+                        want = min(want, max(1, int(due * 1000) + 1))
                     if self._held:
                         want = min(want, self.PIN_DRAIN_MS)   # held requests: look again soon
                     if want != cur_ms:
@@ -435,6 +429,11 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
                         cur_ms = want
         finally:
             self.close()
+
+    def _pin_sweep_s(self, cache) -> float:
+        """Seconds between sweeps of the pin files: PIN_DRAIN_MS while an eviction waits on a
+        slot a fast-path pin holds, PIN_SWEEP_MS otherwise."""
+        return (self.PIN_DRAIN_MS if cache.pins_awaited else self.PIN_SWEEP_MS) / 1000
 
     def _fast_handler(self):
         """``frames -> bool``: the Cython hot path (``moecached.service._serve.FastPath``) on this
