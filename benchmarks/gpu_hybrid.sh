@@ -26,11 +26,14 @@
 #            rung4_P  (P = 10, 25, 50, 100) the same tier looked up on the device
 #                     (--moecached-vram-lookup auto, the default: a table per block in VRAM, no
 #                     host op in a decoded token's graph; a token that met a missing expert is
-#                     computed again after the host copied it in; the host lookup for a while
-#                     when that happens often); per row also the passes run again, the reads of
-#                     the routed ids and the switches
+#                     computed again after the host copied it in; auto starts on the host lookup
+#                     and goes to the device once decoded tokens stop copying); per row also the
+#                     passes run again, the reads of the routed ids and the switches
 #            rung4_100w  rung4_100 over two rounds in one process (--rounds 2), the second
 #                     round's figures: every expert its tokens need is in the tier already
+#            rung4_100x2 two engines at once (two processes), each rung4_100w with its own
+#                     tier, on one daemon: each one's decode, both logits against gpu, and a
+#                     fresh daemon's reads for the pair (each expert read once for both)
 #          then the H2D rate from pinned memory (PyTorch, the same run) and, per tier row, the
 #          ceiling its copies allow (resident time per token + MiB copied per decoded token / H2D)
 #          and the row's share of it; the device lookup's cost per MoE block (rung4_100w against gpu);
@@ -52,6 +55,12 @@
 #          to name libEGL_nvidia.so.0 for a machine without a display, else VK_ICD_FILENAMES):
 #          the rows without zero-copy (the tier's misses are copied from the arena); the test
 #          phase is CUDA's only; a build tree made without the kit's glslc is to be removed first
+# MODEL=PATH (environment): that GGUF instead of the synth one (its blocks, experts and top-k read
+#          from it; BLOCKS then only names the run), PROMPT_FILE=PATH: the prompt, its first 300
+#          characters (a trained model's held-out text: routing with locality), e.g.
+#            MODEL=benchmarks/models/qwen3moe-stdlib-8x32-q8_0.gguf PROMPT_FILE=benchmarks/models/qwen3moe-stdlib-heldout.txt ZEROCOPY=0
+#          (ZEROCOPY=0: the rows without --moecached-gpu zerocopy, which refuses expert rows that are
+#          not whole chunks of 256 elements, as the trained model's 64-element ones)
 # all:     build and measure (one call, when the machine is warm enough). Each phase is idempotent: a warm
 #          machine keeps the build (/tmp/llama), the model and the llama-bench results
 #          (/tmp/gpu-hybrid) between calls, and both phases copy what exists into OUT_DIR:
@@ -67,7 +76,9 @@ say() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/log.txt"; }
 SETUP=../shared/device/setup.sh   # the GPU machine's kit; a copy in .dev/ when ../shared does not travel
 [ -f "$SETUP" ] || SETUP=.dev/setup.sh
 # the model is written while llama.cpp builds (the kit installs the same wheels the same way)
-M=$KEEP/model-$BLOCKS.gguf
+M=${MODEL:-$KEEP/model-$BLOCKS.gguf}
+[ -n "${MODEL:-}" ] && [ ! -f "$M" ] && { echo "gpu_hybrid.sh: MODEL $M: no such file"; exit 2; }
+if [ -n "${MODEL:-}" ]; then KEEP=$KEEP/$(basename "$M" .gguf); mkdir -p "$KEEP"; fi   # its own llama-bench results
 if [ ! -f "$M" ]; then
     if [ ! -f /tmp/site/.done ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.done
@@ -153,7 +164,17 @@ bin_dir, model, out, blocks, steps, rounds, want = sys.argv[1:8]
 blocks, steps, rounds, want = int(blocks), int(steps), int(rounds), want.split(",")
 PROMPT = ("Mixture-of-experts models keep most of their weights in routed experts; a shared "
           "daemon caches them for every engine on the machine.")   # benchmarks/engine.py's
-THREADS, N_EXPERTS = 8, 128
+if os.environ.get("PROMPT_FILE"):
+    PROMPT = open(os.environ["PROMPT_FILE"], encoding="utf-8", errors="replace").read()[:300]
+THREADS = 8
+def _geometry(path):
+    """(blocks, experts, top-k) of the model, from its GGUF metadata."""
+    import gguf
+    r = gguf.GGUFReader(path)
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    val = lambda k: int(r.fields[f"{arch}.{k}"].parts[-1][0])
+    return val("block_count"), val("expert_count"), val("expert_used_count")
+blocks, N_EXPERTS, TOP_K = _geometry(model)
 ROWS = {   # name: (what, mc-decode arguments, environment, through the daemon)
     "gpu": ("resident, every layer on the GPU", [], {}, False),
     "cpu_moe": ("resident, --cpu-moe (experts on the CPU, no repack)", ["--cpu-moe"], {}, False),
@@ -172,25 +193,39 @@ for pct in (10, 25, 50, 100):
 ROWS["rung4_100w"] = ("rung4_100, the second of two rounds in one process: the tier already holds every expert (rung 4)",
                       ["--cpu-moe", "--moecached-gpu", "zerocopy", "--moecached-vram", "100%", "--moecached-vram-lookup",
                        "auto", "--rounds", "2"], {}, True)
-if os.environ.get("BACKEND") == "vulkan":   # no zero-copy there: the tier's misses are copied from the arena
+TWO = "rung4_100x2"   # two processes at once, each its own tier over one arena
+ROWS[TWO] = ("two engines at once (two processes) on one daemon, each rung4_100w with its own tier (the first one's figures)",
+             ROWS["rung4_100w"][1], {}, True)
+if os.environ.get("BACKEND") == "vulkan" or os.environ.get("ZEROCOPY") == "0":
+    # no zero-copy (Vulkan; ZEROCOPY=0: a model whose expert rows CUDA's kernels cannot read in
+    # place, e.g. the trained one's 64-element rows): the tier's misses are copied from the arena
     for k, (w, a, e, srv) in list(ROWS.items()):
         if "zerocopy" in a:
             i = a.index("--moecached-gpu")
             ROWS[k] = (w.replace("rung 2 + ", "--cpu-moe + "), a[:i] + a[i + 2:], e, srv)
 PAIRS = [("cpu_moe", "rung1"), ("gpu", "rung2"), ("gpu", "cpu_moe"), ("rung1", "rung2"),
          ("gpu", "rung3_10"), ("gpu", "rung3_25"), ("gpu", "rung3_50"), ("gpu", "rung3_100"),
-         ("gpu", "rung4_10"), ("gpu", "rung4_25"), ("gpu", "rung4_50"), ("gpu", "rung4_100"), ("gpu", "rung4_100w")]
+         ("gpu", "rung4_10"), ("gpu", "rung4_25"), ("gpu", "rung4_50"), ("gpu", "rung4_100"), ("gpu", "rung4_100w"), ("gpu", TWO)]
 rows = [r for r in want if r in ROWS]
 sock = "/tmp/gpu-hybrid.sock"
 work = "/tmp/gpu-hybrid/runs"; os.makedirs(work, exist_ok=True)
 
-def decode(name, dump, rnd, extra_env=None, n=steps):
+def decode(name, dump, rnd, extra_env=None, n=steps, endpoint=None):
+    if name == TWO and dump and endpoint is None:   # the pair: two processes at once, the second's figures in "b"
+        import threading
+        got = {}
+        th = threading.Thread(target=lambda: got.update(b=decode(name, dump[:-4] + "-b.bin", rnd, extra_env, n, sock)))
+        th.start()
+        res, r = decode(name, dump, rnd, extra_env, n, sock)
+        th.join()
+        res["b"] = got["b"][0]
+        return res, r
     what, args, env, served = ROWS[name]
     cmd = [f"{bin_dir}/mc-decode", "-m", model, "-p", PROMPT, "-n", str(n), "-t", str(THREADS), *args]
     if dump:
         cmd += ["--dump", dump]
     if served:
-        cmd += ["--moecached", f"ipc://{sock}"]
+        cmd += ["--moecached", f"ipc://{endpoint or sock}"]
     t = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **env, **(extra_env or {})), timeout=300)
     res = {"rc": r.returncode, "wall_s": time.time() - t}
@@ -231,7 +266,7 @@ def h2d_bandwidth(nbytes=256 << 20, reps=8):
         print(f"h2d bandwidth not measured: {ex}", flush=True)
         return None
 
-results = {"model": os.path.basename(model), "blocks": blocks, "experts": N_EXPERTS, "top_k": 8, "steps": steps,
+results = {"model": os.path.basename(model), "blocks": blocks, "experts": N_EXPERTS, "top_k": TOP_K, "steps": steps,
            "threads": THREADS, "rounds": rounds, "prompt_bytes": len(PROMPT), "rows": {}, "pairs": [], "sched": {}}
 results["h2d_bytes_per_s"] = h2d_bandwidth()
 runs = {r: [] for r in rows}
@@ -244,7 +279,7 @@ try:
             print(f"round {rnd} {name}: " + (f"decode {res['decode_tps']:.1f} tok/s, prompt {res['prompt_tps']:.1f} tok/s"
                                             if res["rc"] == 0 else f"FAILED rc {res['rc']}: {res['error'][-600:]}"), flush=True)
     for name in rows:   # one decode step with the scheduler's debug output: its splits
-        if ROWS[name][3]:
+        if ROWS[name][3] and name != TWO:
             res, r = decode(name, None, 0, {"GGML_SCHED_DEBUG": "2"}, n=1)
             text = r.stdout + r.stderr
             # every graph the scheduler split in the run (reserved, prompt, decode step), and the last
@@ -255,6 +290,29 @@ try:
             with open(f"{out}/sched.txt", "a") as f:
                 f.write(f"==== {name}: splits {text.count('## SPLIT #')}, the decode step's graph {last_splits}, "
                         f"rc {r.returncode}\n{text[-150000:]}\n")
+    if TWO in rows:   # the pair against a fresh daemon: what the arena read for both
+        stop_daemon(p)
+        p = None
+        sock2 = "/tmp/gpu-hybrid-two.sock"
+        p2 = start_daemon(model, sock2, "--slots", str(blocks * N_EXPERTS))
+        try:
+            import threading
+            from moecache_client import Client
+            got = {}
+            th = threading.Thread(target=lambda: got.update(b=decode(TWO, None, 0, endpoint=sock2)))
+            th.start()
+            ra, _ = decode(TWO, None, 0, endpoint=sock2)
+            th.join()
+            with Client(f"ipc://{sock2}", name="gpu-hybrid", map_arena=False) as c:
+                st = c.stats()
+            results["two_engines_fresh"] = {"rc": [ra["rc"], got["b"][0]["rc"]], "reads": st.get("reads"),
+                                            "bytes_read": st.get("bytes_read"), "served_experts": blocks * N_EXPERTS,
+                                            "vram_copied_bytes": [ra.get("vram", {}).get("copied_bytes"),
+                                                                  got["b"][0].get("vram", {}).get("copied_bytes")],
+                                            "decode_tps": [ra.get("decode_tps"), got["b"][0].get("decode_tps")]}
+            print(f"two engines on a fresh daemon: {results['two_engines_fresh']}", flush=True)
+        finally:
+            stop_daemon(p2)
 finally:
     if p is not None:
         stop_daemon(p)
@@ -280,6 +338,11 @@ for name in rows:
         # the same logits in every round?
         dumps = [open(f"{work}/{name}-{i}.bin", "rb").read() for i, x in enumerate(runs[name]) if x["rc"] == 0]
         row["reproducible"] = all(d == dumps[0] for d in dumps)
+        if name == TWO:   # the second engine: its decode and its logits against the first's
+            okb = [x["b"] for x in runs[name][1:] if x["rc"] == 0 and x["b"]["rc"] == 0]
+            row["b_decode_tps"] = statistics.median(x["decode_tps"] for x in okb) if okb else None
+            row["b_same_logits"] = all(open(f"{work}/{name}-{i}.bin", "rb").read() == open(f"{work}/{name}-{i}-b.bin", "rb").read()
+                                       for i, x in enumerate(runs[name]) if x["rc"] == 0 and x["b"]["rc"] == 0)
     results["rows"][name] = row
 for a, b in PAIRS:
     if a not in rows or b not in rows:
@@ -310,7 +373,7 @@ results["llama_bench"] = bench
 results["time"] = time.time()
 json.dump(results, open(f"{out}/rungs.json", "w"), indent=1)
 gpu = results["rows"].get("gpu", {}).get("decode_tps")
-lines = [f"model {results['model']}: {blocks} MoE blocks x {N_EXPERTS} experts, top-8, Q8_0, {steps} steps, "
+lines = [f"model {results['model']}: {blocks} MoE blocks x {N_EXPERTS} experts, top-{TOP_K}, {steps} steps, "
          f"prompt {len(PROMPT)} bytes, {THREADS} threads, medians of {rounds - 1} rounds after a warm-up", "",
          "| run | decode tok/s | vs GPU resident | prompt tok/s | acquires / fast / misses |", "|---|---|---|---|---|"]
 for k, v in bench.items():
@@ -366,6 +429,12 @@ if look:
         lk = row["lookup"]
         lines.append(f"| {name} | {lk['lookup']} | {lk['device_ubatches']} | {lk['reruns']} ({lk['decode_reruns']}) | {lk['reads']} | "
                      f"{lk['fill_syncs']} | {lk['switches']} | {lk['spec_copies']} |")
+if TWO in results["rows"] and "decode_tps" in results["rows"][TWO]:
+    row, fr = results["rows"][TWO], results.get("two_engines_fresh", {})
+    lines += ["", f"two engines at once: decode {row['decode_tps']:.1f} and {row['b_decode_tps'] or 0:.1f} tok/s, the second's "
+              f"logits {'=' if row['b_same_logits'] else '!='} the first's; on a fresh daemon the pair made it read "
+              f"{fr.get('reads')} experts ({fr.get('bytes_read')} bytes) of {fr.get('served_experts')}, each engine "
+              f"copied {fr.get('vram_copied_bytes')} bytes into its own tier"]
 if results["sched"]:
     lines += ["", "graph splits of a 1-step run (every graph): " + ", ".join(f"{k} {v['splits']}" for k, v in results["sched"].items()),
               "graph splits of the decode step's graph: " + ", ".join(f"{k} {v['decode_graph_splits']}" for k, v in results["sched"].items())]
