@@ -19,7 +19,11 @@ cgroup), warms the demand client's working set up, then runs interleaved rounds 
 * ``stats`` and ``ping``: the same, beside ``--flood-clients`` clients (default 2) each sending
   ``stats`` requests (``--stats-rate`` per client, default 800/s) or ``ping`` requests
   (``--ping-rate``, default 5000/s) without waiting for the replies: requests inside every limit
-  that are not the cache's hot path (a ``stats`` reply lists every client and model).
+  that are not the cache's hot path (a ``stats`` reply lists every client and model);
+* ``PHASE@other`` (e.g. ``ping@other``): the flood of PHASE sent to a second daemon of the same
+  fixture (a bystander, placed like the first) instead: the control for what is the machine's
+  (the flood's processes and a daemon receiving them on the same cores) and what is the demand
+  client's own daemon's doing.
 
 Every client is its own process. The table shows the demand client's acquires/s and acquire
 latency p50/p99 per phase (median over rounds) and the ratio to ``alone`` of the same run, and
@@ -199,10 +203,14 @@ def _pin(pid: int, cpus: set) -> None:
             pass
 
 
-def _run_phase(phase: str, endpoint: str, args, seed: int, pid: int | None = None) -> dict:
+def _run_phase(phase: str, endpoint: str, args, seed: int, pid: int | None = None,
+               flood_endpoint: str | None = None) -> dict:
+    """``phase`` against the daemon at ``endpoint``; its flood (if any) sent to ``flood_endpoint``
+    (default: the same daemon)."""
     me = os.path.abspath(__file__)
-    base = [sys.executable, me, "--endpoint", endpoint, "--seconds", str(args.seconds),
-            "--k", str(args.k), "--seed", str(seed), "--hot", str(args.hot)]
+    dbase = [sys.executable, me, "--endpoint", endpoint, "--seconds", str(args.seconds),
+             "--k", str(args.k), "--seed", str(seed), "--hot", str(args.hot)]
+    base = dbase[:3] + [flood_endpoint or endpoint] + dbase[4:]
     others = []
     nice = (lambda: os.nice(args.flood_nice)) if args.flood_nice else None
     if phase == "storm":
@@ -223,7 +231,7 @@ def _run_phase(phase: str, endpoint: str, args, seed: int, pid: int | None = Non
     if others:
         time.sleep(0.3)  # the other client is up and sending
     cpu0 = _cpu_s(pid) if pid else 0.0
-    dem = subprocess.run(base + ["--worker", "demand-socket" if args.demand_socket else "demand"],
+    dem = subprocess.run(dbase + ["--worker", "demand-socket" if args.demand_socket else "demand"],
                          stdout=subprocess.PIPE, text=True, check=True,
                          preexec_fn=(lambda: os.sched_setaffinity(0, {args.pin_demand}))
                          if args.pin_demand is not None else None)
@@ -408,6 +416,12 @@ def main(argv=None) -> int:
                             experts=args.n_experts, progress=False)[0]
         daemons = {}
         try:
+            if any(ph.endswith("@other") for ph in phases):   # the bystander of the @other phases
+                sock = os.path.join(d, "bystander.sock")
+                p = start_daemon(model, sock, "--slots", str(args.slots), "--readers", "16", *args.daemon_arg)
+                daemons["bystander"] = (p, f"ipc://{sock}")
+                if args.pin_demand is not None:
+                    _pin(p.pid, rest)
             for i, (name, tree) in enumerate(trees):
                 sock = os.path.join(d, f"d{i}.sock")
                 p = start_daemon(model, sock, "--slots", str(args.slots), "--readers", "16", *args.daemon_arg,
@@ -428,11 +442,12 @@ def main(argv=None) -> int:
                 order = phases[r % n:] + phases[:r % n]   # interleaved, rotating order
                 for phase in order:
                     for name, _ in trees:
-                        res = _run_phase(phase, daemons[name][1], args, seed=r,
-                                         pid=daemons[name][0].pid)
+                        flood, _, where = phase.partition("@")
+                        res = _run_phase(flood, daemons[name][1], args, seed=r, pid=daemons[name][0].pid,
+                                         flood_endpoint=daemons["bystander"][1] if where == "other" else None)
                         results[name][phase].append(res)
                         dm = res["demand"]
-                        print(f"round {r} {name:9s} {phase:5s}: {dm['acquires'] / dm['seconds']:8.0f} acq/s "
+                        print(f"round {r} {name:9s} {phase:10s}: {dm['acquires'] / dm['seconds']:8.0f} acq/s "
                               f"p50 {dm['p50_us']:7.0f} us p99 {dm['p99_us']:8.0f} us "
                               f"misses {dm['misses']} daemon cpu {res['daemon_cpu_s']:.2f} s"
                               + (f"  other {res['other']}" if "other" in res else ""), flush=True)
@@ -462,7 +477,7 @@ def main(argv=None) -> int:
 
     summary = {}
     print()
-    print(f"{'daemon':10s} {'phase':6s} {'acq/s':>8s} {'vs alone':>8s} {'p50 us':>8s} {'p99 us':>9s} "
+    print(f"{'daemon':10s} {'phase':10s} {'acq/s':>8s} {'vs alone':>8s} {'p50 us':>8s} {'p99 us':>9s} "
           f"{'other: sent':>11s} {'prefetches':>10s} {'dropped':>8s} {'cpu us/msg':>10s}")
     for name, _ in trees:
         summary[name] = {}
@@ -490,7 +505,7 @@ def main(argv=None) -> int:
         for phase in phases:
             s = summary[name][phase]
             s["vs_alone"] = s["acquires_per_s"] / alone if alone else None
-            print(f"{name:10s} {phase:6s} {s['acquires_per_s']:8.0f} {s['vs_alone']:8.3f} {s['p50_us']:8.0f} "
+            print(f"{name:10s} {phase:10s} {s['acquires_per_s']:8.0f} {s['vs_alone']:8.3f} {s['p50_us']:8.0f} "
                   f"{s['p99_us']:9.0f} {s.get('other_sent', ''):>11} {s.get('other_prefetches', ''):>10} "
                   f"{s.get('other_dropped', ''):>8} "
                   f"{'' if 'daemon_cpu_us_per_other_msg' not in s else format(s['daemon_cpu_us_per_other_msg'], '.1f'):>10}")
