@@ -207,10 +207,10 @@ def _run_phase(phase: str, endpoint: str, args, seed: int, pid: int | None = Non
                flood_endpoint: str | None = None) -> dict:
     """``phase`` against the daemon at ``endpoint``; its flood (if any) sent to ``flood_endpoint``
     (default: the same daemon)."""
-    me = os.path.abspath(__file__)
-    dbase = [sys.executable, me, "--endpoint", endpoint, "--seconds", str(args.seconds),
-             "--k", str(args.k), "--seed", str(seed), "--hot", str(args.hot)]
-    base = dbase[:3] + [flood_endpoint or endpoint] + dbase[4:]
+    def worker_cmd(ep):
+        return [sys.executable, os.path.abspath(__file__), "--endpoint", ep, "--seconds", str(args.seconds),
+                "--k", str(args.k), "--seed", str(seed), "--hot", str(args.hot)]
+    base = worker_cmd(flood_endpoint or endpoint)
     others = []
     nice = (lambda: os.nice(args.flood_nice)) if args.flood_nice else None
     if phase == "storm":
@@ -231,7 +231,7 @@ def _run_phase(phase: str, endpoint: str, args, seed: int, pid: int | None = Non
     if others:
         time.sleep(0.3)  # the other client is up and sending
     cpu0 = _cpu_s(pid) if pid else 0.0
-    dem = subprocess.run(dbase + ["--worker", "demand-socket" if args.demand_socket else "demand"],
+    dem = subprocess.run(worker_cmd(endpoint) + ["--worker", "demand-socket" if args.demand_socket else "demand"],
                          stdout=subprocess.PIPE, text=True, check=True,
                          preexec_fn=(lambda: os.sched_setaffinity(0, {args.pin_demand}))
                          if args.pin_demand is not None else None)

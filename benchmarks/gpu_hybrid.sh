@@ -210,16 +210,22 @@ rows = [r for r in want if r in ROWS]
 sock = "/tmp/gpu-hybrid.sock"
 work = "/tmp/gpu-hybrid/runs"; os.makedirs(work, exist_ok=True)
 
+def pair(name, dump, rnd, endpoint, extra_env=None, n=steps):
+    """Two engines of row ``name`` at once against ``endpoint``: the first's (res, run), the
+    second's figures in res["b"] (its logits in DUMP-b.bin)."""
+    import threading
+    got = {}
+    th = threading.Thread(target=lambda: got.update(
+        b=decode(name, dump and dump[:-4] + "-b.bin", rnd, extra_env, n, endpoint)))
+    th.start()
+    res, r = decode(name, dump, rnd, extra_env, n, endpoint)
+    th.join()
+    res["b"] = got["b"][0]
+    return res, r
+
 def decode(name, dump, rnd, extra_env=None, n=steps, endpoint=None):
-    if name == TWO and dump and endpoint is None:   # the pair: two processes at once, the second's figures in "b"
-        import threading
-        got = {}
-        th = threading.Thread(target=lambda: got.update(b=decode(name, dump[:-4] + "-b.bin", rnd, extra_env, n, sock)))
-        th.start()
-        res, r = decode(name, dump, rnd, extra_env, n, sock)
-        th.join()
-        res["b"] = got["b"][0]
-        return res, r
+    if name == TWO and endpoint is None:   # the pair: two processes at once
+        return pair(name, dump, rnd, sock, extra_env, n)
     what, args, env, served = ROWS[name]
     cmd = [f"{bin_dir}/mc-decode", "-m", model, "-p", PROMPT, "-n", str(n), "-t", str(THREADS), *args]
     if dump:
@@ -296,20 +302,15 @@ try:
         sock2 = "/tmp/gpu-hybrid-two.sock"
         p2 = start_daemon(model, sock2, "--slots", str(blocks * N_EXPERTS))
         try:
-            import threading
             from moecache_client import Client
-            got = {}
-            th = threading.Thread(target=lambda: got.update(b=decode(TWO, None, 0, endpoint=sock2)))
-            th.start()
-            ra, _ = decode(TWO, None, 0, endpoint=sock2)
-            th.join()
+            ra, _ = pair(TWO, None, 0, sock2)
+            both = [ra, ra["b"]]
             with Client(f"ipc://{sock2}", name="gpu-hybrid", map_arena=False) as c:
                 st = c.stats()
-            results["two_engines_fresh"] = {"rc": [ra["rc"], got["b"][0]["rc"]], "reads": st.get("reads"),
+            results["two_engines_fresh"] = {"rc": [x["rc"] for x in both], "reads": st.get("reads"),
                                             "bytes_read": st.get("bytes_read"), "served_experts": blocks * N_EXPERTS,
-                                            "vram_copied_bytes": [ra.get("vram", {}).get("copied_bytes"),
-                                                                  got["b"][0].get("vram", {}).get("copied_bytes")],
-                                            "decode_tps": [ra.get("decode_tps"), got["b"][0].get("decode_tps")]}
+                                            "vram_copied_bytes": [x.get("vram", {}).get("copied_bytes") for x in both],
+                                            "decode_tps": [x.get("decode_tps") for x in both]}
             print(f"two engines on a fresh daemon: {results['two_engines_fresh']}", flush=True)
         finally:
             stop_daemon(p2)

@@ -411,17 +411,16 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
                                 log.error("periodic task failed: %s", e)
                             fast = self._fast   # the periodic task may have reloaded the model
                     next_timer = min(next_tick, next_hb, self._next_share)
-                    if cache is not None and cache.pin_files:
-                        # releases through shared memory send no message: under a steady stream
-                        # of requests the sweep must still come
-                        next_timer = min(next_timer, last_sweep + self._pin_sweep_s(cache))
                     want = idle_ms
                     if dl:
                         want = max(0, min(idle_ms, int((dl[0][0] - now) * 1000) + 1))
-                    cache = self.cache
+                    cache = self.cache   # (the periodic task may have reloaded the model)
                     if cache is not None and cache.pin_files:
-                        due = last_sweep + self._pin_sweep_s(cache) - now
-                        want = min(want, max(1, int(due * 1000) + 1))
+                        # releases through shared memory send no message: under a steady stream
+                        # of requests the sweep must still come
+                        sweep_at = last_sweep + self._pin_sweep_s(cache)
+                        next_timer = min(next_timer, sweep_at)
+                        want = min(want, max(1, int((sweep_at - now) * 1000) + 1))
                     if self._held:
                         want = min(want, self.PIN_DRAIN_MS)   # held requests: look again soon
                     if want != cur_ms:
