@@ -21,6 +21,7 @@ import argparse
 import filecmp
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -52,7 +53,10 @@ def run(bin_dir, model, dump, steps, threads, endpoint=None):
     r = engine_llama.decode(bin_dir, model, str(dump), prompt=PROMPT, steps=steps, threads=threads, endpoint=endpoint)
     if r.returncode != 0:
         raise RuntimeError(f"mc-decode failed: {r.stderr[-1500:]}")
-    return engine_llama.parse_timing(r.stdout) | {"stats": engine_llama.parse_stats(r.stdout)}
+    # graphs llama.cpp did not build again (mc-decode's round line; None from a build that does not say)
+    g = re.search(r"^round \d+ .*graphs_reused=(\d+)", r.stdout, re.M)
+    return engine_llama.parse_timing(r.stdout) | {"stats": engine_llama.parse_stats(r.stdout),
+                                                  "graphs_reused": int(g.group(1)) if g else None}
 
 
 def main(argv=None):
@@ -129,6 +133,9 @@ def main(argv=None):
                       "slots": None if k == "resident" else daemons[k][2],
                       "decode_tps": d, "decode_ratio": d / base_d, "paired_ratio_median": med(ratios),
                       "prompt_tps": p, "prompt_ratio": p / base_p,
+                      "decode_tps_rounds": [round(r["decode_tps"], 3) for r in rows[k]],
+                      "paired_ratios": [round(x, 5) for x in ratios],
+                      "graphs_reused": [r["graphs_reused"] for r in rows[k]],
                       "last_stats": rows[k][-1]["stats"]})
     print(f"\nmodel {os.path.basename(model)}: {len(idx['expert_layers'])} MoE blocks x {idx['n_experts']} experts, "
           f"top-{idx['top_k']}, {a.steps} steps, prompt {len(PROMPT)} bytes, {a.threads} threads, {a.rounds} rounds")

@@ -252,8 +252,9 @@ def micro(model: str, reps: int = 7, n: int = 20000) -> dict:
     interleaved ``reps`` times in ABBA order, microseconds (min and median over reps): a no-op noreply
     prefetch on the hot path vs the general path, a resident acquire + noreply release on
     the hot path with the per-client rate limit on (never reached) vs off, a ``ping`` and a
-    ``stats`` on the general path, and a ``ping`` of a client over its loop share: put in its
-    queue, or dropped (its queue full)."""
+    ``stats`` on the general path, a ``ping`` of a client over its loop share: put in its
+    queue, or dropped (its queue full), and a prefetch naming every expert of every layer from a
+    client over its loop share that has one waiting already (the newer replaces it)."""
     import msgpack
     import zmq
     from moecached.engine.cache import ExpertCache
@@ -328,11 +329,27 @@ def micro(model: str, reps: int = 7, n: int = 20000) -> dict:
                     srv._told.clear()
                     srv._share_now = float("inf")
             return f
+        wide = msgpack.packb({"v": 1, "id": 10, "op": "prefetch", "noreply": True,
+                              "layers": [[x, list(range(idx.n_experts))] for x in idx.expert_layers]})
+
+        def wide_held():
+            # a client over its loop share sends another wide noreply prefetch while one of its
+            # own waits: the newer one replaces it (not served)
+            srv._share_now, c.loop.tokens = 1e-9, -1.0
+            frames = [ident, wide]
+            try:
+                for _ in range(n):
+                    c.loop.tokens = -1.0
+                    srv._suspect(c) and srv._hold(c, frames)
+            finally:
+                c.held_pf = None
+                srv._held.clear()
+                srv._share_now, c.loop.tokens = float("inf"), 0.0
         cases = {"noop_prefetch_fast_us": pf_fast, "noop_prefetch_general_us": pf_general,
                  "acquire_release_limit_on_us": limit(True), "acquire_release_limit_off_us": limit(False),
                  "ping_general_us": general_of(ping, n), "stats_general_us": general_of(stats, n // 50),
                  "ping_over_share_queued_us": over_share(False),
-                 "ping_over_share_dropped_us": over_share(True)}
+                 "ping_over_share_dropped_us": over_share(True), "wide_prefetch_held_us": wide_held}
         per = {k: (n // 50 if k == "stats_general_us" else n) for k in cases}
         times = {k: [] for k in cases}
         for r in range(reps):   # order reversed every other rep (ABBA): no order effect

@@ -29,6 +29,11 @@
 #                     computed again after the host copied it in; auto starts on the host lookup
 #                     and goes to the device once decoded tokens stop copying); per row also the
 #                     passes run again, the reads of the routed ids and the switches
+#            rung4_Pa50  (P = 25, 50) rung4_P against a second daemon whose arena holds 50 % of
+#                     the experts (--slots blocks*experts//2, its socket /tmp/gpu-hybrid-a50.sock,
+#                     started only for these rows; the other daemon rows share one of --slots
+#                     blocks*experts): the tier's misses that the arena lacks wait on the daemon's
+#                     drive reads too
 #            rung4_100w  rung4_100 over two rounds in one process (--rounds 2), the second
 #                     round's figures: every expert its tokens need is in the tier already
 #            rung4_100x2 two engines at once (two processes), each rung4_100w with its own
@@ -36,7 +41,9 @@
 #                     fresh daemon's reads for the pair (each expert read once for both)
 #          then the H2D rate from pinned memory (PyTorch, the same run) and, per tier row, the
 #          ceiling its copies allow (resident time per token + MiB copied per decoded token / H2D)
-#          and the row's share of it; the device lookup's cost per MoE block (rung4_100w against gpu);
+#          and the row's share of it (the ceiling takes every miss from the arena: the rows with a
+#          50 % arena also wait on the drive reads of the experts their arena lacks); the device
+#          lookup's cost per MoE block (rung4_100w against gpu);
 #          then the logits of each pair: max |diff|, identical rows, greedy tokens identical
 #          (rung 1 against cpu_moe: 0 and all expected; rungs 2 and 3 against gpu: the same
 #          kernels over the same bytes), and one decode step of each daemon row with
@@ -175,39 +182,45 @@ def _geometry(path):
     val = lambda k: int(r.fields[f"{arch}.{k}"].parts[-1][0])
     return val("block_count"), val("expert_count"), val("expert_used_count")
 blocks, N_EXPERTS, TOP_K = _geometry(model)
-ROWS = {   # name: (what, mc-decode arguments, environment, through the daemon)
-    "gpu": ("resident, every layer on the GPU", [], {}, False),
-    "cpu_moe": ("resident, --cpu-moe (experts on the CPU, no repack)", ["--cpu-moe"], {}, False),
-    "rung1": ("--moecached --cpu-moe: experts computed on the CPU from the arena (rung 1)", ["--cpu-moe"], {}, True),
+# name: (what, mc-decode arguments, environment, arena): arena None for a resident row, else the
+# share of all experts its daemon's arena holds (one daemon per share, its socket in SOCKS)
+ROWS = {
+    "gpu": ("resident, every layer on the GPU", [], {}, None),
+    "cpu_moe": ("resident, --cpu-moe (experts on the CPU, no repack)", ["--cpu-moe"], {}, None),
+    "rung1": ("--moecached --cpu-moe: experts computed on the CPU from the arena (rung 1)", ["--cpu-moe"], {}, 1.0),
     "rung2": ("--moecached --cpu-moe --moecached-gpu zerocopy: experts on the GPU over the host link (rung 2)",
-              ["--cpu-moe", "--moecached-gpu", "zerocopy"], {}, True),
+              ["--cpu-moe", "--moecached-gpu", "zerocopy"], {}, 1.0),
 }
 for pct in (10, 25, 50, 100):
     ROWS[f"rung3_{pct}"] = (f"rung 2 + --moecached-vram {pct}% --moecached-vram-lookup host: a tier of {pct} % of the experts "
                             f"in VRAM, looked up by a host op per block (rung 3)",
                             ["--cpu-moe", "--moecached-gpu", "zerocopy", "--moecached-vram", f"{pct}%",
-                             "--moecached-vram-lookup", "host"], {}, True)
+                             "--moecached-vram-lookup", "host"], {}, 1.0)
     ROWS[f"rung4_{pct}"] = (f"rung 2 + --moecached-vram {pct}% (lookup auto): the tier looked up on the device (rung 4)",
                             ["--cpu-moe", "--moecached-gpu", "zerocopy", "--moecached-vram", f"{pct}%",
-                             "--moecached-vram-lookup", "auto"], {}, True)
+                             "--moecached-vram-lookup", "auto"], {}, 1.0)
+for pct in (25, 50):   # the same tier over an arena of half the experts (its misses read from the drive)
+    ROWS[f"rung4_{pct}a50"] = (ROWS[f"rung4_{pct}"][0] + ", its daemon's arena 50 % of the experts",
+                               ROWS[f"rung4_{pct}"][1], {}, 0.5)
 ROWS["rung4_100w"] = ("rung4_100, the second of two rounds in one process: the tier already holds every expert (rung 4)",
                       ["--cpu-moe", "--moecached-gpu", "zerocopy", "--moecached-vram", "100%", "--moecached-vram-lookup",
-                       "auto", "--rounds", "2"], {}, True)
+                       "auto", "--rounds", "2"], {}, 1.0)
 TWO = "rung4_100x2"   # two processes at once, each its own tier over one arena
 ROWS[TWO] = ("two engines at once (two processes) on one daemon, each rung4_100w with its own tier (the first one's figures)",
-             ROWS["rung4_100w"][1], {}, True)
+             ROWS["rung4_100w"][1], {}, 1.0)
 if os.environ.get("BACKEND") == "vulkan" or os.environ.get("ZEROCOPY") == "0":
     # no zero-copy (Vulkan; ZEROCOPY=0: a model whose expert rows CUDA's kernels cannot read in
     # place, e.g. the trained one's 64-element rows): the tier's misses are copied from the arena
-    for k, (w, a, e, srv) in list(ROWS.items()):
+    for k, (w, a, e, arena) in list(ROWS.items()):
         if "zerocopy" in a:
             i = a.index("--moecached-gpu")
-            ROWS[k] = (w.replace("rung 2 + ", "--cpu-moe + "), a[:i] + a[i + 2:], e, srv)
+            ROWS[k] = (w.replace("rung 2 + ", "--cpu-moe + "), a[:i] + a[i + 2:], e, arena)
 PAIRS = [("cpu_moe", "rung1"), ("gpu", "rung2"), ("gpu", "cpu_moe"), ("rung1", "rung2"),
          ("gpu", "rung3_10"), ("gpu", "rung3_25"), ("gpu", "rung3_50"), ("gpu", "rung3_100"),
-         ("gpu", "rung4_10"), ("gpu", "rung4_25"), ("gpu", "rung4_50"), ("gpu", "rung4_100"), ("gpu", "rung4_100w"), ("gpu", TWO)]
+         ("gpu", "rung4_10"), ("gpu", "rung4_25"), ("gpu", "rung4_50"), ("gpu", "rung4_100"), ("gpu", "rung4_100w"), ("gpu", TWO),
+         ("gpu", "rung4_25a50"), ("gpu", "rung4_50a50")]
 rows = [r for r in want if r in ROWS]
-sock = "/tmp/gpu-hybrid.sock"
+SOCKS = {1.0: "/tmp/gpu-hybrid.sock", 0.5: "/tmp/gpu-hybrid-a50.sock"}   # per arena share, its daemon's socket
 work = "/tmp/gpu-hybrid/runs"; os.makedirs(work, exist_ok=True)
 
 def pair(name, dump, rnd, endpoint, extra_env=None, n=steps):
@@ -225,13 +238,13 @@ def pair(name, dump, rnd, endpoint, extra_env=None, n=steps):
 
 def decode(name, dump, rnd, extra_env=None, n=steps, endpoint=None):
     if name == TWO and endpoint is None:   # the pair: two processes at once
-        return pair(name, dump, rnd, sock, extra_env, n)
-    what, args, env, served = ROWS[name]
+        return pair(name, dump, rnd, SOCKS[ROWS[name][3]], extra_env, n)
+    what, args, env, arena = ROWS[name]
     cmd = [f"{bin_dir}/mc-decode", "-m", model, "-p", PROMPT, "-n", str(n), "-t", str(THREADS), *args]
     if dump:
         cmd += ["--dump", dump]
-    if served:
-        cmd += ["--moecached", f"ipc://{endpoint or sock}"]
+    if arena:
+        cmd += ["--moecached", f"ipc://{endpoint or SOCKS[arena]}"]
     t = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **env, **(extra_env or {})), timeout=300)
     res = {"rc": r.returncode, "wall_s": time.time() - t}
@@ -241,7 +254,7 @@ def decode(name, dump, rnd, extra_env=None, n=steps, endpoint=None):
     m = re.search(r"timing prompt_tokens=(\d+) prompt_s=([\d.]+) decode_tokens=(\d+) decode_s=([\d.]+)", r.stdout)
     res["prompt_tps"] = int(m.group(1)) / float(m.group(2))
     res["decode_tps"] = int(m.group(3)) / float(m.group(4))
-    rr = re.findall(r"^round (\d+) prompt_s=([\d.]+) decode_tokens=(\d+) decode_s=([\d.]+)$", r.stdout, re.M)
+    rr = re.findall(r"^round (\d+) prompt_s=([\d.]+) decode_tokens=(\d+) decode_s=([\d.]+)", r.stdout, re.M)
     if "--rounds" in args and rr:   # the last round alone
         res["prompt_tps"] = (int(m.group(1)) / len(rr)) / float(rr[-1][1])
         res["decode_tps"] = int(rr[-1][2]) / float(rr[-1][3])
@@ -276,8 +289,10 @@ results = {"model": os.path.basename(model), "blocks": blocks, "experts": N_EXPE
            "threads": THREADS, "rounds": rounds, "prompt_bytes": len(PROMPT), "rows": {}, "pairs": [], "sched": {}}
 results["h2d_bytes_per_s"] = h2d_bandwidth()
 runs = {r: [] for r in rows}
-p = start_daemon(model, sock, "--slots", str(blocks * N_EXPERTS)) if any(ROWS[r][3] for r in rows) else None
+daemons = {}   # arena share: its daemon, started for the shares the rows need
 try:
+    for share in sorted({ROWS[r][3] for r in rows if ROWS[r][3]}, reverse=True):
+        daemons[share] = start_daemon(model, SOCKS[share], "--slots", str(int(blocks * N_EXPERTS * share)))
     for rnd in range(rounds):
         for name in rows:
             res, _ = decode(name, f"{work}/{name}-{rnd}.bin", rnd)
@@ -297,8 +312,7 @@ try:
                 f.write(f"==== {name}: splits {text.count('## SPLIT #')}, the decode step's graph {last_splits}, "
                         f"rc {r.returncode}\n{text[-150000:]}\n")
     if TWO in rows:   # the pair against a fresh daemon: what the arena read for both
-        stop_daemon(p)
-        p = None
+        stop_daemon(daemons.pop(1.0))
         sock2 = "/tmp/gpu-hybrid-two.sock"
         p2 = start_daemon(model, sock2, "--slots", str(blocks * N_EXPERTS))
         try:
@@ -315,12 +329,12 @@ try:
         finally:
             stop_daemon(p2)
 finally:
-    if p is not None:
+    for p in daemons.values():
         stop_daemon(p)
 base = None
 for name in rows:
     ok = [x for x in runs[name][1:] if x["rc"] == 0]
-    row = {"what": ROWS[name][0], "ok_rounds": len(ok), "failed": [x.get("error", "")[-1500:] for x in runs[name] if x["rc"] != 0][:1]}
+    row = {"what": ROWS[name][0], "arena": ROWS[name][3], "ok_rounds": len(ok), "failed": [x.get("error", "")[-1500:] for x in runs[name] if x["rc"] != 0][:1]}
     if ok:
         row |= {"decode_tps": statistics.median(x["decode_tps"] for x in ok),
                 "prompt_tps": statistics.median(x["prompt_tps"] for x in ok),
@@ -418,6 +432,11 @@ if tier:
         lines += ["", "| run | decode tok/s | ceiling its copies allow | of the ceiling |", "|---|---|---|---|"]
         lines += [f"| {n} | {results['rows'][n]['decode_tps']:.1f} | {c['ceiling_tps']:.1f} | {c['of_ceiling']:.3f} |"
                   for n, c in ceil.items()]
+        part = [n for n in ceil if ROWS[n][3] < 1]
+        if part:   # the ceiling's copies come from the arena; these rows' arena lacks some experts
+            lines += ["", "the ceiling takes every miss from the arena; these rows' arena holds part of the experts, so "
+                          "they also wait on the daemon's drive reads, which the ceiling leaves out: "
+                          + ", ".join(f"{n} (arena {ROWS[n][3]:.0%})" for n in part)]
     w = results["rows"].get("rung4_100w", {}).get("decode_tps")
     if w and gpu:   # the device lookup's cost per MoE block when every expert is in the tier
         results["hit_cost_us_per_block"] = (1 / w - 1 / gpu) * 1e6 / blocks

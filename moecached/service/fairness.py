@@ -56,6 +56,10 @@ HOT_OPS = frozenset({"acquire", "prefetch", "release", "cancel", "check", "bye"}
 _PREFETCH = b"\xa8prefetch"
 #: ... of ``"release"`` and ``"bye"`` (a request without them is neither: cheap to tell)
 _RELEASE, _BYE, _ACQUIRE = b"\xa7release", b"\xa3bye", b"\xa7acquire"
+#: ... of the key ``"noreply"`` and ``true``: nine bytes no request of the protocol carries
+#: anywhere else (no string value, and each number of a list is one element: its bytes hold no
+#: ``\xa7`` string header followed by ``true``)
+_NOREPLY_TRUE = b"\xa7noreply\xc3"
 #: fields a held request is recognised by (the rest of it is skipped, not decoded)
 _PEEK = frozenset({"op", "id", "noreply", "lease"})
 
@@ -198,6 +202,18 @@ class ServerFairness:
         path (in order, over the control bucket); acquires, releases and the rest of the hot
         path are served at once, never behind them."""
         held, payload = c.held, frames[-1]
+        if (c.held_pf is not None and _NOREPLY_TRUE in payload and _PREFETCH in payload
+                and c.loop.tokens < 0 and c.loop.refill(time.perf_counter(), self._share_now) < 0):
+            # a newer noreply prefetch of a client whose last one still waits for its share:
+            # it replaces that one without being decoded (a flood of wide prefetches costs the
+            # loop what receiving it does; what is not a prefetch fails when it runs)
+            c.held_pf = frames
+            c.coalesced += 1
+            self.counters["prefetches_coalesced"] += 1
+            c.throttled += 1
+            self.counters["throttled"] += 1
+            c.last_seen = time.monotonic()
+            return True
         if (len(held) >= HELD_MAX and c.ident in self._told and _RELEASE not in payload
                 and _BYE not in payload and _ACQUIRE not in payload and _PREFETCH not in payload):
             # it sends without reading its replies: the cheapest way out (no decoding); it was

@@ -10,7 +10,7 @@
 //
 // Prints one line per step ("step I token T"), one line per round and a final "timing" line (the
 // times include the wait for the logits: on a GPU llama_decode returns before they are computed):
-//   round R prompt_s=S decode_tokens=N decode_s=S
+//   round R prompt_s=S decode_tokens=N decode_s=S graphs_reused=G (graphs llama.cpp did not build again)
 //   timing prompt_tokens=P prompt_s=S decode_tokens=N decode_s=S
 // --dump writes the float32 logits of the prompt's last token and of each step, in order.
 // --dump-moe writes, per MoE block of every ubatch, the router's probabilities, its top-k ids,
@@ -250,7 +250,8 @@ int main(int argc, char ** argv) {
             tok = emit(s, llama_get_logits_ith(ctx, -1));
         }
         // this round alone (with --rounds, the later rounds find the VRAM tier as the earlier ones left it)
-        printf("round %d prompt_s=%.6f decode_tokens=%d decode_s=%.6f\n", round, t_prompt - tp0, n_decoded - nd0, t_decode - td0);
+        printf("round %d prompt_s=%.6f decode_tokens=%d decode_s=%.6f graphs_reused=%d\n", round, t_prompt - tp0,
+               n_decoded - nd0, t_decode - td0, llama_perf_context(ctx).n_reused);
         llama_free(ctx);
     }
     if (fd) fclose(fd);
