@@ -282,7 +282,8 @@ def test_a_held_wide_prefetch_is_replaced_without_being_decoded(model_factory, t
     a flood naming every expert of every layer, on the 2-core machine, against 1.7 for a dropped
     ping. Now a newer noreply prefetch replaces the waiting one on a look at its bytes; the one
     that runs when the client is back in budget is the newest, and a frame that only looks like
-    a noreply prefetch is answered as what it is when it runs."""
+    a noreply prefetch goes the way its op goes when it runs (a ``stats`` waits for the control
+    share: it gains nothing by the disguise)."""
     import msgpack
     from moecached.engine.cache import ExpertCache
     from moecached.engine.index import open_index
@@ -331,6 +332,17 @@ def test_a_held_wide_prefetch_is_replaced_without_being_decoded(model_factory, t
         srv._share_now, c.loop.tokens = float("inf"), 0.0
         srv._fair_timer(time.monotonic())
         assert c.held_pf is None and srv.clients.get(ident) is c
+        # a stats dressed up the same way, run while its control share is spent: it waits there
+        c.loop.tokens = -1.0
+        srv._share_now = 1e-9
+        srv._hold(c, wide(1002, 0))
+        dressed = [ident, msgpack.packb({"v": 1, "id": 1003, "op": "stats", "x": "\xa8prefetch",
+                                         "y": {"noreply": True}})]
+        assert srv._hold(c, dressed) and c.held_pf is dressed
+        c.loop.tokens, c.ctl.tokens = 0.0, -1.0
+        srv._next_share = time.monotonic() + 60    # the share stays as set (one client here)
+        srv._fair_timer(time.monotonic())
+        assert c.held_pf is None and list(c.held) == [dressed], "the disguised stats was served"
     finally:
         srv.close()
         cache.close()

@@ -308,7 +308,10 @@ class ServerFairness:
                 tok = c.loop.refill(pc(), rate)
                 if not tok < 0:
                     frames, c.held_pf = c.held_pf, None
-                    self._run_held(ident, frames)
+                    # it replaced the one before on a look at its bytes: what is no prefetch
+                    # goes the way its op goes (a control request waits for the control share)
+                    if peek(frames[-1])[0] == "prefetch" or not self._hold(c, frames):
+                        self._run_held(ident, frames)
                 else:
                     soonest = min(soonest, -tok / rate)
             held = c.held
