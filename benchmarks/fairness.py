@@ -256,7 +256,8 @@ def micro(model: str, reps: int = 7, n: int = 20000) -> dict:
     the hot path with the per-client rate limit on (never reached) vs off, a ``ping`` and a
     ``stats`` on the general path, a ``ping`` of a client over its loop share: put in its
     queue, or dropped (its queue full), and a prefetch naming every expert of every layer from a
-    client over its loop share that has one waiting already (the newer replaces it)."""
+    client over its loop share that has one waiting already (the newer replaces it), and a
+    noreply prefetch of 8 resident experts in each of 4 layers on the general path."""
     import msgpack
     import zmq
     from moecached.engine.cache import ExpertCache
@@ -334,6 +335,12 @@ def micro(model: str, reps: int = 7, n: int = 20000) -> dict:
         wide = msgpack.packb({"v": 1, "id": 10, "op": "prefetch", "noreply": True,
                               "layers": [[x, list(range(idx.n_experts))] for x in idx.expert_layers]})
 
+        few = idx.expert_layers[:4]   # a prefetch of several layers whose experts are all resident
+        for x in few:
+            cache.release(cache.acquire(x, ex, timeout=60))
+        resident_layers = msgpack.packb({"v": 1, "id": 11, "op": "prefetch", "noreply": True,
+                                         "layers": [[x, ex] for x in few]})
+
         def wide_held():
             # a client over its loop share sends another wide noreply prefetch while one of its
             # own waits: the newer one replaces it (not served)
@@ -351,7 +358,8 @@ def micro(model: str, reps: int = 7, n: int = 20000) -> dict:
                  "acquire_release_limit_on_us": limit(True), "acquire_release_limit_off_us": limit(False),
                  "ping_general_us": general_of(ping, n), "stats_general_us": general_of(stats, n // 50),
                  "ping_over_share_queued_us": over_share(False),
-                 "ping_over_share_dropped_us": over_share(True), "wide_prefetch_held_us": wide_held}
+                 "ping_over_share_dropped_us": over_share(True), "wide_prefetch_held_us": wide_held,
+                 "layers_prefetch_resident_us": general_of(resident_layers, n)}
         per = {k: (n // 50 if k == "stats_general_us" else n) for k in cases}
         times = {k: [] for k in cases}
         for r in range(reps):   # order reversed every other rep (ABBA): no order effect

@@ -346,3 +346,50 @@ def test_a_held_wide_prefetch_is_replaced_without_being_decoded(model_factory, t
     finally:
         srv.close()
         cache.close()
+
+
+def test_a_prefetch_of_resident_layers_skips_the_general_planning(model_factory, tmp_path):
+    """A prefetch naming several layers went through the general path's validation and planning
+    of every expert even when all were resident: 408 us of the loop for 16 layers of 64 experts
+    (2-core machine), each time a flood's held prefetch ran. Now each layer is checked in Cython
+    first (``cache.prefetch_noop``) and nothing is planned when nothing is to do; anything the
+    check does not cover goes the general way."""
+    import msgpack
+    import zmq
+    from moecached.engine.cache import ExpertCache
+    from moecached.engine.index import open_index
+    from moecached.service.server import Server, _Client
+    path = model_factory("qwen3-30b-a3b-Q4_K_M", layers=4, experts=16)
+    idx = open_index(str(path))
+    cache = ExpertCache(idx, slots=64, readers=2, lock_memory=False)
+    srv = Server(cache, endpoint=f"ipc://{tmp_path}/r.sock", model_path=str(path))
+    try:
+        srv.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        ident = b"engine"
+        c = srv.clients[ident] = _Client(ident, time.monotonic(), 1e9, None)
+        c.ctl = srv._ctl_bucket(c)
+        L = idx.expert_layers
+        for x in L:
+            cache.release(cache.acquire(x, [0, 1, 2], timeout=60))
+        planned = []
+        real = cache.prefetch_many
+        cache.prefetch_many = lambda *a, **kw: planned.append(a[0]) or real(*a, **kw)
+
+        def prefetch(layers, **kw):
+            srv._handle([ident, msgpack.packb({"v": 1, "id": 1, "op": "prefetch", "noreply": True,
+                                               "layers": layers, **kw})])
+        prefetch([[x, [0, 1, 2]] for x in L])
+        assert planned == [], "a prefetch of resident experts was planned"
+        prefetch([[L[0], [0, 1]], [L[1], [2, 5]]])     # expert 5 of L[1] is not resident
+        assert planned and (L[1], [2, 5]) in planned[-1]
+        for odd in ([[L[0], [0]], [L[0], [1]]],        # a layer twice: the general path's error
+                    [[L[0], [0, 0]]],                   # an expert twice
+                    [[L[0], [0]], [999, [0]]],          # no such layer
+                    [[L[0], [0], 1]],                   # not [layer, experts]
+                    [[L[0], [True]]]):                  # not an integer
+            assert not srv._prefetch_noop({"layers": odd}), odd
+        assert not srv._prefetch_noop({"layers": [[L[0], [0]]], "conf": [[1.0]]}), "conf is the general path's"
+        assert srv._prefetch_noop({"layers": [[x, [0, 1, 2]] for x in L]})
+    finally:
+        srv.close()
+        cache.close()
