@@ -206,7 +206,8 @@ class ServerFairness:
                 and c.loop.tokens < 0 and c.loop.refill(time.perf_counter(), self._share_now) < 0):
             # a newer noreply prefetch of a client whose last one still waits for its share:
             # it replaces that one without being decoded (a flood of wide prefetches costs the
-            # loop what receiving it does; what is not a prefetch fails when it runs)
+            # loop what receiving it does; one that only looks like a prefetch is told apart
+            # when it runs, in _fair_timer)
             c.held_pf = frames
             c.coalesced += 1
             self.counters["prefetches_coalesced"] += 1
