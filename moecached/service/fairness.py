@@ -20,8 +20,9 @@ while other clients are active (a client alone is never held back) and holding a
   drain it, so a busy engine's ``stats`` are not held. Its debt is bounded (a flood delays its
   uid's next requests by about a second at most).
 
-Requests of the control kind wait in their client's queue, in order among themselves; nothing
-of the hot path (acquires, releases, checks, cancels, ``bye``, a prefetch that wants a reply)
+Over the loop bucket, a prefetch that wants a reply is answered at once with nothing queued
+(``over_share``), not planned. Requests of the control kind wait in their client's queue, in
+order among themselves; nothing of the hot path (acquires, releases, checks, cancels, ``bye``)
 ever waits, nor queues behind them, except a release naming no lease of the client and a
 ``bye`` of a client that holds nothing (they give nothing back). A client with :data:`HELD_MAX` requests waiting has the next
 refused ``rate_limited`` once, and further ones dropped (without decoding) until fewer wait.
@@ -233,8 +234,19 @@ class ServerFairness:
         op, rid, noreply, lease = peek(payload)
         rate = self._share_now
         if op == "prefetch":
-            if noreply is not True or not c.loop.refill(t0, rate) < 0:
+            if not c.loop.refill(t0, rate) < 0:
                 return False
+            if noreply is not True:
+                # over its share, a prefetch that wants a reply is answered at once with nothing
+                # queued, not planned (a prefetch is advice; a flood of them, each answered, went
+                # around the share); the client's acquires are never held
+                c.throttled += 1
+                self.counters["throttled"] += 1
+                c.last_seen = time.monotonic()
+                self._reply(c.ident, rid or 0, queued=0, over_share=True)
+                self._op = op
+                self._charge(c, t0, time.perf_counter())
+                return True
             if c.held_pf is not None:            # a newer prediction supersedes the held one
                 c.coalesced += 1
                 self.counters["prefetches_coalesced"] += 1
