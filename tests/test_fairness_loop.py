@@ -343,6 +343,16 @@ def test_a_held_wide_prefetch_is_replaced_without_being_decoded(model_factory, t
         srv._next_share = time.monotonic() + 60    # the share stays as set (one client here)
         srv._fair_timer(time.monotonic())
         assert c.held_pf is None and list(c.held) == [dressed], "the disguised stats was served"
+        # a frame over the message size limit is not kept as one (the look is for requests
+        # that could be one; it goes the normal way and is refused malformed when it runs)
+        c.held.clear()
+        srv._held.clear()
+        c.loop.tokens, c.ctl.tokens = -1.0, 0.0
+        srv._hold(c, wide(1004, 0))
+        big = [ident, b"\xa8prefetch\xa7noreply\xc3" + bytes(srv.max_message_bytes)]
+        peeks.clear()
+        srv._hold(c, big)
+        assert c.held_pf is not big and peeks, "an oversize frame replaced the held prefetch unlooked-at"
     finally:
         srv.close()
         cache.close()

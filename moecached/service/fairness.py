@@ -203,8 +203,9 @@ class ServerFairness:
         path (in order, over the control bucket); acquires, releases and the rest of the hot
         path are served at once, never behind them."""
         held, payload = c.held, frames[-1]
-        if (c.held_pf is not None and _NOREPLY_TRUE in payload and _PREFETCH in payload
-                and c.loop.tokens < 0 and c.loop.refill(time.perf_counter(), self._share_now) < 0):
+        if (c.held_pf is not None and c.loop.tokens < 0 and len(payload) <= self.max_message_bytes
+                and _NOREPLY_TRUE in payload and _PREFETCH in payload
+                and c.loop.refill(time.perf_counter(), self._share_now) < 0):
             # a newer noreply prefetch of a client whose last one still waits for its share:
             # it replaces that one without being decoded (a flood of wide prefetches costs the
             # loop what receiving it does; one that only looks like a prefetch is told apart
