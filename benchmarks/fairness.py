@@ -558,7 +558,8 @@ def main(argv=None) -> int:
             s["target_met"] = own is not None and own <= TARGET
             print(f"  {phase:10s} vs alone {s['p50_vs_alone']:.3f}"
                   + (f"  vs bystander {s['p50_vs_bystander']:.3f}" if "p50_vs_bystander" in s else "")
-                  + f"  {'met' if s['target_met'] else 'NOT met'}")
+                  + f"  {'met' if s['target_met'] else 'NOT met'} (by the ratio "
+                  + ("to the bystander)" if "p50_vs_bystander" in s else "to alone)"))
     for n in notes:
         print("note:", n)
     out = {"benchmark": "fairness", "argv": sys.argv[1:], "host": platform.node(),
