@@ -343,6 +343,17 @@ def test_a_held_wide_prefetch_is_replaced_without_being_decoded(model_factory, t
         srv._next_share = time.monotonic() + 60    # the share stays as set (one client here)
         srv._fair_timer(time.monotonic())
         assert c.held_pf is None and list(c.held) == [dressed], "the disguised stats was served"
+        # its queue full and the client told once: disguised control requests are dropped like
+        # plain ones, not each answered (they skipped the silent drop by their prefetch bytes)
+        errors = []
+        real_err = srv._send_error
+        srv._send_error = lambda *a, **kw: errors.append(a) or real_err(*a, **kw)
+        c.held.extend([dressed] * (fairness.HELD_MAX - len(c.held)))
+        srv._held.add(ident)
+        for _ in range(100):
+            srv._hold(c, dressed)
+        assert len(errors) == 1, f"{len(errors)} rate_limited replies to a client already told"
+        srv._send_error = real_err
         # a frame over the message size limit is not kept as one (the look is for requests
         # that could be one; it goes the normal way and is refused malformed when it runs)
         c.held.clear()

@@ -260,7 +260,7 @@ class ServerFairness:
         elif len(held) >= HELD_MAX:
             c.rate_limited += 1
             self.counters["rate_limited"] += 1
-            if noreply is not True:
+            if noreply is not True and c.ident not in self._told:   # told once, then dropped
                 self._send_error(c.ident, rid or 0, P.E_RATE_LIMITED,
                                  f"client {c.name} has {len(held)} requests waiting for its share of "
                                  f"the daemon's loop (client_loop_share {self.client_loop_share:g}); "
