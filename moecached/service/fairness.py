@@ -213,9 +213,7 @@ class ServerFairness:
             c.held_pf = frames
             c.coalesced += 1
             self.counters["prefetches_coalesced"] += 1
-            c.throttled += 1
-            self.counters["throttled"] += 1
-            c.last_seen = time.monotonic()
+            self._held_back(c)
             return True
         if (len(held) >= HELD_MAX and c.ident in self._told and _RELEASE not in payload
                 and _BYE not in payload and _ACQUIRE not in payload and _PREFETCH not in payload):
@@ -241,9 +239,7 @@ class ServerFairness:
                 # over its share, a prefetch that wants a reply is answered at once with nothing
                 # queued, not planned (a prefetch is advice; a flood of them, each answered, went
                 # around the share); the client's acquires are never held
-                c.throttled += 1
-                self.counters["throttled"] += 1
-                c.last_seen = time.monotonic()
+                self._held_back(c)
                 self._reply(c.ident, rid or 0, queued=0, over_share=True)
                 self._op = op
                 self._charge(c, t0, time.perf_counter())
@@ -270,12 +266,17 @@ class ServerFairness:
         else:
             held.append(frames)
             self._held.add(c.ident)
-        c.throttled += 1
-        self.counters["throttled"] += 1
-        c.last_seen = time.monotonic()
+        self._held_back(c)
         self._op = op if op is not None else ""
         self._charge(c, t0, time.perf_counter())   # the look at it is its own loop time too
         return True
+
+    def _held_back(self, c) -> None:
+        """Count a request of ``c`` held back, replaced or answered without being carried out
+        (``throttled``); the client is active (it sent it)."""
+        c.throttled += 1
+        self.counters["throttled"] += 1
+        c.last_seen = time.monotonic()
 
     def _gives_nothing_back(self, c, op, lease) -> bool:
         """A ``bye`` of a client that holds nothing, or a ``release`` of one ``lease`` that is
