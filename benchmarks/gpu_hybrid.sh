@@ -23,6 +23,11 @@
 #                     matmuls read the tier (a prompt that can need more experts than the tier
 #                     holds runs as rung 2); per row also the tier's hits, misses, bytes copied
 #                     to the device per decoded token (and per token overall) and the VRAM it takes
+#            rung3_Pprev, rung3_Pnp  (P = 10, 25, 50) rung3_P as the host lookup was before its
+#                     copies were settled once per graph: each block that copied waits for its
+#                     copies, from an arena not registered with CUDA (prev:
+#                     LLAMA_MOECACHED_VRAM_SETTLE=block LLAMA_MOECACHED_VRAM_PINNED=0), and with only
+#                     the registration left out (np: LLAMA_MOECACHED_VRAM_PINNED=0)
 #            rung4_P  (P = 10, 25, 50, 100) the same tier looked up on the device
 #                     (--moecached-vram-lookup auto, the default: a table per block in VRAM, no
 #                     host op in a decoded token's graph; a token that met a missing expert is
@@ -199,6 +204,12 @@ for pct in (10, 25, 50, 100):
     ROWS[f"rung4_{pct}"] = (f"rung 2 + --moecached-vram {pct}% (lookup auto): the tier looked up on the device (rung 4)",
                             ["--cpu-moe", "--moecached-gpu", "zerocopy", "--moecached-vram", f"{pct}%",
                              "--moecached-vram-lookup", "auto"], {}, 1.0)
+for pct in (10, 25, 50):   # the host lookup as it was: each block waits for its copies, from unregistered pages
+    ROWS[f"rung3_{pct}prev"] = (ROWS[f"rung3_{pct}"][0] + ", each block waiting for its copies (LLAMA_MOECACHED_VRAM_SETTLE=block) "
+                                "from an arena not registered with CUDA (LLAMA_MOECACHED_VRAM_PINNED=0)",
+                                ROWS[f"rung3_{pct}"][1], {"LLAMA_MOECACHED_VRAM_SETTLE": "block", "LLAMA_MOECACHED_VRAM_PINNED": "0"}, 1.0)
+    ROWS[f"rung3_{pct}np"] = (ROWS[f"rung3_{pct}"][0] + ", the arena not registered with CUDA (LLAMA_MOECACHED_VRAM_PINNED=0)",
+                              ROWS[f"rung3_{pct}"][1], {"LLAMA_MOECACHED_VRAM_PINNED": "0"}, 1.0)
 for pct in (25, 50):   # the same tier over an arena of half the experts (its misses read from the drive)
     ROWS[f"rung4_{pct}a50"] = (ROWS[f"rung4_{pct}"][0] + ", its daemon's arena 50 % of the experts",
                                ROWS[f"rung4_{pct}"][1], {}, 0.5)
@@ -218,7 +229,8 @@ if os.environ.get("BACKEND") == "vulkan" or os.environ.get("ZEROCOPY") == "0":
 PAIRS = [("cpu_moe", "rung1"), ("gpu", "rung2"), ("gpu", "cpu_moe"), ("rung1", "rung2"),
          ("gpu", "rung3_10"), ("gpu", "rung3_25"), ("gpu", "rung3_50"), ("gpu", "rung3_100"),
          ("gpu", "rung4_10"), ("gpu", "rung4_25"), ("gpu", "rung4_50"), ("gpu", "rung4_100"), ("gpu", "rung4_100w"), ("gpu", TWO),
-         ("gpu", "rung4_25a50"), ("gpu", "rung4_50a50")]
+         ("gpu", "rung4_25a50"), ("gpu", "rung4_50a50"), ("gpu", "rung3_10prev"), ("gpu", "rung3_25prev"), ("gpu", "rung3_50prev"),
+         ("gpu", "rung3_10np"), ("gpu", "rung3_25np"), ("gpu", "rung3_50np")]
 rows = [r for r in want if r in ROWS]
 SOCKS = {1.0: "/tmp/gpu-hybrid.sock", 0.5: "/tmp/gpu-hybrid-a50.sock"}   # per arena share, its daemon's socket
 work = "/tmp/gpu-hybrid/runs"; os.makedirs(work, exist_ok=True)
@@ -390,18 +402,20 @@ json.dump(results, open(f"{out}/rungs.json", "w"), indent=1)
 gpu = results["rows"].get("gpu", {}).get("decode_tps")
 lines = [f"model {results['model']}: {blocks} MoE blocks x {N_EXPERTS} experts, top-{TOP_K}, {steps} steps, "
          f"prompt {len(PROMPT)} bytes, {THREADS} threads, medians of {rounds - 1} rounds after a warm-up", "",
-         "| run | decode tok/s | vs GPU resident | prompt tok/s | acquires / fast / misses |", "|---|---|---|---|---|"]
+         "| run | decode tok/s | vs GPU resident | vs --cpu-moe | prompt tok/s | acquires / fast / misses |", "|---|---|---|---|---|---|"]
+cpu_moe = results["rows"].get("cpu_moe", {}).get("decode_tps")
 for k, v in bench.items():
     if isinstance(v, float):
-        lines.append(f"| llama-bench {k} | {v:.1f} | {f'{v / gpu:.3f}' if gpu else '-'} | - | - |")
+        lines.append(f"| llama-bench {k} | {v:.1f} | {f'{v / gpu:.3f}' if gpu else '-'} | - | - | - |")
 for name, row in results["rows"].items():
     if "decode_tps" not in row:
-        lines.append(f"| mc-decode {name}: {row['what']} | FAILED | - | - | - |")
+        lines.append(f"| mc-decode {name}: {row['what']} | FAILED | - | - | - | - |")
         continue
     st = row["stats"]
     vs = f"{row['decode_tps'] / gpu:.3f}" if gpu else "-"
     sts = f"{st.get('acquires')} / {st.get('fast')} / {st.get('misses')}" if st else "-"
-    lines.append(f"| mc-decode {name}: {row['what']} | {row['decode_tps']:.1f} | {vs} | {row['prompt_tps']:.1f} | {sts} |")
+    vc = f"{row['decode_tps'] / cpu_moe:.3f}" if cpu_moe else "-"
+    lines.append(f"| mc-decode {name}: {row['what']} | {row['decode_tps']:.1f} | {vs} | {vc} | {row['prompt_tps']:.1f} | {sts} |")
 lines += ["", "| a | b | max abs diff | identical rows | bit-identical | greedy tokens identical |", "|---|---|---|---|---|---|"]
 for q in results["pairs"]:
     if "error" in q:
@@ -413,7 +427,8 @@ for q in results["pairs"]:
 tier = [(n, r) for n, r in results["rows"].items() if "vram" in r]
 if tier:
     lines += ["", "| run | tier slots | VRAM MiB | decode hits / misses (hit rate) | MiB copied per decoded token | "
-              "MiB copied per token, prompt included | evictions | blocks run on the arena |", "|---|---|---|---|---|---|---|---|"]
+              "MiB copied per token, prompt included | evictions | blocks run on the arena | host waits for copies | "
+              "arena parts registered with CUDA |", "|---|---|---|---|---|---|---|---|---|---|"]
     h2d = results.get("h2d_bytes_per_s")
     # the ceiling a row's misses allow: the resident time per token plus its copies at the H2D rate
     ceil = {}
@@ -426,7 +441,8 @@ if tier:
         vr = row["vram"]
         lines.append(f"| {name} | {vr['slots']} | {vr['vram_bytes'] / 2**20:.0f} | {vr['decode_hits']} / {vr['decode_misses']} "
                      f"({vr['decode_hit_rate']:.3f}) | {vr['copied_bytes_per_decoded_token'] / 2**20:.2f} | "
-                     f"{vr['copied_bytes_per_token'] / 2**20:.2f} | {vr['evictions']} | {vr['fallbacks']} |")
+                     f"{vr['copied_bytes_per_token'] / 2**20:.2f} | {vr['evictions']} | {vr['fallbacks']} | "
+                     f"{vr.get('copy_syncs', '-')} | {vr.get('pinned_parts', '-')} |")
     lines += ["", f"H2D from pinned memory: {h2d / 1e9:.1f} GB/s (the same run)" if h2d else "H2D: not measured (no PyTorch CUDA)"]
     if ceil:
         lines += ["", "| run | decode tok/s | ceiling its copies allow | of the ceiling |", "|---|---|---|---|"]

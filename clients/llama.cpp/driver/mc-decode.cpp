@@ -38,9 +38,13 @@
 // device that runs the MoE blocks (a CPU buffer on a CPU build), filled from the arena; a last line:
 //   vram slots=N vram_bytes=N hits=N misses=N copied_bytes=N evictions=N fallbacks=N invalidations=N
 //        lookup=M device_ubatches=N reruns=N reads=N fill_syncs=N switches=N spec_copies=N
+//        copy_syncs=N pinned_parts=N
 //        decode_hits=N decode_misses=N decode_copied_bytes=N decode_spec_copies=N decode_reruns=N
+//        decode_copy_syncs=N
 // (misses: experts copied into the tier; fallbacks: block calls run on the arena because their
-// ubatch could need more experts than the tier holds; decode_*: over the decode steps only).
+// ubatch could need more experts than the tier holds; copy_syncs: the host lookup's waits for its
+// copies, one per graph that copied; pinned_parts: arena parts registered with CUDA for the copies;
+// decode_*: over the decode steps only).
 // --moecached-vram-lookup auto|device|host (LLAMA_MOECACHED_VRAM_LOOKUP): a decoded token's blocks look
 // their experts up in a table in the tier (device: no host op in the graph; the host reads every
 // block's routed ids once after the graph, copies in what was missing and computes the graph again:
@@ -192,7 +196,7 @@ int main(int argc, char ** argv) {
         const char * p = strstr(b, key);
         return p ? strtoull(p + strlen(key), nullptr, 10) : 0;
     };
-    unsigned long long dec_hits = 0, dec_misses = 0, dec_copied = 0, dec_spec = 0, dec_reruns = 0;
+    unsigned long long dec_hits = 0, dec_misses = 0, dec_copied = 0, dec_spec = 0, dec_reruns = 0, dec_syncs = 0;
     for (int round = 0; round < rounds; ++round) {
         llama_context_params cp = llama_context_default_params();
         cp.n_ctx = n_prompt + n_steps + 8;
@@ -236,7 +240,8 @@ int main(int argc, char ** argv) {
         for (int s = 1; s <= n_steps; ++s) {
             if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
             const unsigned long long h0 = vram_counter(" hits="), m0 = vram_counter(" misses="), c0 = vram_counter(" copied_bytes="),
-                                     x0 = vram_counter(" spec_copies="), r0 = vram_counter(" reruns=");
+                                     x0 = vram_counter(" spec_copies="), r0 = vram_counter(" reruns="),
+                                     y0 = vram_counter(" copy_syncs=");
             t0 = now_s();
             if (!decode(llama_batch_get_one(&tok, 1))) return 3;
             llama_synchronize(ctx);
@@ -246,6 +251,7 @@ int main(int argc, char ** argv) {
             dec_copied += vram_counter(" copied_bytes=") - c0;
             dec_spec += vram_counter(" spec_copies=") - x0;
             dec_reruns += vram_counter(" reruns=") - r0;
+            dec_syncs += vram_counter(" copy_syncs=") - y0;
             n_decoded++;
             tok = emit(s, llama_get_logits_ith(ctx, -1));
         }
@@ -267,8 +273,8 @@ int main(int argc, char ** argv) {
         printf("prefetch %s\n", pf);
         char vr[1024];
         llama_moecached_vram_stats(vr, sizeof vr);
-        printf("vram %s decode_hits=%llu decode_misses=%llu decode_copied_bytes=%llu decode_spec_copies=%llu decode_reruns=%llu\n",
-               vr, dec_hits, dec_misses, dec_copied, dec_spec, dec_reruns);
+        printf("vram %s decode_hits=%llu decode_misses=%llu decode_copied_bytes=%llu decode_spec_copies=%llu decode_reruns=%llu "
+               "decode_copy_syncs=%llu\n", vr, dec_hits, dec_misses, dec_copied, dec_spec, dec_reruns, dec_syncs);
     }
     fflush(stdout);
     llama_model_free(model);
