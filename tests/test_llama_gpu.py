@@ -94,17 +94,35 @@ def test_gpu_rungs_give_the_all_on_the_gpu_logits(model, all_on_the_gpu, tmp_pat
         assert v["reads"] == v["device_ubatches"] + v["reruns"], v
 
 
-@pytest.mark.parametrize("tier,lookup", [(None, None), ("25%", "host"), ("12.5%", "device")])
-def test_daemon_restart_on_the_gpu_is_an_error_or_a_correct_continuation(model, all_on_the_gpu, tmp_path, tier, lookup):
-    """Zerocopy (with a tier looked up on the host or on the device, or none), the daemon
-    restarted mid-decode: the new arena is registered with CUDA anew (the tier invalidated) and
-    the logits stay the all-on-the-GPU run's, or the engine stops with one moecached error line
-    and what it wrote is a prefix of them."""
+@pytest.mark.parametrize("arena", [1.0, 0.5])
+@pytest.mark.parametrize("lookup", ["host", "device"])
+def test_tier_without_zerocopy_copies_from_the_registered_arena(model, all_on_the_gpu, tmp_path, arena, lookup):
+    """The tier without --moecached-gpu zerocopy (as for a model whose rows zerocopy refuses): the
+    arena's three parts are registered with CUDA for the copies, the host lookup waits for its
+    copies once a decoded token at most, and the logits are the all-on-the-GPU run's."""
+    r, st = RUN.served(model, tmp_path, "tier", int(arena * _served_experts()), "--cpu-moe",
+                       "--moecached-vram", "25%", "--moecached-vram-lookup", lookup)
+    assert filecmp.cmp(all_on_the_gpu, tmp_path / "tier.bin", shallow=False), \
+        f"arena {arena:.0%}, lookup {lookup}: logits differ from every layer on the GPU"
+    v = _vram(r.stdout)
+    assert v["pinned_parts"] == 3 and v["misses"] > 0 and v["invalidations"] == 0, v
+    assert "registered with CUDA device" in r.stderr, r.stderr[-1500:]
+    if lookup == "host":
+        assert 0 < v["decode_copy_syncs"] <= STEPS and v["decode_misses"] > TOP_K * STEPS, v
+
+
+@pytest.mark.parametrize("tier,lookup,zerocopy", [(None, None, True), ("25%", "host", True), ("12.5%", "device", True),
+                                                  ("25%", "host", False)])
+def test_daemon_restart_on_the_gpu_is_an_error_or_a_correct_continuation(model, all_on_the_gpu, tmp_path, tier, lookup, zerocopy):
+    """Zerocopy (with a tier looked up on the host or on the device, or none) or a tier copying
+    from the registered arena, the daemon restarted mid-decode: the new arena is registered with
+    CUDA anew (the tier invalidated) and the logits stay the all-on-the-GPU run's, or the engine
+    stops with one moecached error line and what it wrote is a prefix of them."""
     n = _served_experts()
     sock = str(tmp_path / "d.sock")
     p = start_daemon(str(model), sock, "--slots", str(n))
     cmd = [str(CUDA_BIN / "mc-decode"), "-m", str(model), "-p", prompt(), "-n", str(STEPS), "-t", "2",
-           "--dump", str(tmp_path / "out.bin"), "--moecached", f"ipc://{sock}", *ZEROCOPY,
+           "--dump", str(tmp_path / "out.bin"), "--moecached", f"ipc://{sock}", *(ZEROCOPY if zerocopy else ("--cpu-moe",)),
            *(("--moecached-vram", tier, "--moecached-vram-lookup", lookup) if tier else ()),
            "--step-delay-ms", "150", "--retries", "40"]
     def under_way(eng):
