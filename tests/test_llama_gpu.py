@@ -99,7 +99,8 @@ def test_gpu_rungs_give_the_all_on_the_gpu_logits(model, all_on_the_gpu, tmp_pat
 def test_tier_without_zerocopy_copies_from_the_registered_arena(model, all_on_the_gpu, tmp_path, arena, lookup):
     """The tier without --moecached-gpu zerocopy (as for a model whose rows zerocopy refuses): the
     arena's three parts are registered with CUDA for the copies, the host lookup waits for its
-    copies once a decoded token at most, and the logits are the all-on-the-GPU run's."""
+    copies once a decoded token at most (the CPU build's tests/test_llama_vram.py shows that
+    tokens copy in several blocks), and the logits are the all-on-the-GPU run's."""
     r, st = RUN.served(model, tmp_path, "tier", int(arena * _served_experts()), "--cpu-moe",
                        "--moecached-vram", "25%", "--moecached-vram-lookup", lookup)
     assert filecmp.cmp(all_on_the_gpu, tmp_path / "tier.bin", shallow=False), \
@@ -108,7 +109,7 @@ def test_tier_without_zerocopy_copies_from_the_registered_arena(model, all_on_th
     assert v["pinned_parts"] == 3 and v["misses"] > 0 and v["invalidations"] == 0, v
     assert "registered with CUDA device" in r.stderr, r.stderr[-1500:]
     if lookup == "host":
-        assert 0 < v["decode_copy_syncs"] <= STEPS and v["decode_misses"] > TOP_K * STEPS, v
+        assert 0 < v["decode_copy_syncs"] <= min(STEPS, v["decode_misses"]), v
 
 
 @pytest.mark.parametrize("tier,lookup,zerocopy", [(None, None, True), ("25%", "host", True), ("12.5%", "device", True),
