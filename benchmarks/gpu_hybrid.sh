@@ -23,11 +23,8 @@
 #                     matmuls read the tier (a prompt that can need more experts than the tier
 #                     holds runs as rung 2); per row also the tier's hits, misses, bytes copied
 #                     to the device per decoded token (and per token overall) and the VRAM it takes
-#            rung3_Pprev, rung3_Pnp  (P = 10, 25, 50) rung3_P as the host lookup was before its
-#                     copies were settled once per graph: each block that copied waits for its
-#                     copies, from an arena not registered with CUDA (prev:
-#                     LLAMA_MOECACHED_VRAM_SETTLE=block LLAMA_MOECACHED_VRAM_PINNED=0), and with only
-#                     the registration left out (np: LLAMA_MOECACHED_VRAM_PINNED=0)
+#            rung3_Ppin  (P = 10, 25, 50) rung3_P with the arena registered with CUDA for the
+#                     tier's copies (LLAMA_MOECACHED_VRAM_PINNED=1; matters without zerocopy)
 #            rung4_P  (P = 10, 25, 50, 100) the same tier looked up on the device
 #                     (--moecached-vram-lookup auto, the default: a table per block in VRAM, no
 #                     host op in a decoded token's graph; a token that met a missing expert is
@@ -204,12 +201,9 @@ for pct in (10, 25, 50, 100):
     ROWS[f"rung4_{pct}"] = (f"rung 2 + --moecached-vram {pct}% (lookup auto): the tier looked up on the device (rung 4)",
                             ["--cpu-moe", "--moecached-gpu", "zerocopy", "--moecached-vram", f"{pct}%",
                              "--moecached-vram-lookup", "auto"], {}, 1.0)
-for pct in (10, 25, 50):   # the host lookup as it was: each block waits for its copies, from unregistered pages
-    ROWS[f"rung3_{pct}prev"] = (ROWS[f"rung3_{pct}"][0] + ", each block waiting for its copies (LLAMA_MOECACHED_VRAM_SETTLE=block) "
-                                "from an arena not registered with CUDA (LLAMA_MOECACHED_VRAM_PINNED=0)",
-                                ROWS[f"rung3_{pct}"][1], {"LLAMA_MOECACHED_VRAM_SETTLE": "block", "LLAMA_MOECACHED_VRAM_PINNED": "0"}, 1.0)
-    ROWS[f"rung3_{pct}np"] = (ROWS[f"rung3_{pct}"][0] + ", the arena not registered with CUDA (LLAMA_MOECACHED_VRAM_PINNED=0)",
-                              ROWS[f"rung3_{pct}"][1], {"LLAMA_MOECACHED_VRAM_PINNED": "0"}, 1.0)
+for pct in (10, 25, 50):   # the tier's copies from an arena registered with CUDA (opt-in)
+    ROWS[f"rung3_{pct}pin"] = (ROWS[f"rung3_{pct}"][0] + ", the arena registered with CUDA for the copies (LLAMA_MOECACHED_VRAM_PINNED=1)",
+                               ROWS[f"rung3_{pct}"][1], {"LLAMA_MOECACHED_VRAM_PINNED": "1"}, 1.0)
 for pct in (25, 50):   # the same tier over an arena of half the experts (its misses read from the drive)
     ROWS[f"rung4_{pct}a50"] = (ROWS[f"rung4_{pct}"][0] + ", its daemon's arena 50 % of the experts",
                                ROWS[f"rung4_{pct}"][1], {}, 0.5)
@@ -229,8 +223,7 @@ if os.environ.get("BACKEND") == "vulkan" or os.environ.get("ZEROCOPY") == "0":
 PAIRS = [("cpu_moe", "rung1"), ("gpu", "rung2"), ("gpu", "cpu_moe"), ("rung1", "rung2"),
          ("gpu", "rung3_10"), ("gpu", "rung3_25"), ("gpu", "rung3_50"), ("gpu", "rung3_100"),
          ("gpu", "rung4_10"), ("gpu", "rung4_25"), ("gpu", "rung4_50"), ("gpu", "rung4_100"), ("gpu", "rung4_100w"), ("gpu", TWO),
-         ("gpu", "rung4_25a50"), ("gpu", "rung4_50a50"), ("gpu", "rung3_10prev"), ("gpu", "rung3_25prev"), ("gpu", "rung3_50prev"),
-         ("gpu", "rung3_10np"), ("gpu", "rung3_25np"), ("gpu", "rung3_50np")]
+         ("gpu", "rung4_25a50"), ("gpu", "rung4_50a50"), ("gpu", "rung3_10pin"), ("gpu", "rung3_25pin"), ("gpu", "rung3_50pin")]
 rows = [r for r in want if r in ROWS]
 SOCKS = {1.0: "/tmp/gpu-hybrid.sock", 0.5: "/tmp/gpu-hybrid-a50.sock"}   # per arena share, its daemon's socket
 work = "/tmp/gpu-hybrid/runs"; os.makedirs(work, exist_ok=True)

@@ -96,11 +96,11 @@ def test_gpu_rungs_give_the_all_on_the_gpu_logits(model, all_on_the_gpu, tmp_pat
 
 @pytest.mark.parametrize("arena", [1.0, 0.5])
 @pytest.mark.parametrize("lookup", ["host", "device"])
-def test_tier_without_zerocopy_copies_from_the_registered_arena(model, all_on_the_gpu, tmp_path, arena, lookup):
-    """The tier without --moecached-gpu zerocopy (as for a model whose rows zerocopy refuses): the
-    arena's three parts are registered with CUDA for the copies, the host lookup waits for its
-    copies once a decoded token at most (the CPU build's tests/test_llama_vram.py shows that
-    tokens copy in several blocks), and the logits are the all-on-the-GPU run's."""
+def test_tier_without_zerocopy_copies_from_the_registered_arena(model, all_on_the_gpu, tmp_path, arena, lookup, monkeypatch):
+    """The tier without --moecached-gpu zerocopy (as for a model whose rows zerocopy refuses),
+    LLAMA_MOECACHED_VRAM_PINNED=1: the arena's three parts are registered with CUDA for the
+    copies, and the logits are the all-on-the-GPU run's."""
+    monkeypatch.setenv("LLAMA_MOECACHED_VRAM_PINNED", "1")
     r, st = RUN.served(model, tmp_path, "tier", int(arena * _served_experts()), "--cpu-moe",
                        "--moecached-vram", "25%", "--moecached-vram-lookup", lookup)
     assert filecmp.cmp(all_on_the_gpu, tmp_path / "tier.bin", shallow=False), \
@@ -109,14 +109,14 @@ def test_tier_without_zerocopy_copies_from_the_registered_arena(model, all_on_th
     assert v["pinned_parts"] == 3 and v["misses"] > 0 and v["invalidations"] == 0, v
     assert "registered with CUDA device" in r.stderr, r.stderr[-1500:]
     if lookup == "host":
-        assert 0 < v["decode_copy_syncs"] <= min(STEPS, v["decode_misses"]), v
+        assert v["decode_copy_syncs"] > 0, v
 
 
 @pytest.mark.parametrize("tier,lookup,zerocopy", [(None, None, True), ("25%", "host", True), ("12.5%", "device", True),
                                                   ("25%", "host", False)])
 def test_daemon_restart_on_the_gpu_is_an_error_or_a_correct_continuation(model, all_on_the_gpu, tmp_path, tier, lookup, zerocopy):
     """Zerocopy (with a tier looked up on the host or on the device, or none) or a tier copying
-    from the registered arena, the daemon restarted mid-decode: the new arena is registered with
+    from the registered arena (LLAMA_MOECACHED_VRAM_PINNED=1), the daemon restarted mid-decode: the new arena is registered with
     CUDA anew (the tier invalidated) and the logits stay the all-on-the-GPU run's, or the engine
     stops with one moecached error line and what it wrote is a prefix of them."""
     n = _served_experts()
@@ -130,7 +130,8 @@ def test_daemon_restart_on_the_gpu_is_an_error_or_a_correct_continuation(model, 
         time.sleep(3.0)
         assert eng.poll() is None, "the engine finished before the restart: make the decode longer"
     rc, out, err = across_restart(cmd, under_way,
-                                  lambda: (stop_daemon(p), start_daemon(str(model), sock, "--slots", str(n)))[1])
+                                  lambda: (stop_daemon(p), start_daemon(str(model), sock, "--slots", str(n)))[1],
+                                  env=None if zerocopy else dict(os.environ, LLAMA_MOECACHED_VRAM_PINNED="1"))
     ref = all_on_the_gpu.read_bytes()
     if rc == 0:
         assert (tmp_path / "out.bin").read_bytes() == ref, "other logits after a restart"

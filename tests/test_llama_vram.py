@@ -118,24 +118,6 @@ def test_tier_gives_the_resident_logits_and_its_counters_add_up(resident, geomet
         assert eng["acquires"] < engine_llama.parse_stats(plain.stdout)["acquires"], (eng, plain.stdout[-500:])
 
 
-def test_host_lookup_waits_for_its_copies_once_per_graph(resident, geometry, tmp_path):
-    """The host lookup's copies into the tier are not waited for in each block: their leases are
-    checked and given back once the graph has run (one host wait a graph that copied, none a
-    block). A tier of 25 %: the decoded tokens copy more experts than one block's top-k, so some
-    token copies in several blocks; a decoded token waits once at most (the prompt's blocks, 32
-    experts each, settle whenever their leases would pin more than a quarter of the arena's slots),
-    and the logits are the resident run's."""
-    g = geometry
-    r, _ = served(MODEL, tmp_path, "tier", g["blocks"] * g["experts"], "--moecached-vram", "25%",
-                  "--moecached-vram-lookup", "host")
-    assert filecmp.cmp(resident, tmp_path / "tier.bin", shallow=False), "logits differ"
-    v, t = vram(r), timing(r)
-    assert v["decode_misses"] > g["k"] * STEPS, v          # some token copied in more than one block
-    assert 0 < v["decode_copy_syncs"] <= t["decode_tokens"], (v, t)
-    assert v["copy_syncs"] - v["decode_copy_syncs"] <= g["blocks"], (v, t)
-    assert v["pinned_parts"] == 0, v                       # (a CPU build: nothing registered)
-
-
 def test_device_lookup_of_a_full_tier_reads_once_per_token_and_runs_once(resident, geometry, tmp_path):
     """Every expert in the tier, looked up on the device: a second round of the same prompt and
     decode in the same process finds every expert its tokens route to in the tier, so it adds no

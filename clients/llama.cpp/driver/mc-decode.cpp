@@ -43,7 +43,7 @@
 //        decode_copy_syncs=N
 // (misses: experts copied into the tier; fallbacks: block calls run on the arena because their
 // ubatch could need more experts than the tier holds; copy_syncs: the host lookup's waits for its
-// copies, one per graph that copied; pinned_parts: arena parts registered with CUDA for the copies;
+// copies, one per block that copied; pinned_parts: arena parts registered with CUDA for the copies;
 // decode_*: over the decode steps only).
 // --moecached-vram-lookup auto|device|host (LLAMA_MOECACHED_VRAM_LOOKUP): a decoded token's blocks look
 // their experts up in a table in the tier (device: no host op in the graph; the host reads every
