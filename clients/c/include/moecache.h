@@ -329,6 +329,33 @@ MC_API int mc_lease_valid(const mc_lease *l);
 /* Unpin and free the lease (fast path: atomic decrements; socket: a noreply release). */
 MC_API void mc_release(mc_lease *l);
 
+/* ------------------------------------------------------------------ peeks */
+
+/* Where an expert lies in the arena, seen without a lease (mc_peek). */
+typedef struct mc_peek_item {
+    uint64_t session;         /* the arena's session when peeked (0: not found) */
+    uint64_t gen;             /* the slot's generation then */
+    uint32_t cls;
+    uint32_t slot;            /* UINT32_MAX: not resident when peeked */
+} mc_peek_item;
+
+/* Where the experts of `layer` lie in the current arena now, without a lease and without a
+ * message: out[i] gets experts[i]'s class, slot and generation, or slot UINT32_MAX when it is not
+ * resident (absent, loading, out of range). For a reader that cannot hold a lease while it reads
+ * (a GPU kernel over the registered arena): nothing stops the daemon from evicting a peeked
+ * expert, so the reader calls mc_peek_valid on each item it used after reading; 1 means what it
+ * read was the expert's bytes (the lease's seqlock, docs/protocol.md). Nothing is counted as a
+ * hit: mc_note_hits does that. Returns the number found; 0 without an arena map or resident map,
+ * or when the daemon restarted (the next call that talks to it says hello again). */
+MC_API uint32_t mc_peek(mc_client *c, int layer, const int *experts, uint32_t n, mc_peek_item *out);
+/* 1 while a peeked item still names its expert: the current arena's epoch is the item's
+ * session and the slot's generation is the peeked one. Bytes read from the slot before a call
+ * that returns 1 were the expert's. */
+MC_API int mc_peek_valid(mc_client *c, const mc_peek_item *it);
+/* Count uses of the experts of `layer` in the daemon's LRU without pinning them (the hit path's
+ * ring, as a pin does). 1 when recorded; 0 without the hit path or when its ring is full. */
+MC_API int mc_note_hits(mc_client *c, int layer, const int *experts, uint32_t n);
+
 #ifdef __cplusplus
 }
 #endif

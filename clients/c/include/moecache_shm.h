@@ -206,6 +206,67 @@ bad:
     return MCSHM_BAD;
 }
 
+/* Where the experts keys[0..n) lie now, without a pin (an optimistic read, for a reader that
+ * cannot hold a lease while it reads, e.g. a GPU kernel): out[i] gets the class, slot and
+ * generation of keys[i], or slot = UINT32_MAX when it is not resident (or the key is out of
+ * range). Nothing stops the daemon from evicting a peeked expert: the reader checks mcshm_valid
+ * on the items it used after reading, the same seqlock as a lease's. The map is read again
+ * after the generation: a slot whose expert left and came back between the two reads is the
+ * expert's only if the map still names it. Returns the number found (0 when the epoch is not
+ * m->session). Writes nothing. */
+static inline uint32_t mcshm_peek(const mcshm_layout *m, const uint32_t *keys, uint32_t n, mcshm_item *out) {
+    uint32_t found = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        out[i].cls = 0;
+        out[i].slot = UINT32_MAX;
+        out[i].gen = 0;
+    }
+    if (mcshm_epoch(m) != m->session ||
+        atomic_load_explicit(&m->ctl[MCSHM_CTL_W_STATE], memory_order_relaxed) != MCSHM_STATE_SERVING)
+        return 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t key = keys[i];
+        if (key >= m->n_keys)
+            continue;
+        uint64_t r = atomic_load_explicit(mcshm_res_ptr(m, key), memory_order_acquire);
+        uint32_t cls = m->key_class[key / m->n_experts];
+        if (r == 0 || cls >= m->n_classes || r - 1 >= m->n_slots[cls])
+            continue;
+        uint64_t gen = atomic_load_explicit(mcshm_gen_ptr(m, cls, (uint32_t)(r - 1)), memory_order_acquire);
+        atomic_thread_fence(memory_order_seq_cst);
+        if (atomic_load_explicit(mcshm_res_ptr(m, key), memory_order_acquire) != r)
+            continue;
+        out[i].cls = cls;
+        out[i].slot = (uint32_t)(r - 1);
+        out[i].gen = gen;
+        found++;
+    }
+    return mcshm_epoch(m) == m->session ? found : 0;
+}
+
+/* Tell the daemon's LRU about uses of keys[0..n) without pinning them: one hit ring entry each,
+ * as a pin writes (the daemon drops entries for keys that are not resident). False (nothing
+ * written) without a pin file or when the ring has no room for n entries. One producer, as for
+ * mcshm_pin. */
+static inline int mcshm_note_hits(const mcshm_layout *m, const uint32_t *keys, uint32_t n) {
+    mcshm_u64 *pf = m->pin;
+    if (pf == NULL || n == 0)
+        return 0;
+    uint64_t head = atomic_load_explicit(&pf[MCSHM_PIN_W_HEAD], memory_order_relaxed);
+    uint64_t tail = atomic_load_explicit(&pf[MCSHM_PIN_W_TAIL], memory_order_acquire);
+    if (head - tail + n > m->ring_n)
+        return 0;
+    uint64_t now = mcshm_now_ns();
+    mcshm_u64 *ring = &pf[m->ring_word];
+    for (uint32_t j = 0; j < n; j++) {
+        uint64_t e = (head + j) & (m->ring_n - 1);
+        atomic_store_explicit(&ring[2 * e], (uint64_t)keys[j] + 1, memory_order_relaxed);
+        atomic_store_explicit(&ring[2 * e + 1], now, memory_order_relaxed);
+    }
+    atomic_store_explicit(&pf[MCSHM_PIN_W_HEAD], head + n, memory_order_release);
+    return 1;
+}
+
 /* ------------------------------------------------------------------ daemon side */
 
 static inline void mcshm_publish(const mcshm_layout *m, uint32_t key, uint32_t slot) {

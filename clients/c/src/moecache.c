@@ -1719,6 +1719,82 @@ int mc_lease_valid(const mc_lease *l) {
     return mcshm_valid(&l->am->lay, l->session, l->mi, l->n);
 }
 
+/* keys of `layer`'s experts in am (false for a layer or expert out of range) */
+static int peek_keys(const mc_arena_map *am, int layer, const int *experts, uint32_t n, uint32_t *keys) {
+    if (layer < 0 || layer > am->max_layer || am->layer_moe[layer] < 0) return 0;
+    for (uint32_t j = 0; j < n; j++) {
+        if (experts[j] < 0 || (uint32_t)experts[j] >= am->lay.n_experts) return 0;
+        keys[j] = (uint32_t)am->layer_moe[layer] * am->lay.n_experts + (uint32_t)experts[j];
+    }
+    return 1;
+}
+
+uint32_t mc__peek(mc_arena_map *am, int layer, const int *experts, uint32_t n, mc_peek_item *out) {
+    for (uint32_t i = 0; i < n; i++) {
+        out[i].session = 0;
+        out[i].gen = 0;
+        out[i].cls = 0;
+        out[i].slot = UINT32_MAX;
+    }
+    if (!am || !am->has_resmap || atomic_load(&am->voided) || !experts || n == 0) return 0;
+    uint32_t kbuf[256];
+    uint32_t *keys = n <= 256 ? kbuf : malloc(n * sizeof(uint32_t));
+    mcshm_item ibuf[64];
+    mcshm_item *mi = n <= 64 ? ibuf : malloc(n * sizeof(mcshm_item));
+    uint32_t found = 0;
+    if (keys && mi && peek_keys(am, layer, experts, n, keys)) {
+        found = mcshm_peek(&am->lay, keys, n, mi);
+        for (uint32_t i = 0; found && i < n; i++) {
+            if (mi[i].slot == UINT32_MAX) continue;
+            out[i].session = am->session;
+            out[i].gen = mi[i].gen;
+            out[i].cls = mi[i].cls;
+            out[i].slot = mi[i].slot;
+        }
+    }
+    if (keys != kbuf) free(keys);
+    if (mi != ibuf) free(mi);
+    return found;
+}
+
+int mc__peek_valid(mc_arena_map *am, const mc_peek_item *it) {
+    if (!am || !it || it->slot == UINT32_MAX || it->session == 0 || am->session != it->session || atomic_load(&am->voided))
+        return 0;
+    mcshm_item m = {it->cls, it->slot, it->gen};
+    return mcshm_valid(&am->lay, it->session, &m, 1);
+}
+
+int mc__note_hits(mc_arena_map *am, int layer, const int *experts, uint32_t n) {
+    uint32_t keys[256];
+    if (!am || !am->lay.pin || atomic_load(&am->voided) || !experts || n == 0 || n > 256 || !peek_keys(am, layer, experts, n, keys))
+        return 0;
+    return mcshm_note_hits(&am->lay, keys, n);
+}
+
+uint32_t mc_peek(mc_client *c, int layer, const int *experts, uint32_t n, mc_peek_item *out) {
+    if (!c || !out) return 0;
+    pthread_mutex_lock(&c->pin_mu);
+    uint32_t found = mc__peek(c->cur, layer, experts, n, out);
+    pthread_mutex_unlock(&c->pin_mu);
+    return found;
+}
+
+int mc_peek_valid(mc_client *c, const mc_peek_item *it) {
+    if (!c) return 0;
+    pthread_mutex_lock(&c->pin_mu);
+    int ok = mc__peek_valid(c->cur, it);
+    pthread_mutex_unlock(&c->pin_mu);
+    return ok;
+}
+
+int mc_note_hits(mc_client *c, int layer, const int *experts, uint32_t n) {
+    if (!c) return 0;
+    pthread_mutex_lock(&c->pin_mu);
+    int ok = mc__note_hits(c->cur, layer, experts, n);
+    pthread_mutex_unlock(&c->pin_mu);
+    return ok;
+}
+
 const void *mc_lease_part(const mc_lease *l, uint32_t idx, const char *part, uint64_t *bytes) {
     if (bytes) *bytes = 0;
     if (!l || idx >= l->n || !part || !mc_lease_valid(l)) return NULL;

@@ -65,5 +65,10 @@ void mc_arena_unref_map(mc_arena_map *am);
  * when the live fast leases plus this one would hold more items than pin_quota: the daemon
  * ignores pins past its quota, so those go over the socket). */
 int mc__pin_lease(mc_arena_map *am, const mc_request *reqs, uint32_t n, mc_lease **out);
+/* mc_peek / mc_peek_valid / mc_note_hits on one arena map (the public ones take the client's
+ * current map under its pin lock) */
+uint32_t mc__peek(mc_arena_map *am, int layer, const int *experts, uint32_t n, mc_peek_item *out);
+int mc__peek_valid(mc_arena_map *am, const mc_peek_item *it);
+int mc__note_hits(mc_arena_map *am, int layer, const int *experts, uint32_t n);
 
 #endif

@@ -206,6 +206,43 @@ static void test_socket_lease_validity(void) {
     fa_free(f);
 }
 
+/* peeks: where resident experts lie, without pins; a slot reused after the peek is told by the
+ * generation; hits noted in the ring without pins */
+static void test_peek(void) {
+    fake_arena *f = fa_new(SESSION);
+    fa_load(f, 0, 4, 2);
+    fa_load(f, 0, 6, 0);
+    int ex[] = {4, 5, 6};
+    mc_peek_item it[3];
+    CHECK(mc__peek(f->am, FA_L0, ex, 3, it) == 2, "two of three resident");
+    CHECK(it[0].slot == 2 && it[0].cls == 0 && it[0].session == SESSION, "expert 4 in slot 2");
+    CHECK(it[1].slot == UINT32_MAX && it[1].session == 0, "expert 5 not resident");
+    CHECK(it[2].slot == 0, "expert 6 in slot 0");
+    CHECK(fa_pins(f, 0, 2) == 0 && fa_pins(f, 0, 0) == 0 && head(f) == 0, "a peek pins nothing and writes no hit");
+    CHECK(mc__peek_valid(f->am, &it[0]) == 1 && mc__peek_valid(f->am, &it[2]) == 1, "peeks valid");
+    CHECK(mc__peek_valid(f->am, &it[1]) == 0, "a miss is never valid");
+    /* nothing pins a peeked slot: the daemon evicts it and loads another expert there */
+    CHECK(mcshm_try_evict(&f->am->lay, f->pins, 1, 4, 0, 2) == 1, "a peeked slot is evictable");
+    fa_load(f, 0, 7, 2);
+    CHECK(mc__peek_valid(f->am, &it[0]) == 0, "the generation tells: the peek is stale");
+    CHECK(mc__peek_valid(f->am, &it[2]) == 1, "the other slot still holds its expert");
+    mc_peek_item again;
+    int e7 = 7;
+    CHECK(mc__peek(f->am, FA_L0, &e7, 1, &again) == 1 && again.slot == 2 && again.gen != it[0].gen, "the new expert, a new generation");
+    int bad[] = {4, 99};
+    CHECK(mc__peek(f->am, FA_L0, bad, 2, it) == 0 && it[0].slot == UINT32_MAX, "an expert out of range: nothing found");
+    CHECK(mc__peek(f->am, FA_L0 + 1000, ex, 1, it) == 0, "a layer past the model: nothing found");
+    /* hits without pins */
+    CHECK(mc__note_hits(f->am, FA_L0, &e7, 1) == 1 && head(f) == 1 && fa_pins(f, 0, 2) == 0, "a noted hit: one ring entry, no pin");
+    uint64_t *ring = (uint64_t *)f->pin + f->am->lay.ring_word;
+    CHECK(ring[0] == 7 + 1 && ring[1] != 0, "ring entry: key+1 and a time");
+    /* a restart voids every peek */
+    f->am->lay.ctl[MCSHM_CTL_W_EPOCH] = SESSION + 1;
+    CHECK(mc__peek_valid(f->am, &again) == 0, "another epoch: invalid");
+    CHECK(mc__peek(f->am, FA_L0, &e7, 1, &again) == 0, "another epoch: nothing found");
+    fa_free(f);
+}
+
 int main(void) {
     test_hit_read_release();
     test_miss_and_range();
@@ -214,6 +251,7 @@ int main(void) {
     test_epoch_state_void();
     test_ring_full_and_multi();
     test_socket_lease_validity();
+    test_peek();
     if (g_failures) {
         fprintf(stderr, "test_fastpath: %d failure(s)\n", g_failures);
         return 1;
