@@ -36,6 +36,10 @@
 #                     started only for these rows; the other daemon rows share one of --slots
 #                     blocks*experts): the tier's misses that the arena lacks wait on the daemon's
 #                     drive reads too
+#            rung5_P  (P = 10, 25, 50, 100) the device lookup reading what the tier lacks from the
+#                     arena in place (--moecached-vram-lookup arena: ids past the tier's slots name
+#                     arena slots, registered with CUDA; no pass run again while the arena holds the
+#                     expert; copied into the tier after the token); rung5_25a50 over the 50 % arena
 #            rung4_100w  rung4_100 over two rounds in one process (--rounds 2), the second
 #                     round's figures: every expert its tokens need is in the tier already
 #            rung4_100x2 two engines at once (two processes), each rung4_100w with its own
@@ -204,6 +208,12 @@ for pct in (10, 25, 50, 100):
 for pct in (10, 25, 50):   # the tier's copies from an arena registered with CUDA (opt-in)
     ROWS[f"rung3_{pct}pin"] = (ROWS[f"rung3_{pct}"][0] + ", the arena registered with CUDA for the copies (LLAMA_MOECACHED_VRAM_PINNED=1)",
                                ROWS[f"rung3_{pct}"][1], {"LLAMA_MOECACHED_VRAM_PINNED": "1"}, 1.0)
+for pct in (10, 25, 50, 100):   # what the tier lacks read from the arena in place
+    ROWS[f"rung5_{pct}"] = (f"rung 2 + --moecached-vram {pct}% --moecached-vram-lookup arena: the device lookup, the tier's "
+                            f"misses read from the arena in place (rung 4 without the second pass)",
+                            ["--cpu-moe", "--moecached-gpu", "zerocopy", "--moecached-vram", f"{pct}%",
+                             "--moecached-vram-lookup", "arena"], {}, 1.0)
+ROWS["rung5_25a50"] = (ROWS["rung5_25"][0] + ", its daemon's arena 50 % of the experts", ROWS["rung5_25"][1], {}, 0.5)
 for pct in (25, 50):   # the same tier over an arena of half the experts (its misses read from the drive)
     ROWS[f"rung4_{pct}a50"] = (ROWS[f"rung4_{pct}"][0] + ", its daemon's arena 50 % of the experts",
                                ROWS[f"rung4_{pct}"][1], {}, 0.5)
@@ -223,7 +233,8 @@ if os.environ.get("BACKEND") == "vulkan" or os.environ.get("ZEROCOPY") == "0":
 PAIRS = [("cpu_moe", "rung1"), ("gpu", "rung2"), ("gpu", "cpu_moe"), ("rung1", "rung2"),
          ("gpu", "rung3_10"), ("gpu", "rung3_25"), ("gpu", "rung3_50"), ("gpu", "rung3_100"),
          ("gpu", "rung4_10"), ("gpu", "rung4_25"), ("gpu", "rung4_50"), ("gpu", "rung4_100"), ("gpu", "rung4_100w"), ("gpu", TWO),
-         ("gpu", "rung4_25a50"), ("gpu", "rung4_50a50"), ("gpu", "rung3_10pin"), ("gpu", "rung3_25pin"), ("gpu", "rung3_50pin")]
+         ("gpu", "rung4_25a50"), ("gpu", "rung4_50a50"), ("gpu", "rung3_10pin"), ("gpu", "rung3_25pin"), ("gpu", "rung3_50pin"),
+         ("gpu", "rung5_10"), ("gpu", "rung5_25"), ("gpu", "rung5_50"), ("gpu", "rung5_100"), ("gpu", "rung5_25a50")]
 rows = [r for r in want if r in ROWS]
 SOCKS = {1.0: "/tmp/gpu-hybrid.sock", 0.5: "/tmp/gpu-hybrid-a50.sock"}   # per arena share, its daemon's socket
 work = "/tmp/gpu-hybrid/runs"; os.makedirs(work, exist_ok=True)
@@ -348,12 +359,16 @@ for name in rows:
         if vr.get("slots"):   # rung 3: the tier's counters of the last round (one process, one tier)
             n_tok = ok[-1]["prompt_tokens"] + ok[-1]["decode_tokens"]
             row["vram"] = vr | {"copied_bytes_per_decoded_token": vr["decode_copied_bytes"] / max(ok[-1]["decode_tokens"], 1),
+                                # over the host link: copies into the tier and the arena's bytes read in place
+                                "link_bytes_per_decoded_token": (vr["decode_copied_bytes"] + vr.get("decode_arena_read_bytes", 0))
+                                                                / max(ok[-1]["decode_tokens"], 1),
                                 "copied_bytes_per_token": vr["copied_bytes"] / max(n_tok, 1),
                                 "decode_hit_rate": vr["decode_hits"] / max(vr["decode_hits"] + vr["decode_misses"], 1)}
-        if vr.get("lookup") in ("auto", "device"):   # rung 4: per decoded token
+        if vr.get("lookup") in ("auto", "device", "arena"):   # rungs 4 and 5: per decoded token
             d = max(ok[-1]["decode_tokens"], 1)
             row["lookup"] = {k: vr.get(k) for k in ("lookup", "device_ubatches", "reruns", "reads", "fill_syncs", "switches",
-                                                    "spec_copies", "decode_reruns", "decode_spec_copies")}
+                                                    "spec_copies", "decode_reruns", "decode_spec_copies", "arena_reads",
+                                                    "decode_arena_reads", "stale_peeks")}
             row["lookup"]["decode_reruns_per_token"] = vr.get("decode_reruns", 0) / d
         # the same logits in every round?
         dumps = [open(f"{work}/{name}-{i}.bin", "rb").read() for i, x in enumerate(runs[name]) if x["rc"] == 0]
@@ -423,11 +438,12 @@ if tier:
               "MiB copied per token, prompt included | evictions | blocks run on the arena | host waits for copies | "
               "arena parts registered with CUDA |", "|---|---|---|---|---|---|---|---|---|---|"]
     h2d = results.get("h2d_bytes_per_s")
-    # the ceiling a row's misses allow: the resident time per token plus its copies at the H2D rate
+    # the ceiling a row's misses allow: the resident time per token plus its bytes over the host link
+    # (copies, and the arena's bytes read in place) at the H2D rate
     ceil = {}
     if h2d and gpu:
         for name, row in tier:
-            c = 1 / (1 / gpu + row["vram"]["copied_bytes_per_decoded_token"] / h2d)
+            c = 1 / (1 / gpu + row["vram"]["link_bytes_per_decoded_token"] / h2d)
             ceil[name] = {"ceiling_tps": c, "of_ceiling": row["decode_tps"] / c}
             row["ceiling"] = ceil[name]
     for name, row in tier:
@@ -438,9 +454,10 @@ if tier:
                      f"{vr.get('copy_syncs', '-')} | {vr.get('pinned_parts', '-')} |")
     lines += ["", f"H2D from pinned memory: {h2d / 1e9:.1f} GB/s (the same run)" if h2d else "H2D: not measured (no PyTorch CUDA)"]
     if ceil:
-        lines += ["", "| run | decode tok/s | ceiling its copies allow | of the ceiling |", "|---|---|---|---|"]
-        lines += [f"| {n} | {results['rows'][n]['decode_tps']:.1f} | {c['ceiling_tps']:.1f} | {c['of_ceiling']:.3f} |"
-                  for n, c in ceil.items()]
+        lines += ["", "| run | decode tok/s | MiB over the host link per decoded token | ceiling those allow | of the ceiling |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {n} | {results['rows'][n]['decode_tps']:.1f} | {results['rows'][n]['vram']['link_bytes_per_decoded_token'] / 2**20:.2f} | "
+                  f"{c['ceiling_tps']:.1f} | {c['of_ceiling']:.3f} |" for n, c in ceil.items()]
         part = [n for n in ceil if ROWS[n][3] < 1]
         if part:   # the ceiling's copies come from the arena; these rows' arena lacks some experts
             lines += ["", "the ceiling takes every miss from the arena; these rows' arena holds part of the experts, so "
@@ -453,11 +470,13 @@ if tier:
 look = [(n, r) for n, r in results["rows"].items() if "lookup" in r]
 if look:
     lines += ["", "| run | lookup | ubatches on the device | passes run again (decode) | reads of the routed ids | "
-              "fill waits | switches | copies for a routing not kept |", "|---|---|---|---|---|---|---|---|"]
+              "fill waits | switches | copies for a routing not kept | experts read from the arena in place (decode) | "
+              "arena slots found reused |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in look:
         lk = row["lookup"]
         lines.append(f"| {name} | {lk['lookup']} | {lk['device_ubatches']} | {lk['reruns']} ({lk['decode_reruns']}) | {lk['reads']} | "
-                     f"{lk['fill_syncs']} | {lk['switches']} | {lk['spec_copies']} |")
+                     f"{lk['fill_syncs']} | {lk['switches']} | {lk['spec_copies']} | {lk.get('arena_reads')} ({lk.get('decode_arena_reads')}) | "
+                     f"{lk.get('stale_peeks')} |")
 if TWO in results["rows"] and "decode_tps" in results["rows"][TWO]:
     row, fr = results["rows"][TWO], results.get("two_engines_fresh", {})
     lines += ["", f"two engines at once: decode {row['decode_tps']:.1f} and {row['b_decode_tps'] or 0:.1f} tok/s, the second's "

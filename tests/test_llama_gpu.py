@@ -112,8 +112,45 @@ def test_tier_without_zerocopy_copies_from_the_registered_arena(model, all_on_th
         assert v["decode_copy_syncs"] > 0, v
 
 
+@pytest.mark.parametrize("arena", [1.0, 0.5])
+@pytest.mark.parametrize("tier,zerocopy", [("12.5%", True), ("25%", False), ("100%", True)])
+def test_arena_lookup_reads_what_the_tier_lacks_in_place(model, all_on_the_gpu, tmp_path, arena, tier, zerocopy):
+    """--moecached-vram-lookup arena: every decoded token on the device lookup, its table naming
+    the arena's slot (ids past the tier's) for an expert the tier lacks, read in place over the
+    host link; with an arena of half the experts some are absent (acquired, the pass run again) or
+    their slot reused (the generation tells, the pass run again). The logits of the run with every
+    layer on the GPU, and the counters add up."""
+    extra = (ZEROCOPY if zerocopy else ("--cpu-moe",)) + ("--moecached-vram", tier, "--moecached-vram-lookup", "arena")
+    r, st = RUN.served(model, tmp_path, "arena", int(arena * _served_experts()), *extra)
+    assert filecmp.cmp(all_on_the_gpu, tmp_path / "arena.bin", shallow=False), \
+        f"arena {arena:.0%}, tier {tier}, zerocopy {zerocopy}: logits differ from every layer on the GPU"
+    assert "read from the arena in place" in r.stderr, r.stderr[-1500:]
+    v = _vram(r.stdout)
+    assert v["lookup"] == "arena" and v["device_ubatches"] == STEPS and v["invalidations"] == 0, v
+    assert v["reads"] == v["device_ubatches"] + v["reruns"], v
+    assert v["decode_hits"] + v["decode_misses"] == v["decode_hits"] + v["decode_arena_reads"] > 0, v
+    if tier != "100%":   # (a full tier may hold every expert the decode needs after the prompt)
+        assert v["arena_reads"] > 0 and v["arena_read_bytes"] > 0 and v["copied_bytes"] > 0, v
+    if arena == 1.0 and tier == "12.5%":   # every expert the prompt left out is read by the daemon once, then in place
+        assert v["decode_reruns"] <= st["demand_misses"], (v, st)
+
+
+def test_arena_lookup_on_the_trained_model(tmp_path):
+    """The trained model (rows of 64 elements, which zerocopy refuses): its tier's misses read from
+    the arena in place by the vector kernels (decode only; the prompt copies), the all-on-the-GPU
+    logits byte for byte."""
+    trained = Path(__file__).resolve().parents[1] / "benchmarks" / "models" / "qwen3moe-stdlib-8x32-q8_0.gguf"
+    text = (trained.parent / "qwen3moe-stdlib-heldout.txt").read_text(errors="replace")[:300]
+    RUN.decode(trained, tmp_path / "gpu.bin", text=text)
+    r, _ = RUN.served(trained, tmp_path, "arena", 8 * 32, "--cpu-moe", "--moecached-vram", "12.5%",
+                      "--moecached-vram-lookup", "arena", text=text)
+    assert filecmp.cmp(tmp_path / "gpu.bin", tmp_path / "arena.bin", shallow=False), "logits differ from every layer on the GPU"
+    v = _vram(r.stdout)
+    assert v["lookup"] == "arena" and v["device_ubatches"] == STEPS and v["decode_arena_reads"] > 0, v
+
+
 @pytest.mark.parametrize("tier,lookup,zerocopy", [(None, None, True), ("25%", "host", True), ("12.5%", "device", True),
-                                                  ("25%", "host", False)])
+                                                  ("25%", "host", False), ("25%", "arena", False)])
 def test_daemon_restart_on_the_gpu_is_an_error_or_a_correct_continuation(model, all_on_the_gpu, tmp_path, tier, lookup, zerocopy):
     """Zerocopy (with a tier looked up on the host or on the device, or none) or a tier copying
     from the registered arena (LLAMA_MOECACHED_VRAM_PINNED=1), the daemon restarted mid-decode: the new arena is registered with

@@ -5,7 +5,7 @@
 //             [--ubatch N] [--dump FILE] [--step-delay-ms MS] [--retries N] [--rounds N]
 //             [--moecached-subst R] [--moecached-subst-cap N] [--dump-moe FILE] [--cpu-moe]
 //             [--moecached-gpu cpu|zerocopy] [--moecached-prefetch off|next|two] [--moecached-vram SIZE]
-//             [--moecached-vram-lookup auto|device|host]
+//             [--moecached-vram-lookup auto|device|host|arena]
 //   mc-decode --help      (-h) prints the options and exits 0
 //
 // Prints one line per step ("step I token T"), one line per round and a final "timing" line (the
@@ -38,9 +38,9 @@
 // device that runs the MoE blocks (a CPU buffer on a CPU build), filled from the arena; a last line:
 //   vram slots=N vram_bytes=N hits=N misses=N copied_bytes=N evictions=N fallbacks=N invalidations=N
 //        lookup=M device_ubatches=N reruns=N reads=N fill_syncs=N switches=N spec_copies=N
-//        copy_syncs=N pinned_parts=N
+//        copy_syncs=N pinned_parts=N arena_reads=N arena_read_bytes=N stale_peeks=N
 //        decode_hits=N decode_misses=N decode_copied_bytes=N decode_spec_copies=N decode_reruns=N
-//        decode_copy_syncs=N
+//        decode_copy_syncs=N decode_arena_reads=N decode_arena_read_bytes=N
 // (misses: experts copied into the tier; fallbacks: block calls run on the arena because their
 // ubatch could need more experts than the tier holds; copy_syncs: the host lookup's waits for its
 // copies, one per block that copied; pinned_parts: arena parts registered with CUDA for the copies;
@@ -50,7 +50,9 @@
 // block's routed ids once after the graph, copies in what was missing and computes the graph again:
 // reruns; reads: those reads; fill_syncs: waits for such copies; spec_copies: experts copied for a
 // routing the final pass did not have), or per block on the host (host, the tier's acquire op); auto:
-// device, host for a while when tokens ran again often (switches).
+// device, host for a while when tokens ran again often (switches); arena (CUDA): device, with what the
+// tier lacks read from the arena in place (arena_reads, arena_read_bytes: experts and bytes read so;
+// stale_peeks: arena slots found reused after a read, the pass run again) and copied into the tier after.
 #include "llama.h"
 #include "ggml-cpu.h"
 
@@ -89,7 +91,7 @@ static const char * USAGE =
     "                 [--ubatch N] [--dump FILE] [--step-delay-ms MS] [--retries N] [--rounds N]\n"
     "                 [--moecached-subst R] [--moecached-subst-cap N] [--dump-moe FILE] [--cpu-moe]\n"
     "                 [--moecached-gpu cpu|zerocopy] [--moecached-prefetch off|next|two] [--moecached-vram SIZE]\n"
-    "                 [--moecached-vram-lookup auto|device|host]\n"
+    "                 [--moecached-vram-lookup auto|device|host|arena]\n"
     "Greedy decode with llama.cpp, every step's logits dumped, through moecached or not.\n"
     "  -m MODEL                  GGUF model (required)\n"
     "  --moecached ENDPOINT      take the routed experts from the daemon at ENDPOINT\n"
@@ -112,7 +114,8 @@ static const char * USAGE =
     "  --moecached-vram SIZE     a tier of the served experts in the memory of the device running the MoE blocks\n"
     "                            (8GiB, 512MiB, or 25% of the served experts), filled from the arena\n"
     "  --moecached-vram-lookup M where a decoded token's experts are looked up in the tier: device (a table in\n"
-    "                            the tier, the token computed again after a miss), host (per block), auto (default)\n"
+    "                            the tier, the token computed again after a miss), host (per block), auto (default),\n"
+    "                            arena (CUDA: device, what the tier lacks read from the arena in place)\n"
     "  -h, --help                print this and exit\n";
 
 static double now_s() {
@@ -196,7 +199,7 @@ int main(int argc, char ** argv) {
         const char * p = strstr(b, key);
         return p ? strtoull(p + strlen(key), nullptr, 10) : 0;
     };
-    unsigned long long dec_hits = 0, dec_misses = 0, dec_copied = 0, dec_spec = 0, dec_reruns = 0, dec_syncs = 0;
+    unsigned long long dec_hits = 0, dec_misses = 0, dec_copied = 0, dec_spec = 0, dec_reruns = 0, dec_syncs = 0, dec_areads = 0, dec_abytes = 0;
     for (int round = 0; round < rounds; ++round) {
         llama_context_params cp = llama_context_default_params();
         cp.n_ctx = n_prompt + n_steps + 8;
@@ -241,7 +244,8 @@ int main(int argc, char ** argv) {
             if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
             const unsigned long long h0 = vram_counter(" hits="), m0 = vram_counter(" misses="), c0 = vram_counter(" copied_bytes="),
                                      x0 = vram_counter(" spec_copies="), r0 = vram_counter(" reruns="),
-                                     y0 = vram_counter(" copy_syncs=");
+                                     y0 = vram_counter(" copy_syncs="), a0 = vram_counter(" arena_reads="),
+                                     b0 = vram_counter(" arena_read_bytes=");
             t0 = now_s();
             if (!decode(llama_batch_get_one(&tok, 1))) return 3;
             llama_synchronize(ctx);
@@ -252,6 +256,8 @@ int main(int argc, char ** argv) {
             dec_spec += vram_counter(" spec_copies=") - x0;
             dec_reruns += vram_counter(" reruns=") - r0;
             dec_syncs += vram_counter(" copy_syncs=") - y0;
+            dec_areads += vram_counter(" arena_reads=") - a0;
+            dec_abytes += vram_counter(" arena_read_bytes=") - b0;
             n_decoded++;
             tok = emit(s, llama_get_logits_ith(ctx, -1));
         }
@@ -274,7 +280,8 @@ int main(int argc, char ** argv) {
         char vr[1024];
         llama_moecached_vram_stats(vr, sizeof vr);
         printf("vram %s decode_hits=%llu decode_misses=%llu decode_copied_bytes=%llu decode_spec_copies=%llu decode_reruns=%llu "
-               "decode_copy_syncs=%llu\n", vr, dec_hits, dec_misses, dec_copied, dec_spec, dec_reruns, dec_syncs);
+               "decode_copy_syncs=%llu decode_arena_reads=%llu decode_arena_read_bytes=%llu\n", vr, dec_hits, dec_misses, dec_copied,
+               dec_spec, dec_reruns, dec_syncs, dec_areads, dec_abytes);
     }
     fflush(stdout);
     llama_model_free(model);
