@@ -147,8 +147,14 @@ def test_lock_and_release_restore(tmp_path):
                 for p in ar.classes[0].parts:
                     ar.view(0, s, p)[:] = s + 1
             blocks0 = os.stat(ar.path).st_blocks
+            releases = ar.descriptor()["control"]["releases_off"]
+            ctl = np.frombuffer(open(ar.path, "rb").read(64), dtype=np.uint64)
+            assert ctl[releases // 8] == 0
             freed = ar.release_memory(0, [3, 4, 9])
             assert freed > 0 and freed % PAGE == 0
+            # the releases word moved (a client that registered the pages registers them again)
+            ctl = np.frombuffer(open(ar.path, "rb").read(64), dtype=np.uint64)
+            assert ctl[releases // 8] == 1
             assert os.stat(ar.path).st_blocks * 512 <= blocks0 * 512 - freed
             # neighbours untouched (partial pages kept)
             for s in [2, 5, 8, 10]:

@@ -61,9 +61,9 @@ DESCRIPTOR_VERSION = 2
 # file's magic too (a fast-path client's pin file: daemon-owned, same cleanup).
 CONTROL_MAGIC, PIN_MAGIC, CONTROL_HEADER_BYTES = _shm.CTL_MAGIC, _shm.PIN_MAGIC, _shm.CTL_HEADER_BYTES
 _OLD_ARENA_NAME = re.compile(r"\.?moecached-\d+-[0-9a-f]{8}")  # arenas from before the control block
-EPOCH_OFF, STATE_OFF, NCLASSES_OFF, NKEYS_OFF, RESMAP_OFF_OFF = (   # header words, as byte offsets
+EPOCH_OFF, STATE_OFF, NCLASSES_OFF, NKEYS_OFF, RESMAP_OFF_OFF, RELEASES_OFF = (   # header words, as byte offsets
     8 * w for w in (_shm.CTL_W_EPOCH, _shm.CTL_W_STATE, _shm.CTL_W_NCLASSES, _shm.CTL_W_NKEYS,
-                    _shm.CTL_W_RESMAP_OFF))
+                    _shm.CTL_W_RESMAP_OFF, _shm.CTL_W_RELEASES))
 STATE_STOPPED, STATE_SERVING, STATE_MODEL_CHANGED = (
     _shm.STATE_STOPPED, _shm.STATE_SERVING, _shm.STATE_MODEL_CHANGED)
 
@@ -408,7 +408,7 @@ class Arena:
                 "page_size": self.page_size, "hugetlb": self.hugetlb, "huge_pages": self.huge_pages,
                 "n_experts": self.n_experts,
                 "control": {"off": 0, "bytes": self.control_bytes, "magic": CONTROL_MAGIC.decode(),
-                            "epoch_off": EPOCH_OFF, "state_off": STATE_OFF,
+                            "epoch_off": EPOCH_OFF, "state_off": STATE_OFF, "releases_off": RELEASES_OFF,
                             "n_keys": self.n_keys, "resmap_off": self.resmap_off},
                 "classes": [c.to_dict() for c in self.classes],
                 "layer_class": {str(l): c.id for c in self.classes for l in c.layers}}
@@ -465,14 +465,21 @@ class Arena:
         """Give back the pages lying wholly inside these slots' part ranges (munlock + punch hole).
 
         Pages shared with a neighbouring slot stay. The slots' contents become undefined (zeros);
-        call :meth:`restore_memory` before reusing them. Returns bytes released.
+        call :meth:`restore_memory` before reusing them. Returns bytes released. The control
+        block's releases word moves first: a client that registered the arena's pages (a GPU
+        reading it in place) registers them again, else it would keep reading the pages given
+        back after the slots are refilled with new ones.
         """
         page = self.page_size
         total = 0
+        bumped = False
         for a, b in self._slot_ranges(class_id, slots):
             a2, b2 = _round_up(a, page), b // page * page
             if b2 <= a2:
                 continue
+            if not bumped and self._ctl is not None:
+                self._ctl[RELEASES_OFF // 8] += 1
+                bumped = True
             n = b2 - a2
             if self.locked:
                 _libc.munlock(ctypes.c_void_p(self.base_address + a2), ctypes.c_size_t(n))

@@ -11,6 +11,9 @@
  *     word 0  magic "MOECTL01"        word 3  n_classes
  *     word 1  epoch (= session; 0: void) word 4  n_keys (moe layers x experts)
  *     word 2  state (1 serving)        word 5  byte offset of the resident map
+ *     word 6  releases: moves before the daemon gives pages of the arena back (holes punched in
+ *             free slots): a registration of the arena's pages (e.g. with a GPU) made before
+ *             it may keep pages the file no longer has; register again
  *     generations: one u64 per slot, class by class (descriptor: class gen_off)
  *     resident map: one u64 per key (key = moe layer index * n_experts + expert):
  *                   0 = not resident (absent or loading), else slot + 1
@@ -59,7 +62,7 @@
 /* control block words */
 enum { MCSHM_CTL_W_MAGIC = 0, MCSHM_CTL_W_EPOCH = 1, MCSHM_CTL_W_STATE = 2,
        MCSHM_CTL_W_NCLASSES = 3, MCSHM_CTL_W_NKEYS = 4, MCSHM_CTL_W_RESMAP_OFF = 5,
-       MCSHM_CTL_HEADER_BYTES = 64 };
+       MCSHM_CTL_W_RELEASES = 6, MCSHM_CTL_HEADER_BYTES = 64 };
 enum { MCSHM_STATE_STOPPED = 0, MCSHM_STATE_SERVING = 1, MCSHM_STATE_MODEL_CHANGED = 2 };
 
 /* pin file words */

@@ -35,6 +35,7 @@ cdef extern from "moecache_shm.h" nogil:
         MCSHM_CTL_W_NCLASSES
         MCSHM_CTL_W_NKEYS
         MCSHM_CTL_W_RESMAP_OFF
+        MCSHM_CTL_W_RELEASES
         MCSHM_STATE_STOPPED
         MCSHM_STATE_SERVING
         MCSHM_STATE_MODEL_CHANGED

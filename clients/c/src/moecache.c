@@ -1771,6 +1771,19 @@ int mc__note_hits(mc_arena_map *am, int layer, const int *experts, uint32_t n) {
     return mcshm_note_hits(&am->lay, keys, n);
 }
 
+uint64_t mc__arena_releases(mc_arena_map *am) {
+    if (!am || atomic_load(&am->voided)) return 0;
+    return atomic_load_explicit(&am->lay.ctl[MCSHM_CTL_W_RELEASES], memory_order_acquire);
+}
+
+uint64_t mc_arena_releases(mc_client *c) {
+    if (!c) return 0;
+    pthread_mutex_lock(&c->pin_mu);
+    uint64_t r = mc__arena_releases(c->cur);
+    pthread_mutex_unlock(&c->pin_mu);
+    return r;
+}
+
 uint32_t mc_peek(mc_client *c, int layer, const int *experts, uint32_t n, mc_peek_item *out) {
     if (!c || !out) return 0;
     pthread_mutex_lock(&c->pin_mu);
