@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_util import start_daemon, stop_daemon
+from daemon_util import start_daemon, stop_daemon, wait_for
 from fixtures import trace_path
 from moecache_client import Client, ClientError
 
@@ -180,6 +180,26 @@ def test_sighup_applies_what_it_says(model, tmp_path):
         out = stop_daemon(d)
     assert "SIGHUP: applied" in out and "max_request_experts" in out and "slots" in out, out
     assert "need a restart: readers" in out, out
+
+
+def test_sighup_shrink_moves_the_arena_releases_word(model, tmp_path):
+    # a smaller budget punches holes in the freed slots; the control block's releases word moves
+    # first, so that a client whose device registered the arena's pages registers them again
+    conf, sock, d = start_with_config(model, tmp_path, 'slots = 32\n')
+    try:
+        with Client(f"ipc://{sock}") as c:
+            desc = c.arena.descriptor
+            path, off = desc["path"], desc["control"]["releases_off"]
+            L = c.expert_layers
+            c.acquire(L[0], list(range(8))).release()
+            word = lambda: int.from_bytes(open(path, "rb").read(64)[off:off + 8], "little")
+            assert word() == 0
+            conf.write_text('slots = 8\n')
+            d.send_signal(signal.SIGHUP)
+            wait_for(lambda: word() >= 1, "the releases word to move", 10)
+            assert sum(x["slots"] for x in c.stats()["classes"]) == 8
+    finally:
+        stop_daemon(d)
 
 
 def test_sighup_turns_the_floor_on_and_off(model, tmp_path):

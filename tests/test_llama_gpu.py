@@ -18,6 +18,7 @@ import filecmp
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -175,6 +176,43 @@ def test_daemon_restart_on_the_gpu_is_an_error_or_a_correct_continuation(model, 
         m = re.search(r"^moecached (acquires=.*)$", out, re.M)
         st = {k: int(v) for k, v in (kv.split("=", 1) for kv in m.group(1).split())} if m else {}
         assert st.get("restarts", 0) >= 1, out[-1500:]
+    else:
+        assert "moecached error:" in err, err[-2000:]
+        assert ref.startswith((tmp_path / "out.bin").read_bytes())
+
+
+@pytest.mark.parametrize("lookup", ["arena", "host"])
+def test_pages_given_back_end_the_arena_registration(model, all_on_the_gpu, tmp_path, lookup):
+    """A daemon that gives pages of its arena back (slots 128 -> 64 by SIGHUP: holes punched in the
+    freed slots, refilled later with new pages) under an engine whose arena is registered with CUDA
+    (the in-place reads, or the host lookup's copies with LLAMA_MOECACHED_VRAM_PINNED=1): the
+    registration ends (one warning, registration_ends=1) and the logits stay the all-on-the-GPU
+    run's, or the engine stops with one moecached error line after a prefix of them."""
+    conf = tmp_path / "d.toml"
+    conf.write_text("slots = 128\n")
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(str(model), sock, "--config", str(conf), "--log-level", "info")
+    cmd = [str(CUDA_BIN / "mc-decode"), "-m", str(model), "-p", prompt(), "-n", str(STEPS), "-t", "2",
+           "--dump", str(tmp_path / "out.bin"), "--moecached", f"ipc://{sock}", "--cpu-moe",
+           "--moecached-vram", "25%", "--moecached-vram-lookup", lookup, "--step-delay-ms", "150", "--retries", "40"]
+    def under_way(eng):
+        time.sleep(3.0)
+        assert eng.poll() is None, "the engine finished before the shrink: make the decode longer"
+    def shrink():
+        conf.write_text("slots = 64\n")
+        p.send_signal(signal.SIGHUP)
+        return None
+    try:
+        rc, out, err = across_restart(cmd, under_way, shrink, env=dict(os.environ, LLAMA_MOECACHED_VRAM_PINNED="1"))
+    finally:
+        log = stop_daemon(p)
+    assert "slots" in log and "SIGHUP: applied" in log, log[-1500:]
+    ref = all_on_the_gpu.read_bytes()
+    if rc == 0:
+        assert (tmp_path / "out.bin").read_bytes() == ref, "other logits after the daemon gave pages back"
+        v = _vram(out)
+        assert v["registration_ends"] == 1 and v["pinned_parts"] == 0, v
+        assert "gave pages of the arena back" in err, err[-1500:]
     else:
         assert "moecached error:" in err, err[-2000:]
         assert ref.startswith((tmp_path / "out.bin").read_bytes())
