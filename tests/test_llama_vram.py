@@ -408,29 +408,17 @@ def test_bad_tier_size_is_one_line(geometry, tmp_path, value, want):
     assert len(lines) == 1 and "--moecached-vram" in lines[0] and value in lines[0] and want in lines[0], r.stderr[-2000:]
 
 
-def test_bad_tier_lookup_is_one_line(tmp_path):
+@pytest.mark.parametrize("lookup,want", [("gpu", "expected auto"),
+                                         # the in-place reads of the arena need the tier on a CUDA device
+                                         ("arena", "not a CUDA device")])
+def test_bad_tier_lookup_is_one_line(tmp_path, lookup, want):
     sock = str(tmp_path / "d.sock")
     p = start_daemon(str(MODEL), sock, "--slots", "128")
     try:
-        r = decode(MODEL, tmp_path / "out.bin", "--moecached-vram", "50%", "--moecached-vram-lookup", "gpu",
-                   endpoint=f"ipc://{sock}", check=False)
-    finally:
-        stop_daemon(p)
-    assert r.returncode != 0
-    lines = [l for l in r.stderr.splitlines() if l.startswith("moecached:")]
-    assert len(lines) == 1 and "--moecached-vram-lookup" in lines[0] and "gpu" in lines[0] and "expected auto" in lines[0], \
-        r.stderr[-2000:]
-
-
-def test_arena_lookup_without_a_cuda_tier_is_one_line(tmp_path):
-    # the in-place reads of the arena need the tier on a CUDA device: on this build it is refused at load
-    sock = str(tmp_path / "d.sock")
-    p = start_daemon(str(MODEL), sock, "--slots", "128")
-    try:
-        r = decode(MODEL, tmp_path / "out.bin", "--moecached-vram", "50%", "--moecached-vram-lookup", "arena",
+        r = decode(MODEL, tmp_path / "out.bin", "--moecached-vram", "50%", "--moecached-vram-lookup", lookup,
                    endpoint=f"ipc://{sock}", check=False)
     finally:
         stop_daemon(p)
     assert r.returncode != 0
     lines = [l for l in r.stderr.splitlines() if l.startswith("moecached: --moecached-vram-lookup")]
-    assert len(lines) == 1 and "arena" in lines[0] and "not a CUDA device" in lines[0], r.stderr[-2000:]
+    assert len(lines) == 1 and lookup in lines[0] and want in lines[0], r.stderr[-2000:]

@@ -146,6 +146,18 @@ static inline void mcshm_unpin(const mcshm_layout *m, const mcshm_item *it, uint
                                   memory_order_release);
 }
 
+/* One hit ring entry per key at head.. (room checked by the caller), then head published. */
+static inline void mcshm_ring_put(const mcshm_layout *m, mcshm_u64 *pf, uint64_t head, const uint32_t *keys, uint32_t n) {
+    uint64_t now = mcshm_now_ns();
+    mcshm_u64 *ring = &pf[m->ring_word];
+    for (uint32_t j = 0; j < n; j++) {
+        uint64_t e = (head + j) & (m->ring_n - 1);
+        atomic_store_explicit(&ring[2 * e], (uint64_t)keys[j] + 1, memory_order_relaxed);
+        atomic_store_explicit(&ring[2 * e + 1], now, memory_order_relaxed);
+    }
+    atomic_store_explicit(&pf[MCSHM_PIN_W_HEAD], head + n, memory_order_release);
+}
+
 /* Pin the experts `keys[0..n)` (all resident) without a message: all or nothing.
  * Fills out[i] and appends one hit per key to the ring. Returns MCSHM_OK; MCSHM_MISS when
  * some key is not resident (nothing pinned: send the request over the socket);
@@ -192,14 +204,7 @@ static inline int mcshm_pin(const mcshm_layout *m, const uint32_t *keys, uint32_
         mcshm_unpin(m, out, n);
         return MCSHM_STALE;
     }
-    uint64_t now = mcshm_now_ns();
-    mcshm_u64 *ring = &pf[m->ring_word];
-    for (uint32_t j = 0; j < n; j++) {
-        uint64_t e = (head + j) & (m->ring_n - 1);
-        atomic_store_explicit(&ring[2 * e], (uint64_t)keys[j] + 1, memory_order_relaxed);
-        atomic_store_explicit(&ring[2 * e + 1], now, memory_order_relaxed);
-    }
-    atomic_store_explicit(&pf[MCSHM_PIN_W_HEAD], head + n, memory_order_release);
+    mcshm_ring_put(m, pf, head, keys, n);
     return MCSHM_OK;
 miss:
     mcshm_unpin(m, out, i);
@@ -259,14 +264,7 @@ static inline int mcshm_note_hits(const mcshm_layout *m, const uint32_t *keys, u
     uint64_t tail = atomic_load_explicit(&pf[MCSHM_PIN_W_TAIL], memory_order_acquire);
     if (head - tail + n > m->ring_n)
         return 0;
-    uint64_t now = mcshm_now_ns();
-    mcshm_u64 *ring = &pf[m->ring_word];
-    for (uint32_t j = 0; j < n; j++) {
-        uint64_t e = (head + j) & (m->ring_n - 1);
-        atomic_store_explicit(&ring[2 * e], (uint64_t)keys[j] + 1, memory_order_relaxed);
-        atomic_store_explicit(&ring[2 * e + 1], now, memory_order_relaxed);
-    }
-    atomic_store_explicit(&pf[MCSHM_PIN_W_HEAD], head + n, memory_order_release);
+    mcshm_ring_put(m, pf, head, keys, n);
     return 1;
 }
 
