@@ -346,7 +346,9 @@ typedef struct mc_peek_item {
  * expert, so the reader calls mc_peek_valid on each item it used after reading; 1 means what it
  * read was the expert's bytes (the lease's seqlock, docs/protocol.md). Nothing is counted as a
  * hit: mc_note_hits does that. Returns the number found; 0 without an arena map or resident map,
- * or when the daemon restarted (the next call that talks to it says hello again). */
+ * or when the daemon restarted and no call said hello since. Each item carries the session of
+ * the arena it was found in: after another call said hello to a new daemon that is the new
+ * arena's, which a reader that registered the old one (its addresses, its pages) must refuse. */
 MC_API uint32_t mc_peek(mc_client *c, int layer, const int *experts, uint32_t n, mc_peek_item *out);
 /* 1 while a peeked item still names its expert: the current arena's epoch is the item's
  * session and the slot's generation is the peeked one. Bytes read from the slot before a call

@@ -249,7 +249,12 @@ static inline uint32_t mcshm_peek(const mcshm_layout *m, const uint32_t *keys, u
         out[i].gen = gen;
         found++;
     }
-    return mcshm_epoch(m) == m->session ? found : 0;
+    if (mcshm_epoch(m) != m->session) {   /* a restart meanwhile: nothing found */
+        for (uint32_t i = 0; i < n; i++)
+            out[i].slot = UINT32_MAX;
+        return 0;
+    }
+    return found;
 }
 
 /* Tell the daemon's LRU about uses of keys[0..n) without pinning them: one hit ring entry each,

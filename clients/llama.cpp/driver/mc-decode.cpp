@@ -38,7 +38,7 @@
 // device that runs the MoE blocks (a CPU buffer on a CPU build), filled from the arena; a last line:
 //   vram slots=N vram_bytes=N hits=N misses=N copied_bytes=N evictions=N fallbacks=N invalidations=N
 //        lookup=M device_ubatches=N reruns=N reads=N fill_syncs=N switches=N spec_copies=N
-//        copy_syncs=N pinned_parts=N arena_reads=N arena_read_bytes=N stale_peeks=N
+//        copy_syncs=N pinned_parts=N arena_reads=N arena_read_bytes=N stale_peeks=N registration_ends=N
 //        decode_hits=N decode_misses=N decode_copied_bytes=N decode_spec_copies=N decode_reruns=N
 //        decode_copy_syncs=N decode_arena_reads=N decode_arena_read_bytes=N
 // (misses: experts copied into the tier; fallbacks: block calls run on the arena because their
@@ -52,7 +52,8 @@
 // routing the final pass did not have), or per block on the host (host, the tier's acquire op); auto:
 // device, host for a while when tokens ran again often (switches); arena (CUDA): device, with what the
 // tier lacks read from the arena in place (arena_reads, arena_read_bytes: experts and bytes read so;
-// stale_peeks: arena slots found reused after a read, the pass run again) and copied into the tier after.
+// stale_peeks: arena slots found reused after a read, the pass run again) and copied into the tier after;
+// registration_ends: the arena's registration with CUDA ended or renewed after the daemon gave pages back.
 #include "llama.h"
 #include "ggml-cpu.h"
 
