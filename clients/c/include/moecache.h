@@ -357,12 +357,14 @@ MC_API int mc_peek_valid(mc_client *c, const mc_peek_item *it);
 /* Count uses of the experts of `layer` in the daemon's LRU without pinning them (the hit path's
  * ring, as a pin does). 1 when recorded; 0 without the hit path or when its ring is full. */
 MC_API int mc_note_hits(mc_client *c, int layer, const int *experts, uint32_t n);
-/* The current arena's releases count: it moves before the daemon gives pages of the arena back
- * (a smaller budget punches holes in free slots, refilled later with new pages). A client that
- * registered the arena's pages with a device (e.g. cudaHostRegister, which keeps the pages it
- * found) registers them again when it moved, and treats what the device read while it moved as
- * unchecked. 0 without an arena (or from a daemon that does not count them). */
-MC_API uint64_t mc_arena_releases(mc_client *c);
+/* The releases count of the arena of daemon session `session` (mc_arena's session): it moves
+ * before the daemon gives pages of the arena back (a smaller budget punches holes in free slots,
+ * refilled later with new pages). A client that registered the arena's pages with a device (e.g.
+ * cudaHostRegister, which keeps the pages it found) treats what the device read through the
+ * registration while it moved as unchecked, and registers again or stops reading through it.
+ * 0 when the current arena is not that session's (a restart: the epoch tells), without an arena,
+ * or from a daemon that does not count them. */
+MC_API uint64_t mc_arena_releases(mc_client *c, uint64_t session);
 
 #ifdef __cplusplus
 }

@@ -1771,15 +1771,15 @@ int mc__note_hits(mc_arena_map *am, int layer, const int *experts, uint32_t n) {
     return mcshm_note_hits(&am->lay, keys, n);
 }
 
-uint64_t mc__arena_releases(mc_arena_map *am) {
-    if (!am || atomic_load(&am->voided)) return 0;
+uint64_t mc__arena_releases(mc_arena_map *am, uint64_t session) {
+    if (!am || atomic_load(&am->voided) || am->session != session) return 0;
     return atomic_load_explicit(&am->lay.ctl[MCSHM_CTL_W_RELEASES], memory_order_acquire);
 }
 
-uint64_t mc_arena_releases(mc_client *c) {
+uint64_t mc_arena_releases(mc_client *c, uint64_t session) {
     if (!c) return 0;
     pthread_mutex_lock(&c->pin_mu);
-    uint64_t r = mc__arena_releases(c->cur);
+    uint64_t r = mc__arena_releases(c->cur, session);
     pthread_mutex_unlock(&c->pin_mu);
     return r;
 }

@@ -70,6 +70,6 @@ int mc__pin_lease(mc_arena_map *am, const mc_request *reqs, uint32_t n, mc_lease
 uint32_t mc__peek(mc_arena_map *am, int layer, const int *experts, uint32_t n, mc_peek_item *out);
 int mc__peek_valid(mc_arena_map *am, const mc_peek_item *it);
 int mc__note_hits(mc_arena_map *am, int layer, const int *experts, uint32_t n);
-uint64_t mc__arena_releases(mc_arena_map *am);
+uint64_t mc__arena_releases(mc_arena_map *am, uint64_t session);
 
 #endif

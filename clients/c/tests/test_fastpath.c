@@ -237,9 +237,10 @@ static void test_peek(void) {
     uint64_t *ring = (uint64_t *)f->pin + f->am->lay.ring_word;
     CHECK(ring[0] == 7 + 1 && ring[1] != 0, "ring entry: key+1 and a time");
     /* the releases word: what the daemon moves before it punches holes in the arena */
-    CHECK(mc__arena_releases(f->am) == 0, "no pages given back yet");
+    CHECK(mc__arena_releases(f->am, SESSION) == 0, "no pages given back yet");
     f->am->lay.ctl[MCSHM_CTL_W_RELEASES] = 3;
-    CHECK(mc__arena_releases(f->am) == 3, "the releases word read");
+    CHECK(mc__arena_releases(f->am, SESSION) == 3, "the releases word read");
+    CHECK(mc__arena_releases(f->am, SESSION + 1) == 0, "another session's arena: unknown (0)");
     /* a restart voids every peek */
     f->am->lay.ctl[MCSHM_CTL_W_EPOCH] = SESSION + 1;
     CHECK(mc__peek_valid(f->am, &again) == 0, "another epoch: invalid");
