@@ -236,6 +236,10 @@ static void test_peek(void) {
     CHECK(mc__note_hits(f->am, FA_L0, &e7, 1) == 1 && head(f) == 1 && fa_pins(f, 0, 2) == 0, "a noted hit: one ring entry, no pin");
     uint64_t *ring = (uint64_t *)f->pin + f->am->lay.ring_word;
     CHECK(ring[0] == 7 + 1 && ring[1] != 0, "ring entry: key+1 and a time");
+    /* a ring without room for all of them: nothing written */
+    f->pin[MCSHM_PIN_W_HEAD] = FA_RING;   /* head - tail == ring_n: full */
+    CHECK(mc__note_hits(f->am, FA_L0, &e7, 1) == 0 && f->pin[MCSHM_PIN_W_HEAD] == FA_RING, "full ring: no hit noted");
+    f->pin[MCSHM_PIN_W_HEAD] = 1;
     /* the releases word: what the daemon moves before it punches holes in the arena */
     CHECK(mc__arena_releases(f->am, SESSION) == 0, "no pages given back yet");
     f->am->lay.ctl[MCSHM_CTL_W_RELEASES] = 3;
