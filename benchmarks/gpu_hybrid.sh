@@ -40,6 +40,7 @@
 #                     arena in place (--moecached-vram-lookup arena: ids past the tier's slots name
 #                     arena slots, registered with CUDA; no pass run again while the arena holds the
 #                     expert; copied into the tier after the token); rung5_25a50 over the 50 % arena
+#            rung5_100w  rung5_100 over two rounds in one process, the second round's figures
 #            rung4_100w  rung4_100 over two rounds in one process (--rounds 2), the second
 #                     round's figures: every expert its tokens need is in the tier already
 #            rung4_100x2 two engines at once (two processes), each rung4_100w with its own
@@ -220,6 +221,8 @@ for pct in (25, 50):   # the same tier over an arena of half the experts (its mi
 ROWS["rung4_100w"] = ("rung4_100, the second of two rounds in one process: the tier already holds every expert (rung 4)",
                       ["--cpu-moe", "--moecached-gpu", "zerocopy", "--moecached-vram", "100%", "--moecached-vram-lookup",
                        "auto", "--rounds", "2"], {}, 1.0)
+ROWS["rung5_100w"] = ("rung5_100, the second of two rounds in one process: the tier already holds every expert, looked up "
+                      "with the in-place reads on", ROWS["rung5_100"][1] + ["--rounds", "2"], {}, 1.0)
 TWO = "rung4_100x2"   # two processes at once, each its own tier over one arena
 ROWS[TWO] = ("two engines at once (two processes) on one daemon, each rung4_100w with its own tier (the first one's figures)",
              ROWS["rung4_100w"][1], {}, 1.0)
@@ -234,7 +237,7 @@ PAIRS = [("cpu_moe", "rung1"), ("gpu", "rung2"), ("gpu", "cpu_moe"), ("rung1", "
          ("gpu", "rung3_10"), ("gpu", "rung3_25"), ("gpu", "rung3_50"), ("gpu", "rung3_100"),
          ("gpu", "rung4_10"), ("gpu", "rung4_25"), ("gpu", "rung4_50"), ("gpu", "rung4_100"), ("gpu", "rung4_100w"), ("gpu", TWO),
          ("gpu", "rung4_25a50"), ("gpu", "rung4_50a50"), ("gpu", "rung3_10pin"), ("gpu", "rung3_25pin"), ("gpu", "rung3_50pin"),
-         ("gpu", "rung5_10"), ("gpu", "rung5_25"), ("gpu", "rung5_50"), ("gpu", "rung5_100"), ("gpu", "rung5_25a50")]
+         ("gpu", "rung5_10"), ("gpu", "rung5_25"), ("gpu", "rung5_50"), ("gpu", "rung5_100"), ("gpu", "rung5_100w"), ("gpu", "rung5_25a50")]
 rows = [r for r in want if r in ROWS]
 SOCKS = {1.0: "/tmp/gpu-hybrid.sock", 0.5: "/tmp/gpu-hybrid-a50.sock"}   # per arena share, its daemon's socket
 work = "/tmp/gpu-hybrid/runs"; os.makedirs(work, exist_ok=True)

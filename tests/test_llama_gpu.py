@@ -150,8 +150,26 @@ def test_arena_lookup_on_the_trained_model(tmp_path):
     assert v["lookup"] == "arena" and v["device_ubatches"] == STEPS and v["decode_arena_reads"] > 0, v
 
 
+def test_auto_reads_small_experts_in_place_and_not_large_ones(model, all_on_the_gpu, tmp_path):
+    """The default lookup (auto) on a tier: this model's experts (204 KiB) are read from the arena
+    in place; a model whose experts are larger than 1 MiB keeps the device / host lookup. Both give
+    their all-on-the-GPU logits byte for byte."""
+    r, _ = RUN.served(model, tmp_path, "small", _served_experts(), "--cpu-moe", "--moecached-vram", "25%")
+    assert filecmp.cmp(all_on_the_gpu, tmp_path / "small.bin", shallow=False), "logits differ from every layer on the GPU"
+    v = _vram(r.stdout)
+    assert v["lookup"] == "arena" and v["decode_arena_reads"] > 0, v
+    assert "lookup auto: experts of 204 KiB" in r.stderr, r.stderr[-1500:]
+    big = Path(write_runnable(str(tmp_path / "big.gguf"), arch="qwen3moe", blocks=2, experts=8, top_k=2,
+                              hidden=1024, expert_ff=512, quant="q8_0", seed=3))
+    RUN.decode(big, tmp_path / "big-gpu.bin")
+    r, _ = RUN.served(big, tmp_path, "big", 2 * 8, "--cpu-moe", "--moecached-vram", "25%")
+    assert filecmp.cmp(tmp_path / "big-gpu.bin", tmp_path / "big.bin", shallow=False), "logits differ from every layer on the GPU"
+    v = _vram(r.stdout)
+    assert v["lookup"] == "auto" and v["decode_arena_reads"] == 0, v
+
+
 @pytest.mark.parametrize("tier,lookup,zerocopy", [(None, None, True), ("25%", "host", True), ("12.5%", "device", True),
-                                                  ("25%", "host", False), ("25%", "arena", False)])
+                                                  ("25%", "host", False), ("25%", "arena", False), ("25%", "auto", False)])
 def test_daemon_restart_on_the_gpu_is_an_error_or_a_correct_continuation(model, all_on_the_gpu, tmp_path, tier, lookup, zerocopy):
     """Zerocopy (with a tier looked up on the host or on the device, or none) or a tier copying
     from the registered arena (LLAMA_MOECACHED_VRAM_PINNED=1), the daemon restarted mid-decode: the new arena is registered with
@@ -176,12 +194,14 @@ def test_daemon_restart_on_the_gpu_is_an_error_or_a_correct_continuation(model, 
         m = re.search(r"^moecached (acquires=.*)$", out, re.M)
         st = {k: int(v) for k, v in (kv.split("=", 1) for kv in m.group(1).split())} if m else {}
         assert st.get("restarts", 0) >= 1, out[-1500:]
+        if lookup == "auto":   # (it chose the in-place reads: after the restart it chooses between the others)
+            assert _vram(out)["lookup"] == "auto" and "as auto chooses" in err, err[-1500:]
     else:
         assert "moecached error:" in err, err[-2000:]
         assert ref.startswith((tmp_path / "out.bin").read_bytes())
 
 
-@pytest.mark.parametrize("lookup", ["arena", "host"])
+@pytest.mark.parametrize("lookup", ["arena", "host", "auto"])
 def test_pages_given_back_end_the_arena_registration(model, all_on_the_gpu, tmp_path, lookup):
     """A daemon that gives pages of its arena back (slots 128 -> 64 by SIGHUP: holes punched in the
     freed slots, refilled later with new pages) under an engine whose arena is registered with CUDA
@@ -212,6 +232,7 @@ def test_pages_given_back_end_the_arena_registration(model, all_on_the_gpu, tmp_
         assert (tmp_path / "out.bin").read_bytes() == ref, "other logits after the daemon gave pages back"
         v = _vram(out)
         assert v["registration_ends"] == 1 and v["pinned_parts"] == 0, v
+        assert v["lookup"] == lookup, v   # (auto: its choice of the in-place reads ended with them)
         assert "gave pages of the arena back" in err, err[-1500:]
     else:
         assert "moecached error:" in err, err[-2000:]
