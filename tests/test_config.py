@@ -188,6 +188,8 @@ FILE_ERRORS = [
     ('admit_cold = 0', 'admit_cold = 0: expected "off", "prompt" or a width from 1 to 16777216 '
                        '(experts of one layer in one acquire)'),
     ('fast_path_quota = -1', 'fast_path_quota = -1: expected an integer from 0 to 16777216'),
+    ('fast_path_hit_rate = -1', 'fast_path_hit_rate = -1: expected a number of ring entries per '
+                                'second from 0 (no limit) to 1e9'),
     ('models = 3', 'models = 3: expected a list of tables with name (letters, digits, _ . -, at most '
                    '32), path (a GGUF file) and optional min_budget, max_budget (sizes) and weight (> 0)'),
     ('split_interval_s = 0', 'split_interval_s = 0: expected a number of seconds > 0 and <= 86400'),

@@ -2,6 +2,7 @@
 a victim held by a shared-memory pin is skipped and a request counting on it waits, and a
 release through shared memory (a store, no message) lets it in at the next sweep."""
 import os
+import time
 
 import pytest
 
@@ -116,3 +117,59 @@ def test_a_pin_within_the_quota_is_honoured_while_released_pins_are_not_swept_ye
     cache.release(got[0])
     lib().shim_unpin(h, (Item * 2)(*new), 2)
     cache.close_pin_file(f)
+
+
+def pin_file_words(f):
+    """The pin file ``f`` mapped shared, as a writable u64 array (what its client, or a hostile
+    one, writes), without the compiled shim."""
+    import mmap
+
+    import numpy as np
+    with open(f.path, "r+b") as fh:
+        m = mmap.mmap(fh.fileno(), f.size)
+    return np.frombuffer(m, dtype="<u8")
+
+
+def test_a_client_flooding_its_hit_ring_gets_only_its_rate_of_drain_work(cache):
+    # A client that refills its ring as fast as it can (head = tail + ring_n, every entry a
+    # valid hit on a resident expert) must not make the daemon apply a ring per request: its
+    # ring is drained at fast_path_hit_rate entries per second with bursts of one ring, the
+    # rest is skipped (the tail moves past it, so the ring is free again) and counted.
+    import numpy as np
+    L = cache.index.expert_layers
+    f = cache.open_pin_file("moecached-pins-test-1", 77, 8)
+    cache.release(cache.acquire(L[0], [0, 1, 2, 3], timeout=30))
+    w = pin_file_words(f)
+    ring, n = cache._shm.ring_off // 8, 16384
+    w[ring:ring + 2 * n:2] = 1 + np.arange(n) % 4            # keys 0..3 of layer 0 (resident)
+    w[ring + 1:ring + 2 * n:2] = 1000 + np.arange(n)         # their times
+    rate = 2000.0
+    cache.set_hit_ring_rate(rate)
+    fp0 = cache.stats()["fast_path"]
+    t0 = time.monotonic()
+    w[8] = w[16] + 5000                   # within the burst: every entry counts
+    cache.drain_pins()
+    assert cache.stats()["fast_path"]["fast_hits"] - fp0["fast_hits"] == 5000
+    written = 0
+    for _ in range(40):                   # the flood: a full ring before every request
+        w[8] = w[16] + n
+        written += n
+        cache.drain_pins()
+        assert w[16] == w[8], "the ring was not consumed: the client would fall back to the socket"
+    elapsed = time.monotonic() - t0
+    fp = cache.stats()["fast_path"]
+    applied = fp["fast_hits"] - fp0["fast_hits"] - 5000
+    # what was left of the burst (n - 5000) plus the rate over the time since
+    assert applied <= n - 5000 + rate * elapsed + 1, (applied, elapsed)
+    assert fp["ring_skipped"] == written - applied > 0
+    assert f.info()["ring_skipped"] == fp["ring_skipped"]
+    assert fp["ring_drops"] == 0 and fp["ring_resets"] == 0
+    # rate 0: no limit, the whole ring counts again
+    cache.set_hit_ring_rate(0)
+    w[8] = w[16] + n
+    cache.drain_pins()
+    assert cache.stats()["fast_path"]["fast_hits"] == fp["fast_hits"] + n
+    del w
+    cache.close_pin_file(f)
+    fp = cache.stats()["fast_path"]
+    assert fp["ring_skipped"] == written - applied, "a closed pin file's skips are kept"

@@ -425,3 +425,52 @@ def test_a_release_through_shared_memory_frees_a_waiting_acquire_soon(daemon):
     print(f"acquire served {1000 * (got['t'] - t_release):.1f} ms after the release")
     assert got["t"] - t_release < 0.25, got
     fc.close()
+
+
+def test_a_client_flooding_its_hit_ring_gets_its_rate_and_a_warning(daemon_procs):
+    """A client refilling its hit ring as fast as it can (head = tail + ring_n, valid entries)
+    while another client acquires: the daemon applies that client's entries at
+    fast_path_hit_rate (bursts of one ring), skips and counts the rest, and names the client
+    in one warning line."""
+    rate = 20000
+    ep, proc = daemon_procs("--slots", "64", "--fast-path-hit-rate", str(rate))
+    fc = FastClient(ep, name="flooder")
+    assert fc.hello["limits"]["fast_path_hit_rate"] == rate
+    L = fc.layers
+    fc.unpin(pin_resident(fc, L[0], [0, 1]))
+    w = fc.pin_words()
+    ring, n = fc.pins["ring_off"] // 8, fc.pins["ring_n"]
+    for j in range(n):
+        w[ring + 2 * j], w[ring + 2 * j + 1] = 1 + fc.key(L[0], j % 2), j
+    stop = threading.Event()
+
+    def flood():
+        while not stop.is_set():
+            w[8] = w[16] + n
+
+    t0 = time.monotonic()
+    hits0 = fc.me()["fast_hits"]
+    th = threading.Thread(target=flood)
+    th.start()
+    try:
+        with Client(ep, name="other", fast_path=False) as c:   # its every request drains first
+            t_end = time.monotonic() + 1.5
+            while time.monotonic() < t_end:
+                for layer in L[1:]:
+                    c.acquire(layer, [1, 2]).release()
+    finally:
+        stop.set()
+        th.join()
+    st = fc.stats()
+    elapsed = time.monotonic() - t0
+    me, fp = fc.me(st), st["fast_path"]
+    applied = me["fast_hits"] - hits0
+    assert applied <= n + rate * elapsed, (applied, elapsed)
+    assert me["ring_skipped"] > 0 and fp["ring_skipped"] == me["ring_skipped"]
+    assert me["ring_drops"] == me["ring_resets"] == 0
+    time.sleep(1.2)                             # a tick: the warning
+    fc.close()
+    out = stop_daemon(proc)
+    lines = [l for l in out.splitlines() if "fast_path_hit_rate" in l and "flooder" in l]
+    assert len(lines) >= 1 and f"pid {os.getpid()}, uid {os.getuid()}" in lines[0], out
+    assert len(lines) == 1, "more than one warning per client per period"

@@ -6,7 +6,11 @@ Every rule about who writes what, and in which order, lives once in
 (``mcshm_publish``), evicting one unless a fast-path pin holds it (``mcshm_try_evict``),
 reading the hit rings (``mcshm_drain``, ``mcshm_ring_reset``). What it adds is bookkeeping
 the header leaves to the daemon: which pin files are open, which of their pins are honoured
-(at most ``quota`` distinct slots per file), and the merge of all rings by time.
+(at most ``quota`` distinct slots per file), the merge of all rings by time, and each ring's
+budget: at most ``hit_rate`` entries per second are taken from one pin file (bursts of one
+ring), the rest is skipped unread (the tail moves past it) and counted, so a client that
+refills its ring as fast as it can costs the daemon no more than one within its rate. The
+entries taken are applied to the cache's LRUs and hit counters here, in C, one call per drain.
 
 Pin files are untrusted input: the daemon never reads their header words back (the layout is
 its own), counts are read as "pinned or not", ring entries are range-checked by the caller.
@@ -14,7 +18,8 @@ All methods but :meth:`ShmArena.pending` run under the cache lock; ``pending`` a
 opening/closing of pin files run on the server's loop thread only.
 """
 from libc.stdint cimport uint32_t, uint64_t
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, calloc, free
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
 
 cimport moecache_shm as H
@@ -106,15 +111,24 @@ cdef extern from *:
         MOECACHED_UNGUARD()
         return r;
     }
-    /* -1 fault, -2 implausible head (ring reset), else entries copied */
+    /* Copy at most `max` entries (the newest); older ones past `max` are skipped unread: the
+       tail moves past them first (*skipped). -1 fault, -2 implausible head (ring reset), else
+       entries copied. */
     static long g_drain(const mcshm_layout *m, mcshm_u64 *pf, uint64_t *keys, uint64_t *ts,
-                        uint32_t max) {
+                        uint32_t max, uint64_t *skipped) {
         MOECACHED_GUARD(return -1)
         long r;
+        *skipped = 0;
         if (moecached_ring_implausible(m, pf)) {
             mcshm_ring_reset(pf);
             r = -2;
         } else {
+            uint64_t n = mcshm_ring_pending(m, pf);
+            if (n > max) {
+                uint64_t t = atomic_load_explicit(&pf[MCSHM_PIN_W_TAIL], memory_order_relaxed);
+                atomic_store_explicit(&pf[MCSHM_PIN_W_TAIL], t + (n - max), memory_order_release);
+                *skipped = n - max;
+            }
             r = mcshm_drain(m, pf, keys, ts, max);
         }
         MOECACHED_UNGUARD()
@@ -138,11 +152,18 @@ cdef extern from *:
     int g_pending(const mcshm_layout *m, mcshm_u64 *pf) nogil
     long g_count_pinned(const mcshm_layout *m, mcshm_u64 *pf, uint32_t n_slots) nogil
     long g_drain(const mcshm_layout *m, mcshm_u64 *pf, uint64_t *keys, uint64_t *ts,
-                 uint32_t max) nogil
+                 uint32_t max, uint64_t *skipped) nogil
     int g_probe(mcshm_u64 *pf, size_t size) nogil
 
 #: Ring entries per pin file (a power of two): 16384 entries of 16 bytes, 256 KiB.
 RING_N = 16384
+
+
+cdef inline double _now() noexcept nogil:
+    """``CLOCK_MONOTONIC`` in seconds (Python's ``time.monotonic``)."""
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
 # The shared-memory facts of moecache_shm.h, as Python values (the daemon's one source of them).
 MAX_CLASSES = MCSHM_MAX_CLASSES
 PIN_HEADER_BYTES = MCSHM_PIN_HEADER_BYTES
@@ -168,18 +189,30 @@ cdef class PinFile:
     Attributes: ``path``, ``size``, ``quota`` (distinct slots whose pins are honoured),
     ``honoured`` (set of global slots whose pins the daemon honours now), counters ``hits``,
     ``prefetch_hits`` (ring entries applied), ``drops`` (ring entries dropped: key out of range
-    or not resident), ``resets`` (implausible heads), ``ignored`` (pins found past the quota).
+    or not resident), ``resets`` (implausible heads), ``ignored`` (pins found past the quota),
+    ``skipped`` (ring entries skipped unread: over the ring's budget, ``ShmArena.hit_rate``);
+    ``tokens`` (entries the ring's budget allows now, at most one ring).
     """
     cdef mcshm_u64 *p
     cdef public size_t size
     cdef public object path, fd
     cdef public long quota
     cdef public set honoured
-    cdef public long hits, prefetch_hits, drops, resets, ignored
+    cdef public long hits, prefetch_hits, drops, resets, ignored, skipped
     cdef public bint broken
+    cdef public double tokens
+    cdef double t_last
+    # the entries of the current drain (ShmArena.drain): keys + 1 and times, `got` of them
+    cdef uint64_t *kbuf
+    cdef uint64_t *tbuf
+    cdef long got, pos
 
     def __cinit__(self):
         self.p = NULL
+        self.kbuf = <uint64_t *>malloc(RING_N * sizeof(uint64_t))
+        self.tbuf = <uint64_t *>malloc(RING_N * sizeof(uint64_t))
+        if self.kbuf == NULL or self.tbuf == NULL:
+            raise MemoryError()
 
     def __init__(self, path, int fd, size_t size, long quota):
         cdef void *a = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
@@ -191,8 +224,10 @@ cdef class PinFile:
         self.size = size
         self.quota = quota
         self.honoured = set()
-        self.hits = self.prefetch_hits = self.drops = self.resets = self.ignored = 0
+        self.hits = self.prefetch_hits = self.drops = self.resets = self.ignored = self.skipped = 0
         self.broken = False
+        self.tokens = RING_N
+        self.t_last = _now()
 
     cpdef void unmap(self):
         if self.p != NULL:
@@ -202,11 +237,13 @@ cdef class PinFile:
     def __dealloc__(self):
         if self.p != NULL:
             munmap(<void *>self.p, self.size)
+        free(self.kbuf)
+        free(self.tbuf)
 
     def info(self) -> dict:
         return {"fast_hits": self.hits + self.prefetch_hits, "ring_drops": self.drops,
-                "ring_resets": self.resets, "pins_honoured": len(self.honoured),
-                "pins_ignored": self.ignored}
+                "ring_resets": self.resets, "ring_skipped": self.skipped,
+                "pins_honoured": len(self.honoured), "pins_ignored": self.ignored}
 
 
 cdef class ShmArena:
@@ -218,21 +255,30 @@ cdef class ShmArena:
         classes: ``[(gen_off_bytes, n_slots), ...]`` in class-id order (ids 0..n-1).
         resmap_off: byte offset of the resident map.
     Raises ValueError for more than ``MAX_CLASSES`` classes.
+
+    Attributes (besides the counters): ``hit_rate``, the ring entries per second taken from one
+    pin file (bursts of one ring; 0: no limit; config ``fast_path_hit_rate``).
     """
     cdef mcshm_layout L
     cdef mcshm_u64 **ptrs
-    cdef uint64_t *kbuf
-    cdef uint64_t *tbuf
     cdef public list files
     cdef public uint32_t n_slots_total
     cdef public uint64_t pins_off, ring_off, file_size
-    cdef public long evictions_held, resets, drops_closed, ignored_closed, fast_hits
+    cdef public long evictions_held, resets, drops_closed, ignored_closed, fast_hits, skipped_closed
     cdef public list broken
+    cdef public double hit_rate
+    # where a drained key goes (set_targets), per MoE layer index m: the layer, the LRU's touch,
+    # the key of expert 0 in the pool, the pool's res list and unused bytearray
+    cdef long n_moe
+    cdef long *t_base
+    cdef long *c_hits
+    cdef long *c_pf
+    cdef list t_layer, t_touch, t_res, t_unused
 
     def __cinit__(self):
         self.ptrs = NULL
-        self.kbuf = NULL
-        self.tbuf = NULL
+        self.t_base = self.c_hits = self.c_pf = NULL
+        self.n_moe = 0
 
     def __init__(self, size_t ctl_address, uint32_t n_experts, uint32_t n_keys, list classes,
                  uint64_t resmap_off):
@@ -267,16 +313,41 @@ cdef class ShmArena:
             raise OSError("cannot install the SIGBUS guard of the pin files")
         # counts of pin files already closed (open ones keep their own)
         self.evictions_held = self.resets = self.drops_closed = self.ignored_closed = 0
-        self.fast_hits = 0
-        self.kbuf = <uint64_t *>malloc(RING_N * sizeof(uint64_t))
-        self.tbuf = <uint64_t *>malloc(RING_N * sizeof(uint64_t))
-        if self.kbuf == NULL or self.tbuf == NULL:
-            raise MemoryError()
+        self.fast_hits = self.skipped_closed = 0
+        self.hit_rate = 0.0
+        self.t_layer = self.t_touch = self.t_res = self.t_unused = []
 
     def __dealloc__(self):
         free(self.ptrs)
-        free(self.kbuf)
-        free(self.tbuf)
+        free(self.t_base)
+        free(self.c_hits)
+        free(self.c_pf)
+
+    def set_targets(self, list moe not None):
+        """Where the hits of the rings go: ``moe[m] = (layer, lru, base, res, unused)`` for MoE
+        layer index ``m`` (a key ``m * n_experts + e`` is expert ``e`` of ``layer``, key
+        ``base + e`` of the pool whose LRU, ``res`` list and ``unused`` bytearray follow). The
+        pool objects must live as long as this (they do: the cache's layout)."""
+        cdef long m, n = len(moe)
+        if n * self.L.n_experts != self.L.n_keys:
+            raise ValueError(f"{n} MoE layers x {self.L.n_experts} experts != {self.L.n_keys} keys")
+        free(self.t_base); free(self.c_hits); free(self.c_pf)
+        self.t_base = <long *>malloc((n + 1) * sizeof(long))
+        self.c_hits = <long *>calloc(n + 1, sizeof(long))
+        self.c_pf = <long *>calloc(n + 1, sizeof(long))
+        if self.t_base == NULL or self.c_hits == NULL or self.c_pf == NULL:
+            raise MemoryError()
+        self.t_layer, self.t_touch, self.t_res, self.t_unused = [], [], [], []
+        for m in range(n):
+            layer, lru, base, res, unused = moe[m]
+            if len(<list?>res) < base + self.L.n_experts or len(<bytearray?>unused) < base + self.L.n_experts:
+                raise ValueError(f"MoE layer {m}: the pool has fewer keys than base + n_experts")
+            self.t_base[m] = base
+            self.t_layer.append(layer)
+            self.t_touch.append(lru.touch)
+            self.t_res.append(res)
+            self.t_unused.append(unused)
+        self.n_moe = n
 
     cdef void _refresh(self) except *:
         free(self.ptrs)
@@ -302,6 +373,7 @@ cdef class ShmArena:
             self.fast_hits += f.hits + f.prefetch_hits
             self.drops_closed += f.drops
             self.ignored_closed += f.ignored
+            self.skipped_closed += f.skipped
         f.honoured = set()
         f.unmap()
 
@@ -438,45 +510,108 @@ cdef class ShmArena:
                 return True   # entries, or a fault (the drain then finds the broken file)
         return False
 
-    def drain(self):
-        """Every ring's new entries, merged by time over all files: a list of ``(key, file, t)``
-        (``key`` as the client wrote it, minus 1; ``t`` its time, the same for every entry of
-        one pin call; out-of-range ones are dropped and counted here); resets rings with an implausible head (counted). None when nothing came."""
-        cdef PinFile f
+    cdef long _take(self, PinFile f, double now) except -3:
+        """Copy ``f``'s new ring entries into its buffers (``f.got``), at most what its budget
+        allows (the older rest skipped unread and counted). -1 on a fault, -2 an implausible
+        head (the ring reset and counted), else the entries copied."""
+        cdef uint32_t budget = RING_N
+        cdef uint64_t skipped = 0
         cdef long got
-        cdef uint32_t j
-        cdef uint64_t k1, nk = self.L.n_keys
-        cdef long fi = 0
-        if self.L.ctl == NULL:
+        cdef double rate = self.hit_rate
+        if rate > 0:
+            f.tokens += rate * (now - f.t_last)
+            if f.tokens > RING_N:
+                f.tokens = RING_N
+            budget = <uint32_t> f.tokens
+        else:
+            f.tokens = RING_N    # no limit: a rate set later starts with a full burst
+        f.t_last = now
+        got = g_drain(&self.L, f.p, f.kbuf, f.tbuf, budget, &skipped)
+        f.got = 0
+        if got == -2:
+            f.resets += 1
+            self.resets += 1
+        elif got >= 0:
+            f.got = got
+            f.skipped += <long> skipped
+            if rate > 0:
+                f.tokens -= got
+        return got
+
+    def drain(self, log=None):
+        """Apply every ring's new entries, merged by time over all files (a file's entries in
+        ring order), to the pools of :meth:`set_targets` as a socket hit counts: touch the key,
+        count a prefetch hit (clearing ``unused``) or a hit, per file and per layer. Entries
+        naming a key out of range or not resident are dropped (counted per file); a ring with an
+        implausible head is reset (counted); entries over a ring's budget are skipped unread
+        (counted per file). ``log``: a list to append ``(file, t, layer, expert)`` to per entry
+        applied, or None. Returns None when no ring held anything, else ``(applied, hits,
+        prefetch_hits)``, the last two ``{layer: count}`` of what was applied."""
+        cdef PinFile f, best
+        cdef long got, m, e, k, r, applied = 0, n_parts = 0, i
+        cdef uint64_t k1, t, nk = self.L.n_keys, ne = self.L.n_experts
+        cdef double now
+        cdef char *unused
+        cdef list parts
+        if self.L.ctl == NULL or self.n_moe == 0:
             return None
+        now = _now()
         parts = []
         for f in list(self.files):
-            fi += 1
             if f.p == NULL:
                 continue
-            got = g_drain(&self.L, f.p, self.kbuf, self.tbuf, RING_N)
+            got = self._take(f, now)
             if got == -1:
                 self._drop_broken()
                 continue
-            if got == -2:
-                f.resets += 1
-                self.resets += 1
-                continue
-            if got == 0:
-                continue
-            one = []
-            for j in range(got):
-                k1 = self.kbuf[j]
-                if k1 == 0 or k1 > nk:
-                    f.drops += 1
-                    continue
-                one.append((self.tbuf[j], fi, j, k1 - 1, f))
-            if one:
-                parts.append(one)
-        if not parts:
+            if got > 0:
+                f.pos = 0
+                parts.append(f)
+        n_parts = len(parts)
+        if n_parts == 0:
             return None
-        if len(parts) == 1:
-            return [(e[3], e[4], e[0]) for e in parts[0]]
-        allp = [e for p in parts for e in p]
-        allp.sort(key=lambda e: (e[0], e[1], e[2]))
-        return [(e[3], e[4], e[0]) for e in allp]
+        while True:
+            # the next entry: the earliest head over the files (ties: the earlier file); a
+            # file's entries in ring order (one client's times only grow)
+            best = None
+            for i in range(n_parts):
+                f = <PinFile> parts[i]
+                if f.pos < f.got and (best is None or f.tbuf[f.pos] < best.tbuf[best.pos]):
+                    best = f
+            if best is None:
+                break
+            f = best
+            k1 = f.kbuf[f.pos]
+            t = f.tbuf[f.pos]
+            f.pos += 1
+            if k1 == 0 or k1 > nk:
+                f.drops += 1
+                continue
+            m = (k1 - 1) // ne
+            e = (k1 - 1) % ne
+            k = self.t_base[m] + e
+            r = (<list> self.t_res[m])[k]
+            if r < 0:
+                f.drops += 1
+                continue
+            if log is not None:
+                log.append((f, t, self.t_layer[m], e))
+            self.t_touch[m](k)
+            unused = <bytearray> self.t_unused[m]
+            if unused[k]:
+                unused[k] = 0
+                self.c_pf[m] += 1
+                f.prefetch_hits += 1
+            else:
+                self.c_hits[m] += 1
+                f.hits += 1
+            applied += 1
+        hits, pf = {}, {}
+        for m in range(self.n_moe):
+            if self.c_hits[m]:
+                hits[self.t_layer[m]] = self.c_hits[m]
+                self.c_hits[m] = 0
+            if self.c_pf[m]:
+                pf[self.t_layer[m]] = self.c_pf[m]
+                self.c_pf[m] = 0
+        return applied, hits, pf

@@ -124,6 +124,7 @@ def server_kwargs(cfg) -> dict:
                 client_max_prefetch=cfg.client_max_prefetch,
                 client_loop_share=cfg.client_loop_share,
                 pin_files=cfg.fast_path, pin_quota=cfg.fast_path_quota,
+                pin_hit_rate=cfg.fast_path_hit_rate,
                 admin_gid=grp.getgrnam(cfg.admin_group).gr_gid if cfg.admin_group else None,
                 model_dirs=model_dirs(cfg))
 

@@ -35,7 +35,7 @@ from moecached import MoecacheError
 from moecached.daemon.confvalues import (MAX_IPC_PATH, MODEL_NAME, GiB, KiB, MiB, _abs_path, _admit_cold,  # noqa: F401
                          _Bad, _bool, _choice, _endpoint, _float_range, _fraction, _group, _human,
                          _hysteresis, _int_range, _log_level, _mode, _model, _MODEL_FIELDS, _models,
-                         _rate, _size, _state_dir)
+                         _hit_rate, _rate, _size, _state_dir)
 from moecached.daemon.confvalues import _dirs
 
 __all__ = ["Config", "ConfigError", "KEYS", "DEFAULT_PATH", "DEFAULT_ENDPOINT", "RELOADABLE",
@@ -96,6 +96,7 @@ class Config:
     max_message_bytes: int = 4 * MiB         # largest request message accepted
     fast_path: bool = True                   # pin files for shared-memory hits (watched clients)
     fast_path_quota: int = 0                 # slots whose fast-path pins are honoured per client (0: auto)
+    fast_path_hit_rate: float = 2_000_000.0  # hit-ring entries/s drained per client, bursts of one ring (0: off)
     split_interval_s: float = 10.0           # several models: seconds between two rebalances of the split
     split_step: Optional[int] = None         # several models: bytes a share moves by (None: budget / 32)
     split_hysteresis: float = 0.25           # several models: a move's gain must beat its loss by this factor
@@ -252,6 +253,12 @@ KEYS: dict[str, Key] = {
     "fast_path_quota": Key(_int_range(0, 1 << 24), "--fast-path-quota",
                            "slots whose shared-memory pins are honoured per client "
                            "(default 0: 4 x top-k x MoE layers, at most half the slots)", "N", "int"),
+    "fast_path_hit_rate": Key(_hit_rate, "--fast-path-hit-rate",
+                              "hit-ring entries per second the daemon takes from one client's "
+                              "shared-memory ring, bursts of one ring (16384); the rest are "
+                              "skipped and counted (ring_skipped) (default 2000000; 0: no limit)",
+                              "R", "float",
+        reload="client_limits", scope="socket"),
     "split_interval_s": Key(_float_range(0, 86400, lo_open=True), "--split-interval",
                             "several models: seconds between rebalances of the shared budget (default 10)",
                             "S", "float", reload="split", scope="daemon"),

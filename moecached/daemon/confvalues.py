@@ -52,6 +52,12 @@ def _rate(x):
     return float(x)
 
 
+def _hit_rate(x):
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1e9:
+        raise _Bad("a number of ring entries per second from 0 (no limit) to 1e9")
+    return float(x)
+
+
 def _fraction(x):
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1:
         raise _Bad("a number from 0 to 1")

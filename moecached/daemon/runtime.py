@@ -54,6 +54,7 @@ def _on_request_limits(new, server, cache):
 def _on_client_limits(new, server, cache):
     server.set_client_limits(new.client_rate_limit, new.client_rate_burst, new.client_max_prefetch)
     server.set_loop_share(new.client_loop_share)
+    server.set_pin_hit_rate(new.fast_path_hit_rate)
 
 
 def _on_admit_cold(new, server, cache):

@@ -8,7 +8,8 @@ through shared memory. Pinned keys are never evicted, never given back by ``set_
 * Shared-memory pins (:class:`ShmPins`): each fast-path client has a pin file beside the
   arena (``moecached.engine._shm``; rules in ``clients/c/include/moecache_shm.h``): it pins
   resident slots and records its hits in a ring there, without a message. The cache drains the
-  rings (the hits count as socket hits would), and a victim a pin file holds is pinned in the
+  rings (the hits count as socket hits would; each ring at most ``fast_path_hit_rate`` entries
+  per second, the rest skipped and counted), and a victim a pin file holds is pinned in the
   LRU (*held*) until a sweep finds the pin gone.
 
 Lock discipline: every method of :class:`ShmPins` runs under the cache's lock (the caller
@@ -75,40 +76,32 @@ class ShmPins:
         self.shm = layout.shm
         self.held: set = set()
         self.fast_log = None
+        lmap = layout.layers
+        self.shm.set_targets([(layer, lmap[layer].pool.lru, lmap[layer].base, lmap[layer].pool.res,
+                               lmap[layer].pool.unused) for layer in layout.moe_layers])
 
     # ---- the rings (under the cache's lock) ----------------------------------------------
     def drain(self) -> int:
         """Apply the hits clients took through shared memory (their rings, merged by time) to
         the LRU and the hit counters, as a socket hit counts; entries naming an expert that is
-        not resident are dropped (counted per client). Returns entries applied."""
-        got = self.shm.drain()
-        if not got:
+        not resident are dropped, entries over a ring's budget (``set_rate``) skipped (both
+        counted per client). The per-entry work is ``ShmArena.drain`` (C). Returns entries
+        applied."""
+        got = self.shm.drain(self.fast_log)
+        if got is None:
             return 0
-        ne = self.layout.n_experts
-        layers, lmap = self.layout.moe_layers, self.layout.layers
+        n, hits, pf = got
         l_hits, l_pf = self.tally.hits, self.tally.pf
-        n = 0
-        log = self.fast_log
-        for key, f, t in got:
-            layer = layers[key // ne]
-            L = lmap[layer]
-            pool = L.pool
-            k = L.base + key % ne
-            if pool.res[k] < 0:
-                f.drops += 1
-                continue
-            if log is not None:
-                log.append((f, t, layer, key % ne))
-            pool.lru.touch(k)
-            if pool.unused[k]:
-                pool.unused[k] = 0
-                l_pf[layer] += 1
-                f.prefetch_hits += 1
-            else:
-                l_hits[layer] += 1
-                f.hits += 1
-            n += 1
+        for layer, c in hits.items():
+            l_hits[layer] += c
+        for layer, c in pf.items():
+            l_pf[layer] += c
         return n
+
+    def set_rate(self, rate: float) -> None:
+        """Ring entries per second taken from one pin file, bursts of one ring (the rest is
+        skipped and counted: ``ring_skipped``); 0: no limit (under the cache's lock)."""
+        self.shm.hit_rate = max(0.0, float(rate))
 
     def take_fast_log(self) -> list:
         """The shared-memory hits applied since the last call (see ``ExpertCache.take_fast_log``)."""

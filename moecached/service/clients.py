@@ -35,7 +35,7 @@ class _Client:
                  "requests", "acquires", "hits", "misses", "prefetch_hits", "prefetches",
                  "errors", "stall_s", "pidfd", "bucket", "pf", "rate_limited", "pins", "fast_closed",
                  "subst", "peer_addr", "peer", "admin", "pin_words", "loop",
-                 "throttled", "coalesced", "ctl", "held", "held_pf")
+                 "throttled", "coalesced", "ctl", "held", "held_pf", "ring_warn")
 
     def __init__(self, ident: bytes, now: float, burst: float = 1.0, max_prefetch=None,
                  peer_addr: str | None = None):
@@ -70,7 +70,9 @@ class _Client:
         self.rate_limited = 0                     # requests refused or dropped: over the rate limit
         self.pins = None   # its pin file (moecached.engine._shm.PinFile) when it uses the fast path
         # counters of its pin files already closed (a new hello, a reload)
-        self.fast_closed = dict.fromkeys(("fast_hits", "ring_drops", "ring_resets", "pins_ignored"), 0)
+        self.fast_closed = dict.fromkeys(("fast_hits", "ring_drops", "ring_resets", "ring_skipped",
+                                         "pins_ignored"), 0)
+        self.ring_warn = (0.0, None, 0)   # (no warning before, its pin file's path, its skips then)
 
     def fold_pins(self) -> None:
         """Its pin file is closing: keep what it counted (hits go to the socket counters)."""
@@ -235,6 +237,30 @@ class ServerClients:
         log.warning("client %s (pid %s) truncated its pin file %s: dropped (its leases released)",
                     c.name, c.pid, f.path)
         self._drop_client(c, "pin file truncated")
+
+    #: seconds between two warnings about one client's hit ring going over fast_path_hit_rate
+    RING_WARN_S = 60.0
+
+    def _check_hit_rings(self, now: float) -> None:
+        """Every tick: warn about a client whose hit-ring entries were skipped (it wrote more
+        than ``fast_path_hit_rate`` per second), one line per client per ``RING_WARN_S``."""
+        for c in self.clients.values():
+            f = c.pins
+            if f is None:
+                continue
+            skipped = f.skipped
+            until, seen_f, seen = c.ring_warn
+            if seen_f != f.path:
+                seen = 0          # a new pin file (a new hello) counts from 0
+            if skipped <= seen or now < until:
+                continue
+            c.ring_warn = (now + self.RING_WARN_S, f.path, skipped)
+            log.warning("client %s (pid %s, uid %s) records hits in its shared-memory ring faster "
+                        "than fast_path_hit_rate (%g entries/s): %d entries skipped since the last "
+                        "warning, not counted as hits (ring_skipped). An engine records one entry "
+                        "per expert used, far fewer: check that client (a bug, or a flood); raise "
+                        "fast_path_hit_rate only if its hits are real", c.name, c.pid, c.peer.uid,
+                        self.pin_hit_rate, skipped - seen)
 
     def _close_pins(self, c: _Client) -> None:
         f = c.pins

@@ -67,7 +67,8 @@ class ServerOps:
                             "max_request_experts": self.checker.max_experts,
                             "client_rate_limit": self.rate_limit.rate,
                             "client_rate_burst": self.rate_limit.burst,
-                            "client_max_prefetch": self.client_max_prefetch or 0})
+                            "client_max_prefetch": self.client_max_prefetch or 0,
+                            "fast_path_hit_rate": self.pin_hit_rate})
 
     def _op_ping(self, c: _Client, rid: int, msg: dict) -> None:
         # warm_pending: what an engine waiting for the warm fill polls (cheap, unlike stats)

@@ -113,7 +113,7 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
                  client_rate_limit: float = 0.0, client_rate_burst: float = 1.0,
                  client_max_prefetch: int | None = None, pin_files: bool = True,
                  pin_quota: int | None = None, admin_gid: int | None = None, model_dirs=(),
-                 client_loop_share: float = 0.02):
+                 client_loop_share: float = 0.02, pin_hit_rate: float = 0.0):
         self.cache = cache
         self.index = cache.index if cache is not None else None   # None: a Router
         self.endpoint = endpoint
@@ -136,6 +136,8 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
         self.pin_files = bool(pin_files)
         self.pin_quota = pin_quota or None
         self._pin_seq = 0
+        self.pin_hit_rate = 0.0
+        self.set_pin_hit_rate(pin_hit_rate)
         self.clients: dict[bytes, _Client] = {}
         self._watch = select.poll()           # pidfds of watched clients (POLLIN: exited)
         self._watched: dict[int, _Client] = {}
@@ -404,6 +406,8 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
                         self._check_socket_file()
                         if cache is not None:
                             self._check_resident_map()
+                            if cache.pin_files:
+                                self._check_hit_rings(now)
                         if self.on_tick is not None:
                             try:
                                 self.on_tick(now)
@@ -452,6 +456,13 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
             max_message_bytes=self.max_message_bytes, max_experts=self.checker.max_experts,
             tracing=self.recorder is not None, more_nb=_MORE_NB, nb=_NB)
         return FastPath(hooks).handle
+
+    def set_pin_hit_rate(self, rate: float) -> None:
+        """Apply ``fast_path_hit_rate`` (at start and on reload): hit-ring entries per second
+        the cache takes from one client's pin file, bursts of one ring; 0: no limit."""
+        self.pin_hit_rate = max(0.0, float(rate))
+        if self.cache is not None:
+            self.cache.set_hit_ring_rate(self.pin_hit_rate)
 
     def set_request_limits(self, max_request_experts: int, max_message_bytes: int) -> None:
         """Apply the request limits (at reload): experts per request, bytes per message."""
