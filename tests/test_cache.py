@@ -585,6 +585,72 @@ def test_set_budget_shrink_with_pinned_then_grow(models):
         truth.close()
 
 
+def test_a_shrink_pins_stopped_short_finishes_once_they_go(models):
+    """A budget shrink that meets pinned experts stops short; once they are released the
+    periodic ``settle_memory`` finishes it (to the target, memory given back), without counting
+    another shrink."""
+    idx = open_index(models("qwen3"))
+    n_total = len(idx.expert_layers) * idx.n_experts
+    cache = new_cache(idx, slots=n_total)
+    try:
+        for l in idx.expert_layers:
+            cache.release(cache.acquire(l, list(range(idx.n_experts))))
+        held = [cache.acquire(l, list(range(idx.n_experts))) for l in idx.expert_layers]
+        smallest = sum(c.slot_bytes * 2 for c in idx.size_classes) + 64 * 4096
+        r = cache.set_budget(smallest)
+        assert r["slots_after"] == r["slots_before"] > r["slots_target"]   # every slot pinned
+        assert cache.settle_memory()["bytes_released"] == 0   # still pinned: nothing to do
+        for lease in held:
+            cache.release(lease)
+        got = cache.settle_memory()
+        s = cache.stats()
+        assert sum(c["slots"] for c in s["classes"]) == r["slots_target"]
+        assert got["bytes_released"] > 0 and s["shrink_events"] == 1
+        assert cache.settle_memory()["bytes_released"] == 0   # done: nothing more
+        cache.release(cache.acquire(idx.expert_layers[0], [0]))   # still serving
+    finally:
+        cache.close()
+
+
+def test_pages_a_reader_faults_back_into_given_back_slots_are_punched_again(models):
+    """A client's read-only mapping that reads a given-back slot's hole makes tmpfs allocate a
+    page there: the shrink's memory comes back. ``settle_memory`` finds the file holding more
+    than its resident slots need (st_blocks), punches the given-back slots again and counts
+    the bytes in ``repunched_bytes``."""
+    import mmap
+    idx = open_index(models("qwen3"))
+    n_total = len(idx.expert_layers) * idx.n_experts
+    cache = new_cache(idx, slots=n_total)
+    try:
+        smallest = sum(c.slot_bytes * 2 for c in idx.size_classes) + 64 * 4096
+        assert cache.set_budget(smallest)["bytes_released"] > 0
+        path = cache.arena.path
+        shrunk = os.stat(path).st_blocks * 512
+        assert cache.settle_memory()["bytes_repunched"] == 0   # nothing faulted in yet
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            m = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)   # as a client maps it
+            total = sum(m[off] for off in range(0, len(m), mmap.PAGESIZE))   # reads every page
+            assert total == 0 or total > 0
+            faulted = os.stat(path).st_blocks * 512
+            assert faulted > shrunk, "reading the holes allocated nothing (not a tmpfs?)"
+            got = cache.settle_memory()
+            assert os.stat(path).st_blocks * 512 <= shrunk
+            assert got["bytes_repunched"] == faulted - os.stat(path).st_blocks * 512
+            assert cache.stats()["repunched_bytes"] == got["bytes_repunched"]
+            m.close()
+        finally:
+            os.close(fd)
+        truth = FileTruth(idx)
+        for l in idx.expert_layers:   # the shrunk cache serves right bytes as before
+            lease = cache.acquire(l, [1])
+            truth.check(cache, lease)
+            cache.release(lease)
+        truth.close()
+    finally:
+        cache.close()
+
+
 def test_shrunk_policy_error_and_wait(models):
     idx = open_index(models("mixtral-legacy"))
     L = idx.expert_layers[0]

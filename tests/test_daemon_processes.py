@@ -202,6 +202,37 @@ def test_sighup_shrink_moves_the_arena_releases_word(model, tmp_path):
         stop_daemon(d)
 
 
+def test_a_client_reading_the_given_back_slots_does_not_undo_a_shrink(model, tmp_path):
+    """A client that reads the whole arena through its read-only mapping after a shrink makes
+    tmpfs allocate pages in the holes the shrink punched; the daemon finds the file holding
+    more than its slots need, punches the given-back slots again (counted in
+    ``repunched_bytes``) and says so in one warning line."""
+    import mmap
+    conf, sock, d = start_with_config(model, tmp_path, 'slots = 32\n')
+    try:
+        with Client(f"ipc://{sock}") as c:
+            path = c.arena.descriptor["path"]
+            c.acquire(c.expert_layers[0], list(range(8))).release()
+            conf.write_text('slots = 8\n')
+            d.send_signal(signal.SIGHUP)
+            wait_for(lambda: sum(x["slots"] for x in c.stats()["classes"]) == 8, "the shrink", 10)
+            shrunk = os.stat(path).st_blocks
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                m = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+                sum(m[off] for off in range(0, len(m), mmap.PAGESIZE))   # every page, holes too
+                wait_for(lambda: c.stats().get("repunched_bytes", 0) > 0, "the pages punched again", 10)
+                wait_for(lambda: os.stat(path).st_blocks <= shrunk, "the file back to its shrunk size", 10)
+                m.close()
+            finally:
+                os.close(fd)
+            assert sum(x["slots"] for x in c.stats()["classes"]) == 8
+            c.acquire(c.expert_layers[0], [0]).release()
+    finally:
+        out = stop_daemon(d)
+    assert "punched them again" in out, out
+
+
 def test_sighup_turns_the_floor_on_and_off(model, tmp_path):
     """A floor above all the box's memory switched on by SIGHUP shrinks the cache to its
     minimum at the next tick; a budget change then keeps that shrink (the floor owns the

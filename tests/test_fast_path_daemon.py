@@ -427,6 +427,59 @@ def test_a_release_through_shared_memory_frees_a_waiting_acquire_soon(daemon):
     fc.close()
 
 
+def test_a_sighup_shrink_that_meets_pins_finishes_once_they_go(daemon_procs, tmp_path):
+    """slots 32 -> 8 while a fast-path client pins 16 slots: the shrink stops short at the
+    pins, and finishes by itself once they are released (docs/operations.md: "a shrink that
+    meets pins stops short and finishes at the next period")."""
+    conf = tmp_path / "shrink.toml"
+    conf.write_text("slots = 32\n")
+    ep, d = daemon_procs("--config", str(conf))
+    fc = FastClient(ep)
+    L = fc.layers
+    slots = lambda: sum(c["slots"] for c in fc.stats()["classes"])
+    items = pin_resident(fc, L[1], list(range(8))) + pin_resident(fc, L[2], list(range(8)))
+    conf.write_text("slots = 8\n")
+    d.send_signal(signal.SIGHUP)
+    wait_for(lambda: slots() < 32, "the shrink")
+    short = slots()
+    assert short >= 16 > 8, short          # the pinned slots stay
+    assert fc.valid(items)
+    for e, it in zip(range(8), items):
+        assert bytes_right(fc, L[1], e, it)
+    fc.unpin(items)
+    wait_for(lambda: slots() == 8, f"the shrink stopped at {short} slots to finish", timeout=15)
+    st = fc.stats()
+    assert st["budget"]["current_bytes"] < st["budget"]["configured_bytes"]
+    fc.close()
+
+
+def test_a_floor_shrink_that_meets_pins_finishes_once_they_go(daemon_procs, tmp_path):
+    """The memory floor's shrink (a floor above all the box's memory: down to the least
+    budget) stops short at a fast-path client's pins and finishes once they are released,
+    though the floor, already at its minimum, asks for nothing more."""
+    import psutil
+    conf = tmp_path / "floor.toml"
+    conf.write_text("slots = 64\n")
+    ep, d = daemon_procs("--config", str(conf))
+    fc = FastClient(ep)
+    # the floor's least budget holds two layers' top-k (16) of each class: pin 24 of one class
+    layers = fc.arena["classes"][0]["layers"]
+    items = [it for l in layers for it in pin_resident(fc, l, list(range(24 // len(layers))))]
+    huge = psutil.virtual_memory().total * 4
+    conf.write_text(f'slots = 64\nfloor = {huge}\nfloor_interval_s = 0.2\nmin_budget = "1MiB"\n')
+    d.send_signal(signal.SIGHUP)
+    st = wait_for(lambda: (lambda s: s if s.get("floor", {}).get("shrinks") else None)(fc.stats()),
+                  "the floor's shrink")
+    want = st["floor"]["current_budget"]
+    assert st["budget"]["current_bytes"] > want, st["budget"]   # held up by the pins
+    assert fc.valid(items)
+    fc.unpin(items)
+    wait_for(lambda: fc.stats()["budget"]["current_bytes"] <= want,
+             "the floor's shrink to finish", timeout=15)
+    assert fc.stats()["floor"]["shrinks"] == st["floor"]["shrinks"]
+    fc.close()
+
+
 def test_a_client_flooding_its_hit_ring_gets_its_rate_and_a_warning(daemon_procs):
     """A client refilling its hit ring as fast as it can (head = tail + ring_n, valid entries)
     while another client acquires: the daemon applies that client's entries at

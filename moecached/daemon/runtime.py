@@ -173,6 +173,7 @@ class Daemon:
 
     def _tick(self, now: float) -> None:
         if self.floor is not None:
+            self.models.settle_memory()   # pages a reader faulted back in go before it samples
             self.floor.tick(now)
         self.models.tick(now)
         if self.states is not None:

@@ -461,6 +461,27 @@ class Arena:
                 out.append((po + run_start * pb, po + (prev + 1) * pb))
         return sorted(out)
 
+    def _hole_ranges(self, class_id: int, slots: list[int]) -> list[tuple[int, int]]:
+        """The [start, end) ranges of whole pages inside these slots' part ranges: what
+        :meth:`release_memory` punches."""
+        page = self.page_size
+        out = []
+        for a, b in self._slot_ranges(class_id, slots):
+            a2, b2 = _round_up(a, page), b // page * page
+            if b2 > a2:
+                out.append((a2, b2))
+        return out
+
+    def hole_bytes(self, class_id: int, slots: list[int]) -> int:
+        """Bytes :meth:`release_memory` gives back for these slots (whole pages only)."""
+        return sum(b - a for a, b in self._hole_ranges(class_id, slots))
+
+    def allocated_bytes(self) -> int:
+        """Bytes the arena file holds in memory now (``st_blocks``: a hole holds none). A
+        process that reads a hole through a mapping of a tmpfs file makes the kernel allocate
+        a page there, so this can grow back after :meth:`release_memory`."""
+        return os.fstat(self._fd).st_blocks * 512 if self._fd >= 0 else 0
+
     def release_memory(self, class_id: int, slots: list[int]) -> int:
         """Give back the pages lying wholly inside these slots' part ranges (munlock + punch hole).
 
@@ -470,13 +491,9 @@ class Arena:
         reading it in place) registers them again, else it would keep reading the pages given
         back after the slots are refilled with new ones.
         """
-        page = self.page_size
         total = 0
         bumped = False
-        for a, b in self._slot_ranges(class_id, slots):
-            a2, b2 = _round_up(a, page), b // page * page
-            if b2 <= a2:
-                continue
+        for a2, b2 in self._hole_ranges(class_id, slots):
             if not bumped and self._ctl is not None:
                 self._ctl[RELEASES_OFF // 8] += 1
                 bumped = True

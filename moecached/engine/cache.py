@@ -147,6 +147,9 @@ class ExpertCache:
         self._plan_slots = plan_slots
         self._lock = threading.Lock()
         self._budget_lock = threading.Lock()
+        self._budget_counts = None   # slots per class the last set_budget asked for
+        self._alloc_mark = None      # the arena's allocated bytes right after its holes were punched
+        self.c_repunched = 0         # bytes of given-back slots faulted back in and punched again
         ne = self.n_experts = int(index.n_experts)
         if budget_bytes is None and slots is None:
             slots = sum(len(sc.layers) for sc in index.size_classes) * ne
@@ -566,7 +569,8 @@ class ExpertCache:
 
         Shrink: per pool, give back free slots first, then evict unpinned keys from the cold end,
         and release those slots' memory (``arena.release_memory``); pinned (leased or loading)
-        slots are never touched, so a shrink may stop short (reported). Grow: restore given-back
+        slots are never touched, so a shrink may stop short (reported; :meth:`settle_memory`
+        finishes it once they are released). Grow: restore given-back
         slots (``arena.restore_memory``) up to the target and let waiting acquires in.
         Targets per class follow ``arena.plan_slots``; per-layer pools get ``target // layers``.
         Returns ``{"slots_before", "slots_after", "slots_target", "bytes_released",
@@ -583,10 +587,14 @@ class ExpertCache:
             with self._lock:
                 if self._closed:
                     raise CacheClosed()
+                self._budget_counts = counts
                 shrink, grow, before, after, target = self._slots.resize(counts)
             released, restored, grown, lost, failed = self._slots.move_memory(
                 self.arena, shrink, grow, self._lock)
             after -= lost
+            if shrink or grow:
+                self._alloc_mark = None
+                self._punch_again(self._given_back())
             submits, promotes, done = [], [], []
             with self._lock:
                 self._slots.add_free(grown)
@@ -596,6 +604,57 @@ class ExpertCache:
                 raise CacheError(f"set_budget({budget_bytes}): grow stopped at {after} slots: {failed}")
             return {"slots_before": before, "slots_after": after, "slots_target": target,
                     "bytes_released": released, "bytes_restored": restored}
+
+    def settle_memory(self) -> dict:
+        """The budget's periodic work (the daemon's tick, and before the memory floor samples):
+
+        * finish a shrink that pinned experts stopped short (:meth:`set_budget`), now that
+          their pins are gone: the rest of the slots is given back and its memory released;
+        * give back again the pages readers faulted into given-back slots: reading a hole of a
+          tmpfs file through a mapping (a client's read-only one too) allocates a page there.
+          When the arena file holds more than its slots need (``st_blocks``, one ``fstat``),
+          the given-back slots are punched again and the bytes that fell are counted
+          (``repunched_bytes``).
+
+        Returns ``{"bytes_released", "bytes_repunched"}``."""
+        out = {"bytes_released": 0, "bytes_repunched": 0}
+        with self._budget_lock:
+            with self._lock:
+                if self._closed:
+                    return out
+                shrink = []
+                if self._budget_counts is not None:
+                    shrink = self._slots.resize(self._budget_counts, finish=True)[0]
+                given = self._slots.given_back()
+            if shrink:
+                out["bytes_released"] = self._slots.move_memory(self.arena, shrink, [], self._lock)[0]
+                self._alloc_mark = None
+            out["bytes_repunched"] = self._punch_again(given)
+        return out
+
+    def _given_back(self) -> dict:
+        with self._lock:
+            return self._slots.given_back()
+
+    def _punch_again(self, given: dict) -> int:
+        """(Under the budget lock: given-back slots stay so.) Punch the given-back slots again
+        when the arena holds more than its slots need and more than it did right after the
+        last punch (a page shared with a live slot, a huge page that did not split, a file
+        system's own blocks stay: they do not count); bytes that fell."""
+        arena = self.arena
+        if not given:
+            self._alloc_mark = None
+            return 0
+        have = arena.allocated_bytes()
+        need = arena.size - sum(arena.hole_bytes(cid, slots) for cid, slots in given.items())
+        if have <= need or (self._alloc_mark is not None and have <= self._alloc_mark):
+            return 0
+        for cid, slots in given.items():
+            arena.release_memory(cid, slots)
+        self._alloc_mark = after = arena.allocated_bytes()
+        fell = max(0, have - after)
+        self.c_repunched += fell
+        return fell
 
     def set_ghost(self, per_class: dict) -> None:
         """Keep ``per_class[cid]`` ghost entries per size class (``moecached.daemon.split``: the keys

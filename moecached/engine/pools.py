@@ -12,8 +12,8 @@ the ghost lists (a part of ``moecached.engine.cache.ExpertCache``).
   no byte was read into the slot; else to the free list.
 * ``set_budget``: per pool, free slots are given back first, then unpinned keys evicted from
   the cold end, their memory released (``arena.release_memory``); pinned slots are never
-  touched, so a shrink may stop short. A grow restores given-back slots
-  (``arena.restore_memory``).
+  touched, so a shrink may stop short (``resize(..., finish=True)`` takes the rest later). A
+  grow restores given-back slots (``arena.restore_memory``).
 * Ghosts (``moecached.daemon.split``): per pool, the keys evicted last, as many as one more
   step of budget would add; a demanded load of one counts in ``ghost_hits``.
 
@@ -42,6 +42,7 @@ class Pools:
         self.c_ghost_hits = 0
         self.c_shrinks = 0
         self.c_grows = 0
+        self._uncounted = False   # the last shrink asked for slots and pins held every one
 
     # ---- slots for loads ------------------------------------------------------------------
     def evict(self, pool, prefetch: bool = False) -> tuple:
@@ -122,14 +123,17 @@ class Pools:
             self.c_ghost_hits += 1
 
     # ---- budget ---------------------------------------------------------------------------
-    def resize(self, counts: dict) -> tuple:
+    def resize(self, counts: dict, finish: bool = False) -> tuple:
         """Plan and start a resize to ``counts`` (slots per class, ``arena.plan_slots``; per-layer
         pools get ``target // layers``): slots to give back are taken out of their pools now
         (free first, then evicted), slots to restore taken off the given-back list. Returns
         ``(shrink, grow, before, after, target)``: ``[(pool, [slots])]`` twice, then slot counts
-        summed over all pools (``after`` before any restore can fail)."""
+        summed over all pools (``after`` before any restore can fail). ``finish``: only the
+        rest of a shrink that pins stopped short (no grow; counted as a shrink only when the
+        pins had held every slot it asked for)."""
         shrink, grow = [], []
         before = after = target_total = 0
+        wanted = False
         for cid, (c, pools) in self.layout.cls.items():
             t = min(counts.get(cid, c.n_slots), c.n_slots)
             if self.layout.policy == "per-layer":
@@ -140,6 +144,7 @@ class Pools:
                 cur = pool.cap
                 before += cur
                 if tgt < cur:
+                    wanted = True
                     take = []
                     while len(take) < cur - tgt and pool.free:
                         take.append(pool.free.pop())
@@ -151,13 +156,15 @@ class Pools:
                     pool.disabled.extend(take)
                     if take:
                         shrink.append((pool, take))
-                elif tgt > cur:
+                elif tgt > cur and not finish:
                     take = pool.disabled[:tgt - cur]
                     del pool.disabled[:tgt - cur]
                     grow.append((pool, take))
                 after += pool.cap
-        if shrink:
+        if shrink and (not finish or self._uncounted):
             self.c_shrinks += 1
+        if not finish or shrink:
+            self._uncounted = wanted and not shrink and not finish
         if grow:
             self.c_grows += 1
         return shrink, grow, before, after, target_total
@@ -185,6 +192,15 @@ class Pools:
                     pool.disabled.extend(take)
                     lost += len(take)
         return released, restored, grown, lost, failed
+
+    def given_back(self) -> dict:
+        """``{class id: [slots]}``: the slots given back now (their pages are holes), the pools
+        of a class together."""
+        out: dict = {}
+        for p in self.layout.pools:
+            if p.disabled:
+                out.setdefault(p.cid, []).extend(p.disabled)
+        return out
 
     @staticmethod
     def add_free(grown: list) -> None:

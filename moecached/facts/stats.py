@@ -102,6 +102,8 @@ CACHE_STATS = (
          "c_shrinks"),
     Stat("grow_events", "counter", "budget_grows", "times the memory floor grew the cache budget back",
          "c_grows"),
+    Stat("repunched_bytes", "counter", "arena_repunched_bytes",
+         "bytes of given-back slots a process had read back into memory, punched out again", "c_repunched"),
     Stat("warm_loaded", "counter", "warm_loaded",
          "experts loaded by warm fills (the state file at start, moecache-ctl warm)",
          lambda c: _warm(c, "loaded")),
