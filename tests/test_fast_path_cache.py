@@ -144,7 +144,7 @@ def test_a_client_flooding_its_hit_ring_gets_only_its_rate_of_drain_work(cache):
     w[ring:ring + 2 * n:2] = 1 + np.arange(n) % 4            # keys 0..3 of layer 0 (resident)
     w[ring + 1:ring + 2 * n:2] = 1000 + np.arange(n)         # their times
     rate = 2000.0
-    cache.set_hit_ring_rate(rate)
+    cache._shm.hit_rate = rate
     fp0 = cache.stats()["fast_path"]
     t0 = time.monotonic()
     w[8] = w[16] + 5000                   # within the burst: every entry counts
@@ -165,7 +165,7 @@ def test_a_client_flooding_its_hit_ring_gets_only_its_rate_of_drain_work(cache):
     assert f.info()["ring_skipped"] == fp["ring_skipped"]
     assert fp["ring_drops"] == 0 and fp["ring_resets"] == 0
     # rate 0: no limit, the whole ring counts again
-    cache.set_hit_ring_rate(0)
+    cache._shm.hit_rate = 0
     w[8] = w[16] + n
     cache.drain_pins()
     assert cache.stats()["fast_path"]["fast_hits"] == fp["fast_hits"] + n

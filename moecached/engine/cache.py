@@ -485,13 +485,6 @@ class ExpertCache:
             if not self._closed:
                 self._shmpins.drain()
 
-    def set_hit_ring_rate(self, rate: float) -> None:
-        """Ring entries per second the drain takes from one pin file, bursts of one ring
-        (config ``fast_path_hit_rate``); the rest is skipped unread and counted
-        (``fast_path.ring_skipped``). 0: no limit (the default of a cache built directly)."""
-        with self._lock:
-            self._shmpins.set_rate(rate)
-
     def take_fast_log(self) -> list:
         """Shared-memory hits applied since the last call, ``(pin file, t, layer, expert)`` in
         order (one pin call shares ``t``), while a trace is recorded; [] otherwise."""

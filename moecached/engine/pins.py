@@ -84,9 +84,9 @@ class ShmPins:
     def drain(self) -> int:
         """Apply the hits clients took through shared memory (their rings, merged by time) to
         the LRU and the hit counters, as a socket hit counts; entries naming an expert that is
-        not resident are dropped, entries over a ring's budget (``set_rate``) skipped (both
-        counted per client). The per-entry work is ``ShmArena.drain`` (C). Returns entries
-        applied."""
+        not resident are dropped, entries over a ring's budget (``ShmArena.hit_rate``, config
+        ``fast_path_hit_rate``) skipped (both counted per client). The per-entry work is
+        ``ShmArena.drain`` (C). Returns entries applied."""
         got = self.shm.drain(self.fast_log)
         if got is None:
             return 0
@@ -97,11 +97,6 @@ class ShmPins:
         for layer, c in pf.items():
             l_pf[layer] += c
         return n
-
-    def set_rate(self, rate: float) -> None:
-        """Ring entries per second taken from one pin file, bursts of one ring (the rest is
-        skipped and counted: ``ring_skipped``); 0: no limit (under the cache's lock)."""
-        self.shm.hit_rate = max(0.0, float(rate))
 
     def take_fast_log(self) -> list:
         """The shared-memory hits applied since the last call (see ``ExpertCache.take_fast_log``)."""

@@ -63,7 +63,7 @@ class ServerSession:
         """Serve ``cache`` (after :meth:`retire_cache`) under a new session."""
         self.cache = cache
         self.index = cache.index
-        cache.set_hit_ring_rate(self.pin_hit_rate)
+        cache._shm.hit_rate = self.pin_hit_rate
         self.checker = P.RequestChecker(self.index.expert_layers, self.index.n_experts,
                                         max_experts=self.checker.max_experts)
         self.moe_index = {l: i for i, l in enumerate(self.index.expert_layers)}
