@@ -50,6 +50,7 @@ from moecached.daemon.logs import stage
 from moecached.engine.arena import planned_size, smallest_budget
 from moecached.facts.units import format_bytes
 from moecached.daemon.reload import ModelReloader
+from moecached.daemon.settle import settle
 from moecached.service.router import Router
 from moecached.service.server import Server
 from moecached.daemon.split import Member, Split, SplitError, least_share
@@ -237,47 +238,14 @@ class Models:
         elif r != "ok" and r != self._link.get(m.name, "ok"):
             log.error("%s", r)
         self._link[m.name] = r
-        try:
-            self._settle(m)
-        except MoecacheError as e:
-            log.error("model %s: %s", m.name, e)
+        settle(m, self._repunched)
         m.reloader.tick(now)
 
-    def _settle(self, m: Served) -> None:
-        """The budget's periodic work on ``m``'s cache (``ExpertCache.settle_memory``), and at
-        most one warning a period for the given-back pages it punched again (counted also when
-        the memory floor's sampling found them, :meth:`settle_memory`)."""
-        cache = m.cache
-        self._settled(m, cache.settle_memory())
-        last_cache, seen = self._repunched.get(m.name, (None, 0))
-        seen = seen if last_cache is cache else 0
-        now = cache.c_repunched
-        if now > seen:
-            log.warning("model %s: %s of the arena's given-back slots were in memory again (a "
-                        "process read them through its mapping of %s: reading a hole of a tmpfs "
-                        "file allocates a page); punched them again (repunched_bytes)", m.name,
-                        format_bytes(now - seen), cache.arena.path)
-        self._repunched[m.name] = (cache, now)
-
-    @staticmethod
-    def _settled(m: Served, got: dict) -> None:
-        if got["bytes_released"]:
-            log.info("model %s: the budget shrink that pinned experts had stopped short went on "
-                     "now that they are released (released %s)", m.name,
-                     format_bytes(got["bytes_released"]))
-
     def settle_memory(self) -> None:
-        """Before the memory floor samples: every model's budget work (a shrink to finish,
-        given-back pages to punch again), so that what it samples is what the caches hold.
-        The warning for pages punched again is its model's next periodic task's."""
+        """Before the memory floor samples: every model's :func:`settle` (its warning is its
+        model's next periodic task's), so that the floor samples what the caches hold."""
         for m in list(self.models.values()):
-            cache = m.cache
-            if cache is None:
-                continue
-            try:
-                self._settled(m, cache.settle_memory())
-            except MoecacheError as e:
-                log.error("model %s: %s", m.name, e)
+            settle(m, self._repunched, warn=False)
 
     def _rebuild(self, m: Served, index):
         if self.alone:   # the floor of the old cache goes with it; the new one gets the budget

@@ -147,9 +147,6 @@ class ExpertCache:
         self._plan_slots = plan_slots
         self._lock = threading.Lock()
         self._budget_lock = threading.Lock()
-        self._budget_counts = None   # slots per class the last set_budget asked for
-        self._alloc_mark = None      # the arena's allocated bytes right after its holes were punched
-        self.c_repunched = 0         # bytes of given-back slots faulted back in and punched again
         ne = self.n_experts = int(index.n_experts)
         if budget_bytes is None and slots is None:
             slots = sum(len(sc.layers) for sc in index.size_classes) * ne
@@ -206,29 +203,19 @@ class ExpertCache:
     c_leases = _Via("_hits", "granted")
     _reqs = _Via("_requests", "reqs")
     _waitq = _Via("_requests", "waitq")
-    c_waits = _Via("_requests", "c_waits")
-    shrunk_policy = _Via("_requests", "shrunk_policy")
-    admit_cold = _Via("_requests", "admit_cold")
-    scan_admit = _Via("_requests", "scan_admit")
+    c_waits, shrunk_policy, admit_cold, scan_admit = (
+        _Via("_requests", n) for n in ("c_waits", "shrunk_policy", "admit_cold", "scan_admit"))
     _pf_loading = _Via("_loads", "pf_loading")
-    c_inflight = _Via("_loads", "c_inflight")
-    c_reads = _Via("_loads", "c_reads")
-    c_bytes = _Via("_loads", "c_bytes")
-    c_read_errors = _Via("_loads", "c_read_errors")
-    c_reads_discarded = _Via("_loads", "c_reads_discarded")
-    c_run_reads, c_run_loads = _Via("_loads", "c_run_reads"), _Via("_loads", "c_run_loads")
-    c_evictions = _Via("_slots", "c_evictions")
-    c_wasted = _Via("_slots", "c_wasted")
-    c_ghost_hits = _Via("_slots", "c_ghost_hits")
-    c_shrinks = _Via("_slots", "c_shrinks")
-    c_grows = _Via("_slots", "c_grows")
-    max_prefetch_loads = _Via("_gate", "max_prefetch_loads")
-    prefetch_min_confidence = _Via("_gate", "prefetch_min_confidence")
-    c_prefetches = _Via("_gate", "c_prefetches")
-    c_pf_dropped = _Via("_gate", "c_pf_dropped")
-    c_pf_low_conf = _Via("_gate", "c_pf_low_conf")
-    c_pf_displaced = _Via("_gate", "c_pf_displaced")
-    c_pf_hot = _Via("_gate", "c_pf_hot")
+    c_inflight, c_reads, c_bytes, c_read_errors, c_reads_discarded, c_run_reads, c_run_loads = (
+        _Via("_loads", n) for n in ("c_inflight", "c_reads", "c_bytes", "c_read_errors",
+                                     "c_reads_discarded", "c_run_reads", "c_run_loads"))
+    c_evictions, c_wasted, c_ghost_hits, c_shrinks, c_grows, c_repunched = (
+        _Via("_slots", n) for n in ("c_evictions", "c_wasted", "c_ghost_hits", "c_shrinks",
+                                     "c_grows", "c_repunched"))
+    (max_prefetch_loads, prefetch_min_confidence, c_prefetches, c_pf_dropped, c_pf_low_conf,
+     c_pf_displaced, c_pf_hot) = (
+        _Via("_gate", n) for n in ("max_prefetch_loads", "prefetch_min_confidence", "c_prefetches",
+                                    "c_pf_dropped", "c_pf_low_conf", "c_pf_displaced", "c_pf_hot"))
 
     @property
     def hit_path(self) -> HitPath:
@@ -580,14 +567,12 @@ class ExpertCache:
             with self._lock:
                 if self._closed:
                     raise CacheClosed()
-                self._budget_counts = counts
                 shrink, grow, before, after, target = self._slots.resize(counts)
             released, restored, grown, lost, failed = self._slots.move_memory(
                 self.arena, shrink, grow, self._lock)
             after -= lost
             if shrink or grow:
-                self._alloc_mark = None
-                self._punch_again(self._given_back())
+                self._slots.punch_again(self.arena, self._lock, fresh=True)
             submits, promotes, done = [], [], []
             with self._lock:
                 self._slots.add_free(grown)
@@ -599,55 +584,11 @@ class ExpertCache:
                     "bytes_released": released, "bytes_restored": restored}
 
     def settle_memory(self) -> dict:
-        """The budget's periodic work (the daemon's tick, and before the memory floor samples):
-
-        * finish a shrink that pinned experts stopped short (:meth:`set_budget`), now that
-          their pins are gone: the rest of the slots is given back and its memory released;
-        * give back again the pages readers faulted into given-back slots: reading a hole of a
-          tmpfs file through a mapping (a client's read-only one too) allocates a page there.
-          When the arena file holds more than its slots need (``st_blocks``, one ``fstat``),
-          the given-back slots are punched again and the bytes that fell are counted
-          (``repunched_bytes``).
-
-        Returns ``{"bytes_released", "bytes_repunched"}``."""
-        out = {"bytes_released": 0, "bytes_repunched": 0}
+        """The budget's periodic work (``Pools.settle``): a shrink that pins stopped short goes on
+        once they are released; pages readers faulted back into given-back slots (reading a hole
+        of a tmpfs file allocates one) are punched again. ``{"bytes_released", "bytes_repunched"}``."""
         with self._budget_lock:
-            with self._lock:
-                if self._closed:
-                    return out
-                shrink = []
-                if self._budget_counts is not None:
-                    shrink = self._slots.resize(self._budget_counts, finish=True)[0]
-                given = self._slots.given_back()
-            if shrink:
-                out["bytes_released"] = self._slots.move_memory(self.arena, shrink, [], self._lock)[0]
-                self._alloc_mark = None
-            out["bytes_repunched"] = self._punch_again(given)
-        return out
-
-    def _given_back(self) -> dict:
-        with self._lock:
-            return self._slots.given_back()
-
-    def _punch_again(self, given: dict) -> int:
-        """(Under the budget lock: given-back slots stay so.) Punch the given-back slots again
-        when the arena holds more than its slots need and more than it did right after the
-        last punch (a page shared with a live slot, a huge page that did not split, a file
-        system's own blocks stay: they do not count); bytes that fell."""
-        arena = self.arena
-        if not given:
-            self._alloc_mark = None
-            return 0
-        have = arena.allocated_bytes()
-        need = arena.size - sum(arena.hole_bytes(cid, slots) for cid, slots in given.items())
-        if have <= need or (self._alloc_mark is not None and have <= self._alloc_mark):
-            return 0
-        for cid, slots in given.items():
-            arena.release_memory(cid, slots)
-        self._alloc_mark = after = arena.allocated_bytes()
-        fell = max(0, have - after)
-        self.c_repunched += fell
-        return fell
+            return self._slots.settle(self.arena, self._lock, lambda: self._closed)
 
     def set_ghost(self, per_class: dict) -> None:
         """Keep ``per_class[cid]`` ghost entries per size class (``moecached.daemon.split``: the keys

@@ -18,10 +18,11 @@ the ghost lists (a part of ``moecached.engine.cache.ExpertCache``).
   step of budget would add; a demanded load of one counts in ``ghost_hits``.
 
 Lock discipline: every method runs under the cache's lock (the caller holds it), except
-:meth:`Pools.move_memory`, which runs under the budget lock only and takes the cache's lock
-itself where it changes a pool (the arena's memory calls run outside it). Counters:
-``c_evictions``, ``c_wasted`` (prefetched experts evicted unused), ``c_ghost_hits``,
-``c_shrinks``, ``c_grows``.
+:meth:`Pools.move_memory`, :meth:`Pools.settle` and :meth:`Pools.punch_again`, which run under
+the budget lock only and take the cache's lock itself where they read or change a pool (the
+arena's memory calls run outside it). Counters: ``c_evictions``, ``c_wasted`` (prefetched
+experts evicted unused), ``c_ghost_hits``, ``c_shrinks``, ``c_grows``, ``c_repunched`` (bytes
+of given-back slots faulted back in and punched again).
 """
 from __future__ import annotations
 
@@ -42,7 +43,10 @@ class Pools:
         self.c_ghost_hits = 0
         self.c_shrinks = 0
         self.c_grows = 0
+        self.c_repunched = 0      # bytes of given-back slots faulted back in and punched again
         self._uncounted = False   # the last shrink asked for slots and pins held every one
+        self._counts = None       # slots per class the last resize asked for
+        self._mark = None         # the arena's allocated bytes right after its holes were punched
 
     # ---- slots for loads ------------------------------------------------------------------
     def evict(self, pool, prefetch: bool = False) -> tuple:
@@ -134,6 +138,8 @@ class Pools:
         shrink, grow = [], []
         before = after = target_total = 0
         wanted = False
+        if not finish:
+            self._counts = counts
         for cid, (c, pools) in self.layout.cls.items():
             t = min(counts.get(cid, c.n_slots), c.n_slots)
             if self.layout.policy == "per-layer":
@@ -192,6 +198,43 @@ class Pools:
                     pool.disabled.extend(take)
                     lost += len(take)
         return released, restored, grown, lost, failed
+
+    def settle(self, arena, lock, closed) -> dict:
+        """``ExpertCache.settle_memory`` (under the budget lock; takes ``lock`` itself): the
+        rest of a shrink that pins stopped short (:meth:`resize` with ``finish``), then
+        :meth:`punch_again`. ``closed()``: the cache is closed (nothing done)."""
+        out = {"bytes_released": 0, "bytes_repunched": 0}
+        with lock:
+            if closed():
+                return out
+            shrink = self.resize(self._counts, finish=True)[0] if self._counts is not None else []
+        if shrink:
+            out["bytes_released"] = self.move_memory(arena, shrink, [], lock)[0]
+        out["bytes_repunched"] = self.punch_again(arena, lock, fresh=bool(shrink))
+        return out
+
+    def punch_again(self, arena, lock, fresh: bool = False) -> int:
+        """(Under the budget lock: given-back slots stay so.) Punch the given-back slots again
+        when the arena file holds more than its slots need (``st_blocks``, one ``fstat``) and
+        more than right after the last punch (``fresh``: memory just moved, forget that; a
+        page shared with a live slot, a huge page that did not split, a file system's own
+        blocks stay and do not count). Returns the bytes that fell (``c_repunched``)."""
+        if fresh:
+            self._mark = None
+        with lock:
+            given = self.given_back()
+        if not given:
+            self._mark = None
+            return 0
+        have = arena.allocated_bytes()
+        need = arena.size - sum(arena.hole_bytes(cid, slots) for cid, slots in given.items())
+        if have <= need or (self._mark is not None and have <= self._mark):
+            return 0
+        for cid, slots in given.items():
+            arena.release_memory(cid, slots)
+        self._mark = after = arena.allocated_bytes()
+        self.c_repunched += max(0, have - after)
+        return max(0, have - after)
 
     def given_back(self) -> dict:
         """``{class id: [slots]}``: the slots given back now (their pages are holes), the pools
