@@ -171,3 +171,74 @@ def test_dependencies_without_pkg_config_files_and_msgpack_c_6(tmp_path):
         else:
             os.environ["PKG_CONFIG_PATH"] = old
     assert re.search(r"^Requires.private: libzmq msgpack-c$", (tmp_path / "six" / "moecache.pc").read_text(), re.M)
+
+
+CONNECT_C = r'''
+#include "moecache.h"
+#include <stdio.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    (void)argc;
+    mc_error err;
+    mc_client *c = mc_connect(argv[1], "populate-probe", NULL, &err);
+    if (!c) { fprintf(stderr, "connect failed: %s\n", err.message); return 1; }
+    long size = 0, rss = 0;
+    FILE *f = fopen("/proc/self/statm", "r");
+    if (!f || fscanf(f, "%ld %ld", &size, &rss) != 2) return 2;
+    fclose(f);
+    printf("rss %ld\n", rss * sysconf(_SC_PAGESIZE));
+    mc_close(c);
+    return 0;
+}
+'''
+
+
+def test_populate_fills_resident_slots_and_no_given_back_one(tmp_path, model_factory):
+    """A client connecting with ``populate`` (the default) after the daemon's budget shrank fills
+    the page tables of the experts the arena holds, and never reads a given-back slot: a read of a
+    hole of the tmpfs arena would allocate a page there, which the daemon punches again (moving the
+    releases word, which ends other engines' CUDA registrations)."""
+    import signal
+    import time
+
+    from daemon_util import start_daemon, stop_daemon, wait_for
+    from moecache_client import Client
+    prefix = tmp_path / "prefix"
+    _make("install", f"PREFIX={prefix}", f"B={tmp_path / 'build'}")
+    env = dict(os.environ, PKG_CONFIG_PATH=str(prefix / "lib" / "pkgconfig"))
+    flags = subprocess.run(["pkg-config", "--cflags", "--libs", "moecache"], env=env, text=True,
+                           capture_output=True, check=True).stdout.split()
+    (tmp_path / "probe.c").write_text(CONNECT_C)
+    exe = tmp_path / "probe"
+    subprocess.run(["cc", str(tmp_path / "probe.c"), "-o", str(exe), *flags], check=True, env=env)
+    model = model_factory("qwen3-30b-a3b-Q4_K_M", layers=2, experts=16)
+    conf = tmp_path / "d.toml"
+    conf.write_text("slots = 32\n")
+    sock = str(tmp_path / "d.sock")
+    d = start_daemon(str(model), sock, "--config", str(conf), "--log-level", "info")
+    try:
+        with Client(f"ipc://{sock}", name="t", fast_path=False) as c:
+            for layer in c.expert_layers:
+                c.acquire(layer, list(range(16))).release()
+            conf.write_text("slots = 8\n")
+            d.send_signal(signal.SIGHUP)
+            wait_for(lambda: sum(x["slots"] for x in c.stats()["classes"]) == 8, "the shrink", 10)
+            path = c.arena.descriptor["path"]
+            slot_bytes = max(k["slot_bytes"] for k in c.arena.descriptor["classes"])
+            shrunk = os.stat(path).st_blocks
+
+            def probe(populate: str) -> int:
+                r = subprocess.run([str(exe), f"ipc://{sock}"], text=True, capture_output=True, timeout=60,
+                                   env=dict(env, MOECACHE_POPULATE=populate))
+                assert r.returncode == 0, r.stdout + r.stderr
+                return int(r.stdout.split()[1])
+
+            rss_off = probe("0")
+            rss_on = probe("1")
+            assert os.stat(path).st_blocks <= shrunk, "the connect read given-back slots (holes) into memory"
+            assert rss_on - rss_off >= 0.9 * 8 * slot_bytes, (rss_on, rss_off, slot_bytes)
+            time.sleep(2.5)   # the daemon's ticks: what it finds to punch again
+            assert c.stats()["repunched_bytes"] == 0
+    finally:
+        out = stop_daemon(d)
+    assert "punched them again" not in out, out

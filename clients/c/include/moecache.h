@@ -136,11 +136,11 @@ typedef struct mc_options {
     int quiet;                /* 1: the library writes nothing to stderr (the warm wait's lines;
                                * errors still come back as mc_error). Default 0, or 1 when the
                                * environment's MOECACHE_QUIET is set and not "0" */
-    int populate;             /* 1: map the arena with its page tables filled at connect
-                               * (MAP_POPULATE, as llama.cpp maps a model file), so that a hit's
-                               * first touch of a slot costs no page fault while a token runs;
-                               * the connect takes about 0.1 s per GiB of arena. Default 1, or 0
-                               * when the environment's MOECACHE_POPULATE is "0" */
+    int populate;             /* 1: the page tables of the experts the arena holds filled at
+                               * connect (as llama.cpp maps a model file), so that a hit's first
+                               * touch of a slot costs no page fault while a token runs; slots
+                               * the budget gave back are never read. About 0.1 s per GiB.
+                               * Default 1, or 0 when the environment's MOECACHE_POPULATE is "0" */
 } mc_options;
 
 /* Fill *opt with the defaults. */

@@ -280,6 +280,46 @@ static int fail_arena(mc_arena_map *am, mc_error *err, int code, const char *msg
 }
 
 /* Build the arena description from the hello reply and map the arena (and the pin file). */
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22   /* Linux 5.14 */
+#endif
+/* The page tables of [off, off+len) of the arena filled: MADV_POPULATE_READ, or one read a page
+ * where the kernel has no such advice (*madv set to 0 then). */
+static void populate_range(char *base, uint64_t off, uint64_t len, uint64_t pg, int *madv) {
+    uint64_t a = off & ~(pg - 1), e = off + len;
+    if (e <= a)
+        return;
+    if (*madv && madvise(base + a, e - a, MADV_POPULATE_READ) == 0)
+        return;
+    *madv = 0;
+    for (uint64_t o = a; o < e; o += pg)
+        (void)*(volatile const char *)(base + o);
+}
+
+/* populate: the control block's and each resident expert's pages, never a slot the budget gave
+ * back: a read of a hole of a tmpfs file allocates a page, which the daemon finds and punches
+ * again, moving the arena's releases word (that ends other engines' CUDA registrations of the
+ * arena). An arena without a resident map (an older daemon) is filled whole. */
+static void populate_resident(const mc_arena_map *am, const mcshm_layout *lay, uint64_t ctl_bytes) {
+    char *base = (char *)am->base;
+    const uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE);
+    int madv = 1;
+    if (!am->has_resmap) {
+        populate_range(base, 0, am->size, pg, &madv);
+        return;
+    }
+    populate_range(base, 0, ctl_bytes, pg, &madv);
+    for (uint32_t key = 0; key < lay->n_keys; key++) {
+        const uint64_t r = atomic_load_explicit(mcshm_res_ptr(lay, key), memory_order_acquire);
+        const uint32_t cls = lay->key_class[key / lay->n_experts];
+        if (r == 0 || cls >= lay->n_classes || r - 1 >= lay->n_slots[cls])
+            continue;
+        const mc_class *k = &am->classes[cls];
+        for (uint32_t p = 0; p < k->n_parts; p++)
+            populate_range(base, k->parts[p].part_off + (r - 1) * k->parts[p].part_bytes, k->parts[p].part_bytes, pg, &madv);
+    }
+}
+
 static int arena_from_hello(const msgpack_object *rep, uint64_t session, int populate, mc_arena_map **out,
                             mc_error *err) {
     char msg[256];
@@ -436,9 +476,7 @@ static int arena_from_hello(const msgpack_object *rep, uint64_t session, int pop
                  path, strerror(errno));
         return fail_arena(am, err, MC_ERR_SYSTEM, msg) + (arena_free(am), 0);
     }
-    /* MAP_POPULATE: the page tables filled now, as llama.cpp maps a model file, so that a hit's
-     * first touch of a slot costs no page fault in the middle of a token */
-    void *base = mmap(NULL, am->size, PROT_READ, MAP_SHARED | (populate ? MAP_POPULATE : 0), fd, 0);
+    void *base = mmap(NULL, am->size, PROT_READ, MAP_SHARED, fd, 0);
     close(fd);
     if (base == MAP_FAILED) {
         snprintf(msg, sizeof msg, "arena %s: mmap %zu bytes: %s", path, am->size, strerror(errno));
@@ -451,6 +489,10 @@ static int arena_from_hello(const msgpack_object *rep, uint64_t session, int pop
                  "layout); upgrade the client", path);
         return fail_arena(am, err, MC_ERR_UNSUPPORTED, msg) + (arena_free(am), 0);
     }
+    /* populate: the page tables of what the arena holds filled now, as llama.cpp maps a model
+     * file, so that a hit's first touch of a slot costs no page fault in the middle of a token */
+    if (populate)
+        populate_resident(am, lay, (uint64_t)ctl_bytes);
 
     /* the pin file, when offered */
     const msgpack_object *pins = mget(rep, "pins");
