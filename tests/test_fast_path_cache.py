@@ -173,3 +173,105 @@ def test_a_client_flooding_its_hit_ring_gets_only_its_rate_of_drain_work(cache):
     cache.close_pin_file(f)
     fp = cache.stats()["fast_path"]
     assert fp["ring_skipped"] == written - applied, "a closed pin file's skips are kept"
+
+
+def test_many_pin_files_of_one_uid_share_one_budget_and_a_drain_is_bounded(cache):
+    # One uid opening many fast-path connections and flooding every ring gets one budget
+    # between them (fast_path_hit_rate, bursts of one ring), and no drain applies more than
+    # DRAIN_MAX entries over all files, a limit or none (the rest waits in the rings).
+    import numpy as np
+
+    from moecached.engine._shm import DRAIN_MAX
+    L = cache.index.expert_layers
+    k, n, uid = 16, 16384, os.getuid()
+    files = [cache.open_pin_file(f"moecached-pins-test-{i}", 77, 8, uid) for i in range(k)]
+    cache.release(cache.acquire(L[0], [0, 1, 2, 3], timeout=30))
+    ring = cache._shm.ring_off // 8
+    ws = [pin_file_words(f) for f in files]
+    for w in ws:
+        w[ring:ring + 2 * n:2] = 1 + np.arange(n) % 4
+        w[ring + 1:ring + 2 * n:2] = 1000 + np.arange(n)
+    hits = lambda: cache.stats()["fast_path"]["fast_hits"]
+    rate = 2000.0
+    cache._shm.hit_rate = rate
+    h0, t0 = hits(), time.monotonic()
+    written = 0
+    for _ in range(20):
+        for w in ws:
+            w[8] = w[16] + n
+            written += n
+        before = hits()
+        cache.drain_pins()
+        assert hits() - before <= DRAIN_MAX
+    elapsed = time.monotonic() - t0
+    applied = hits() - h0
+    assert applied <= n + rate * elapsed + 1, (applied, elapsed)   # one burst, one rate
+    fp = cache.stats()["fast_path"]
+    assert fp["ring_skipped"] + applied <= written
+    # no limit: every ring full, each drain applies at most DRAIN_MAX and leaves the rest
+    cache._shm.hit_rate = 0
+    for w in ws:
+        w[8] = w[16] + n
+    pending = sum(int(w[8] - w[16]) for w in ws)
+    assert pending > DRAIN_MAX
+    done = 0
+    while done < pending:
+        before = hits()
+        cache.drain_pins()
+        got = hits() - before
+        assert 0 < got <= DRAIN_MAX
+        done += got
+    assert done == pending and all(w[8] == w[16] for w in ws)
+    assert cache.stats()["fast_path"]["ring_skipped"] == fp["ring_skipped"], "nothing skipped without a limit"
+    del w, ws
+    for f in files:
+        cache.close_pin_file(f)
+
+
+def test_the_ring_flood_warning_is_one_line_a_minute_per_uid_naming_the_rate_exceeded(cache, caplog):
+    # The warning's state is the uid's budget: a client that reconnects (a new pin file) makes
+    # no new line within the minute, and the line names the rate in force at the skips, not
+    # the one a reload set since.
+    import logging
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from moecached.service.clients import ServerClients
+    L = cache.index.expert_layers
+    cache.release(cache.acquire(L[0], [0, 1, 2, 3], timeout=30))
+    srv = SimpleNamespace(cache=cache, clients={}, RING_WARN_S=60.0)
+    ring, n = cache._shm.ring_off // 8, 16384
+
+    def flood(name):
+        f = cache.open_pin_file(name, 77, 8, os.getuid())
+        w = pin_file_words(f)
+        w[ring:ring + 2 * n:2] = 1 + np.arange(n) % 4
+        w[ring + 1:ring + 2 * n:2] = 1000 + np.arange(n)
+        for _ in range(3):
+            w[8] = w[16] + n
+            cache.drain_pins()
+        del w
+        cache.close_pin_file(f)     # it goes, as a client that reconnects
+
+    def lines(now):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            ServerClients._check_hit_rings(srv, now)
+        return [r.getMessage() for r in caplog.records if "faster than fast_path_hit_rate" in r.getMessage()]
+
+    cache._shm.hit_rate = 100.0
+    flood("moecached-pins-test-1")
+    cache._shm.hit_rate = 0          # a reload after the skips
+    first = cache.stats()["fast_path"]["ring_skipped"]
+    got = lines(1000.0)
+    assert len(got) == 1 and "(100 entries/s" in got[0] and f"uid {os.getuid()} " in got[0], got
+    assert f": {first} entries skipped since the last warning" in got[0], got
+    cache._shm.hit_rate = 100.0
+    for i in range(2, 6):            # reconnects within the minute: no new line
+        flood(f"moecached-pins-test-{i}")
+        assert lines(1000.0 + i) == []
+    skipped = cache.stats()["fast_path"]["ring_skipped"]
+    got = lines(1061.0)              # a minute on: one line, every skip since the last one
+    assert len(got) == 1 and f": {skipped - first} entries skipped since" in got[0], got
+    assert lines(1062.0) == []

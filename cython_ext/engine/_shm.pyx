@@ -6,10 +6,11 @@ Every rule about who writes what, and in which order, lives once in
 (``mcshm_publish``), evicting one unless a fast-path pin holds it (``mcshm_try_evict``),
 reading the hit rings (``mcshm_drain``, ``mcshm_ring_reset``). What it adds is bookkeeping
 the header leaves to the daemon: which pin files are open, which of their pins are honoured
-(at most ``quota`` distinct slots per file), the merge of all rings by time, and each ring's
-budget: at most ``hit_rate`` entries per second are taken from one pin file (bursts of one
-ring), the rest is skipped unread (the tail moves past it) and counted, so a client that
-refills its ring as fast as it can costs the daemon no more than one within its rate. The
+(at most ``quota`` distinct slots per file), the merge of all rings by time, and the rings'
+budget: at most ``hit_rate`` entries per second are taken from the pin files of one uid
+together (:class:`HitBudget`, bursts of one ring), the rest is skipped unread (the tail moves
+past it) and counted, so a uid flooding its rings, over as many connections as it likes, costs
+the daemon no more than one client within its rate; a drain applies ``DRAIN_MAX`` at most. The
 entries taken are applied to the cache's LRUs and hit counters here, in C, one call per drain.
 
 Pin files are untrusted input: the daemon never reads their header words back (the layout is
@@ -105,17 +106,20 @@ cdef extern from *:
         MOECACHED_UNGUARD()
         return c;
     }
-    static int g_pending(const mcshm_layout *m, mcshm_u64 *pf) {
+    /* Entries in the ring now; -1 fault, -2 implausible head (the ring is reset if `reset`). */
+    static long g_count(const mcshm_layout *m, mcshm_u64 *pf, int reset) {
         MOECACHED_GUARD(return -1)
-        int r = mcshm_ring_pending(m, pf) != 0 || moecached_ring_implausible(m, pf);
+        long r = moecached_ring_implausible(m, pf) ? -2 : (long)mcshm_ring_pending(m, pf);
+        if (r == -2 && reset)
+            mcshm_ring_reset(pf);
         MOECACHED_UNGUARD()
         return r;
     }
-    /* Copy at most `max` entries (the newest); older ones past `max` are skipped unread: the
-       tail moves past them first (*skipped). -1 fault, -2 implausible head (ring reset), else
-       entries copied. */
+    /* Keep the newest `allow` entries: older ones are skipped unread, the tail moves past them
+       first (*skipped). Then copy the oldest `take` (<= allow) of those kept; the rest stays in
+       the ring. -1 fault, -2 implausible head (ring reset), else entries copied. */
     static long g_drain(const mcshm_layout *m, mcshm_u64 *pf, uint64_t *keys, uint64_t *ts,
-                        uint32_t max, uint64_t *skipped) {
+                        uint32_t allow, uint32_t take, uint64_t *skipped) {
         MOECACHED_GUARD(return -1)
         long r;
         *skipped = 0;
@@ -124,15 +128,30 @@ cdef extern from *:
             r = -2;
         } else {
             uint64_t n = mcshm_ring_pending(m, pf);
-            if (n > max) {
+            if (n > allow) {
                 uint64_t t = atomic_load_explicit(&pf[MCSHM_PIN_W_TAIL], memory_order_relaxed);
-                atomic_store_explicit(&pf[MCSHM_PIN_W_TAIL], t + (n - max), memory_order_release);
-                *skipped = n - max;
+                atomic_store_explicit(&pf[MCSHM_PIN_W_TAIL], t + (n - allow), memory_order_release);
+                *skipped = n - allow;
             }
-            r = mcshm_drain(m, pf, keys, ts, max);
+            r = take ? mcshm_drain(m, pf, keys, ts, take) : 0;
         }
         MOECACHED_UNGUARD()
         return r;
+    }
+    /* The drain's merge, a heap of parts (files) by their next entry's time ts[pos[part]],
+       then part: sift heap[i] down. */
+    #define G_BEFORE(a, b) (ts[pos[a]] < ts[pos[b]] || (ts[pos[a]] == ts[pos[b]] && (a) < (b)))
+    static void g_sift(long *heap, long n, long i, const uint64_t *ts, const long *pos) {
+        long x = heap[i], c;
+        while ((c = 2 * i + 1) < n) {
+            if (c + 1 < n && G_BEFORE(heap[c + 1], heap[c]))
+                c++;
+            if (!G_BEFORE(heap[c], x))
+                break;
+            heap[i] = heap[c];
+            i = c;
+        }
+        heap[i] = x;
     }
     /* 0 when every page of the mapping is there (the file was not truncated), -1 if not */
     static int g_probe(mcshm_u64 *pf, size_t size) {
@@ -149,14 +168,18 @@ cdef extern from *:
     int g_try_evict(const mcshm_layout *m, mcshm_u64 **pins, uint32_t n, uint32_t key,
                     uint32_t cls, uint32_t slot) nogil
     int g_pinned(const mcshm_layout *m, mcshm_u64 *pf, uint32_t gslot) nogil
-    int g_pending(const mcshm_layout *m, mcshm_u64 *pf) nogil
     long g_count_pinned(const mcshm_layout *m, mcshm_u64 *pf, uint32_t n_slots) nogil
+    long g_count(const mcshm_layout *m, mcshm_u64 *pf, int reset) nogil
     long g_drain(const mcshm_layout *m, mcshm_u64 *pf, uint64_t *keys, uint64_t *ts,
-                 uint32_t max, uint64_t *skipped) nogil
+                 uint32_t allow, uint32_t take, uint64_t *skipped) nogil
+    void g_sift(long *heap, long n, long i, const uint64_t *ts, const long *pos) nogil
     int g_probe(mcshm_u64 *pf, size_t size) nogil
 
 #: Ring entries per pin file (a power of two): 16384 entries of 16 bytes, 256 KiB.
 RING_N = 16384
+#: Ring entries one drain applies at most, over all pin files (about 1 ms of work); the rest
+#: waits in the rings for the next drain, shared out evenly between uids.
+DRAIN_MAX = RING_N
 
 
 cdef inline double _now() noexcept nogil:
@@ -183,6 +206,20 @@ PIN_WORDS = {"magic": H.MCSHM_PIN_W_MAGIC, "epoch": H.MCSHM_PIN_W_EPOCH,
              "quota": H.MCSHM_PIN_W_QUOTA, "head": H.MCSHM_PIN_W_HEAD, "tail": H.MCSHM_PIN_W_TAIL}
 
 
+cdef class HitBudget:
+    """The hit-ring budget of one uid's pin files together (:meth:`ShmArena.add`; a file with
+    no uid has its own): ``tokens``, the entries it allows now (``ShmArena.hit_rate`` a second,
+    at most one ring); ``skipped``, the entries of its files skipped over it (closed files
+    too); ``skip_rate``, the rate in force at the last skip. ``warn_until``, ``warned``: the
+    server's bookkeeping for its warning (``moecached.service.clients``)."""
+    cdef public double tokens, t_last, skip_rate, warn_until
+    cdef public long skipped, warned
+    cdef long seq, left, want, grant   # the current drain's share out (ShmArena._share)
+
+    def __init__(self):
+        self.tokens, self.t_last = RING_N, _now()
+
+
 cdef class PinFile:
     """One fast-path client's pin file, mapped read-write by the daemon.
 
@@ -190,8 +227,8 @@ cdef class PinFile:
     ``honoured`` (set of global slots whose pins the daemon honours now), counters ``hits``,
     ``prefetch_hits`` (ring entries applied), ``drops`` (ring entries dropped: key out of range
     or not resident), ``resets`` (implausible heads), ``ignored`` (pins found past the quota),
-    ``skipped`` (ring entries skipped unread: over the ring's budget, ``ShmArena.hit_rate``);
-    ``tokens`` (entries the ring's budget allows now, at most one ring).
+    ``skipped`` (ring entries skipped unread: over its uid's budget, ``ShmArena.hit_rate``);
+    ``budget``, that :class:`HitBudget` (set by :meth:`ShmArena.add`).
     """
     cdef mcshm_u64 *p
     cdef public size_t size
@@ -200,19 +237,11 @@ cdef class PinFile:
     cdef public set honoured
     cdef public long hits, prefetch_hits, drops, resets, ignored, skipped
     cdef public bint broken
-    cdef public double tokens
-    cdef double t_last
-    # the entries of the current drain (ShmArena.drain): keys + 1 and times, `got` of them
-    cdef uint64_t *kbuf
-    cdef uint64_t *tbuf
-    cdef long got, pos
+    cdef public HitBudget budget
+    cdef long allow   # the current drain: entries its budget allows it
 
     def __cinit__(self):
         self.p = NULL
-        self.kbuf = <uint64_t *>malloc(RING_N * sizeof(uint64_t))
-        self.tbuf = <uint64_t *>malloc(RING_N * sizeof(uint64_t))
-        if self.kbuf == NULL or self.tbuf == NULL:
-            raise MemoryError()
 
     def __init__(self, path, int fd, size_t size, long quota):
         cdef void *a = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
@@ -226,8 +255,7 @@ cdef class PinFile:
         self.honoured = set()
         self.hits = self.prefetch_hits = self.drops = self.resets = self.ignored = self.skipped = 0
         self.broken = False
-        self.tokens = RING_N
-        self.t_last = _now()
+        self.budget = HitBudget()
 
     cpdef void unmap(self):
         if self.p != NULL:
@@ -237,8 +265,6 @@ cdef class PinFile:
     def __dealloc__(self):
         if self.p != NULL:
             munmap(<void *>self.p, self.size)
-        free(self.kbuf)
-        free(self.tbuf)
 
     def info(self) -> dict:
         return {"fast_hits": self.hits + self.prefetch_hits, "ring_drops": self.drops,
@@ -256,11 +282,18 @@ cdef class ShmArena:
         resmap_off: byte offset of the resident map.
     Raises ValueError for more than ``MAX_CLASSES`` classes.
 
-    Attributes (besides the counters): ``hit_rate``, the ring entries per second taken from one
-    pin file (bursts of one ring; 0: no limit; config ``fast_path_hit_rate``).
+    Attributes (besides the counters): ``hit_rate``, the ring entries per second taken from the
+    pin files of one uid together (bursts of one ring; 0: no limit; config
+    ``fast_path_hit_rate``); ``budgets``, uid -> its :class:`HitBudget` (kept while the arena
+    lives, so a uid that reconnects finds its budget where it left it).
     """
     cdef mcshm_layout L
     cdef mcshm_u64 **ptrs
+    cdef public dict budgets
+    cdef uint64_t *kbuf   # a drain's entries (keys + 1, times), DRAIN_MAX at most
+    cdef uint64_t *tbuf
+    cdef long *mrg        # the drain's merge: 3 longs per file
+    cdef long seq
     cdef public list files
     cdef public uint32_t n_slots_total
     cdef public uint64_t pins_off, ring_off, file_size
@@ -277,8 +310,13 @@ cdef class ShmArena:
 
     def __cinit__(self):
         self.ptrs = NULL
+        self.mrg = NULL
         self.t_base = self.c_hits = self.c_pf = NULL
-        self.n_moe = 0
+        self.n_moe = self.seq = 0
+        self.kbuf = <uint64_t *>malloc(DRAIN_MAX * sizeof(uint64_t))
+        self.tbuf = <uint64_t *>malloc(DRAIN_MAX * sizeof(uint64_t))
+        if self.kbuf == NULL or self.tbuf == NULL:
+            raise MemoryError()
 
     def __init__(self, size_t ctl_address, uint32_t n_experts, uint32_t n_keys, list classes,
                  uint64_t resmap_off):
@@ -315,10 +353,12 @@ cdef class ShmArena:
         self.evictions_held = self.resets = self.drops_closed = self.ignored_closed = 0
         self.fast_hits = self.skipped_closed = 0
         self.hit_rate = 0.0
+        self.budgets = {}
         self.t_layer = self.t_touch = self.t_res = self.t_unused = []
 
     def __dealloc__(self):
-        free(self.ptrs)
+        free(self.ptrs); free(self.mrg)
+        free(self.kbuf); free(self.tbuf)
         free(self.t_base)
         free(self.c_hits)
         free(self.c_pf)
@@ -350,9 +390,10 @@ cdef class ShmArena:
         self.n_moe = n
 
     cdef void _refresh(self) except *:
-        free(self.ptrs)
+        free(self.ptrs); free(self.mrg)
         self.ptrs = <mcshm_u64 **>malloc((len(self.files) + 1) * sizeof(mcshm_u64 *))
-        if self.ptrs == NULL:
+        self.mrg = <long *>malloc(3 * (len(self.files) + 1) * sizeof(long))
+        if self.ptrs == NULL or self.mrg == NULL:
             raise MemoryError()
 
     def header(self, uint64_t epoch, long quota) -> bytes:
@@ -361,7 +402,11 @@ cdef class ShmArena:
                  self.ring_off, quota]
         return b"".join(w.to_bytes(8, "little") for w in words)
 
-    def add(self, PinFile f):
+    def add(self, PinFile f, uid=None):
+        """Honour ``f`` from now on; its ring shares the budget of ``uid``'s other pin files
+        (None: a budget of its own)."""
+        if uid is not None:
+            f.budget = self.budgets.setdefault(uid, HitBudget())
         self.files.append(f)
         self._refresh()
 
@@ -506,84 +551,118 @@ cdef class ShmArena:
         if self.L.ctl == NULL:
             return False
         for f in self.files:
-            if f.p != NULL and g_pending(&self.L, f.p) != 0:
+            if f.p != NULL and g_count(&self.L, f.p, 0) != 0:
                 return True   # entries, or a fault (the drain then finds the broken file)
         return False
 
-    cdef long _take(self, PinFile f, double now) except -3:
-        """Copy ``f``'s new ring entries into its buffers (``f.got``), at most what its budget
-        allows (the older rest skipped unread and counted). -1 on a fault, -2 an implausible
-        head (the ring reset and counted), else the entries copied."""
-        cdef uint32_t budget = RING_N
-        cdef uint64_t skipped = 0
-        cdef long got
+    cdef list _share(self, double now):
+        """The files with entries, each with ``allow`` (what its uid's budget, refilled, lets
+        it keep: what the files before it left), each budget with ``grant`` (what it may apply
+        now: what its files want of it, budgets sharing ``DRAIN_MAX`` evenly)."""
+        cdef PinFile f
+        cdef HitBudget b
+        cdef long n, room = DRAIN_MAX, k
         cdef double rate = self.hit_rate
-        if rate > 0:
-            f.tokens += rate * (now - f.t_last)
-            if f.tokens > RING_N:
-                f.tokens = RING_N
-            budget = <uint32_t> f.tokens
-        else:
-            f.tokens = RING_N    # no limit: a rate set later starts with a full burst
-        f.t_last = now
-        got = g_drain(&self.L, f.p, f.kbuf, f.tbuf, budget, &skipped)
-        f.got = 0
-        if got == -2:
-            f.resets += 1
-            self.resets += 1
-        elif got >= 0:
-            f.got = got
-            f.skipped += <long> skipped
-            if rate > 0:
-                f.tokens -= got
-        return got
-
-    def drain(self, log=None):
-        """Apply every ring's new entries, merged by time over all files (a file's entries in
-        ring order), to the pools of :meth:`set_targets` as a socket hit counts: touch the key,
-        count a prefetch hit (clearing ``unused``) or a hit, per file and per layer. Entries
-        naming a key out of range or not resident are dropped (counted per file); a ring with an
-        implausible head is reset (counted); entries over a ring's budget are skipped unread
-        (counted per file). ``log``: a list to append ``(file, t, layer, expert)`` to per entry
-        applied, or None. Returns None when no ring held anything, else ``(applied, hits,
-        prefetch_hits)``, the last two ``{layer: count}`` of what was applied."""
-        cdef PinFile f, best
-        cdef long got, m, e, k, r, applied = 0, n_parts = 0, i
-        cdef uint64_t k1, t, nk = self.L.n_keys, ne = self.L.n_experts
-        cdef double now
-        cdef char *unused
-        cdef list parts
-        if self.L.ctl == NULL or self.n_moe == 0:
-            return None
-        now = _now()
-        parts = []
+        cdef list parts = [], budgets = []
+        self.seq += 1
         for f in list(self.files):
             if f.p == NULL:
                 continue
-            got = self._take(f, now)
-            if got == -1:
+            n = g_count(&self.L, f.p, 1)
+            if n == -1:
                 self._drop_broken()
+            elif n == -2:
+                f.resets += 1
+                self.resets += 1
+            if n <= 0:
                 continue
-            if got > 0:
-                f.pos = 0
-                parts.append(f)
-        n_parts = len(parts)
-        if n_parts == 0:
+            b = f.budget
+            if b.seq != self.seq:
+                b.seq, b.want = self.seq, 0
+                if rate > 0:
+                    b.tokens = min(b.tokens + rate * (now - b.t_last), <double> RING_N)
+                    b.left = <long> b.tokens
+                else:
+                    b.tokens = RING_N    # no limit: a rate set later starts with a full burst
+                    b.left = RING_N * len(self.files)
+                b.t_last = now
+                budgets.append(b)
+            f.allow = b.left
+            b.left -= min(n, b.left)
+            b.want += min(n, f.allow)
+            parts.append(f)
+        budgets.sort(key=lambda x: (<HitBudget> x).want)   # the smaller wants first
+        k = len(budgets)
+        for b in budgets:
+            b.grant = min(b.want, room // k)
+            room -= b.grant
+            k -= 1
+        return parts
+
+    def drain(self, log=None):
+        """Apply the rings' new entries, merged by time over all files (a file's entries in
+        ring order; a heap), to the pools of :meth:`set_targets` as a socket hit counts: touch
+        the key, count a prefetch hit (clearing ``unused``) or a hit, per file and per layer.
+        Entries naming a key out of range or not resident are dropped (counted per file); a
+        ring with an implausible head is reset (counted); entries over their uid's budget are
+        skipped unread (the oldest; counted per file and budget); past ``DRAIN_MAX`` in all,
+        the newest wait in their rings. ``log``: a list to append ``(file, t, layer, expert)``
+        to per entry applied, or None. None when no ring held anything, else ``(applied, hits,
+        prefetch_hits)``, the last two ``{layer: count}``."""
+        cdef PinFile f
+        cdef HitBudget b
+        cdef long got, m, e, k, r, i, top, applied = 0, n = 0, off = 0, nf
+        cdef long *p_end, *p_pos, *heap
+        cdef uint64_t k1, t, skipped, nk = self.L.n_keys, ne = self.L.n_experts
+        cdef bint broken = False
+        cdef char *unused
+        cdef list taken = [], parts
+        if self.L.ctl == NULL or self.n_moe == 0:
             return None
-        while True:
+        parts = self._share(_now())
+        # per file taken: its next entry and its end in kbuf/tbuf; the merge's heap (self.mrg:
+        # no _refresh until the merge is done, broken files are dropped after it)
+        nf = len(self.files) + 1
+        p_pos, p_end, heap = self.mrg, self.mrg + nf, self.mrg + 2 * nf
+        for f in parts:
+            if f.p == NULL:
+                continue
+            b = f.budget
+            got = g_drain(&self.L, f.p, self.kbuf + off, self.tbuf + off, f.allow,
+                          min(f.allow, b.grant), &skipped)
+            if got == -1:
+                broken = True
+                continue
+            if got == -2:
+                f.resets += 1
+                self.resets += 1
+                continue
+            if skipped:
+                f.skipped += <long> skipped
+                b.skipped += <long> skipped
+                b.skip_rate = self.hit_rate
+            b.grant -= got
+            if self.hit_rate > 0:
+                b.tokens -= got
+            if got > 0:
+                p_pos[n], p_end[n], heap[n] = off, off + got, n
+                taken.append(f)
+                n += 1
+                off += got
+        for i in range(n // 2 - 1, -1, -1):
+            g_sift(heap, n, i, self.tbuf, p_pos)
+        while n > 0:
             # the next entry: the earliest head over the files (ties: the earlier file); a
             # file's entries in ring order (one client's times only grow)
-            best = None
-            for i in range(n_parts):
-                f = <PinFile> parts[i]
-                if f.pos < f.got and (best is None or f.tbuf[f.pos] < best.tbuf[best.pos]):
-                    best = f
-            if best is None:
-                break
-            f = best
-            k1 = f.kbuf[f.pos]
-            t = f.tbuf[f.pos]
-            f.pos += 1
+            top = heap[0]
+            f = <PinFile> taken[top]
+            i = p_pos[top]
+            k1, t = self.kbuf[i], self.tbuf[i]
+            p_pos[top] = i + 1
+            if i + 1 == p_end[top]:
+                n -= 1
+                heap[0] = heap[n]
+            g_sift(heap, n, 0, self.tbuf, p_pos)
             if k1 == 0 or k1 > nk:
                 f.drops += 1
                 continue
@@ -606,6 +685,10 @@ cdef class ShmArena:
                 self.c_hits[m] += 1
                 f.hits += 1
             applied += 1
+        if broken:
+            self._drop_broken()
+        if off == 0:
+            return None
         hits, pf = {}, {}
         for m in range(self.n_moe):
             if self.c_hits[m]:

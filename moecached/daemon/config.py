@@ -96,7 +96,7 @@ class Config:
     max_message_bytes: int = 4 * MiB         # largest request message accepted
     fast_path: bool = True                   # pin files for shared-memory hits (watched clients)
     fast_path_quota: int = 0                 # slots whose fast-path pins are honoured per client (0: auto)
-    fast_path_hit_rate: float = 2_000_000.0  # hit-ring entries/s drained per client, bursts of one ring (0: off)
+    fast_path_hit_rate: float = 2_000_000.0  # hit-ring entries/s drained per uid, bursts of one ring (0: off)
     split_interval_s: float = 10.0           # several models: seconds between two rebalances of the split
     split_step: Optional[int] = None         # several models: bytes a share moves by (None: budget / 32)
     split_hysteresis: float = 0.25           # several models: a move's gain must beat its loss by this factor
@@ -254,8 +254,8 @@ KEYS: dict[str, Key] = {
                            "slots whose shared-memory pins are honoured per client "
                            "(default 0: 4 x top-k x MoE layers, at most half the slots)", "N", "int"),
     "fast_path_hit_rate": Key(_hit_rate, "--fast-path-hit-rate",
-                              "hit-ring entries per second the daemon takes from one client's "
-                              "shared-memory ring, bursts of one ring (16384); the rest are "
+                              "hit-ring entries per second the daemon takes from the shared-memory "
+                              "rings of one uid's clients together, bursts of one ring (16384); the rest are "
                               "skipped and counted (ring_skipped) (default 2000000; 0: no limit)",
                               "R", "float",
         reload="client_limits", scope="socket"),

@@ -530,7 +530,7 @@ class ExpertCache:
         path = os.path.join(os.path.dirname(self.arena.path), name)
         f = self._shmpins.create_file(path, epoch, quota, uid)
         with self._lock:
-            self._shmpins.add(f)
+            self._shmpins.add(f, uid)
         return f
 
     def close_pin_file(self, f) -> None:

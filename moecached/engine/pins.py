@@ -8,9 +8,9 @@ through shared memory. Pinned keys are never evicted, never given back by ``set_
 * Shared-memory pins (:class:`ShmPins`): each fast-path client has a pin file beside the
   arena (``moecached.engine._shm``; rules in ``clients/c/include/moecache_shm.h``): it pins
   resident slots and records its hits in a ring there, without a message. The cache drains the
-  rings (the hits count as socket hits would; each ring at most ``fast_path_hit_rate`` entries
-  per second, the rest skipped and counted), and a victim a pin file holds is pinned in the
-  LRU (*held*) until a sweep finds the pin gone.
+  rings (the hits count as socket hits would; the rings of one uid at most
+  ``fast_path_hit_rate`` entries per second together, the rest skipped and counted), and a
+  victim a pin file holds is pinned in the LRU (*held*) until a sweep finds the pin gone.
 
 Lock discipline: every method of :class:`ShmPins` runs under the cache's lock (the caller
 holds it) except :meth:`ShmPins.create_file` and :meth:`ShmPins.unlink_file` (file system
@@ -84,9 +84,10 @@ class ShmPins:
     def drain(self) -> int:
         """Apply the hits clients took through shared memory (their rings, merged by time) to
         the LRU and the hit counters, as a socket hit counts; entries naming an expert that is
-        not resident are dropped, entries over a ring's budget (``ShmArena.hit_rate``, config
-        ``fast_path_hit_rate``) skipped (both counted per client). The per-entry work is
-        ``ShmArena.drain`` (C). Returns entries applied."""
+        not resident are dropped, entries over their uid's budget (``ShmArena.hit_rate``, config
+        ``fast_path_hit_rate``) skipped (both counted per client), entries past ``DRAIN_MAX``
+        left for the next drain. The per-entry work is ``ShmArena.drain`` (C). Returns entries
+        applied."""
         got = self.shm.drain(self.fast_log)
         if got is None:
             return 0
@@ -170,9 +171,10 @@ class ShmPins:
             os.close(fd)
             raise
 
-    def add(self, f: PinFile) -> None:
-        """Honour ``f``'s pins from now on (under the cache's lock)."""
-        self.shm.add(f)
+    def add(self, f: PinFile, uid: int | None = None) -> None:
+        """Honour ``f``'s pins from now on (under the cache's lock); its hit ring shares the
+        budget of ``uid``'s other pin files (None: one of its own)."""
+        self.shm.add(f, uid)
 
     def remove(self, f: PinFile) -> None:
         """Stop honouring ``f``'s pins (under the cache's lock); :meth:`sweep` then lets go of

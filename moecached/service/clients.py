@@ -35,7 +35,7 @@ class _Client:
                  "requests", "acquires", "hits", "misses", "prefetch_hits", "prefetches",
                  "errors", "stall_s", "pidfd", "bucket", "pf", "rate_limited", "pins", "fast_closed",
                  "subst", "peer_addr", "peer", "admin", "pin_words", "loop",
-                 "throttled", "coalesced", "ctl", "held", "held_pf", "ring_warn")
+                 "throttled", "coalesced", "ctl", "held", "held_pf")
 
     def __init__(self, ident: bytes, now: float, burst: float = 1.0, max_prefetch=None,
                  peer_addr: str | None = None):
@@ -72,7 +72,6 @@ class _Client:
         # counters of its pin files already closed (a new hello, a reload)
         self.fast_closed = dict.fromkeys(("fast_hits", "ring_drops", "ring_resets", "ring_skipped",
                                          "pins_ignored"), 0)
-        self.ring_warn = (0.0, None, 0)   # (no warning before, its pin file's path, its skips then)
 
     def fold_pins(self) -> None:
         """Its pin file is closing: keep what it counted (hits go to the socket counters)."""
@@ -220,7 +219,7 @@ class ServerClients:
             os.close(fd)
             raise
         with cache._lock:    # (ExpertCache.open_pin_file's registration, for an fd made here)
-            shm.add(f)
+            shm.add(f, c.peer.uid)   # its uid's pin files share one hit-ring budget
         c.pins = f
         c.pin_words = (int(shm.pins_off), int(shm.n_slots_total))
         return {"door": self._door.path, "token": self._door.offer(fd, c.peer.uid, c.peer.pid),
@@ -238,29 +237,28 @@ class ServerClients:
                     c.name, c.pid, f.path)
         self._drop_client(c, "pin file truncated")
 
-    #: seconds between two warnings about one client's hit ring going over fast_path_hit_rate
+    #: seconds between two warnings about one uid's hit rings going over fast_path_hit_rate
     RING_WARN_S = 60.0
 
     def _check_hit_rings(self, now: float) -> None:
-        """Every tick: warn about a client whose hit-ring entries were skipped (it wrote more
-        than ``fast_path_hit_rate`` per second), one line per client per ``RING_WARN_S``."""
-        for c in self.clients.values():
-            f = c.pins
-            if f is None:
+        """Every tick: warn about a uid whose hit-ring entries were skipped (its clients wrote
+        more than ``fast_path_hit_rate`` per second together), one line per uid per
+        ``RING_WARN_S`` however often they reconnect (the state is the uid's ``HitBudget``),
+        naming the rate in force when they were skipped."""
+        for uid, b in self.cache._shm.budgets.items():
+            if b.skipped <= b.warned or now < b.warn_until:
                 continue
-            skipped = f.skipped
-            until, seen_f, seen = c.ring_warn
-            if seen_f != f.path:
-                seen = 0          # a new pin file (a new hello) counts from 0
-            if skipped <= seen or now < until:
-                continue
-            c.ring_warn = (now + self.RING_WARN_S, f.path, skipped)
-            log.warning("client %s (pid %s, uid %s) records hits in its shared-memory ring faster "
-                        "than fast_path_hit_rate (%g entries/s): %d entries skipped since the last "
-                        "warning, not counted as hits (ring_skipped). An engine records one entry "
-                        "per expert used, far fewer: check that client (a bug, or a flood); raise "
-                        "fast_path_hit_rate only if its hits are real", c.name, c.pid, c.peer.uid,
-                        self.pin_hit_rate, skipped - seen)
+            who = [f"{c.name} (pid {c.pid})" for c in self.clients.values()
+                   if c.pins is not None and c.pins.budget is b and c.pins.skipped]
+            log.warning("uid %s records hits in the shared-memory rings of its clients faster "
+                        "than fast_path_hit_rate (%g entries/s, its clients together): %d entries "
+                        "skipped since the last warning, not counted as hits (ring_skipped); "
+                        "clients that skipped: %s. An engine records one entry per expert used, "
+                        "far fewer: check those clients (a bug, or a flood); raise "
+                        "fast_path_hit_rate only if their hits are real", uid, b.skip_rate,
+                        b.skipped - b.warned, ", ".join(who[:4]) + (
+                            f" and {len(who) - 4} more" if len(who) > 4 else "") or "none now")
+            b.warn_until, b.warned = now + self.RING_WARN_S, b.skipped
 
     def _close_pins(self, c: _Client) -> None:
         f = c.pins

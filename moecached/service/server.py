@@ -459,8 +459,8 @@ class Server(ServerOps, ServerClients, ServerViews, ServerAdmin, ServerFairness,
 
     def set_pin_hit_rate(self, rate: float) -> None:
         """Apply ``fast_path_hit_rate`` (at start and on reload): hit-ring entries per second
-        the cache takes from one client's pin file, bursts of one ring; 0: no limit (the
-        drain reads it under the cache's lock; one float store)."""
+        the cache takes from one uid's pin files together, bursts of one ring; 0: no limit
+        (the drain reads it under the cache's lock; one float store)."""
         self.pin_hit_rate = max(0.0, float(rate))
         if self.cache is not None:
             self.cache._shm.hit_rate = self.pin_hit_rate
