@@ -651,6 +651,69 @@ def test_pages_a_reader_faults_back_into_given_back_slots_are_punched_again(mode
         cache.close()
 
 
+def test_a_shrink_counts_its_own_punch_in_repunched_bytes_never(models):
+    """A shrink punches every given-back slot (its own and earlier ones, pages they share
+    too): that is the shrink's memory, not counted in ``repunched_bytes``, even where a reader
+    had faulted earlier holes in. The periodic punch after it counts what a reader brings back."""
+    import mmap
+    idx = open_index(models("qwen3"))
+    n_total = len(idx.expert_layers) * idx.n_experts
+    cache = new_cache(idx, slots=n_total)
+    try:
+        budget = cache.stats()["budget"]["current_bytes"]
+        smallest = sum(c.slot_bytes * 2 for c in idx.size_classes) + 64 * 4096
+        assert cache.set_budget((budget + smallest) // 2)["bytes_released"] > 0
+        path = cache.arena.path
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            m = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+            read_all = lambda: sum(m[off] for off in range(0, len(m), mmap.PAGESIZE))
+            before = os.stat(path).st_blocks
+            read_all()
+            assert os.stat(path).st_blocks > before, "reading the holes allocated nothing (not a tmpfs?)"
+            assert cache.set_budget(smallest)["bytes_released"] > 0
+            shrunk = os.stat(path).st_blocks
+            assert cache.stats()["repunched_bytes"] == 0, "the shrink's punch counted as punched again"
+            read_all()
+            assert cache.settle_memory()["bytes_repunched"] > 0
+            assert os.stat(path).st_blocks <= shrunk
+            assert cache.stats()["repunched_bytes"] > 0
+            m.close()
+        finally:
+            os.close(fd)
+    finally:
+        cache.close()
+
+
+def test_the_punched_again_warning_is_one_line_a_minute_per_model_with_the_total():
+    """A reader that keeps reading holes makes the daemon punch again every tick; the warning
+    says so once a minute per model, with the bytes punched again since the last line."""
+    import logging
+    from types import SimpleNamespace
+
+    from moecached.daemon import settle as S
+    caches = [SimpleNamespace(c_repunched=0, arena=SimpleNamespace(path=f"/dev/shm/arena-{i}"),
+                              settle_memory=lambda: {"bytes_released": 0, "bytes_repunched": 0})
+              for i in range(2)]
+    ms = [SimpleNamespace(name=f"m{i}", cache=c) for i, c in enumerate(caches)]
+    reported, got = {}, []
+    h = logging.Handler()
+    h.emit = lambda r: got.append(r.getMessage()) if r.levelno == logging.WARNING else None
+    S.log.addHandler(h)
+    try:
+        for tick in range(180):              # three minutes, a tick a second, 1 MiB a tick
+            for c in caches:
+                c.c_repunched += 1 << 20
+            for m in ms:
+                S.settle(m, reported, now=1000.0 + tick)
+    finally:
+        S.log.removeHandler(h)
+    assert len(got) == 6, got                # per model: ticks 0, 60, 120
+    assert sum("model m0:" in g for g in got) == 3
+    assert "1.0 MiB punched again" in got[0] and "60.0 MiB punched again" in got[2], got
+    assert all("since the last warning" in g for g in got)
+
+
 def test_shrunk_policy_error_and_wait(models):
     idx = open_index(models("mixtral-legacy"))
     L = idx.expert_layers[0]

@@ -107,7 +107,7 @@ class Models:
         self.timings: dict = {}           # start-up: the daemon's total_s
         self._file_models = list(cfg.models)   # [[models]] as the file said when last read
         self._link: dict = {}             # name -> its arena's link state last seen
-        self._repunched: dict = {}        # name -> (its cache, repunched bytes last reported)
+        self._repunched: dict = {}        # name -> (its cache, repunched bytes last reported, no warning before)
 
     # ------------------------------------------------------------------ routing (any loop)
     def route(self, server, want, names: bool = False):
@@ -238,7 +238,7 @@ class Models:
         elif r != "ok" and r != self._link.get(m.name, "ok"):
             log.error("%s", r)
         self._link[m.name] = r
-        settle(m, self._repunched)
+        settle(m, self._repunched, now=now)
         m.reloader.tick(now)
 
     def settle_memory(self) -> None:

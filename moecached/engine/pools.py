@@ -216,9 +216,12 @@ class Pools:
     def punch_again(self, arena, lock, fresh: bool = False) -> int:
         """(Under the budget lock: given-back slots stay so.) Punch the given-back slots again
         when the arena file holds more than its slots need (``st_blocks``, one ``fstat``) and
-        more than right after the last punch (``fresh``: memory just moved, forget that; a
-        page shared with a live slot, a huge page that did not split, a file system's own
-        blocks stay and do not count). Returns the bytes that fell (``c_repunched``)."""
+        more than right after the last punch (a page shared with a live slot, a huge page that
+        did not split, a file system's own blocks stay and do not count). Returns the bytes
+        that fell (``c_repunched``). ``fresh``: memory just moved (a shrink or grow): forget
+        the last punch and count nothing; what falls is taken for the shrink's own (pages that
+        slots given back apart share; pages a reader faulted in meanwhile, counted by the
+        periodic punch once it reads them again)."""
         if fresh:
             self._mark = None
         with lock:
@@ -233,8 +236,9 @@ class Pools:
         for cid, slots in given.items():
             arena.release_memory(cid, slots)
         self._mark = after = arena.allocated_bytes()
-        self.c_repunched += max(0, have - after)
-        return max(0, have - after)
+        fell = 0 if fresh else max(0, have - after)
+        self.c_repunched += fell
+        return fell
 
     def given_back(self) -> dict:
         """``{class id: [slots]}``: the slots given back now (their pages are holes), the pools
