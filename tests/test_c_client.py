@@ -241,4 +241,4 @@ def test_populate_fills_resident_slots_and_no_given_back_one(tmp_path, model_fac
             assert c.stats()["repunched_bytes"] == 0
     finally:
         out = stop_daemon(d)
-    assert "punched them again" not in out, out
+    assert "punched again in the arena" not in out, out

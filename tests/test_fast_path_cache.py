@@ -175,6 +175,39 @@ def test_a_client_flooding_its_hit_ring_gets_only_its_rate_of_drain_work(cache):
     assert fp["ring_skipped"] == written - applied, "a closed pin file's skips are kept"
 
 
+def test_a_light_client_beside_a_flooding_one_of_its_uid_is_drained(cache):
+    # Two pin files of one uid: one refills its whole ring before every drain, the other writes
+    # a few entries (an engine's hits). With a limit or without, the light one's entries are
+    # applied within a few drains and its ring never backs up (a full ring would push its pins
+    # to the socket for good).
+    import numpy as np
+
+    L = cache.index.expert_layers
+    n, uid = 16384, os.getuid()
+    flood, light = (cache.open_pin_file(f"moecached-pins-mix-{i}", 77, 8, uid) for i in range(2))
+    cache.release(cache.acquire(L[0], [0, 1, 2, 3], timeout=30))
+    ring = cache._shm.ring_off // 8
+    wf, wl = pin_file_words(flood), pin_file_words(light)
+    wf[ring:ring + 2 * n:2] = 1 + np.arange(n) % 4
+    wf[ring + 1:ring + 2 * n:2] = 1000 + np.arange(n)
+    for rate in (0.0, 2_000_000.0):
+        cache._shm.hit_rate = rate
+        h0 = light.hits + light.prefetch_hits
+        for step in range(30):
+            wf[8] = wf[16] + n
+            head = int(wl[8])
+            for j in range(10):
+                e = (head + j) % n
+                wl[ring + 2 * e], wl[ring + 2 * e + 1] = 1 + j % 4, 10 ** 6 + step
+            wl[8] = head + 10
+            cache.drain_pins()
+            assert wl[8] - wl[16] <= 20, (rate, step, int(wl[8] - wl[16]))
+        assert light.hits + light.prefetch_hits - h0 >= 10, rate
+    del wf, wl
+    cache.close_pin_file(flood)
+    cache.close_pin_file(light)
+
+
 def test_many_pin_files_of_one_uid_share_one_budget_and_a_drain_is_bounded(cache):
     # One uid opening many fast-path connections and flooding every ring gets one budget
     # between them (fast_path_hit_rate, bursts of one ring), and no drain applies more than

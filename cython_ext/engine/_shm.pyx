@@ -181,7 +181,6 @@ RING_N = 16384
 #: waits in the rings for the next drain, shared out evenly between uids.
 DRAIN_MAX = RING_N
 
-
 cdef inline double _now() noexcept nogil:
     """``CLOCK_MONOTONIC`` in seconds (Python's ``time.monotonic``)."""
     cdef timespec ts
@@ -556,16 +555,17 @@ cdef class ShmArena:
         return False
 
     cdef list _share(self, double now):
-        """The files with entries, each with ``allow`` (what its uid's budget, refilled, lets
-        it keep: what the files before it left), each budget with ``grant`` (what it may apply
-        now: what its files want of it, budgets sharing ``DRAIN_MAX`` evenly)."""
+        """The files with entries (in an order rotated each drain), each with ``allow`` (what its uid's budget, refilled,
+        lets it keep: what the files before it left), each budget with ``grant`` (what it may
+        apply now: what its files want of it, budgets sharing ``DRAIN_MAX`` evenly)."""
         cdef PinFile f
         cdef HitBudget b
         cdef long n, room = DRAIN_MAX, k
         cdef double rate = self.hit_rate
         cdef list parts = [], budgets = []
         self.seq += 1
-        for f in list(self.files):
+        fl = list(self.files)   # rotated each drain: no file of a uid always first in its budget
+        for f in (fl[self.seq % len(fl):] + fl[:self.seq % len(fl)]) if fl else fl:
             if f.p == NULL:
                 continue
             n = g_count(&self.L, f.p, 1)

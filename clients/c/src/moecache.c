@@ -279,19 +279,26 @@ static int fail_arena(mc_arena_map *am, mc_error *err, int code, const char *msg
     return code;
 }
 
-/* Build the arena description from the hello reply and map the arena (and the pin file). */
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22   /* Linux 5.14 */
 #endif
-/* The page tables of [off, off+len) of the arena filled: MADV_POPULATE_READ, or one read a page
- * where the kernel has no such advice (*madv set to 0 then). */
+/* The page tables of [off, off+len) of the arena filled: MADV_POPULATE_READ (*madv 1), or one
+ * read a page where the kernel has no such advice (EINVAL: *madv 0 from then on). Any other
+ * failure (EFAULT: a page a read would take SIGBUS on) stops populating (*madv -1): it is best
+ * effort, and a hit faults the page in later. */
 static void populate_range(char *base, uint64_t off, uint64_t len, uint64_t pg, int *madv) {
     uint64_t a = off & ~(pg - 1), e = off + len;
-    if (e <= a)
+    if (len == 0 || *madv < 0)
         return;
-    if (*madv && madvise(base + a, e - a, MADV_POPULATE_READ) == 0)
-        return;
-    *madv = 0;
+    if (*madv == 1) {
+        if (madvise(base + a, e - a, MADV_POPULATE_READ) == 0)
+            return;
+        if (errno != EINVAL) {
+            *madv = -1;
+            return;
+        }
+        *madv = 0;
+    }
     for (uint64_t o = a; o < e; o += pg)
         (void)*(volatile const char *)(base + o);
 }
@@ -299,7 +306,8 @@ static void populate_range(char *base, uint64_t off, uint64_t len, uint64_t pg, 
 /* populate: the control block's and each resident expert's pages, never a slot the budget gave
  * back: a read of a hole of a tmpfs file allocates a page, which the daemon finds and punches
  * again, moving the arena's releases word (that ends other engines' CUDA registrations of the
- * arena). An arena without a resident map (an older daemon) is filled whole. */
+ * arena; a slot given back while this runs may still be read once, and is punched again). An
+ * arena without a resident map (an older daemon) is filled whole. */
 static void populate_resident(const mc_arena_map *am, const mcshm_layout *lay, uint64_t ctl_bytes) {
     char *base = (char *)am->base;
     const uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE);
@@ -320,6 +328,7 @@ static void populate_resident(const mc_arena_map *am, const mcshm_layout *lay, u
     }
 }
 
+/* Build the arena description from the hello reply and map the arena (and the pin file). */
 static int arena_from_hello(const msgpack_object *rep, uint64_t session, int populate, mc_arena_map **out,
                             mc_error *err) {
     char msg[256];
@@ -477,6 +486,9 @@ static int arena_from_hello(const msgpack_object *rep, uint64_t session, int pop
         return fail_arena(am, err, MC_ERR_SYSTEM, msg) + (arena_free(am), 0);
     }
     void *base = mmap(NULL, am->size, PROT_READ, MAP_SHARED, fd, 0);
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size < am->size)
+        populate = 0;   /* (a file shorter than described: its pages past the end are not read) */
     close(fd);
     if (base == MAP_FAILED) {
         snprintf(msg, sizeof msg, "arena %s: mmap %zu bytes: %s", path, am->size, strerror(errno));
