@@ -86,7 +86,9 @@ int main(int argc, char **argv) {
           e.message);
     if (c) mc_close(c);
 
-    /* the fast path: the fake offers a pin file and has expert 2 of block 1 resident in slot 3 */
+    /* the fast path: the fake offers a pin file and has expert 2 of block 1 resident in slot 3
+     * (no call here is meant to time out: room for a loaded machine) */
+    o.timeout_ms = 5000;
     c = mc_connect(argv[1], "fastc", &o, &e);
     if (!c) { fprintf(stderr, "connect fastc: %s\n", e.message); return 1; }
     CHECK(mc_fast_path(c), "pins offered: fast path on");
