@@ -9,8 +9,9 @@ Needs the patched build (clients/llama.cpp/build.sh; --bin or MOECACHED_LLAMA_BI
 geometry of Qwen3-30B-A3B (hidden 2048, expert FFN 768, 128 experts, top-8) and --blocks
 blocks, as architecture --arch (qwen3moe, llama or olmoe: moecache-ctl synth --runnable). One
 daemon per cached fraction (slots = fraction x all experts), started before the rounds; each
-round runs the resident model and then every fraction, interleaved, with the same prompt and
-greedy steps (mc-decode); the first round is a warm-up (not counted). Every
+round runs the resident model and every fraction, interleaved (the order reversed every other
+round), with the same prompt and greedy steps (mc-decode); the first round is a warm-up (not
+counted). Every
 run's logits are checked against the resident run's (bit-identical or the run is reported
 as wrong). ``--variant huge=--arena-dir=/mnt/huge`` adds, per fraction, a daemon started with
 those arguments as well, run in the same rounds. Prints a table and writes JSON (--json).
@@ -105,13 +106,21 @@ def main(argv=None):
             wrong = []
             for rnd in range(a.rounds + 1):
                 ref = td / "ref.bin"
-                r0 = run(bin_dir, model, ref, a.steps, a.threads)
-                res = {"resident": r0}
+                # the order alternates (resident first in odd rounds, last in even ones): a machine
+                # that runs the first or the last run of a round faster biases no row
+                order = ["resident"] + fracs
+                if rnd % 2 == 0:
+                    order.reverse()
+                res = {}
+                for k in order:
+                    if k == "resident":
+                        res[k] = run(bin_dir, model, ref, a.steps, a.threads)
+                    else:
+                        res[k] = run(bin_dir, model, td / f"out{fracs.index(k)}.bin", a.steps, a.threads, daemons[k][1])
                 for i, f in enumerate(fracs):
-                    out = td / f"out{i}.bin"
-                    res[f] = run(bin_dir, model, out, a.steps, a.threads, daemons[f][1])
-                    if not filecmp.cmp(ref, out, shallow=False):
+                    if not filecmp.cmp(ref, td / f"out{i}.bin", shallow=False):
                         wrong.append((rnd, label(f)))
+                r0 = res["resident"]
                 if rnd == 0:
                     continue   # warm-up: page cache, the 100 % daemon's arena filled
                 for k, v in res.items():

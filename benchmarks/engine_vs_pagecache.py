@@ -227,6 +227,7 @@ def main(argv=None) -> int:
     tag = f"mcbench-{os.getpid()}"
     rows, cgs, daemons = [], [], []
     rnd = [0]
+    engine_peak = [0]
     ref = run_dir / "ref.bin"
 
     def say(msg):
@@ -253,6 +254,48 @@ def main(argv=None) -> int:
             f"{x['read_bytes'] / 2**30:.2f} GiB read{'' if x['identical'] else ', LOGITS DIFFER'}")
         return x
 
+    def page_cache_runs(f, slots):
+        """llama.cpp alone under the limit: the engine's peak + the expert budget"""
+        limit = engine_peak[0] + slots * (expert_bytes // n_all)
+        drop_caches()
+        cg = Cgroup(f"{tag}-pc{int(f * 100)}-r{rnd[0]}", limit)
+        cgs.append(cg)
+        for temp in ("cold", "warm"):
+            out = run_dir / f"pc{f}{temp}.bin"
+            r = engine(bin_dir, model, out, a.steps, a.threads, cg=cg)
+            row("page cache", f, temp, dict(r, dump=out), limit_bytes=limit, cgroup_peak=cg.peak())
+        cg.close()
+        cgs.remove(cg)
+
+    def daemon_runs(f, slots):
+        """the daemon with arena = the expert budget: cold (no state file), warm, restart"""
+        shutil.rmtree(state, ignore_errors=True)
+        state.mkdir()
+        drop_caches()
+        d = start(slots)
+        for temp in ("cold", "warm"):
+            s0 = daemon_stats(ep)
+            out = run_dir / f"d{f}{temp}.bin"
+            r = engine(bin_dir, model, out, a.steps, a.threads, endpoint=ep)
+            st = daemon_stats(ep)
+            row("daemon", f, temp, dict(r, dump=out), arena_bytes=st["budget"]["current_bytes"],
+                slots=slots, daemon_read_bytes=st["bytes_read"] - s0["bytes_read"],
+                hits=st["hits"] + st["prefetch_hits"] - s0["hits"] - s0["prefetch_hits"],
+                demand_misses=st["demand_misses"] - s0["demand_misses"])
+        stop(d)        # writes the state file
+        drop_caches()
+        t0 = time.monotonic()
+        d = start(slots)
+        serving_s = time.monotonic() - t0
+        out = run_dir / f"d{f}restart.bin"
+        r = engine(bin_dir, model, out, a.steps, a.threads, endpoint=ep)
+        st = daemon_stats(ep)
+        row("daemon", f, "restart", dict(r, dump=out), arena_bytes=st["budget"]["current_bytes"],
+            slots=slots, daemon_read_bytes=st["bytes_read"], hits=st["hits"] + st["prefetch_hits"],
+            demand_misses=st["demand_misses"], warm_loaded=st["warm_loaded"],
+            warm_bytes=st["warm_bytes"], warm_seconds=st["warm_seconds"], serving_s=serving_s)
+        stop(d)
+
     try:
         ceiling = [drive_ceiling(model, a.bw_seconds, a.readers)]
         say(f"drive ceiling {ceiling[0]:.0f} MiB/s")
@@ -263,8 +306,8 @@ def main(argv=None) -> int:
         cg = Cgroup(f"{tag}-peak", None)
         cgs.append(cg)
         engine(bin_dir, model, run_dir / "peak.bin", a.steps, a.threads, cg=cg, endpoint=ep)
-        engine_peak = cg.peak()
-        say(f"engine peak through the daemon: {engine_peak / 2**20:.0f} MiB")
+        engine_peak[0] = cg.peak()
+        say(f"engine peak through the daemon: {engine_peak[0] / 2**20:.0f} MiB")
         stop(d)
         for rnd[0] in range(a.rounds):
             # resident: llama.cpp alone, no limit
@@ -276,45 +319,12 @@ def main(argv=None) -> int:
             r0["identical"] = filecmp.cmp(ref, run_dir / "res0.bin", shallow=False)
             for f in fracs:
                 slots = max(1, int(round(f * n_all)))
-                budget = slots * (expert_bytes // n_all)
-                limit = engine_peak + budget
-                # page cache: llama.cpp alone under the limit
-                drop_caches()
-                cg = Cgroup(f"{tag}-pc{int(f * 100)}-r{rnd[0]}", limit)
-                cgs.append(cg)
-                for temp in ("cold", "warm"):
-                    out = run_dir / f"pc{f}{temp}.bin"
-                    r = engine(bin_dir, model, out, a.steps, a.threads, cg=cg)
-                    row("page cache", f, temp, dict(r, dump=out), limit_bytes=limit, cgroup_peak=cg.peak())
-                cg.close()
-                cgs.remove(cg)
-                # the daemon: arena = the expert budget
-                shutil.rmtree(state, ignore_errors=True)
-                state.mkdir()
-                drop_caches()
-                d = start(slots)
-                for temp in ("cold", "warm"):
-                    s0 = daemon_stats(ep)
-                    out = run_dir / f"d{f}{temp}.bin"
-                    r = engine(bin_dir, model, out, a.steps, a.threads, endpoint=ep)
-                    st = daemon_stats(ep)
-                    row("daemon", f, temp, dict(r, dump=out), arena_bytes=st["budget"]["current_bytes"],
-                        slots=slots, daemon_read_bytes=st["bytes_read"] - s0["bytes_read"],
-                        hits=st["hits"] + st["prefetch_hits"] - s0["hits"] - s0["prefetch_hits"],
-                        demand_misses=st["demand_misses"] - s0["demand_misses"])
-                stop(d)        # writes the state file
-                drop_caches()
-                t0 = time.monotonic()
-                d = start(slots)
-                serving_s = time.monotonic() - t0
-                out = run_dir / f"d{f}restart.bin"
-                r = engine(bin_dir, model, out, a.steps, a.threads, endpoint=ep)
-                st = daemon_stats(ep)
-                row("daemon", f, "restart", dict(r, dump=out), arena_bytes=st["budget"]["current_bytes"],
-                    slots=slots, daemon_read_bytes=st["bytes_read"], hits=st["hits"] + st["prefetch_hits"],
-                    demand_misses=st["demand_misses"], warm_loaded=st["warm_loaded"],
-                    warm_bytes=st["warm_bytes"], warm_seconds=st["warm_seconds"], serving_s=serving_s)
-                stop(d)
+                # the page cache's runs and the daemon's alternate which goes first (the daemon in
+                # odd rounds): a machine that runs the first or the last of a round faster biases
+                # neither
+                segs = [page_cache_runs, daemon_runs]
+                for seg in (segs[::-1] if rnd[0] % 2 else segs):
+                    seg(f, slots)
         ceiling.append(drive_ceiling(model, a.bw_seconds, a.readers))
     finally:
         for d in list(daemons):
@@ -338,7 +348,7 @@ def main(argv=None) -> int:
     print(f"\nmodel {os.path.basename(model)}: {len(idx.expert_layers)} MoE blocks x {idx.n_experts} "
           f"experts (top-{idx.top_k}), {file_bytes / 2**30:.2f} GiB file, {expert_bytes / 2**30:.2f} GiB "
           f"of routed experts; {a.steps} steps, {a.threads} threads; engine peak through the daemon "
-          f"{engine_peak / 2**20:.0f} MiB; drive ceiling {drive:.0f} MiB/s "
+          f"{engine_peak[0] / 2**20:.0f} MiB; drive ceiling {drive:.0f} MiB/s "
           f"({', '.join(f'{c:.0f}' for c in ceiling)}); cgroup v{2 if Cgroup.V2 else 1}; "
           f"{a.rounds} round{'s' if a.rounds > 1 else ''} (medians)"
           + (f"; mc-decode {' '.join(ENGINE_ARGS)}" if ENGINE_ARGS else ""))
@@ -356,12 +366,30 @@ def main(argv=None) -> int:
               f"{x['state']}{extra} | {x['decode_tps']:.2f} | {x['prompt_tps']:.1f} | {x['wall_s']:.1f} | "
               f"{x['read_bytes'] / 2**30:.2f} | {x['read_s_at_ceiling']:.1f} | {hm} | "
               f"{'same' if x['identical'] else 'DIFFER'} |")
+    # the daemon against the page cache in the same round (same share, same state): each round's
+    # ratio of decode tok/s, their mean +- the standard error (the figure a 1 % question needs)
+    paired = []
+    for f in fracs:
+        for temp in ("cold", "warm"):
+            pick = lambda kind: {x["round"]: x["decode_tps"] for x in rows
+                                 if x["run"] == kind and x["cached"] == f and x["state"] == temp}
+            dm, pc = pick("daemon"), pick("page cache")
+            ratios = [dm[k] / pc[k] for k in sorted(dm) if k in pc and pc[k] > 0]
+            if ratios:
+                mean = statistics.mean(ratios)
+                se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
+                paired.append({"cached": f, "state": temp, "ratios": ratios, "mean": mean, "se": se})
+    print("\n| experts in RAM | state | daemon / page cache decode: mean +- standard error | rounds' ratios |")
+    print("|---|---|---|---|")
+    for x in paired:
+        print(f"| {x['cached']:.0%} | {x['state']} | {x['mean']:.3f} +- {x['se']:.3f} | "
+              f"{' '.join(f'{v:.3f}' for v in x['ratios'])} |")
     write_json(a.json or str(work / "engine_vs_pagecache.json"), {"model": model, "blocks": len(idx.expert_layers), "experts": idx.n_experts,
                         "top_k": idx.top_k, "file_bytes": file_bytes, "routed_expert_bytes": expert_bytes,
-                        "steps": a.steps, "threads": a.threads, "engine_peak_bytes": engine_peak,
+                        "steps": a.steps, "threads": a.threads, "engine_peak_bytes": engine_peak[0],
                         "drive_mib_s": drive, "drive_runs_mib_s": ceiling,
                         "cgroup": "v2" if Cgroup.V2 else "v1", "rounds": a.rounds,
-                        "engine_args": ENGINE_ARGS, "table": table, "rows": rows, "argv": sys.argv[1:],
+                        "engine_args": ENGINE_ARGS, "table": table, "paired": paired, "rows": rows, "argv": sys.argv[1:],
                         "time": time.time()})
     return 0 if all(x["identical"] for x in rows) else 1
 
