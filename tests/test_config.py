@@ -378,3 +378,19 @@ def test_several_models_from_tables_and_flags(tmp_path):
     assert cfg.model == str(a) and cfg.models == []
     with pytest.raises(ConfigError, match="--model NAME=PATH for each"):
         config_from_args(ap.parse_args(["--model", str(a), "--model", f"mix={b}", "--budget", "1G"]))
+
+
+@pytest.mark.parametrize("argv, text", [
+    # a prefix of another option is not that option: --socket is not --socket-mode
+    (["--socket", "/tmp/x.sock"], "unknown option --socket (did you mean --endpoint ipc://PATH?)"),
+    (["--slot=4"], "unknown option --slot (did you mean --slots?)"),
+    (["--budg", "8G"], "unknown option --budg (did you mean --budget?)"),
+    (["model.gguf"], "unexpected argument 'model.gguf': options only (the model: --model PATH)"),
+])
+def test_daemon_command_line_takes_no_abbreviation(argv, text, capsys):
+    from moecached.daemon.cli import main
+    with pytest.raises(SystemExit) as ei:
+        main(argv)
+    assert ei.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"moecached: error: {text}; moecached --help lists them"

@@ -20,6 +20,7 @@ The running daemon is one :class:`moecached.daemon.runtime.Daemon` built from th
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 from moecached import MoecacheError, __version__
@@ -28,13 +29,30 @@ from moecached.daemon.logs import setup_logging
 from moecached.daemon.runtime import Daemon
 
 
+#: options other daemons have, and this one's way to say the same
+WHERE = {"--socket": "--endpoint ipc://PATH", "--unix-socket": "--endpoint ipc://PATH",
+         "--listen": "--endpoint", "--port": "--endpoint tcp://HOST:PORT with --allow-tcp"}
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="moecached", description="Expert cache daemon for mixture-of-experts models "
-                                "(see docs/operations.md)")
+    # no abbreviations: "--socket PATH" must not be taken as --socket-mode (nor any prefix as a
+    # longer option that sets something else)
+    p = argparse.ArgumentParser(prog="moecached", allow_abbrev=False,
+                                description="Expert cache daemon for mixture-of-experts models (see docs/operations.md)")
     p.add_argument("--version", action="version", version=f"moecached {__version__}")
     p.add_argument("--print-config", action="store_true", help="print the effective configuration as TOML and exit")
     C.add_cli_args(p)
-    args = p.parse_args(argv)
+    args, unknown = p.parse_known_args(argv)
+    if unknown:
+        opt = next((u for u in unknown if u.startswith("-")), None)
+        if opt is None:
+            p.exit(2, f"moecached: error: unexpected argument {unknown[0]!r}: options only "
+                      "(the model: --model PATH); moecached --help lists them\n")
+        name = opt.split("=", 1)[0]
+        near = WHERE.get(name) or next(iter(difflib.get_close_matches(
+            name, [o for a in p._actions for o in a.option_strings], n=1)), None)
+        p.exit(2, f"moecached: error: unknown option {name}" + (f" (did you mean {near}?)" if near else "")
+                  + "; moecached --help lists them\n")
     try:
         cfg = C.config_from_args(args, check_runnable=not args.print_config)
     except MoecacheError as e:
