@@ -162,3 +162,16 @@ def test_flags_named_in_messages_exist(capsys):
                 unknown += [(f.name, n.lineno, flag) for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", n.value)
                             if flag not in known]
     assert unknown == []
+
+
+@pytest.mark.parametrize("cmd", ["stats --endp ipc:///tmp/x.sock", "warm --endp ipc:///tmp/x.sock",
+                                 "guard --flo 1GiB -- true", "client drop --endp ipc:///tmp/x.sock 1"])
+def test_no_command_takes_an_abbreviated_option(cmd, capsys):
+    # a prefix is not the longer option it begins (an admin verb must not guess which one)
+    try:
+        rc = ctl(cmd.split())
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --" in err or "required: --floor" in err

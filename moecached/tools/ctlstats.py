@@ -77,7 +77,7 @@ def _positive(v: str) -> float:
 
 
 def _parser(prog: str, desc: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"moecache-ctl {prog}", description=desc)
+    p = argparse.ArgumentParser(allow_abbrev=False, prog=f"moecache-ctl {prog}", description=desc)
     p.add_argument("--endpoint", "-e", default=None, help=ENDPOINT_HELP)
     p.add_argument("--timeout", type=_positive, default=5.0, help="seconds to wait for the daemon")
     p.add_argument("--json", action="store_true", help="print JSON (every counter)")

@@ -311,7 +311,7 @@ def run_demo(a, out=sys.stdout) -> dict:
 
 def build_parser():
     from moecached.tools.replay import add_engine_args
-    ap = argparse.ArgumentParser(
+    ap = argparse.ArgumentParser(allow_abbrev=False,
         prog="moecache-ctl demo",
         description="write a scaled Qwen3-30B-A3B model, run moecached with a quarter, a half "
                     "and three quarters of its experts cached, replay a routing workload through "

@@ -175,7 +175,7 @@ def _is_main_thread() -> bool:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(allow_abbrev=False,
         prog="moecache-ctl guard",
         description="Run CMD in its own process group; kill the group when available memory "
                     "(min of MemAvailable and the cgroup's headroom) falls under --floor.",

@@ -42,7 +42,7 @@ def format_human(idx: ExpertIndex) -> str:
 
 def main(argv=None) -> int:
     """``moecache-ctl inspect MODEL [--json]``: print the expert index of a GGUF model."""
-    ap = argparse.ArgumentParser(prog="moecache-ctl inspect",
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="moecache-ctl inspect",
                                  description="index the routed experts of a GGUF model (or split set)")
     ap.add_argument("model", help="GGUF file, or any shard of a split set")
     ap.add_argument("--json", action="store_true", help="print JSON (keys: files, n_layers, expert_layers, ...)")

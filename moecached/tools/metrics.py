@@ -305,7 +305,7 @@ def main(argv) -> int:
         MoecacheError: prometheus-client missing, or the listen address cannot be bound.
     """
     from moecached.tools.ctlstats import ENDPOINT_HELP, _positive, resolve_endpoint
-    p = argparse.ArgumentParser(prog="moecache-ctl metrics",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="moecache-ctl metrics",
                                 description="Prometheus exporter: serves the daemon's counters at "
                                             "http://LISTEN/metrics, one stats request per scrape")
     p.add_argument("--endpoint", "-e", default=None, help=ENDPOINT_HELP)

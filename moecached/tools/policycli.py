@@ -27,7 +27,7 @@ from moecached.tools.simulate import DEFAULT_GBPS, run
 
 def main(argv=None) -> int:
     """CLI entry (``moecache-ctl policy``); returns the exit status."""
-    ap = argparse.ArgumentParser(prog="moecache-ctl policy",
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="moecache-ctl policy",
                                  description="replay routing traces through cache policies")
     ap.add_argument("traces", nargs="*", metavar="TRACE", help="trace .npz files")
     ap.add_argument("--policies", default=None,

@@ -535,7 +535,7 @@ def add_engine_args(ap, compute_default=0.0):
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``moecache-ctl replay`` argument parser."""
-    ap = argparse.ArgumentParser(prog="moecache-ctl replay",
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="moecache-ctl replay",
                                  description="replay a routing trace against a live daemon as "
                                              "a batch-1 decode engine (see module doc)")
     ap.add_argument("trace", metavar="TRACE", help="routing trace .npz")

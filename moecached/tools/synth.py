@@ -462,7 +462,7 @@ def main(argv=None) -> int:
         from moecached.tools.synth_runnable import main as runnable_main
         args.remove("--runnable")
         return runnable_main(args)
-    ap = argparse.ArgumentParser(prog="moecache-ctl synth",
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="moecache-ctl synth",
                                  description="write a real-layout GGUF model (or split set) whose "
                                              "expert bytes carry stamps that name their block, "
                                              "part and expert (test fixtures, the demo's model); "

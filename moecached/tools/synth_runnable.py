@@ -256,7 +256,7 @@ def main(argv=None) -> int:
     """``moecache-ctl synth --runnable --out PATH [--arch qwen3moe|llama|olmoe] [--blocks N] [--geometry tiny|
     qwen3-30b-a3b] [--hidden H] [--expert-ff F] [--experts E] [--top-k K] [--quant f32|q8_0|TYPE]
     [--llama-quantize PATH] [--seed S]``"""
-    ap = argparse.ArgumentParser(prog="moecache-ctl synth --runnable",
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="moecache-ctl synth --runnable",
                                  description="write a small MoE GGUF model that llama.cpp runs "
                                              "(random weights, byte-level vocabulary)")
     ap.add_argument("--out", required=True, help="output .gguf path (overwritten)")

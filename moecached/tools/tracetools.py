@@ -23,7 +23,7 @@ def convert_main(argv) -> int:
     argv = list(argv)
     if argv and argv[0] == "convert":
         argv = argv[1:]
-    ap = argparse.ArgumentParser(prog="moecache-ctl trace convert",
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="moecache-ctl trace convert",
                                  description="convert a JSONL routing log into a trace .npz "
                                              "(format: docs/trace-format.md)")
     ap.add_argument("input", help="JSONL file (token form or layer form)")

@@ -43,7 +43,7 @@ def _warm_stats(c) -> tuple:
 
 
 def main(argv) -> int:
-    p = argparse.ArgumentParser(prog="moecache-ctl warm", description=(
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="moecache-ctl warm", description=(
         "Fill a running daemon's cache from its state file of the model (the resident set it "
         "saved), or with --from-trace from a routing trace's experts in first-use order; in "
         "file order, at prefetch priority, never evicting. Waits and shows progress."))

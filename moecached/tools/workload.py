@@ -159,7 +159,7 @@ def fit(targets=None, n_tokens=1024, n_layers=16, seed=0, grid=None, progress=Fa
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moecached.tools.workload",
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m moecached.tools.workload",
                                  description="measure (and optionally re-fit) the synthetic "
                                              "workload against a real trace")
     ap.add_argument("--trace", help="real trace to measure (default: targets in the docstring)")
