@@ -11,6 +11,7 @@ from __future__ import annotations
 import filecmp
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -241,8 +242,8 @@ def test_daemon_crash_while_a_lease_is_held_discards_the_batch_and_continues(mod
     assert stats_of(subprocess.CompletedProcess([], 0, out, err))["restarts"] >= 1
 
 
-def test_refused_layout_mismatch_is_one_line(models, tmp_path):
-    # the daemon serves another model file: the engine refuses at start, naming the tensor
+def test_refused_other_model_file_is_one_line(models, tmp_path):
+    # the daemon serves another model file: the engine refuses at start, naming both files
     sock = str(tmp_path / "d.sock")
     p = start_daemon(models["q8_0"], sock, "--slots", "48")
     try:
@@ -251,7 +252,69 @@ def test_refused_layout_mismatch_is_one_line(models, tmp_path):
         stop_daemon(p)
     assert r.returncode != 0
     lines = [l for l in r.stderr.splitlines() if l.startswith("moecached:")]
-    assert lines and "ffn_" in lines[0] and "another model file" in lines[0], r.stderr[-2000:]
+    assert lines and "another model file" in lines[0], r.stderr[-2000:]
+    assert os.path.basename(models["q8_0"]) in lines[0] and models["f32"] in lines[0], lines[0]
+
+
+def test_same_shape_other_model_is_refused_and_a_copy_with_its_times_is_served(models, reference, tmp_path):
+    """A model of the same shape and type (a fine-tune: every tensor check passes) is another
+    file: refused at start, never computed with the daemon's experts (it was, before: exit 0,
+    every logit wrong). A copy made with the file's times (cp -p) is the same model: served."""
+    arch, kw = MODELS["q8_0"]
+    other = write_runnable(str(tmp_path / "other.gguf"), arch=arch, **dict(kw, seed=99))
+    assert os.path.getsize(other) == os.path.getsize(models["q8_0"])
+    copy = str(tmp_path / "copy.gguf")
+    shutil.copy2(models["q8_0"], copy)
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(models["q8_0"], sock, "--slots", "48")
+    try:
+        r = decode(other, tmp_path / "other.bin", endpoint=f"ipc://{sock}", check=False)
+        decode(copy, tmp_path / "copy.bin", endpoint=f"ipc://{sock}")
+    finally:
+        stop_daemon(p)
+    assert r.returncode != 0 and not (tmp_path / "other.bin").exists() or \
+        (tmp_path / "other.bin").stat().st_size == 0, r.stderr[-2000:]
+    line = next(l for l in r.stderr.splitlines() if l.startswith("moecached:"))
+    assert "another model file" in line and other in line and "cp -p" in line, line
+    assert filecmp.cmp(reference["q8_0"], tmp_path / "copy.bin", shallow=False)
+
+
+@pytest.mark.parametrize("how", ["daemon restarted on another file", "file replaced under the daemon"])
+def test_another_model_under_a_running_engine_stops_it(models, reference, tmp_path, how):
+    """A new session on another file of the same shape (a daemon restarted on it, or the file
+    replaced under a daemon that reloads): the engine's next acquire meets the new arena and
+    stops with the reason (before, it went on with the new model's experts: wrong logits)."""
+    arch, kw = MODELS["q8_0"]
+    model = str(tmp_path / "model.gguf")
+    shutil.copy2(models["q8_0"], model)
+    other = write_runnable(str(tmp_path / "other.gguf"), arch=arch, **dict(kw, seed=99))
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(model, sock, "--slots", "48")
+    cmd = [str(BIN / "mc-decode"), "-m", model, "-p", PROMPT, "-n", str(STEPS), "-t", "2",
+           "--dump", str(tmp_path / "out.bin"), "--moecached", f"ipc://{sock}",
+           "--step-delay-ms", "100", "--retries", "20"]
+    eng = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def decoding():   # the engine has loaded the model and acquired (its first misses read)
+        with Client(f"ipc://{sock}", name="watcher") as c:
+            deadline = time.monotonic() + 120
+            while c.stats()["demand_misses"] < 1 and eng.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+    try:
+        if how.startswith("daemon"):
+            out, err = _replace_daemon_under(eng, p, other, sock, "48", 300, "the restart", when=decoding)
+        else:
+            decoding()
+            assert eng.poll() is None, "the engine finished before the replacement"
+            os.replace(shutil.copy2(other, str(tmp_path / ".next.gguf")), model)
+            out, err = eng.communicate(timeout=300)
+    finally:
+        if eng.poll() is None:
+            eng.kill()
+        stop_daemon(p)
+    got = (tmp_path / "out.bin").read_bytes()
+    assert reference["q8_0"].read_bytes().startswith(got), "wrong logits after another model's session"
+    assert eng.returncode != 0 and "another model file" in err, (eng.returncode, err[-2000:])
 
 
 def rewrite_gguf(src, dst, *, arch=None, drop=(), add=(), kv=()):

@@ -205,10 +205,13 @@ def test_state_file_round_trip_and_refusals(tmp_path):
     """load_state reads what save_state wrote; anything else is one StateError line."""
     class Idx:
         files = [str(tmp_path / "m.gguf")]
-        file_sizes, file_mtimes_ns, file_identity = [10], [20], [(30, 1, 2)]
 
         def fingerprint(self):
             return "f" * 32
+
+        def file_facts(self):
+            return [{"path": str(tmp_path / "m.gguf"), "size": 10, "mtime_ns": 20, "ctime_ns": 30,
+                     "dev": 1, "ino": 2}]
 
     class Cache:
         index = Idx()

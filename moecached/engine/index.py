@@ -256,6 +256,15 @@ class ExpertIndex:
             self._check(layer, 0)
         return self._tables[layer]
 
+    def file_facts(self) -> list[dict]:
+        """Per file (shard order), as indexed: ``path``, ``size``, ``mtime_ns``, ``ctime_ns``,
+        ``dev``, ``ino``: what a state file records and what the hello reply gives an engine to
+        check that the file it loaded is the one served (``model_files``)."""
+        return [{"path": str(getattr(f, "path", f)), "size": int(self.file_sizes[i]),
+                 "mtime_ns": int(self.file_mtimes_ns[i]), "ctime_ns": int(self.file_identity[i][0]),
+                 "dev": int(self.file_identity[i][1]), "ino": int(self.file_identity[i][2])}
+                for i, f in enumerate(self.files)]
+
     def fingerprint(self) -> str:
         """Stable hex hash of the files' names, sizes and mtimes plus the tensor table
         (names, types, shapes, files, offsets); changes when any file is replaced or touched."""

@@ -69,14 +69,7 @@ def model_identity(index) -> dict:
     """What identifies the model files ``index`` was built from: the index's fingerprint (names,
     sizes, mtimes, tensor table) and per file its size, mtime, ctime, device and inode (what the
     reader pool compares to notice a changed model)."""
-    files = []
-    for i, f in enumerate(index.files):
-        path = str(getattr(f, "path", f))
-        ct, dev, ino = index.file_identity[i]
-        files.append({"path": path, "size": int(index.file_sizes[i]),
-                      "mtime_ns": int(index.file_mtimes_ns[i]), "ctime_ns": int(ct),
-                      "dev": int(dev), "ino": int(ino)})
-    return {"fingerprint": index.fingerprint(), "files": files}
+    return {"fingerprint": index.fingerprint(), "files": index.file_facts()}
 
 
 def identity_mismatch(state: dict, index) -> str | None:

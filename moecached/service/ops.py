@@ -57,6 +57,8 @@ class ServerOps:
         idx = self.index
         self._reply(c.ident, rid, protocol=P.PROTOCOL_VERSION, server=f"moecached {__version__}",
                     fingerprint=idx.fingerprint(), model=self.model_path,
+                    model_files=[{k: f[k] for k in ("path", "size", "mtime_ns", "dev", "ino")}
+                                 for f in idx.file_facts()],
                     model_name=self.model_name, arena=self.cache.descriptor(), index=idx.to_json(),
                     expert_layers=list(idx.expert_layers), n_experts=idx.n_experts,
                     top_k=idx.top_k, heartbeat_s=self.heartbeat_s,

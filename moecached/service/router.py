@@ -54,7 +54,7 @@ class Router(Server):
     def _hello_reply(self, c, rid: int, fast: bool) -> None:
         """A control connection (no model named, or ``"*"``): the models served."""
         self._reply(c.ident, rid, protocol=P.PROTOCOL_VERSION, server=f"moecached {__version__}",
-                    fingerprint=None, model=None, model_name=None, arena=None, index=None,
+                    fingerprint=None, model=None, model_files=None, model_name=None, arena=None, index=None,
                     models=self.route_model(self, None, names=True), expert_layers=[],
                     n_experts=0, top_k=0, heartbeat_s=self.heartbeat_s,
                     lease_watch="process" if c.pidfd is not None else "heartbeat", pins=None,

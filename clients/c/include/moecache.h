@@ -77,6 +77,7 @@ typedef enum mc_code {
     MC_ERR_RESTARTED = 5,     /* the daemon restarted or went away; the next call says hello again */
     MC_ERR_CLOSED = 6,        /* the client is closed */
     MC_ERR_UNSUPPORTED = 7,   /* an arena descriptor version or layout this library cannot read */
+    MC_ERR_OTHER_MODEL = 8,   /* the engine's model file is not the file the daemon serves */
     /* the daemon refused the request */
     MC_ERR_D_MALFORMED = 100,
     MC_ERR_D_VERSION,
@@ -105,7 +106,7 @@ typedef enum mc_code {
 typedef struct mc_error {
     int code;                 /* mc_code */
     char daemon_code[32];     /* the daemon's code string ("" when the error is local) */
-    char message[256];        /* one line: what failed, and the fix when there is one */
+    char message[512];        /* one line: what failed, and the fix when there is one */
 } mc_error;
 
 /* The name of a code ("MC_OK", "MC_ERR_TIMEOUT", ...). */
@@ -210,6 +211,15 @@ typedef struct mc_class {
     uint64_t slot_bytes;
 } mc_class;
 
+/* A model file as the daemon indexed it, or as an engine loaded it (mc_file_id_of). */
+typedef struct mc_file_id {
+    const char *path;         /* the daemon's path (NULL in what mc_file_id_of fills) */
+    uint64_t size;
+    int64_t mtime_ns;
+    uint64_t dev;
+    uint64_t ino;
+} mc_file_id;
+
 typedef struct mc_arena {
     const void *base;         /* the read-only mapping */
     uint64_t size;
@@ -220,6 +230,8 @@ typedef struct mc_arena {
     uint32_t n_experts;
     uint32_t top_k;
     uint64_t session;
+    uint32_t n_model_files;   /* the model's files (shards in order) as the daemon indexed them */
+    const mc_file_id *model_files;
 } mc_arena;
 
 /* The arena of the current hello (says hello first when the last one was voided by a restart;
@@ -229,6 +241,16 @@ typedef struct mc_arena {
 MC_API const mc_arena *mc_arena_get(mc_client *c, mc_error *err);
 /* Class id of a GGUF block (-1 when it has no routed experts). */
 MC_API int mc_layer_class(const mc_arena *a, int layer);
+/* The identity (size, modification time, device, inode) of the file at `path` now. */
+MC_API int mc_file_id_of(const char *path, mc_file_id *out, mc_error *err);
+/* MC_OK when `mine` (the file an engine loaded its model from, taken with mc_file_id_of when it
+ * loaded it) is the daemon's model file number `i` (0: the first shard): the same size and
+ * modification time, as the file itself, a link or another mount of it, or a copy made with its
+ * times (cp -p, rsync -t) have. Else MC_ERR_OTHER_MODEL, the message naming both files: the
+ * daemon's experts are another model's, and computing with them gives wrong output. Check at
+ * load and again for every new arena (a daemon restarted or reloaded on a changed file). */
+MC_API int mc_check_model_file(const mc_arena *a, uint32_t i, const mc_file_id *mine, const char *mine_path,
+                               mc_error *err);
 
 /* ----------------------------------------------------------------- leases */
 

@@ -104,6 +104,7 @@ const char *mc_code_name(int code) {
     case MC_ERR_RESTARTED: return "MC_ERR_RESTARTED";
     case MC_ERR_CLOSED: return "MC_ERR_CLOSED";
     case MC_ERR_UNSUPPORTED: return "MC_ERR_UNSUPPORTED";
+    case MC_ERR_OTHER_MODEL: return "MC_ERR_OTHER_MODEL";
     case MC_ERR_D_MALFORMED: return "MC_ERR_D_MALFORMED";
     case MC_ERR_D_VERSION: return "MC_ERR_D_VERSION";
     case MC_ERR_D_UNKNOWN_OP: return "MC_ERR_D_UNKNOWN_OP";
@@ -252,7 +253,7 @@ static void arena_unmap(mc_arena_map *am) {
 static void arena_free(mc_arena_map *am) {
     arena_unmap(am);
     free(am->key_class); free(am->layer_moe); free(am->layer_cls);
-    free(am->classes); free(am->parts); free(am->ints); free(am->expert_layers);
+    free(am->classes); free(am->parts); free(am->ints); free(am->expert_layers); free(am->model_files);
     for (uint32_t i = 0; i < am->n_strings; i++) free(am->strings[i]);
     free(am->strings);
     free(am);
@@ -370,7 +371,30 @@ static int arena_from_hello(const msgpack_object *rep, uint64_t session, int pop
         nparts_total += p->via.array.size;
         nlayers_total += l->via.array.size;
     }
-    am->strings = calloc(2 * nparts_total + 4, sizeof(char *));
+    /* the model's files (older daemons do not send them: an engine's check then refuses) */
+    const msgpack_object *mf = mget(rep, "model_files");
+    const uint32_t n_mf = mf && mf->type == MSGPACK_OBJECT_ARRAY && mf->via.array.size <= 4096 ? mf->via.array.size : 0;
+    am->strings = calloc(2 * nparts_total + 4 + n_mf, sizeof(char *));
+    am->model_files = calloc(n_mf + 1, sizeof(mc_file_id));
+    if (!am->model_files) {
+        arena_free(am);
+        return seterr(err, MC_ERR_SYSTEM, "out of memory");
+    }
+    for (uint32_t i = 0; i < n_mf; i++) {
+        const msgpack_object *f = &mf->via.array.ptr[i];
+        int64_t fs = -1, mt = 0, dv = 0, in = 0;
+        if (!mint(mget(f, "size"), &fs) || fs < 0 || !mint(mget(f, "mtime_ns"), &mt) ||
+            !mint(mget(f, "dev"), &dv) || !mint(mget(f, "ino"), &in)) {
+            arena_free(am);
+            return seterr(err, MC_ERR_PROTOCOL, "hello reply: model_files[%u] lacks size/mtime_ns/dev/ino", i);
+        }
+        mc_file_id *id = &am->model_files[i];
+        id->size = (uint64_t)fs;
+        id->mtime_ns = mt;
+        id->dev = (uint64_t)dv;
+        id->ino = (uint64_t)in;
+        am->n_model_files = i + 1;
+    }
     am->classes = calloc(nc, sizeof(mc_class));
     am->parts = calloc(nparts_total ? nparts_total : 1, sizeof(mc_part));
     am->ints = calloc(nlayers_total + 1, sizeof(int32_t));
@@ -562,8 +586,43 @@ static int arena_from_hello(const msgpack_object *rep, uint64_t session, int pop
     am->pub.n_experts = (uint32_t)n_experts;
     am->pub.top_k = top_k > 0 ? (uint32_t)top_k : 0;
     am->pub.session = session;
+    for (uint32_t i = 0; i < am->n_model_files; i++)   /* strings has room for these */
+        am->model_files[i].path = keep(am, mstrdup(mget(&mf->via.array.ptr[i], "path")));
+    am->pub.n_model_files = am->n_model_files;
+    am->pub.model_files = am->model_files;
     *out = am;
     return MC_OK;
+}
+
+int mc_file_id_of(const char *path, mc_file_id *out, mc_error *err) {
+    struct stat st;
+    if (!path || !out) return seterr(err, MC_ERR_INVALID_ARG, "mc_file_id_of: NULL argument");
+    if (stat(path, &st) != 0) return seterr(err, MC_ERR_SYSTEM, "%s: %s", path, strerror(errno));
+    memset(out, 0, sizeof *out);
+    out->size = (uint64_t)st.st_size;
+    out->mtime_ns = (int64_t)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+    out->dev = (uint64_t)st.st_dev;
+    out->ino = (uint64_t)st.st_ino;
+    return MC_OK;
+}
+
+int mc_check_model_file(const mc_arena *a, uint32_t i, const mc_file_id *mine, const char *mine_path, mc_error *err) {
+    if (!a || !mine) return seterr(err, MC_ERR_INVALID_ARG, "mc_check_model_file: NULL argument");
+    const char *me = mine_path ? mine_path : "this engine's model file";
+    if (i >= a->n_model_files)
+        return seterr(err, MC_ERR_OTHER_MODEL, "the daemon does not say which model file it serves (file %u of %u; "
+                      "an older moecached?): cannot check that it is %s; run the daemon of this client's version",
+                      i, a->n_model_files, me);
+    const mc_file_id *d = &a->model_files[i];
+    if (d->size == mine->size && d->mtime_ns == mine->mtime_ns)
+        return MC_OK;
+    return seterr(err, MC_ERR_OTHER_MODEL, "the daemon serves %s (%llu bytes, mtime %lld.%09lld), this engine "
+                  "loaded %s (%llu bytes, mtime %lld.%09lld)%s: another model file (its experts would give wrong "
+                  "output); start the engine on the daemon's file, or a copy with its times (cp -p)",
+                  d->path ? d->path : "its model", (unsigned long long)d->size, (long long)(d->mtime_ns / 1000000000LL),
+                  (long long)(d->mtime_ns % 1000000000LL), me, (unsigned long long)mine->size,
+                  (long long)(mine->mtime_ns / 1000000000LL), (long long)(mine->mtime_ns % 1000000000LL),
+                  d->dev == mine->dev && d->ino == mine->ino ? " (the same file, changed since the daemon indexed it)" : "");
 }
 
 int mc_layer_class(const mc_arena *a, int layer) {

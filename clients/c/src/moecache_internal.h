@@ -30,6 +30,8 @@ typedef struct mc_arena_map {
     int32_t max_layer;
     uint32_t n_expert_layers;
     int32_t *expert_layers;
+    uint32_t n_model_files;
+    mc_file_id *model_files;
     mc_class *classes;
     mc_part *parts;
     int32_t *ints;

@@ -185,6 +185,22 @@ static void test_basic(mc_client *c) {
     CHECK(mc_layer_class(a, 2) == 0 && mc_layer_class(a, 7) == -1, "layer class map");
     CHECK(a->session == mc_session(c) && a->session != 0, "session");
     CHECK(mc_watched(c) == 1, "a local client with pid/pid_start is watched");
+    /* the model file: the daemon's, as indexed, against the one an engine would load */
+    mc_file_id mine, other;
+    REQUIRE(mc_file_id_of(MODEL, &mine, &e) == MC_OK, "file id: %s", e.message);
+    CHECK(a->n_model_files == 1 && a->model_files[0].size == mine.size && a->model_files[0].ino == mine.ino &&
+          a->model_files[0].path && strstr(a->model_files[0].path, ".gguf"), "model_files of the hello");
+    CHECK(mc_check_model_file(a, 0, &mine, MODEL, &e) == MC_OK, "the same file: %s", e.message);
+    other = mine;
+    other.mtime_ns += 1;   /* another file of the same size (a fine-tune of the same shape) */
+    CHECK(mc_check_model_file(a, 0, &other, "/x/other.gguf", &e) == MC_ERR_OTHER_MODEL &&
+          strstr(e.message, "/x/other.gguf") && strstr(e.message, a->model_files[0].path) &&
+          strstr(e.message, "changed since"), "another mtime is another file: %s", e.message);
+    other.ino += 1;
+    CHECK(mc_check_model_file(a, 0, &other, NULL, &e) == MC_ERR_OTHER_MODEL && !strstr(e.message, "changed since"),
+          "another file: %s", e.message);
+    CHECK(mc_check_model_file(a, 1, &mine, MODEL, &e) == MC_ERR_OTHER_MODEL, "no second file: %s", e.message);
+    CHECK(strcmp(mc_code_name(MC_ERR_OTHER_MODEL), "MC_ERR_OTHER_MODEL") == 0, "code name");
     double rtt;
     CHECK(mc_ping(c, &rtt, &e) == MC_OK && rtt > 0, "ping: %s", e.message);
 
