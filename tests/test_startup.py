@@ -441,3 +441,14 @@ def test_daemon_says_what_it_is_doing(model, tmp_path):
     assert stages == ["indexing", "experts", "reserving", "ready"], out
     i = out.index
     assert i("indexing") < i("reserving") < i("ready")
+
+
+def test_budget_below_the_models_minimum_exits_2(model, tmp_path):
+    # a configuration no start can serve with: exit 2 (systemd's RestartPreventExitStatus), one
+    # line naming the minimum; not 1, which the unit restarts every 2 s
+    p = subprocess.run([sys.executable, "-P", "-m", "moecached.daemon", "--model", model, "--budget", "1KiB",
+                        "--endpoint", f"ipc://{tmp_path}/d.sock", "--no-lock-memory"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    err = [l for l in p.stderr.splitlines() if "ERROR" in l]
+    assert len(err) == 1 and "budget 1024 bytes gives size class(es)" in err[0] and "raise the budget" in err[0], p.stderr

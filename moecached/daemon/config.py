@@ -181,8 +181,9 @@ KEYS: dict[str, Key] = {
                               "N", "int"),
     "client_max_prefetch": Key(_int_range(0, 1 << 20), "--client-max-prefetch",
                                "prefetch loads one client may have in flight before its new "
-                               "prefetches are dropped (default: max_prefetch_loads; 0: no "
-                               "per-client cap)", "N", "int",
+                               "prefetches are dropped (default: a fair share, max_prefetch_loads "
+                               "split evenly between the engines active now; 0: no per-client cap)",
+                               "N", "int",
         reload="client_limits", scope="socket"),
     "prefetch_min_confidence": Key(_fraction, "--prefetch-min-confidence",
                                    "prefetched experts whose confidence (the prefetch's conf "

@@ -25,7 +25,7 @@ import time
 from moecached import MoecacheError, __version__
 from moecached.daemon import config as C
 from moecached.daemon import notify
-from moecached.engine.arena import remove_stale_arenas
+from moecached.engine.arena import BudgetError, remove_stale_arenas
 from moecached.daemon.assemble import fit_budget, make_cache, server_kwargs
 from moecached.daemon.floor import MemoryFloor
 from moecached.daemon.state import WarmStates
@@ -144,7 +144,9 @@ class Daemon:
         except MoecacheError as e:
             log.error("%s", e)
             _notify(f"STATUS=failed: {e}")
-            return 1
+            # 2: a budget no start can serve with (systemd does not restart it: the unit's
+            # RestartPreventExitStatus); 1: a start that failed
+            return 2 if isinstance(e, BudgetError) else 1
         try:
             self.server.serve_forever(ready=self._ready)
         finally:

@@ -54,7 +54,7 @@ from moecached import MoecacheError
 from moecached.engine import _shm
 from moecached.engine.hostmem import memlock_room, tmpfs_huge
 
-__all__ = ["ArenaError", "ClassLayout", "Arena", "plan_slots", "planned_size"]
+__all__ = ["ArenaError", "BudgetError", "ClassLayout", "Arena", "plan_slots", "planned_size"]
 
 DESCRIPTOR_VERSION = 2
 # The control block's layout comes from clients/c/include/moecache_shm.h (through ._shm), a pin
@@ -80,6 +80,11 @@ MADV_POPULATE_WRITE = 23   # Linux 5.14+; older kernels say EINVAL and the pages
 
 class ArenaError(MoecacheError):
     """The arena could not be planned, reserved, mapped or locked; the message names the fix."""
+
+
+class BudgetError(ArenaError):
+    """A budget below what the model needs (a slot per size class): no start can serve with it,
+    whatever the machine has (the daemon exits 2, the code of a refused configuration)."""
 
 
 @dataclass
@@ -192,7 +197,7 @@ def plan_slots(index, *, budget_bytes: int | None = None, slots: int | None = No
         need = (smallest_budget(index, page_size) if budget_bytes is not None
                  else cost(max(Fraction(1, w) for w in weights.values())))
         unit = "bytes" if budget_bytes is not None else "slots"
-        raise ArenaError(
+        raise BudgetError(
             f"budget {limit} {unit} gives size class(es) "
             f"{[cid for cid, n in got.items() if n < 1]} no slot; every class needs >= 1 slot, "
             f"so the minimum is {need} {unit}"

@@ -109,7 +109,7 @@ def _stat_lines(d: dict, prefix: str = "") -> list[str]:
             for i, x in enumerate(v):
                 tag = x.get("name", x.get("id", i))
                 if "name" in x and names.count(x["name"]) > 1:
-                    tag = f"{x['name']}#{str(x.get('id', i))[:8]}"  # same name twice: tell apart
+                    tag = f"{x['name']}#{x.get('id', i)}"  # same name twice: tell apart (ids differ at the end)
                 out += _stat_lines(x, f"{prefix}{k}.{tag}.")
         elif isinstance(v, list):
             out.append(f"STAT {prefix}{k} {','.join(_fmt(x) for x in v)}")

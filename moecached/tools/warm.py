@@ -66,7 +66,8 @@ def main(argv) -> int:
         try:
             reply = c._call(msg)
         except Exception as e:
-            raise MoecacheError(f"warm: {getattr(e, 'code', type(e).__name__)}: {e}") from None
+            # the daemon's error reads "CODE: message" already
+            raise MoecacheError(str(e) if getattr(e, "code", None) else f"{type(e).__name__}: {e}") from None
         reply = {k: v for k, v in reply.items() if k in ("wanted", "queued", "bytes", "source")}
         live = sys.stderr.isatty()
         t0 = time.monotonic()

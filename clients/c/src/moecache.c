@@ -1211,6 +1211,12 @@ mc_client *mc_connect(const char *endpoint, const char *name, const mc_options *
     if (opt) c->opt = *opt; else mc_options_init(&c->opt);
     if (!endpoint) endpoint = MC_DEFAULT_ENDPOINT;
     struct stat st;
+    if (strncmp(endpoint, "ipc://", 6) != 0 && strncmp(endpoint, "tcp://", 6) != 0) {
+        seterr(err, MC_ERR_INVALID_ARG, "endpoint %s: expected ipc://PATH (the daemon's socket, e.g. %s) or "
+               "tcp://HOST:PORT", endpoint, MC_DEFAULT_ENDPOINT);
+        free(c);
+        return NULL;
+    }
     if (strncmp(endpoint, "ipc://", 6) == 0 && stat(endpoint + 6, &st) != 0 && errno == ENOENT) {
         seterr(err, MC_ERR_SYSTEM, "no daemon socket at %s: is moecached running? (systemctl status moecached)",
                endpoint + 6);

@@ -41,6 +41,9 @@ int main(int argc, char **argv) {
     o.timeout_ms = 400;
     o.heartbeat_thread = 0;
     mc_error e;
+    /* a socket path without its scheme: one line saying what an endpoint is */
+    CHECK(mc_connect("/tmp/x.sock", "noscheme", &o, &e) == NULL && e.code == MC_ERR_INVALID_ARG &&
+          strstr(e.message, "endpoint /tmp/x.sock: expected ipc://PATH"), "endpoint without scheme: %s", e.message);
     mc_client *c = mc_connect(argv[1], "fake", &o, &e);
     if (!c) { fprintf(stderr, "connect: %s\n", e.message); return 1; }
     CHECK(mc_session(c) == S1, "session");
