@@ -175,3 +175,11 @@ def test_no_command_takes_an_abbreviated_option(cmd, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "unrecognized arguments: --" in err or "required: --floor" in err
+
+
+def test_stats_summary_counts_other_users_clients():
+    # a uid that is no admin sees only its own clients: the line says how many others there are
+    from moecached.tools.ctlstats import summary
+    lines = [line for line in summary({"clients": [], "clients_other": 2}) if line.startswith("clients")]
+    assert lines == ["clients   0 of yours, 2 of other users (an admin sees them)"]
+    assert [line for line in summary({"clients": [{"name": "a"}]}) if line.startswith("clients")] == ["clients   1"]

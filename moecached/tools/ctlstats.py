@@ -193,7 +193,8 @@ def summary(st: dict, layers: bool = False) -> list[str]:
            f"reads     {st.get('reads', 0)} ({_gib(st.get('bytes_read'))}, {st.get('read_errors', 0)} errors, "
            f"{st.get('reads_in_flight', 0)} in flight), latency p50 {_ms(lat.get('p50_us'))}, "
            f"p99 {_ms(lat.get('p99_us'))}",
-           f"clients   {len(clients)}"]
+           f"clients   {len(clients)}" + (f" of yours, {st['clients_other']} of other users (an admin sees them)"
+                                         if st.get("clients_other") else "")]
     for x in clients:
         out.append(f"  {x.get('name')} pid {x.get('pid')}: hit rate {_pct(x.get('hit_rate'))}, "
                    f"{x.get('acquires', 0)} acquires, {x.get('leases', 0)} leases, {x.get('pending', 0)} pending, "
