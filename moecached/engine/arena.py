@@ -50,8 +50,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from moecached import MoecacheError
 from moecached.engine import _shm
+from moecached.engine.errors import ArenaError, BudgetError
 from moecached.engine.hostmem import memlock_room, tmpfs_huge
 
 __all__ = ["ArenaError", "BudgetError", "ClassLayout", "Arena", "plan_slots", "planned_size"]
@@ -76,15 +76,6 @@ FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 MADV_REMOVE = 9
 MADV_POPULATE_WRITE = 23   # Linux 5.14+; older kernels say EINVAL and the pages fault on first use
-
-
-class ArenaError(MoecacheError):
-    """The arena could not be planned, reserved, mapped or locked; the message names the fix."""
-
-
-class BudgetError(ArenaError):
-    """A budget below what the model needs (a slot per size class): no start can serve with it,
-    whatever the machine has (the daemon exits 2, the code of a refused configuration)."""
 
 
 @dataclass

@@ -1,11 +1,12 @@
 """The expert cache's errors (``moecached.engine.cache`` re-exports them): every one is a
-:class:`CacheError`, and ``str(e)`` is one line."""
+:class:`CacheError`, but the arena's (:class:`ArenaError`, :class:`BudgetError`), and ``str(e)``
+is one line."""
 from __future__ import annotations
 
 from moecached import MoecacheError
 
 __all__ = ["CacheError", "RequestError", "CapacityError", "LeaseError", "LoadError",
-           "ModelChangedError", "AcquireTimeout", "CacheClosed"]
+           "ModelChangedError", "AcquireTimeout", "CacheClosed", "ArenaError", "BudgetError"]
 
 
 class CacheError(MoecacheError):
@@ -47,3 +48,12 @@ class ModelChangedError(LoadError):
 
 class AcquireTimeout(CacheError):
     """A blocking acquire did not complete within ``timeout``; it was cancelled (no pins held)."""
+
+
+class ArenaError(MoecacheError):
+    """The arena could not be planned, reserved, mapped or locked; the message names the fix."""
+
+
+class BudgetError(ArenaError):
+    """A budget below what the model needs (a slot per size class): no start can serve with it,
+    whatever the machine has (the daemon exits 2, the code of a refused configuration)."""
