@@ -622,7 +622,7 @@ int mc_check_model_file(const mc_arena *a, uint32_t i, const mc_file_id *mine, c
                   d->path ? d->path : "its model", (unsigned long long)d->size, (long long)(d->mtime_ns / 1000000000LL),
                   (long long)(d->mtime_ns % 1000000000LL), me, (unsigned long long)mine->size,
                   (long long)(mine->mtime_ns / 1000000000LL), (long long)(mine->mtime_ns % 1000000000LL),
-                  d->dev == mine->dev && d->ino == mine->ino ? " (the same file, changed since the daemon indexed it)" : "");
+                  d->dev == mine->dev && d->ino == mine->ino ? " (the same file: it changed between the daemon's reading and the engine's)" : "");
 }
 
 int mc_layer_class(const mc_arena *a, int layer) {
