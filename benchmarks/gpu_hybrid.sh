@@ -30,7 +30,8 @@
 #                     host op in a decoded token's graph; a token that met a missing expert is
 #                     computed again after the host copied it in; auto starts on the host lookup
 #                     and goes to the device once decoded tokens stop copying); per row also the
-#                     passes run again, the reads of the routed ids and the switches
+#                     passes run again, the reads of the routed ids and the switches, and the
+#                     host's time in the lookup per decoded token (its waits for the graph apart)
 #            rung4_Pa50  (P = 25, 50) rung4_P against a second daemon whose arena holds 50 % of
 #                     the experts (--slots blocks*experts//2, its socket /tmp/gpu-hybrid-a50.sock,
 #                     started only for these rows; the other daemon rows share one of --slots
@@ -40,6 +41,12 @@
 #                     arena in place (--moecached-vram-lookup arena: ids past the tier's slots name
 #                     arena slots, registered with CUDA; no pass run again while the arena holds the
 #                     expert; copied into the tier after the token); rung5_25a50 over the 50 % arena
+#            rung4_Pnow, rung5_Pnow, rung4_Poff, rung5_Poff, rung4_Ppg, rung5_Ppg  (P = 10, 25, 50) the
+#                     same rows with the in-place reads' copies into the tier made on the tier's
+#                     stream before the next token (now), never made (off), or made before the next
+#                     token with the routing record and tables in pageable memory (pg: the build
+#                     before the fill stream); the default copies them on a second stream while the
+#                     next token runs (LLAMA_MOECACHED_VRAM_FILL, clients/llama.cpp/README.md)
 #            rung5_100w  rung5_100 over two rounds in one process, the second round's figures
 #            rung4_100w  rung4_100 over two rounds in one process (--rounds 2), the second
 #                     round's figures: every expert its tokens need is in the tier already
@@ -215,6 +222,16 @@ for pct in (10, 25, 50, 100):   # what the tier lacks read from the arena in pla
                             ["--cpu-moe", "--moecached-gpu", "zerocopy", "--moecached-vram", f"{pct}%",
                              "--moecached-vram-lookup", "arena"], {}, 1.0)
 ROWS["rung5_25a50"] = (ROWS["rung5_25"][0] + ", its daemon's arena 50 % of the experts", ROWS["rung5_25"][1], {}, 0.5)
+FILLS = {"now": ("the copies into the tier on the tier's stream before the next token (LLAMA_MOECACHED_VRAM_FILL=now)",
+                 {"LLAMA_MOECACHED_VRAM_FILL": "now"}),
+         "off": ("no copies into the tier (LLAMA_MOECACHED_VRAM_FILL=off)", {"LLAMA_MOECACHED_VRAM_FILL": "off"}),
+         "pg": ("the copies before the next token and the routing record and tables in pageable memory "
+                "(LLAMA_MOECACHED_VRAM_FILL=now LLAMA_MOECACHED_VRAM_IO_PINNED=0)",
+                {"LLAMA_MOECACHED_VRAM_FILL": "now", "LLAMA_MOECACHED_VRAM_IO_PINNED": "0"})}
+for pct in (10, 25, 50):   # rung5_Pnow, rung5_Poff, rung5_Ppg (and rung4_P...: auto, which takes the arena lookup for small experts)
+    for rung in ("rung4", "rung5"):
+        for tag, (what, env) in FILLS.items():
+            ROWS[f"{rung}_{pct}{tag}"] = (ROWS[f"{rung}_{pct}"][0] + ", " + what, ROWS[f"{rung}_{pct}"][1], env, 1.0)
 for pct in (25, 50):   # the same tier over an arena of half the experts (its misses read from the drive)
     ROWS[f"rung4_{pct}a50"] = (ROWS[f"rung4_{pct}"][0] + ", its daemon's arena 50 % of the experts",
                                ROWS[f"rung4_{pct}"][1], {}, 0.5)
@@ -238,6 +255,7 @@ PAIRS = [("cpu_moe", "rung1"), ("gpu", "rung2"), ("gpu", "cpu_moe"), ("rung1", "
          ("gpu", "rung4_10"), ("gpu", "rung4_25"), ("gpu", "rung4_50"), ("gpu", "rung4_100"), ("gpu", "rung4_100w"), ("gpu", TWO),
          ("gpu", "rung4_25a50"), ("gpu", "rung4_50a50"), ("gpu", "rung3_10pin"), ("gpu", "rung3_25pin"), ("gpu", "rung3_50pin"),
          ("gpu", "rung5_10"), ("gpu", "rung5_25"), ("gpu", "rung5_50"), ("gpu", "rung5_100"), ("gpu", "rung5_100w"), ("gpu", "rung5_25a50")]
+PAIRS += [("gpu", r) for r in ROWS if r[-3:] in ("now", "off") or r.endswith("pg")]
 rows = [r for r in want if r in ROWS]
 SOCKS = {1.0: "/tmp/gpu-hybrid.sock", 0.5: "/tmp/gpu-hybrid-a50.sock"}   # per arena share, its daemon's socket
 work = "/tmp/gpu-hybrid/runs"; os.makedirs(work, exist_ok=True)
@@ -373,6 +391,8 @@ for name in rows:
                                                     "spec_copies", "decode_reruns", "decode_spec_copies", "arena_reads",
                                                     "decode_arena_reads", "stale_peeks")}
             row["lookup"]["decode_reruns_per_token"] = vr.get("decode_reruns", 0) / d
+            for k in ("host", "wait", "fill"):   # the host's time in the lookup per decoded token
+                row["lookup"][f"{k}_us_per_token"] = vr.get(f"decode_{k}_us", 0) / d
         # the same logits in every round?
         dumps = [open(f"{work}/{name}-{i}.bin", "rb").read() for i, x in enumerate(runs[name]) if x["rc"] == 0]
         row["reproducible"] = all(d == dumps[0] for d in dumps)
@@ -474,12 +494,12 @@ look = [(n, r) for n, r in results["rows"].items() if "lookup" in r]
 if look:
     lines += ["", "| run | lookup | ubatches on the device | passes run again (decode) | reads of the routed ids | "
               "fill waits | switches | copies for a routing not kept | experts read from the arena in place (decode) | "
-              "arena slots found reused |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "arena slots found reused | host us / wait us / fill us per decoded token |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in look:
         lk = row["lookup"]
         lines.append(f"| {name} | {lk['lookup']} | {lk['device_ubatches']} | {lk['reruns']} ({lk['decode_reruns']}) | {lk['reads']} | "
                      f"{lk['fill_syncs']} | {lk['switches']} | {lk['spec_copies']} | {lk.get('arena_reads')} ({lk.get('decode_arena_reads')}) | "
-                     f"{lk.get('stale_peeks')} |")
+                     f"{lk.get('stale_peeks')} | {lk['host_us_per_token']:.1f} / {lk['wait_us_per_token']:.1f} / {lk['fill_us_per_token']:.1f} |")
 if TWO in results["rows"] and "decode_tps" in results["rows"][TWO]:
     row, fr = results["rows"][TWO], results.get("two_engines_fresh", {})
     lines += ["", f"two engines at once: decode {row['decode_tps']:.1f} and {row['b_decode_tps'] or 0:.1f} tok/s, the second's "

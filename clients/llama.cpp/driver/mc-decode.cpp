@@ -39,12 +39,16 @@
 //   vram slots=N vram_bytes=N hits=N misses=N copied_bytes=N evictions=N fallbacks=N invalidations=N
 //        lookup=M device_ubatches=N reruns=N reads=N fill_syncs=N switches=N spec_copies=N
 //        copy_syncs=N pinned_parts=N arena_reads=N arena_read_bytes=N stale_peeks=N registration_ends=N
+//        fill=later|now|off host_us=N wait_us=N fill_us=N
 //        decode_hits=N decode_misses=N decode_copied_bytes=N decode_spec_copies=N decode_reruns=N
-//        decode_copy_syncs=N decode_arena_reads=N decode_arena_read_bytes=N
+//        decode_copy_syncs=N decode_arena_reads=N decode_arena_read_bytes=N decode_host_us=N decode_wait_us=N
+//        decode_fill_us=N
 // (misses: experts copied into the tier; fallbacks: block calls run on the arena because their
 // ubatch could need more experts than the tier holds; copy_syncs: the host lookup's waits for its
 // copies, one per block that copied; pinned_parts: arena parts registered with CUDA for the copies;
-// decode_*: over the decode steps only).
+// host_us: the host's time in the tier's lookup, wait_us: its waits for the routing record (the
+// graph's end), fill_us: issuing the in-place reads' copies into the tier; decode_*: over the decode
+// steps only).
 // --moecached-vram-lookup auto|device|host (LLAMA_MOECACHED_VRAM_LOOKUP): a decoded token's blocks look
 // their experts up in a table in the tier (device: no host op in the graph; the host reads every
 // block's routed ids once after the graph, copies in what was missing and computes the graph again:
@@ -200,7 +204,8 @@ int main(int argc, char ** argv) {
         const char * p = strstr(b, key);
         return p ? strtoull(p + strlen(key), nullptr, 10) : 0;
     };
-    unsigned long long dec_hits = 0, dec_misses = 0, dec_copied = 0, dec_spec = 0, dec_reruns = 0, dec_syncs = 0, dec_areads = 0, dec_abytes = 0;
+    unsigned long long dec_hits = 0, dec_misses = 0, dec_copied = 0, dec_spec = 0, dec_reruns = 0, dec_syncs = 0, dec_areads = 0, dec_abytes = 0,
+                       dec_host = 0, dec_wait = 0, dec_fill = 0;
     for (int round = 0; round < rounds; ++round) {
         llama_context_params cp = llama_context_default_params();
         cp.n_ctx = n_prompt + n_steps + 8;
@@ -246,7 +251,8 @@ int main(int argc, char ** argv) {
             const unsigned long long h0 = vram_counter(" hits="), m0 = vram_counter(" misses="), c0 = vram_counter(" copied_bytes="),
                                      x0 = vram_counter(" spec_copies="), r0 = vram_counter(" reruns="),
                                      y0 = vram_counter(" copy_syncs="), a0 = vram_counter(" arena_reads="),
-                                     b0 = vram_counter(" arena_read_bytes=");
+                                     b0 = vram_counter(" arena_read_bytes="), u0 = vram_counter(" host_us="),
+                                     w0 = vram_counter(" wait_us="), f0 = vram_counter(" fill_us=");
             t0 = now_s();
             if (!decode(llama_batch_get_one(&tok, 1))) return 3;
             llama_synchronize(ctx);
@@ -259,6 +265,9 @@ int main(int argc, char ** argv) {
             dec_syncs += vram_counter(" copy_syncs=") - y0;
             dec_areads += vram_counter(" arena_reads=") - a0;
             dec_abytes += vram_counter(" arena_read_bytes=") - b0;
+            dec_host += vram_counter(" host_us=") - u0;
+            dec_wait += vram_counter(" wait_us=") - w0;
+            dec_fill += vram_counter(" fill_us=") - f0;
             n_decoded++;
             tok = emit(s, llama_get_logits_ith(ctx, -1));
         }
@@ -281,8 +290,9 @@ int main(int argc, char ** argv) {
         char vr[1024];
         llama_moecached_vram_stats(vr, sizeof vr);
         printf("vram %s decode_hits=%llu decode_misses=%llu decode_copied_bytes=%llu decode_spec_copies=%llu decode_reruns=%llu "
-               "decode_copy_syncs=%llu decode_arena_reads=%llu decode_arena_read_bytes=%llu\n", vr, dec_hits, dec_misses, dec_copied,
-               dec_spec, dec_reruns, dec_syncs, dec_areads, dec_abytes);
+               "decode_copy_syncs=%llu decode_arena_reads=%llu decode_arena_read_bytes=%llu decode_host_us=%llu decode_wait_us=%llu "
+               "decode_fill_us=%llu\n", vr, dec_hits, dec_misses, dec_copied, dec_spec, dec_reruns, dec_syncs, dec_areads, dec_abytes,
+               dec_host, dec_wait, dec_fill);
     }
     fflush(stdout);
     llama_model_free(model);
