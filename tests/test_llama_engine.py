@@ -320,6 +320,9 @@ def test_another_model_under_a_running_engine_stops_it(models, reference, tmp_pa
     got = (tmp_path / "out.bin").read_bytes()
     assert reference["q8_0"].read_bytes().startswith(got), "wrong logits after another model's session"
     assert eng.returncode != 0 and "a new daemon session serves another" in err, (eng.returncode, err[-2000:])
+    # no retry mends it: llama_decode returns -3 (not 2), and mc-decode --retries stops at once
+    failed = [ln for ln in err.splitlines() if ln.startswith("moecached error:")]
+    assert failed and "returned -3" in failed[-1] and sum("returned -3" in ln for ln in failed) == 1, failed[-5:]
 
 
 def rewrite_gguf(src, dst, *, arch=None, drop=(), add=(), kv=()):

@@ -165,3 +165,37 @@ def test_two_servers_through_one_daemon_answer_as_the_resident_server(model, tmp
     assert {c["pid"] for c in mine} == pids, st["clients"]
     for c in mine:
         assert c["acquires"] > 0 and c["hits"] + c["demand_misses"] > 0, c
+
+
+def test_a_server_whose_daemon_serves_another_model_answers_the_error_and_goes_on(model, tmp_path):
+    """The daemon restarted on another model file of the same shape: the request under way gets
+    the daemon's one-line error (an HTTP error, not a crash: llama-server took the failed decode
+    for a full KV cache, halved its batch to 0 and aborted); the server keeps running, and once
+    the daemon serves its model again it answers as before."""
+    other = write_runnable(str(tmp_path / "other.gguf"), arch="qwen3moe", blocks=3, experts=16, top_k=4,
+                           quant="q8_0", seed=3)
+    idx = open_index(model).to_json()
+    n_experts = len(idx["expert_layers"]) * idx["n_experts"]
+    sock = str(tmp_path / "d.sock")
+    with contextlib.ExitStack() as stack:
+        p = start_daemon(model, sock, "--slots", str(n_experts))
+        s = Server(model, tmp_path / "served.log", "--moecached", f"ipc://{sock}")
+        stack.callback(s.stop)
+        s.wait_ready()
+        before = ask(s.port)
+
+        stop_daemon(p)
+        p = start_daemon(other, sock, "--slots", str(n_experts))
+        st, r = http(s.port, "/completion", {"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0,
+                                            "cache_prompt": False})
+        assert s.p.poll() is None, f"llama-server exited {s.p.returncode}:\n{s.tail()}"
+        assert st >= 400, (st, r)
+        msg = json.dumps(r)
+        assert "another model file" in msg and "other.gguf" in msg, msg
+
+        stop_daemon(p)
+        p = start_daemon(model, sock, "--slots", str(n_experts))
+        stack.callback(lambda: stop_daemon(p))
+        after = ask(s.port)
+        assert s.p.poll() is None, f"llama-server exited {s.p.returncode}:\n{s.tail()}"
+    assert after == before, f"after the daemon served its model again: {after}, before: {before}"
