@@ -199,3 +199,27 @@ def test_a_server_whose_daemon_serves_another_model_answers_the_error_and_goes_o
         after = ask(s.port)
         assert s.p.poll() is None, f"llama-server exited {s.p.returncode}:\n{s.tail()}"
     assert after == before, f"after the daemon served its model again: {after}, before: {before}"
+
+
+def test_a_server_whose_daemon_restarts_with_fewer_slots_says_to_restart_it(model, tmp_path):
+    """The daemon restarted with a smaller budget (a class of fewer slots than the server's model
+    was attached to): a prompt's acquire planned for the old class is refused as too large, and
+    the answer says why (another layout: restart the engine), not to raise the budget (which
+    does not help unless the slots come back to the old count); the server keeps running."""
+    idx = open_index(model).to_json()
+    n_experts = len(idx["expert_layers"]) * idx["n_experts"]
+    sock = str(tmp_path / "d.sock")
+    with contextlib.ExitStack() as stack:
+        p = start_daemon(model, sock, "--slots", str(n_experts))
+        s = Server(model, tmp_path / "served.log", "--moecached", f"ipc://{sock}")
+        stack.callback(s.stop)
+        s.wait_ready()
+        ask(s.port)
+        stop_daemon(p)
+        p = start_daemon(model, sock, "--slots", str(idx["n_experts"] * 3 // 4))   # fewer than a prompt's experts of a block
+        stack.callback(lambda: stop_daemon(p))
+        st, r = http(s.port, "/completion", {"prompt": PROMPT * 4, "n_predict": 4, "temperature": 0, "cache_prompt": False})
+        assert s.p.poll() is None, f"llama-server exited {s.p.returncode}:\n{s.tail()}"
+        assert st >= 400, (st, r)
+        msg = json.dumps(r)
+        assert "another layout" in msg and "restart the engine" in msg and "raise the budget" not in msg, msg

@@ -622,7 +622,7 @@ int mc_check_model_file(const mc_arena *a, uint32_t i, const mc_file_id *mine, c
                   d->path ? d->path : "its model", (unsigned long long)d->size, (long long)(d->mtime_ns / 1000000000LL),
                   (long long)(d->mtime_ns % 1000000000LL), me, (unsigned long long)mine->size,
                   (long long)(mine->mtime_ns / 1000000000LL), (long long)(mine->mtime_ns % 1000000000LL),
-                  d->dev == mine->dev && d->ino == mine->ino ? " (the same file: it changed between the daemon's reading and the engine's)" : "");
+                  d->dev == mine->dev && d->ino == mine->ino ? " (the same file, rewritten on disk after one of them read it)" : "");
 }
 
 int mc_layer_class(const mc_arena *a, int layer) {
@@ -1195,6 +1195,9 @@ static int do_call(mc_client *c, const char *op, int n_fields, fill_fn fill, voi
     if (k.state == 2 && k.err.code == MC_ERR_TIMEOUT && strcmp(op, "acquire") == 0 && sess == sent_session &&
         sess != 0)
         send_cancel_locked(c, k.id);
+    if (k.state == 2 && k.err.code == MC_ERR_TIMEOUT)   /* which daemon, how long */
+        seterr(&k.err, MC_ERR_TIMEOUT, "%s: no reply from %s within %d ms (mc_options.timeout_ms): the daemon is "
+               "stalled or overloaded (moecache-ctl stats)", op, c->endpoint ? c->endpoint : "the daemon", tmo);
     pthread_mutex_unlock(&c->mu);
     if (k.state != 1) {
         if (err) *err = k.err;

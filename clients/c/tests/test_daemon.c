@@ -195,9 +195,9 @@ static void test_basic(mc_client *c) {
     other.mtime_ns += 1;   /* another file of the same size (a fine-tune of the same shape) */
     CHECK(mc_check_model_file(a, 0, &other, "/x/other.gguf", &e) == MC_ERR_OTHER_MODEL &&
           strstr(e.message, "/x/other.gguf") && strstr(e.message, a->model_files[0].path) &&
-          strstr(e.message, "the same file: it changed"), "another mtime is another file: %s", e.message);
+          strstr(e.message, "the same file, rewritten on disk"), "another mtime is another file: %s", e.message);
     other.ino += 1;
-    CHECK(mc_check_model_file(a, 0, &other, NULL, &e) == MC_ERR_OTHER_MODEL && !strstr(e.message, "the same file: it changed"),
+    CHECK(mc_check_model_file(a, 0, &other, NULL, &e) == MC_ERR_OTHER_MODEL && !strstr(e.message, "the same file, rewritten on disk"),
           "another file: %s", e.message);
     CHECK(mc_check_model_file(a, 1, &mine, MODEL, &e) == MC_ERR_OTHER_MODEL, "no second file: %s", e.message);
     CHECK(strcmp(mc_code_name(MC_ERR_OTHER_MODEL), "MC_ERR_OTHER_MODEL") == 0, "code name");

@@ -64,6 +64,8 @@ int main(int argc, char **argv) {
 
     int r = mc_acquire(c, 1, ex2, 1, 0, -1, &l, &e);
     CHECK(r == MC_ERR_TIMEOUT && l == NULL, "client-side timeout: %s", mc_code_name(r));
+    /* the line names the daemon and the wait */
+    CHECK(strstr(e.message, argv[1]) && strstr(e.message, "within 400 ms (mc_options.timeout_ms)"), "timeout line: %s", e.message);
     struct timespec ts = {0, 900 * 1000000L};
     nanosleep(&ts, NULL);   /* the late reply arrives; the next call reads it and releases its lease */
     CHECK(mc_ping(c, NULL, &e) == MC_OK, "ping: %s", e.message);
