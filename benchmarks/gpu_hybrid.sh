@@ -46,10 +46,7 @@
 #                     stream before the next token (now), never made (off), or made before the next
 #                     token with the routing record and tables in pageable memory (pg: the build
 #                     before the fill stream); the default copies them on a second stream while the
-#                     next token runs (LLAMA_MOECACHED_VRAM_FILL, clients/llama.cpp/README.md);
-#                     rung4_Pip, rung5_Pip: the vector kernels read the arena's experts in place
-#                     (GGML_CUDA_ALT_STAGE=0) instead of one kernel copying them into device memory
-#                     before each MUL_MAT_ID
+#                     next token runs (LLAMA_MOECACHED_VRAM_FILL, clients/llama.cpp/README.md)
 #            rung5_100w  rung5_100 over two rounds in one process, the second round's figures
 #            rung4_100w  rung4_100 over two rounds in one process (--rounds 2), the second
 #                     round's figures: every expert its tokens need is in the tier already
@@ -230,9 +227,7 @@ FILLS = {"now": ("the copies into the tier on the tier's stream before the next 
          "off": ("no copies into the tier (LLAMA_MOECACHED_VRAM_FILL=off)", {"LLAMA_MOECACHED_VRAM_FILL": "off"}),
          "pg": ("the copies before the next token and the routing record and tables in pageable memory "
                 "(LLAMA_MOECACHED_VRAM_FILL=now LLAMA_MOECACHED_VRAM_IO_PINNED=0)",
-                {"LLAMA_MOECACHED_VRAM_FILL": "now", "LLAMA_MOECACHED_VRAM_IO_PINNED": "0"}),
-         "ip": ("the arena's experts read in place by the vector kernels (GGML_CUDA_ALT_STAGE=0), not copied into "
-                "device memory first", {"GGML_CUDA_ALT_STAGE": "0"})}
+                {"LLAMA_MOECACHED_VRAM_FILL": "now", "LLAMA_MOECACHED_VRAM_IO_PINNED": "0"})}
 for pct in (10, 25, 50):   # rung5_Pnow, rung5_Poff, rung5_Ppg (and rung4_P...: auto, which takes the arena lookup for small experts)
     for rung in ("rung4", "rung5"):
         for tag, (what, env) in FILLS.items():
@@ -260,7 +255,7 @@ PAIRS = [("cpu_moe", "rung1"), ("gpu", "rung2"), ("gpu", "cpu_moe"), ("rung1", "
          ("gpu", "rung4_10"), ("gpu", "rung4_25"), ("gpu", "rung4_50"), ("gpu", "rung4_100"), ("gpu", "rung4_100w"), ("gpu", TWO),
          ("gpu", "rung4_25a50"), ("gpu", "rung4_50a50"), ("gpu", "rung3_10pin"), ("gpu", "rung3_25pin"), ("gpu", "rung3_50pin"),
          ("gpu", "rung5_10"), ("gpu", "rung5_25"), ("gpu", "rung5_50"), ("gpu", "rung5_100"), ("gpu", "rung5_100w"), ("gpu", "rung5_25a50")]
-PAIRS += [("gpu", r) for r in ROWS if r[-3:] in ("now", "off") or r.endswith("pg") or r.endswith("ip")]
+PAIRS += [("gpu", r) for r in ROWS if r[-3:] in ("now", "off") or r.endswith("pg")]
 rows = [r for r in want if r in ROWS]
 SOCKS = {1.0: "/tmp/gpu-hybrid.sock", 0.5: "/tmp/gpu-hybrid-a50.sock"}   # per arena share, its daemon's socket
 work = "/tmp/gpu-hybrid/runs"; os.makedirs(work, exist_ok=True)
