@@ -167,6 +167,40 @@ def test_two_servers_through_one_daemon_answer_as_the_resident_server(model, tmp
         assert c["acquires"] > 0 and c["hits"] + c["demand_misses"] > 0, c
 
 
+@contextlib.contextmanager
+def served(model, tmp_path):
+    """A daemon holding every expert of ``model`` and a llama-server through it, ready. Yields
+    (server, restart): restart(path, slots) stops the daemon and starts one on ``path`` with
+    ``slots`` slots on the same socket."""
+    idx = open_index(model).to_json()
+    n_experts = len(idx["expert_layers"]) * idx["n_experts"]
+    sock = str(tmp_path / "d.sock")
+    daemon = [start_daemon(model, sock, "--slots", str(n_experts))]
+    try:
+        s = Server(model, tmp_path / "served.log", "--moecached", f"ipc://{sock}")
+        try:
+            s.wait_ready()
+
+            def restart(path, slots):
+                stop_daemon(daemon.pop())
+                daemon.append(start_daemon(path, sock, "--slots", str(slots)))
+            yield s, restart
+        finally:
+            s.stop()
+    finally:
+        for p in daemon:
+            stop_daemon(p)
+
+
+def refused(s: Server, body: dict) -> str:
+    """``body`` to /completion of server ``s``, which answers an HTTP error and goes on running:
+    the reply as text."""
+    st, r = http(s.port, "/completion", body)
+    assert s.p.poll() is None, f"llama-server exited {s.p.returncode}:\n{s.tail()}"
+    assert st >= 400, (st, r)
+    return json.dumps(r)
+
+
 def test_a_server_whose_daemon_serves_another_model_answers_the_error_and_goes_on(model, tmp_path):
     """The daemon restarted on another model file of the same shape: the request under way gets
     the daemon's one-line error (an HTTP error, not a crash: llama-server took the failed decode
@@ -176,26 +210,12 @@ def test_a_server_whose_daemon_serves_another_model_answers_the_error_and_goes_o
                            quant="q8_0", seed=3)
     idx = open_index(model).to_json()
     n_experts = len(idx["expert_layers"]) * idx["n_experts"]
-    sock = str(tmp_path / "d.sock")
-    with contextlib.ExitStack() as stack:
-        p = start_daemon(model, sock, "--slots", str(n_experts))
-        s = Server(model, tmp_path / "served.log", "--moecached", f"ipc://{sock}")
-        stack.callback(s.stop)
-        s.wait_ready()
+    with served(model, tmp_path) as (s, restart):
         before = ask(s.port)
-
-        stop_daemon(p)
-        p = start_daemon(other, sock, "--slots", str(n_experts))
-        st, r = http(s.port, "/completion", {"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0,
-                                            "cache_prompt": False})
-        assert s.p.poll() is None, f"llama-server exited {s.p.returncode}:\n{s.tail()}"
-        assert st >= 400, (st, r)
-        msg = json.dumps(r)
+        restart(other, n_experts)
+        msg = refused(s, {"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0, "cache_prompt": False})
         assert "another model file" in msg and "other.gguf" in msg, msg
-
-        stop_daemon(p)
-        p = start_daemon(model, sock, "--slots", str(n_experts))
-        stack.callback(lambda: stop_daemon(p))
+        restart(model, n_experts)
         after = ask(s.port)
         assert s.p.poll() is None, f"llama-server exited {s.p.returncode}:\n{s.tail()}"
     assert after == before, f"after the daemon served its model again: {after}, before: {before}"
@@ -206,20 +226,8 @@ def test_a_server_whose_daemon_restarts_with_fewer_slots_says_to_restart_it(mode
     was attached to): a prompt's acquire planned for the old class is refused as too large, and
     the answer says why (another layout: restart the engine), not to raise the budget (which
     does not help unless the slots come back to the old count); the server keeps running."""
-    idx = open_index(model).to_json()
-    n_experts = len(idx["expert_layers"]) * idx["n_experts"]
-    sock = str(tmp_path / "d.sock")
-    with contextlib.ExitStack() as stack:
-        p = start_daemon(model, sock, "--slots", str(n_experts))
-        s = Server(model, tmp_path / "served.log", "--moecached", f"ipc://{sock}")
-        stack.callback(s.stop)
-        s.wait_ready()
+    with served(model, tmp_path) as (s, restart):
         ask(s.port)
-        stop_daemon(p)
-        p = start_daemon(model, sock, "--slots", str(idx["n_experts"] * 3 // 4))   # fewer than a prompt's experts of a block
-        stack.callback(lambda: stop_daemon(p))
-        st, r = http(s.port, "/completion", {"prompt": PROMPT * 4, "n_predict": 4, "temperature": 0, "cache_prompt": False})
-        assert s.p.poll() is None, f"llama-server exited {s.p.returncode}:\n{s.tail()}"
-        assert st >= 400, (st, r)
-        msg = json.dumps(r)
+        restart(model, open_index(model).to_json()["n_experts"] * 3 // 4)   # fewer than a prompt's experts of a block
+        msg = refused(s, {"prompt": PROMPT * 4, "n_predict": 4, "temperature": 0, "cache_prompt": False})
         assert "another layout" in msg and "restart the engine" in msg and "raise the budget" not in msg, msg
