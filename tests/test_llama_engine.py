@@ -237,6 +237,7 @@ def test_daemon_crash_while_a_lease_is_held_discards_the_batch_and_continues(mod
                                      when=holding, sig=signal.SIGKILL)
     assert eng.returncode == 0, err[-2000:]
     assert "moecached error:" in err, err[-2000:]          # a batch was discarded, then retried
+    assert "(llama_decode returned 2); retry 1 of 60 in 500 ms" in err, err[-2000:]   # the line says it is retried
     row = (tmp_path / "out.bin").read_bytes()
     assert len(row) > 0 and reference[quant].read_bytes().startswith(row), "wrong logits after a crash"
     assert stats_of(subprocess.CompletedProcess([], 0, out, err))["restarts"] >= 1

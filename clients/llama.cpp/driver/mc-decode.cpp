@@ -18,7 +18,8 @@
 //   NAME-BLOCK NE0 NE1 v...   (NAME: ffn_moe_probs, ffn_moe_topk, ffn_moe_topk_subst,
 //                              ffn_moe_weights_norm; values row by row)
 // A decode that fails on the daemon's side (restart, invalid lease) prints
-//   "moecached error: ..." and is retried up to --retries times (default 0: exit 3); one that no
+//   "moecached error: ... ; retry N of M in 500 ms" and is retried up to --retries times (default 0:
+// exit 3, the line without the retry); one that no
 // retry mends (llama_decode returns -3: the daemon serves another model file) is not retried.
 // Expert tensors are never repacked (use_extra_bufts = false), with and without --moecached,
 // so both runs use the same kernels over the same bytes.
@@ -227,9 +228,15 @@ int main(int argc, char ** argv) {
                 const int rc = llama_decode(ctx, b);
                 if (rc == 0) return true;
                 const char * e = llama_moecached_error();
-                fprintf(stderr, "moecached error: %s (llama_decode returned %d)\n", e ? e : "none", rc);
                 // (-3: a failure no retry mends, e.g. the daemon now serves another model file)
-                if (!e || rc != 2 || attempt >= retries) return false;
+                const bool again = e && rc == 2 && attempt < retries;
+                if (again) {
+                    fprintf(stderr, "moecached error: %s (llama_decode returned %d); retry %d of %d in 500 ms\n", e, rc,
+                            attempt + 1, retries);
+                } else {
+                    fprintf(stderr, "moecached error: %s (llama_decode returned %d)\n", e ? e : "none", rc);
+                }
+                if (!again) return false;
                 std::this_thread::sleep_for(std::chrono::milliseconds(500));
             }
         };
