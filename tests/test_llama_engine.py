@@ -280,6 +280,27 @@ def test_same_shape_other_model_is_refused_and_a_copy_with_its_times_is_served(m
     assert filecmp.cmp(reference["q8_0"], tmp_path / "copy.bin", shallow=False)
 
 
+def test_another_model_of_the_same_size_and_times_is_refused_by_its_bytes(models, tmp_path):
+    """Another model of the same shape given the daemon's file's size and times before both start
+    (a fine-tune unpacked with normalised times): the size and time checks pass, one served
+    expert's bytes do not (before: exit 0, every logit wrong)."""
+    arch, kw = MODELS["q8_0"]
+    other = write_runnable(str(tmp_path / "other.gguf"), arch=arch, **dict(kw, seed=99))
+    st = os.stat(models["q8_0"])
+    assert os.path.getsize(other) == st.st_size
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(models["q8_0"], sock, "--slots", "48")
+    try:
+        r = decode(other, tmp_path / "other.bin", endpoint=f"ipc://{sock}", check=False)
+    finally:
+        stop_daemon(p)
+    assert r.returncode != 0 and (not (tmp_path / "other.bin").exists() or (tmp_path / "other.bin").stat().st_size == 0), \
+        r.stderr[-2000:]
+    line = next(l for l in r.stderr.splitlines() if l.startswith("moecached:"))
+    assert "the daemon's bytes are not this file's" in line and "ffn_" in line, line
+
+
 @pytest.mark.parametrize("how", ["daemon restarted on another file", "file replaced under the daemon",
                                  "file replaced by one of the same size and times"])
 def test_another_model_under_a_running_engine_stops_it(models, reference, tmp_path, how):
