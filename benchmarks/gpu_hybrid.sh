@@ -41,6 +41,9 @@
 #                     arena in place (--moecached-vram-lookup arena: ids past the tier's slots name
 #                     arena slots, registered with CUDA; no pass run again while the arena holds the
 #                     expert; copied into the tier after the token); rung5_25a50 over the 50 % arena
+#            rung4_Pall, rung5_Pall, rung4_Pnopf, rung5_Pnopf  (P = 10, 25, 50) the same rows with
+#                     every in-place read copied into the tier (LRU; the default copies one used
+#                     more often than the one it evicts), or without the down part's L2 prefetch
 #            rung4_Pnow, rung5_Pnow, rung4_Poff, rung5_Poff, rung4_Ppg, rung5_Ppg  (P = 10, 25, 50) the
 #                     same rows with the in-place reads' copies into the tier made on the tier's
 #                     stream before the next token (now), never made (off), or made before the next
@@ -227,7 +230,11 @@ FILLS = {"now": ("the copies into the tier on the tier's stream before the next 
          "off": ("no copies into the tier (LLAMA_MOECACHED_VRAM_FILL=off)", {"LLAMA_MOECACHED_VRAM_FILL": "off"}),
          "pg": ("the copies before the next token and the routing record and tables in pageable memory "
                 "(LLAMA_MOECACHED_VRAM_FILL=now LLAMA_MOECACHED_VRAM_IO_PINNED=0)",
-                {"LLAMA_MOECACHED_VRAM_FILL": "now", "LLAMA_MOECACHED_VRAM_IO_PINNED": "0"})}
+                {"LLAMA_MOECACHED_VRAM_FILL": "now", "LLAMA_MOECACHED_VRAM_IO_PINNED": "0"}),
+         "all": ("every expert read in place copied into the tier, least recently used evicted (LLAMA_MOECACHED_VRAM_ADMIT=all)",
+                 {"LLAMA_MOECACHED_VRAM_ADMIT": "all"}),
+         "nopf": ("no L2 prefetch of the down part by the gate and up kernel (LLAMA_MOECACHED_VRAM_PREFETCH=off)",
+                  {"LLAMA_MOECACHED_VRAM_PREFETCH": "off"})}
 for pct in (10, 25, 50):   # rung5_Pnow, rung5_Poff, rung5_Ppg (and rung4_P...: auto, which takes the arena lookup for small experts)
     for rung in ("rung4", "rung5"):
         for tag, (what, env) in FILLS.items():
@@ -255,7 +262,7 @@ PAIRS = [("cpu_moe", "rung1"), ("gpu", "rung2"), ("gpu", "cpu_moe"), ("rung1", "
          ("gpu", "rung4_10"), ("gpu", "rung4_25"), ("gpu", "rung4_50"), ("gpu", "rung4_100"), ("gpu", "rung4_100w"), ("gpu", TWO),
          ("gpu", "rung4_25a50"), ("gpu", "rung4_50a50"), ("gpu", "rung3_10pin"), ("gpu", "rung3_25pin"), ("gpu", "rung3_50pin"),
          ("gpu", "rung5_10"), ("gpu", "rung5_25"), ("gpu", "rung5_50"), ("gpu", "rung5_100"), ("gpu", "rung5_100w"), ("gpu", "rung5_25a50")]
-PAIRS += [("gpu", r) for r in ROWS if r[-3:] in ("now", "off") or r.endswith("pg")]
+PAIRS += [("gpu", r) for r in ROWS if any(r.endswith(tag) for tag in FILLS)]
 rows = [r for r in want if r in ROWS]
 SOCKS = {1.0: "/tmp/gpu-hybrid.sock", 0.5: "/tmp/gpu-hybrid-a50.sock"}   # per arena share, its daemon's socket
 work = "/tmp/gpu-hybrid/runs"; os.makedirs(work, exist_ok=True)
@@ -389,7 +396,7 @@ for name in rows:
             d = max(ok[-1]["decode_tokens"], 1)
             row["lookup"] = {k: vr.get(k) for k in ("lookup", "device_ubatches", "reruns", "reads", "fill_syncs", "switches",
                                                     "spec_copies", "decode_reruns", "decode_spec_copies", "arena_reads",
-                                                    "decode_arena_reads", "stale_peeks")}
+                                                    "decode_arena_reads", "stale_peeks", "admit_refused")}
             row["lookup"]["decode_reruns_per_token"] = vr.get("decode_reruns", 0) / d
             for k in ("host", "wait", "fill"):   # the host's time in the lookup per decoded token
                 row["lookup"][f"{k}_us_per_token"] = vr.get(f"decode_{k}_us", 0) / d
@@ -494,12 +501,12 @@ look = [(n, r) for n, r in results["rows"].items() if "lookup" in r]
 if look:
     lines += ["", "| run | lookup | ubatches on the device | passes run again (decode) | reads of the routed ids | "
               "fill waits | switches | copies for a routing not kept | experts read from the arena in place (decode) | "
-              "arena slots found reused | host us / wait us / fill us per decoded token |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "arena slots found reused | copies not admitted | host us / wait us / fill us per decoded token |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in look:
         lk = row["lookup"]
         lines.append(f"| {name} | {lk['lookup']} | {lk['device_ubatches']} | {lk['reruns']} ({lk['decode_reruns']}) | {lk['reads']} | "
                      f"{lk['fill_syncs']} | {lk['switches']} | {lk['spec_copies']} | {lk.get('arena_reads')} ({lk.get('decode_arena_reads')}) | "
-                     f"{lk.get('stale_peeks')} | {lk['host_us_per_token']:.1f} / {lk['wait_us_per_token']:.1f} / {lk['fill_us_per_token']:.1f} |")
+                     f"{lk.get('stale_peeks')} | {lk.get('admit_refused')} | {lk['host_us_per_token']:.1f} / {lk['wait_us_per_token']:.1f} / {lk['fill_us_per_token']:.1f} |")
 if TWO in results["rows"] and "decode_tps" in results["rows"][TWO]:
     row, fr = results["rows"][TWO], results.get("two_engines_fresh", {})
     lines += ["", f"two engines at once: decode {row['decode_tps']:.1f} and {row['b_decode_tps'] or 0:.1f} tok/s, the second's "

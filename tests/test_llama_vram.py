@@ -424,3 +424,19 @@ def test_bad_tier_lookup_is_one_line(tmp_path, lookup, want):
     assert r.returncode != 0
     lines = [l for l in r.stderr.splitlines() if l.startswith("moecached: --moecached-vram-lookup")]
     assert len(lines) == 1 and lookup in lines[0] and want in lines[0], r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("var,value,want", [("LLAMA_MOECACHED_VRAM_FILL", "soon", "expected later"),
+                                            ("LLAMA_MOECACHED_VRAM_ADMIT", "lfu", "expected freq"),
+                                            ("LLAMA_MOECACHED_VRAM_PREFETCH", "up", "expected down")])
+def test_bad_arena_lookup_knob_is_one_line(tmp_path, monkeypatch, var, value, want):
+    sock = str(tmp_path / "d.sock")
+    p = start_daemon(str(MODEL), sock, "--slots", "128")
+    monkeypatch.setenv(var, value)
+    try:
+        r = decode(MODEL, tmp_path / "out.bin", "--moecached-vram", "50%", endpoint=f"ipc://{sock}", check=False)
+    finally:
+        stop_daemon(p)
+    assert r.returncode != 0
+    lines = [l for l in r.stderr.splitlines() if l.startswith("moecached:")]
+    assert len(lines) == 1 and var in lines[0] and value in lines[0] and want in lines[0], r.stderr[-2000:]

@@ -41,7 +41,7 @@
 //   vram slots=N vram_bytes=N hits=N misses=N copied_bytes=N evictions=N fallbacks=N invalidations=N
 //        lookup=M device_ubatches=N reruns=N reads=N fill_syncs=N switches=N spec_copies=N
 //        copy_syncs=N pinned_parts=N arena_reads=N arena_read_bytes=N stale_peeks=N registration_ends=N
-//        fill=later|now|off host_us=N wait_us=N fill_us=N
+//        fill=later|now|off host_us=N wait_us=N fill_us=N admit=freq|all admit_refused=N prefetch=down|off
 //        decode_hits=N decode_misses=N decode_copied_bytes=N decode_spec_copies=N decode_reruns=N
 //        decode_copy_syncs=N decode_arena_reads=N decode_arena_read_bytes=N decode_host_us=N decode_wait_us=N
 //        decode_fill_us=N
@@ -49,8 +49,9 @@
 // ubatch could need more experts than the tier holds; copy_syncs: the host lookup's waits for its
 // copies, one per block that copied; pinned_parts: arena parts registered with CUDA for the copies;
 // host_us: the host's time in the tier's lookup, wait_us: its waits for the routing record (the
-// graph's end), fill_us: issuing the in-place reads' copies into the tier; decode_*: over the decode
-// steps only).
+// graph's end), fill_us: issuing the in-place reads' copies into the tier; admit_refused: experts
+// read in place not copied into the tier, used no more often than the one they would evict;
+// decode_*: over the decode steps only).
 // --moecached-vram-lookup auto|device|host (LLAMA_MOECACHED_VRAM_LOOKUP): a decoded token's blocks look
 // their experts up in a table in the tier (device: no host op in the graph; the host reads every
 // block's routed ids once after the graph, copies in what was missing and computes the graph again:
