@@ -41,9 +41,9 @@
 #                     arena in place (--moecached-vram-lookup arena: ids past the tier's slots name
 #                     arena slots, registered with CUDA; no pass run again while the arena holds the
 #                     expert; copied into the tier after the token); rung5_25a50 over the 50 % arena
-#            rung4_Pall, rung5_Pall, rung4_Pnopf, rung5_Pnopf  (P = 10, 25, 50) the same rows with
-#                     every in-place read copied into the tier (LRU; the default copies one used
-#                     more often than the one it evicts), or without the down part's L2 prefetch
+#            rung4_Pall, rung5_Pall  (P = 10, 25, 50) the same rows with every in-place read
+#                     copied into the tier (LRU; the default copies one used more often than the one
+#                     it evicts)
 #            rung4_Pnow, rung5_Pnow, rung4_Poff, rung5_Poff, rung4_Ppg, rung5_Ppg  (P = 10, 25, 50) the
 #                     same rows with the in-place reads' copies into the tier made on the tier's
 #                     stream before the next token (now), never made (off), or made before the next
@@ -232,9 +232,7 @@ FILLS = {"now": ("the copies into the tier on the tier's stream before the next 
                 "(LLAMA_MOECACHED_VRAM_FILL=now LLAMA_MOECACHED_VRAM_IO_PINNED=0)",
                 {"LLAMA_MOECACHED_VRAM_FILL": "now", "LLAMA_MOECACHED_VRAM_IO_PINNED": "0"}),
          "all": ("every expert read in place copied into the tier, least recently used evicted (LLAMA_MOECACHED_VRAM_ADMIT=all)",
-                 {"LLAMA_MOECACHED_VRAM_ADMIT": "all"}),
-         "nopf": ("no L2 prefetch of the down part by the gate and up kernel (LLAMA_MOECACHED_VRAM_PREFETCH=off)",
-                  {"LLAMA_MOECACHED_VRAM_PREFETCH": "off"})}
+                 {"LLAMA_MOECACHED_VRAM_ADMIT": "all"})}
 for pct in (10, 25, 50):   # rung5_Pnow, rung5_Poff, rung5_Ppg (and rung4_P...: auto, which takes the arena lookup for small experts)
     for rung in ("rung4", "rung5"):
         for tag, (what, env) in FILLS.items():

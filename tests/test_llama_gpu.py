@@ -139,17 +139,16 @@ def test_arena_lookup_reads_what_the_tier_lacks_in_place(model, all_on_the_gpu, 
 def test_arena_lookup_on_the_trained_model(tmp_path, monkeypatch):
     """The trained model (rows of 64 elements, which zerocopy refuses): its tier's misses read from
     the arena in place by the vector kernels (decode only; the prompt copies), the all-on-the-GPU
-    logits byte for byte; with the copies into the tier admitted by use (the default), by LRU
-    (LLAMA_MOECACHED_VRAM_ADMIT=all) and without the down part's L2 prefetch. A tier smaller than
+    logits byte for byte; with the copies into the tier admitted by use (the default) and by LRU
+    (LLAMA_MOECACHED_VRAM_ADMIT=all). A tier smaller than
     a token's routing (12.5 %: 32 slots, 32 experts a token) copies fewer bytes when it admits by
     use than when it copies every miss."""
     trained = Path(__file__).resolve().parents[1] / "benchmarks" / "models" / "qwen3moe-stdlib-8x32-q8_0.gguf"
     text = (trained.parent / "qwen3moe-stdlib-heldout.txt").read_text(errors="replace")[:300]
     RUN.decode(trained, tmp_path / "gpu.bin", text=text)
     got = {}
-    for name, env in (("freq", {}), ("all", {"LLAMA_MOECACHED_VRAM_ADMIT": "all"}), ("nopf", {"LLAMA_MOECACHED_VRAM_PREFETCH": "off"})):
-        for k in ("LLAMA_MOECACHED_VRAM_ADMIT", "LLAMA_MOECACHED_VRAM_PREFETCH"):
-            monkeypatch.delenv(k, raising=False)
+    for name, env in (("freq", {}), ("all", {"LLAMA_MOECACHED_VRAM_ADMIT": "all"})):
+        monkeypatch.delenv("LLAMA_MOECACHED_VRAM_ADMIT", raising=False)
         for k, x in env.items():
             monkeypatch.setenv(k, x)
         r, _ = RUN.served(trained, tmp_path, name, 8 * 32, "--cpu-moe", "--moecached-vram", "12.5%",
@@ -157,7 +156,7 @@ def test_arena_lookup_on_the_trained_model(tmp_path, monkeypatch):
         assert filecmp.cmp(tmp_path / "gpu.bin", tmp_path / f"{name}.bin", shallow=False), f"{name}: logits differ from every layer on the GPU"
         v = got[name] = _vram(r.stdout)
         assert v["lookup"] == "arena" and v["device_ubatches"] == STEPS and v["decode_arena_reads"] > 0, v
-    assert (got["freq"]["admit"], got["all"]["admit"], got["nopf"]["prefetch"]) == ("freq", "all", "off"), got
+    assert (got["freq"]["admit"], got["all"]["admit"]) == ("freq", "all"), got
     assert got["freq"]["admit_refused"] > 0 and got["all"]["admit_refused"] == 0, got
     assert got["freq"]["decode_copied_bytes"] < got["all"]["decode_copied_bytes"], got
 

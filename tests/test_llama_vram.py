@@ -427,8 +427,7 @@ def test_bad_tier_lookup_is_one_line(tmp_path, lookup, want):
 
 
 @pytest.mark.parametrize("var,value,want", [("LLAMA_MOECACHED_VRAM_FILL", "soon", "expected later"),
-                                            ("LLAMA_MOECACHED_VRAM_ADMIT", "lfu", "expected freq"),
-                                            ("LLAMA_MOECACHED_VRAM_PREFETCH", "up", "expected down")])
+                                            ("LLAMA_MOECACHED_VRAM_ADMIT", "lfu", "expected freq")])
 def test_bad_arena_lookup_knob_is_one_line(tmp_path, monkeypatch, var, value, want):
     sock = str(tmp_path / "d.sock")
     p = start_daemon(str(MODEL), sock, "--slots", "128")

@@ -41,7 +41,7 @@
 //   vram slots=N vram_bytes=N hits=N misses=N copied_bytes=N evictions=N fallbacks=N invalidations=N
 //        lookup=M device_ubatches=N reruns=N reads=N fill_syncs=N switches=N spec_copies=N
 //        copy_syncs=N pinned_parts=N arena_reads=N arena_read_bytes=N stale_peeks=N registration_ends=N
-//        fill=later|now|off host_us=N wait_us=N fill_us=N admit=freq|all admit_refused=N prefetch=down|off
+//        fill=later|now|off host_us=N wait_us=N fill_us=N admit=freq|all admit_refused=N
 //        decode_hits=N decode_misses=N decode_copied_bytes=N decode_spec_copies=N decode_reruns=N
 //        decode_copy_syncs=N decode_arena_reads=N decode_arena_read_bytes=N decode_host_us=N decode_wait_us=N
 //        decode_fill_us=N
