@@ -131,14 +131,28 @@ const char *mc_code_name(int code) {
     }
 }
 
+/* The line goes into e->message whole when it fits; a longer one keeps its head and its last
+ * MSG_TAIL bytes (where a line says the fix), joined by " ... ". */
+#define MSG_TAIL 200
 static int seterr(mc_error *e, int code, const char *fmt, ...) {
     if (e) {
         e->code = code;
         e->daemon_code[0] = 0;
+        char line[4096];
         va_list ap;
         va_start(ap, fmt);
-        vsnprintf(e->message, sizeof e->message, fmt, ap);
+        int n = vsnprintf(line, sizeof line, fmt, ap);
         va_end(ap);
+        size_t len = n < 0 ? 0 : (size_t)n < sizeof line ? (size_t)n : sizeof line - 1;
+        if (len < sizeof e->message) {
+            memcpy(e->message, line, len + 1);
+        } else {
+            const size_t head = sizeof e->message - 1 - 5 - MSG_TAIL;
+            memcpy(e->message, line, head);
+            memcpy(e->message + head, " ... ", 5);
+            memcpy(e->message + head + 5, line + len - MSG_TAIL, MSG_TAIL);
+            e->message[sizeof e->message - 1] = 0;
+        }
     }
     return code;
 }
@@ -859,7 +873,7 @@ static void complete_call(call *k, msgpack_unpacked *u, int ok) {
         return;
     }
     const msgpack_object *e = mget(&u->data, "error");
-    char code[32], m[200];
+    char code[32], m[2048];
     mstrcpy(mget(e, "code"), code, sizeof code);
     mstrcpy(mget(e, "message"), m, sizeof m);
     seterr(&k->err, mc_code_from_daemon(code), "%s: %s: %s", k->op, code, m);

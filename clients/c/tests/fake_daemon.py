@@ -19,6 +19,9 @@ import zmq
 
 S1, S2, S3 = 0x1111_2222_3333, 0x4444_5555_6666, 0x7777_8888_9999
 LAYERS, E, SLOTS, PART = [0, 1], 4, 4, 64
+# an error line longer than mc_error.message (a model file's long path): the client keeps its head
+# and its end, where the fix is
+LONG_MESSAGE = "slow down: model file /" + "deep/" * 150 + "m.gguf changed since it was indexed; the fix: wait 1 s"
 
 
 def make_arena(path: str, session: int, version: int = 2) -> dict:
@@ -140,7 +143,7 @@ def main(build: str, d: str) -> int:
                 delayed.append((time.time() + 1.0, ident, rid, session, 22, m["layer"], ex))
             elif ex == [3]:
                 sock.send_multipart([ident, msgpack.packb({"v": 1, "id": rid, "ok": False, "session": session,
-                                                           "error": {"code": "rate_limited", "message": "slow down"}})])
+                                                           "error": {"code": "rate_limited", "message": LONG_MESSAGE}})])
             elif ex == [2, 3] and hellos[-1].get("client") == "fastc":   # expert 3 not resident: socket
                 lease_reply(ident, rid, S3, 44, m["layer"], ex)
             elif ex == [0]:     # the daemon "restarted": the answer comes from another session

@@ -72,8 +72,16 @@ int main(int argc, char **argv) {
     CHECK(mc_ping(c, NULL, &e) == MC_OK, "ping: %s", e.message);
 
     r = mc_acquire(c, 1, ex3, 1, 0, -1, &l, &e);
-    CHECK(r == MC_ERR_D_RATE_LIMITED && strcmp(e.daemon_code, "rate_limited") == 0 && strstr(e.message, "slow down"),
+    CHECK(r == MC_ERR_D_RATE_LIMITED && strcmp(e.daemon_code, "rate_limited") == 0 &&
+          strncmp(e.message, "acquire: rate_limited: slow down: model file /deep/", 51) == 0,
           "error code mapped: %s %s", mc_code_name(r), e.message);
+    /* a line longer than message keeps its head and its end (the fix), joined by " ... " */
+    {
+        const char *fix = "; the fix: wait 1 s";
+        size_t n = strlen(e.message);
+        CHECK(n == sizeof e.message - 1 && strstr(e.message, " ... ") && n > strlen(fix) &&
+              strcmp(e.message + n - strlen(fix), fix) == 0, "a long line's head and fix: %s", e.message);
+    }
 
     r = mc_acquire(c, 0, ex0, 1, 0, -1, &l, &e);
     CHECK(r == MC_ERR_RESTARTED && l == NULL, "a reply from another session: %s", mc_code_name(r));
