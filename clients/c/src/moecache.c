@@ -147,11 +147,15 @@ static int seterr(mc_error *e, int code, const char *fmt, ...) {
         if (len < sizeof e->message) {
             memcpy(e->message, line, len + 1);
         } else {
-            const size_t head = sizeof e->message - 1 - 5 - MSG_TAIL;
+            /* (cut between UTF-8 characters, not inside one) */
+            size_t head = sizeof e->message - 1 - 5 - MSG_TAIL, tail = len - MSG_TAIL;
+            while (head > 0 && ((unsigned char)line[head] & 0xC0) == 0x80)
+                head--;
+            while (tail < len && ((unsigned char)line[tail] & 0xC0) == 0x80)
+                tail++;
             memcpy(e->message, line, head);
             memcpy(e->message + head, " ... ", 5);
-            memcpy(e->message + head + 5, line + len - MSG_TAIL, MSG_TAIL);
-            e->message[sizeof e->message - 1] = 0;
+            memcpy(e->message + head + 5, line + tail, len - tail + 1);
         }
     }
     return code;

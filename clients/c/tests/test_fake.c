@@ -12,6 +12,18 @@ static int g_failures;
 #define CHECK(cond, ...) do { if (!(cond)) { g_failures++; fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
     fprintf(stderr, __VA_ARGS__); fputc('\n', stderr); } } while (0)
 
+/* s is whole UTF-8 characters (no sequence cut) */
+static int utf8_whole(const char *s) {
+    for (const unsigned char *p = (const unsigned char *)s; *p;) {
+        int n = *p < 0x80 ? 1 : (*p & 0xE0) == 0xC0 ? 2 : (*p & 0xF0) == 0xE0 ? 3 : (*p & 0xF8) == 0xF0 ? 4 : 0;
+        if (!n) return 0;
+        for (int i = 1; i < n; i++)
+            if ((p[i] & 0xC0) != 0x80) return 0;
+        p += n;
+    }
+    return 1;
+}
+
 static const uint64_t S1 = 0x111122223333ull, S2 = 0x444455556666ull;
 
 /* stderr into a temporary file until stderr_back (which puts what was written in buf) */
@@ -73,14 +85,15 @@ int main(int argc, char **argv) {
 
     r = mc_acquire(c, 1, ex3, 1, 0, -1, &l, &e);
     CHECK(r == MC_ERR_D_RATE_LIMITED && strcmp(e.daemon_code, "rate_limited") == 0 &&
-          strncmp(e.message, "acquire: rate_limited: slow down: model file /deep/", 51) == 0,
+          strncmp(e.message, "acquire: rate_limited: slow down: model file /dee/modèles/", 59) == 0,
           "error code mapped: %s %s", mc_code_name(r), e.message);
     /* a line longer than message keeps its head and its end (the fix), joined by " ... " */
     {
         const char *fix = "; the fix: wait 1 s";
         size_t n = strlen(e.message);
-        CHECK(n == sizeof e.message - 1 && strstr(e.message, " ... ") && n > strlen(fix) &&
-              strcmp(e.message + n - strlen(fix), fix) == 0, "a long line's head and fix: %s", e.message);
+        CHECK(n < sizeof e.message && n > sizeof e.message - 8 && strstr(e.message, " ... ") && n > strlen(fix) &&
+              strcmp(e.message + n - strlen(fix), fix) == 0 && utf8_whole(e.message),
+              "a long line's head and fix: %s", e.message);
     }
 
     r = mc_acquire(c, 0, ex0, 1, 0, -1, &l, &e);
