@@ -106,7 +106,8 @@ typedef enum mc_code {
 typedef struct mc_error {
     int code;                 /* mc_code */
     char daemon_code[32];     /* the daemon's code string ("" when the error is local) */
-    char message[512];        /* one line: what failed, and the fix when there is one */
+    char message[512];        /* one line: what failed, and the fix when there is one (a longer
+                                 line keeps its head and its last 200 bytes, joined by " ... ") */
 } mc_error;
 
 /* The name of a code ("MC_OK", "MC_ERR_TIMEOUT", ...). */
