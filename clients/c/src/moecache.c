@@ -138,12 +138,20 @@ static int seterr(mc_error *e, int code, const char *fmt, ...) {
     if (e) {
         e->code = code;
         e->daemon_code[0] = 0;
-        char line[4096];
-        va_list ap;
+        char buf[4096], *line = buf;
+        va_list ap, again;
         va_start(ap, fmt);
-        int n = vsnprintf(line, sizeof line, fmt, ap);
+        va_copy(again, ap);
+        int n = vsnprintf(buf, sizeof buf, fmt, ap);
         va_end(ap);
-        size_t len = n < 0 ? 0 : (size_t)n < sizeof line ? (size_t)n : sizeof line - 1;
+        if (n >= (int)sizeof buf && (line = malloc((size_t)n + 1)) != NULL)   /* (the whole line: its end is kept) */
+            vsnprintf(line, (size_t)n + 1, fmt, again);
+        va_end(again);
+        if (!line) {
+            line = buf;
+            n = (int)sizeof buf - 1;
+        }
+        size_t len = n < 0 ? 0 : (size_t)n;
         if (len < sizeof e->message) {
             memcpy(e->message, line, len + 1);
         } else {
@@ -157,6 +165,8 @@ static int seterr(mc_error *e, int code, const char *fmt, ...) {
             memcpy(e->message + head, " ... ", 5);
             memcpy(e->message + head + 5, line + tail, len - tail + 1);
         }
+        if (line != buf)
+            free(line);
     }
     return code;
 }
@@ -624,9 +634,24 @@ int mc_file_id_of(const char *path, mc_file_id *out, mc_error *err) {
     return MC_OK;
 }
 
+/* p, or "..." and its last bytes (between UTF-8 characters) when it is longer than n - 1: a line
+ * naming two files keeps both names in mc_error.message */
+static const char *path_tail(const char *p, char *buf, size_t n) {
+    size_t len = strlen(p);
+    if (len < n)
+        return p;
+    size_t t = len - (n - 4);
+    while (t < len && ((unsigned char)p[t] & 0xC0) == 0x80)
+        t++;
+    memcpy(buf, "...", 3);
+    memcpy(buf + 3, p + t, len - t + 1);
+    return buf;
+}
+
 int mc_check_model_file(const mc_arena *a, uint32_t i, const mc_file_id *mine, const char *mine_path, mc_error *err) {
     if (!a || !mine) return seterr(err, MC_ERR_INVALID_ARG, "mc_check_model_file: NULL argument");
-    const char *me = mine_path ? mine_path : "this engine's model file";
+    char mine_short[96], theirs_short[96];
+    const char *me = mine_path ? path_tail(mine_path, mine_short, sizeof mine_short) : "this engine's model file";
     if (i >= a->n_model_files)
         return seterr(err, MC_ERR_OTHER_MODEL, "the daemon does not say which model file it serves (file %u of %u; "
                       "an older moecached?): cannot check that it is %s; run the daemon of this client's version",
@@ -637,7 +662,7 @@ int mc_check_model_file(const mc_arena *a, uint32_t i, const mc_file_id *mine, c
     return seterr(err, MC_ERR_OTHER_MODEL, "the daemon serves %s (%llu bytes, mtime %lld.%09lld), this engine "
                   "loaded %s (%llu bytes, mtime %lld.%09lld)%s: another model file (its experts would give wrong "
                   "output); start the engine on the daemon's file, or a copy with its times (cp -p)",
-                  d->path ? d->path : "its model", (unsigned long long)d->size, (long long)(d->mtime_ns / 1000000000LL),
+                  d->path ? path_tail(d->path, theirs_short, sizeof theirs_short) : "its model", (unsigned long long)d->size, (long long)(d->mtime_ns / 1000000000LL),
                   (long long)(d->mtime_ns % 1000000000LL), me, (unsigned long long)mine->size,
                   (long long)(mine->mtime_ns / 1000000000LL), (long long)(mine->mtime_ns % 1000000000LL),
                   d->dev == mine->dev && d->ino == mine->ino ? " (the same file, rewritten on disk after one of them read it)" : "");
@@ -877,10 +902,12 @@ static void complete_call(call *k, msgpack_unpacked *u, int ok) {
         return;
     }
     const msgpack_object *e = mget(&u->data, "error");
-    char code[32], m[2048];
+    char code[32];
     mstrcpy(mget(e, "code"), code, sizeof code);
-    mstrcpy(mget(e, "message"), m, sizeof m);
-    seterr(&k->err, mc_code_from_daemon(code), "%s: %s: %s", k->op, code, m);
+    const msgpack_object *m = mget(e, "message");   /* (whole: seterr keeps its end) */
+    const int has_m = m && m->type == MSGPACK_OBJECT_STR && m->via.str.size < (1u << 30);
+    seterr(&k->err, mc_code_from_daemon(code), "%s: %s: %.*s", k->op, code, has_m ? (int)m->via.str.size : 0,
+           has_m ? m->via.str.ptr : "");
     snprintf(k->err.daemon_code, sizeof k->err.daemon_code, "%s", code);
     k->state = 2;
     msgpack_unpacked_destroy(u);

@@ -19,9 +19,9 @@ import zmq
 
 S1, S2, S3 = 0x1111_2222_3333, 0x4444_5555_6666, 0x7777_8888_9999
 LAYERS, E, SLOTS, PART = [0, 1], 4, 4, 64
-# an error line longer than mc_error.message (a model file's long path): the client keeps its head
+# an error line longer than mc_error.message and than 4 KiB (a model file's long path): the client keeps its head
 # and its end, where the fix is, cut between UTF-8 characters
-LONG_MESSAGE = "slow down: model file /dee/" + "modèles/" * 100 + "m.gguf changed since it was indexed; the fix: wait 1 s"
+LONG_MESSAGE = "slow down: model file /dee/" + "modèles/" * 700 + "m.gguf changed since it was indexed; the fix: wait 1 s"
 
 
 def make_arena(path: str, session: int, version: int = 2) -> dict:

@@ -199,6 +199,15 @@ static void test_basic(mc_client *c) {
     other.ino += 1;
     CHECK(mc_check_model_file(a, 0, &other, NULL, &e) == MC_ERR_OTHER_MODEL && !strstr(e.message, "the same file, rewritten on disk"),
           "another file: %s", e.message);
+    {   /* a long path: both files still named (the engine's by its end), each with its own size and times, and the fix */
+        char longp[700] = "/x";
+        while (strlen(longp) < 600)
+            strcat(longp, "/modèles");
+        strcat(longp, "/mine.gguf");
+        CHECK(mc_check_model_file(a, 0, &other, longp, &e) == MC_ERR_OTHER_MODEL && strstr(e.message, a->model_files[0].path) &&
+              strstr(e.message, "this engine loaded ...") && strstr(e.message, "/modèles/mine.gguf (") &&
+              strstr(e.message, "(cp -p)") && strlen(e.message) < sizeof e.message, "a long path: %s", e.message);
+    }
     CHECK(mc_check_model_file(a, 1, &mine, MODEL, &e) == MC_ERR_OTHER_MODEL, "no second file: %s", e.message);
     CHECK(strcmp(mc_code_name(MC_ERR_OTHER_MODEL), "MC_ERR_OTHER_MODEL") == 0, "code name");
     double rtt;
