@@ -307,8 +307,10 @@ class Requests:
         why = readers.model_changed
         if why is None or not self.needs_slots(req):
             return False
-        self.fail(req, ModelChangedError(f"{why}: acquire needs a read of the changed model; "
-                                         f"only resident experts are served until it is re-indexed"),
+        self.fail(req, ModelChangedError(f"{why}: acquire needs a read of the changed model; only resident "
+                                         f"experts are served until it is re-indexed (the daemon does so once the "
+                                         f"file is unchanged for 1 s and indexes as a model, with on_model_change "
+                                         f"= \"reload\"; put the model back if it does not)"),
                   done)
         return True
 
