@@ -131,6 +131,13 @@ const char *mc_code_name(int code) {
     }
 }
 
+/* the first UTF-8 character of s (len bytes) that starts at or after byte i */
+static size_t utf8_at_or_after(const char *s, size_t i, size_t len) {
+    while (i < len && ((unsigned char)s[i] & 0xC0) == 0x80)
+        i++;
+    return i;
+}
+
 /* The line goes into e->message whole when it fits; a longer one keeps its head and its last
  * MSG_TAIL bytes (where a line says the fix), joined by " ... ". */
 #define MSG_TAIL 200
@@ -156,11 +163,10 @@ static int seterr(mc_error *e, int code, const char *fmt, ...) {
             memcpy(e->message, line, len + 1);
         } else {
             /* (cut between UTF-8 characters, not inside one) */
-            size_t head = sizeof e->message - 1 - 5 - MSG_TAIL, tail = len - MSG_TAIL;
+            size_t head = sizeof e->message - 1 - 5 - MSG_TAIL;
+            const size_t tail = utf8_at_or_after(line, len - MSG_TAIL, len);
             while (head > 0 && ((unsigned char)line[head] & 0xC0) == 0x80)
                 head--;
-            while (tail < len && ((unsigned char)line[tail] & 0xC0) == 0x80)
-                tail++;
             memcpy(e->message, line, head);
             memcpy(e->message + head, " ... ", 5);
             memcpy(e->message + head + 5, line + tail, len - tail + 1);
@@ -640,9 +646,7 @@ static const char *path_tail(const char *p, char *buf, size_t n) {
     size_t len = strlen(p);
     if (len < n)
         return p;
-    size_t t = len - (n - 4);
-    while (t < len && ((unsigned char)p[t] & 0xC0) == 0x80)
-        t++;
+    const size_t t = utf8_at_or_after(p, len - (n - 4), len);
     memcpy(buf, "...", 3);
     memcpy(buf + 3, p + t, len - t + 1);
     return buf;
