@@ -232,7 +232,14 @@ FILLS = {"now": ("the copies into the tier on the tier's stream before the next 
                 "(LLAMA_MOECACHED_VRAM_FILL=now LLAMA_MOECACHED_VRAM_IO_PINNED=0)",
                 {"LLAMA_MOECACHED_VRAM_FILL": "now", "LLAMA_MOECACHED_VRAM_IO_PINNED": "0"}),
          "all": ("every expert read in place copied into the tier, least recently used evicted (LLAMA_MOECACHED_VRAM_ADMIT=all)",
-                 {"LLAMA_MOECACHED_VRAM_ADMIT": "all"})}
+                 {"LLAMA_MOECACHED_VRAM_ADMIT": "all"}),
+         "stg": ("block l+1's guessed experts copied ahead into the tier while block l runs (LLAMA_MOECACHED_VRAM_STAGE=next, "
+                 "twice the top-k)", {"LLAMA_MOECACHED_VRAM_STAGE": "next"}),
+         "stgk": ("block l+1's top-k guess copied ahead (LLAMA_MOECACHED_VRAM_STAGE=next, LLAMA_MOECACHED_VRAM_STAGE_WIDTH=top-k)",
+                  {"LLAMA_MOECACHED_VRAM_STAGE": "next", "LLAMA_MOECACHED_VRAM_STAGE_WIDTH": str(TOP_K)}),
+         "stg3k": ("block l+1's guess of three times the top-k copied ahead (LLAMA_MOECACHED_VRAM_STAGE=next, "
+                   "LLAMA_MOECACHED_VRAM_STAGE_WIDTH=3 x top-k)",
+                   {"LLAMA_MOECACHED_VRAM_STAGE": "next", "LLAMA_MOECACHED_VRAM_STAGE_WIDTH": str(3 * TOP_K)})}
 for pct in (10, 25, 50):   # rung5_Pnow, rung5_Poff, rung5_Ppg (and rung4_P...: auto, which takes the arena lookup for small experts)
     for rung in ("rung4", "rung5"):
         for tag, (what, env) in FILLS.items():
@@ -385,16 +392,18 @@ for name in rows:
         if vr.get("slots"):   # rung 3: the tier's counters of the last round (one process, one tier)
             n_tok = ok[-1]["prompt_tokens"] + ok[-1]["decode_tokens"]
             row["vram"] = vr | {"copied_bytes_per_decoded_token": vr["decode_copied_bytes"] / max(ok[-1]["decode_tokens"], 1),
-                                # over the host link: copies into the tier and the arena's bytes read in place
-                                "link_bytes_per_decoded_token": (vr["decode_copied_bytes"] + vr.get("decode_arena_read_bytes", 0))
-                                                                / max(ok[-1]["decode_tokens"], 1),
+                                # over the host link: copies into the tier, the arena's bytes read in place and
+                                # the copies ahead into the staging slots (LLAMA_MOECACHED_VRAM_STAGE)
+                                "link_bytes_per_decoded_token": (vr["decode_copied_bytes"] + vr.get("decode_arena_read_bytes", 0)
+                                                                 + vr.get("decode_stage_bytes", 0)) / max(ok[-1]["decode_tokens"], 1),
                                 "copied_bytes_per_token": vr["copied_bytes"] / max(n_tok, 1),
                                 "decode_hit_rate": vr["decode_hits"] / max(vr["decode_hits"] + vr["decode_misses"], 1)}
         if vr.get("lookup") in ("auto", "device", "arena"):   # rungs 4 and 5: per decoded token
             d = max(ok[-1]["decode_tokens"], 1)
             row["lookup"] = {k: vr.get(k) for k in ("lookup", "device_ubatches", "reruns", "reads", "fill_syncs", "switches",
                                                     "spec_copies", "decode_reruns", "decode_spec_copies", "arena_reads",
-                                                    "decode_arena_reads", "stale_peeks", "admit_refused")}
+                                                    "decode_arena_reads", "stale_peeks", "admit_refused", "stage",
+                                                    "stage_width", "decode_stage_copies", "decode_stage_hits")}
             row["lookup"]["decode_reruns_per_token"] = vr.get("decode_reruns", 0) / d
             for k in ("host", "wait", "fill"):   # the host's time in the lookup per decoded token
                 row["lookup"][f"{k}_us_per_token"] = vr.get(f"decode_{k}_us", 0) / d
@@ -499,12 +508,14 @@ look = [(n, r) for n, r in results["rows"].items() if "lookup" in r]
 if look:
     lines += ["", "| run | lookup | ubatches on the device | passes run again (decode) | reads of the routed ids | "
               "fill waits | switches | copies for a routing not kept | experts read from the arena in place (decode) | "
-              "arena slots found reused | copies not admitted | host us / wait us / fill us per decoded token |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "arena slots found reused | copies not admitted | copied ahead / found there (decode) | "
+              "host us / wait us / fill us per decoded token |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in look:
         lk = row["lookup"]
         lines.append(f"| {name} | {lk['lookup']} | {lk['device_ubatches']} | {lk['reruns']} ({lk['decode_reruns']}) | {lk['reads']} | "
                      f"{lk['fill_syncs']} | {lk['switches']} | {lk['spec_copies']} | {lk.get('arena_reads')} ({lk.get('decode_arena_reads')}) | "
-                     f"{lk.get('stale_peeks')} | {lk.get('admit_refused')} | {lk['host_us_per_token']:.1f} / {lk['wait_us_per_token']:.1f} / {lk['fill_us_per_token']:.1f} |")
+                     f"{lk.get('stale_peeks')} | {lk.get('admit_refused')} | {lk.get('decode_stage_copies')} / {lk.get('decode_stage_hits')} | "
+                     f"{lk['host_us_per_token']:.1f} / {lk['wait_us_per_token']:.1f} / {lk['fill_us_per_token']:.1f} |")
 if TWO in results["rows"] and "decode_tps" in results["rows"][TWO]:
     row, fr = results["rows"][TWO], results.get("two_engines_fresh", {})
     lines += ["", f"two engines at once: decode {row['decode_tps']:.1f} and {row['b_decode_tps'] or 0:.1f} tok/s, the second's "

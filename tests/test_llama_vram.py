@@ -138,6 +138,19 @@ def test_device_lookup_of_a_full_tier_reads_once_per_token_and_runs_once(residen
     assert e2["acquires"] == e1["acquires"], (e1, e2)          # the second round asks the daemon nothing
 
 
+def test_staging_knob_on_a_tier_that_reads_no_arena_in_place(resident, geometry, tmp_path, monkeypatch):
+    """LLAMA_MOECACHED_VRAM_STAGE=next where the arena is not read in place (a CPU build: the device
+    lookup copies every miss): the tier gets its staging slots, nothing is copied ahead, and the
+    tables still name the tier's own slots (the resident logits, byte for byte)."""
+    g = geometry
+    monkeypatch.setenv("LLAMA_MOECACHED_VRAM_STAGE", "next")
+    r, _ = served(MODEL, tmp_path, "stage", g["blocks"] * g["experts"], "--moecached-vram", "25%", "--moecached-vram-lookup", "device")
+    assert filecmp.cmp(resident, tmp_path / "stage.bin", shallow=False), "logits differ"
+    v = vram(r)
+    assert v["stage"] == "next" and v["stage_width"] == 2 * g["k"], v
+    assert v["stage_copies"] == v["stage_hits"] == v["stage_bytes"] == 0 and v["device_ubatches"] == STEPS, v
+
+
 def _last_graph_ops(stderr: str) -> dict:
     """The op counts of the last graph ggml's scheduler split (GGML_SCHED_DEBUG=2): the decode step's."""
     from collections import Counter
@@ -427,7 +440,9 @@ def test_bad_tier_lookup_is_one_line(tmp_path, lookup, want):
 
 
 @pytest.mark.parametrize("var,value,want", [("LLAMA_MOECACHED_VRAM_FILL", "soon", "expected later"),
-                                            ("LLAMA_MOECACHED_VRAM_ADMIT", "lfu", "expected freq")])
+                                            ("LLAMA_MOECACHED_VRAM_ADMIT", "lfu", "expected freq"),
+                                            ("LLAMA_MOECACHED_VRAM_STAGE", "two", "expected off or next"),
+                                            ("LLAMA_MOECACHED_VRAM_STAGE_WIDTH", "8x", "expected the experts to copy ahead")])
 def test_bad_arena_lookup_knob_is_one_line(tmp_path, monkeypatch, var, value, want):
     sock = str(tmp_path / "d.sock")
     p = start_daemon(str(MODEL), sock, "--slots", "128")

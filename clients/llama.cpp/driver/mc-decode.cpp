@@ -42,15 +42,19 @@
 //        lookup=M device_ubatches=N reruns=N reads=N fill_syncs=N switches=N spec_copies=N
 //        copy_syncs=N pinned_parts=N arena_reads=N arena_read_bytes=N stale_peeks=N registration_ends=N
 //        fill=later|now|off host_us=N wait_us=N fill_us=N admit=freq|all admit_refused=N
+//        stage=off|next stage_width=N stage_copies=N stage_hits=N stage_bytes=N
 //        decode_hits=N decode_misses=N decode_copied_bytes=N decode_spec_copies=N decode_reruns=N
 //        decode_copy_syncs=N decode_arena_reads=N decode_arena_read_bytes=N decode_host_us=N decode_wait_us=N
-//        decode_fill_us=N
+//        decode_fill_us=N decode_stage_copies=N decode_stage_hits=N decode_stage_bytes=N
 // (misses: experts copied into the tier; fallbacks: block calls run on the arena because their
 // ubatch could need more experts than the tier holds; copy_syncs: the host lookup's waits for its
 // copies, one per block that copied; pinned_parts: arena parts registered with CUDA for the copies;
 // host_us: the host's time in the tier's lookup, wait_us: its waits for the routing record (the
 // graph's end), fill_us: issuing the in-place reads' copies into the tier; admit_refused: experts
 // read in place not copied into the tier, used no more often than the one they would evict;
+// stage_copies / stage_bytes: experts and bytes LLAMA_MOECACHED_VRAM_STAGE=next copied ahead into the
+// tier's staging slots, stage_hits: routed experts found there (read from the arena by those copies,
+// not in place: arena_reads and arena_read_bytes leave them out);
 // decode_*: over the decode steps only).
 // --moecached-vram-lookup auto|device|host (LLAMA_MOECACHED_VRAM_LOOKUP): a decoded token's blocks look
 // their experts up in a table in the tier (device: no host op in the graph; the host reads every
@@ -202,13 +206,13 @@ int main(int argc, char ** argv) {
     int n_decoded = 0;
     // the tier's counters over the decode steps only (the prompts' are the rest)
     auto vram_counter = [](const char * key) -> unsigned long long {
-        char b[1024];
+        char b[2048];
         llama_moecached_vram_stats(b, sizeof b);
         const char * p = strstr(b, key);
         return p ? strtoull(p + strlen(key), nullptr, 10) : 0;
     };
     unsigned long long dec_hits = 0, dec_misses = 0, dec_copied = 0, dec_spec = 0, dec_reruns = 0, dec_syncs = 0, dec_areads = 0, dec_abytes = 0,
-                       dec_host = 0, dec_wait = 0, dec_fill = 0;
+                       dec_host = 0, dec_wait = 0, dec_fill = 0, dec_scopies = 0, dec_shits = 0, dec_sbytes = 0;
     for (int round = 0; round < rounds; ++round) {
         llama_context_params cp = llama_context_default_params();
         cp.n_ctx = n_prompt + n_steps + 8;
@@ -262,7 +266,9 @@ int main(int argc, char ** argv) {
                                      x0 = vram_counter(" spec_copies="), r0 = vram_counter(" reruns="),
                                      y0 = vram_counter(" copy_syncs="), a0 = vram_counter(" arena_reads="),
                                      b0 = vram_counter(" arena_read_bytes="), u0 = vram_counter(" host_us="),
-                                     w0 = vram_counter(" wait_us="), f0 = vram_counter(" fill_us=");
+                                     w0 = vram_counter(" wait_us="), f0 = vram_counter(" fill_us="),
+                                     sc0 = vram_counter(" stage_copies="), sh0 = vram_counter(" stage_hits="),
+                                     sb0 = vram_counter(" stage_bytes=");
             t0 = now_s();
             if (!decode(llama_batch_get_one(&tok, 1))) return 3;
             llama_synchronize(ctx);
@@ -278,6 +284,9 @@ int main(int argc, char ** argv) {
             dec_host += vram_counter(" host_us=") - u0;
             dec_wait += vram_counter(" wait_us=") - w0;
             dec_fill += vram_counter(" fill_us=") - f0;
+            dec_scopies += vram_counter(" stage_copies=") - sc0;
+            dec_shits += vram_counter(" stage_hits=") - sh0;
+            dec_sbytes += vram_counter(" stage_bytes=") - sb0;
             n_decoded++;
             tok = emit(s, llama_get_logits_ith(ctx, -1));
         }
@@ -297,12 +306,13 @@ int main(int argc, char ** argv) {
         char pf[512];
         llama_moecached_prefetch_stats(pf, sizeof pf);
         printf("prefetch %s\n", pf);
-        char vr[1024];
+        char vr[2048];
         llama_moecached_vram_stats(vr, sizeof vr);
         printf("vram %s decode_hits=%llu decode_misses=%llu decode_copied_bytes=%llu decode_spec_copies=%llu decode_reruns=%llu "
                "decode_copy_syncs=%llu decode_arena_reads=%llu decode_arena_read_bytes=%llu decode_host_us=%llu decode_wait_us=%llu "
-               "decode_fill_us=%llu\n", vr, dec_hits, dec_misses, dec_copied, dec_spec, dec_reruns, dec_syncs, dec_areads, dec_abytes,
-               dec_host, dec_wait, dec_fill);
+               "decode_fill_us=%llu decode_stage_copies=%llu decode_stage_hits=%llu decode_stage_bytes=%llu\n", vr, dec_hits,
+               dec_misses, dec_copied, dec_spec, dec_reruns, dec_syncs, dec_areads, dec_abytes, dec_host, dec_wait, dec_fill,
+               dec_scopies, dec_shits, dec_sbytes);
     }
     fflush(stdout);
     llama_model_free(model);
