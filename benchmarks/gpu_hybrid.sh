@@ -50,7 +50,14 @@
 #                     token with the routing record and tables in pageable memory (pg: the build
 #                     before the fill stream); the default copies them on a second stream while the
 #                     next token runs (LLAMA_MOECACHED_VRAM_FILL, clients/llama.cpp/README.md)
+#            rung4_Pstg, rung4_Pstgk, rung4_Pstg3k, rung4_Pnostg (and rung5_...)  (P = 10, 25, 50) the
+#                     same rows with block l+1's guessed experts copied ahead into the tier's
+#                     staging slots while block l runs (LLAMA_MOECACHED_VRAM_STAGE=next), guessing
+#                     twice (the default width), once or three times the top-k, or with none copied
+#                     ahead (STAGE=off; the default, auto, stages where a block's guess is at most
+#                     1 MiB); the table's "copied ahead / found there" column counts them
 #            rung5_100w  rung5_100 over two rounds in one process, the second round's figures
+#                     (rung5_100wnostg: without copies ahead)
 #            rung4_100w  rung4_100 over two rounds in one process (--rounds 2), the second
 #                     round's figures: every expert its tokens need is in the tier already
 #            rung4_100x2 two engines at once (two processes), each rung4_100w with its own
@@ -235,6 +242,8 @@ FILLS = {"now": ("the copies into the tier on the tier's stream before the next 
                  {"LLAMA_MOECACHED_VRAM_ADMIT": "all"}),
          "stg": ("block l+1's guessed experts copied ahead into the tier while block l runs (LLAMA_MOECACHED_VRAM_STAGE=next, "
                  "twice the top-k)", {"LLAMA_MOECACHED_VRAM_STAGE": "next"}),
+         "nostg": ("no guessed experts copied ahead (LLAMA_MOECACHED_VRAM_STAGE=off; auto stages experts of a guess of at "
+                   "most 1 MiB)", {"LLAMA_MOECACHED_VRAM_STAGE": "off"}),
          "stgk": ("block l+1's top-k guess copied ahead (LLAMA_MOECACHED_VRAM_STAGE=next, LLAMA_MOECACHED_VRAM_STAGE_WIDTH=top-k)",
                   {"LLAMA_MOECACHED_VRAM_STAGE": "next", "LLAMA_MOECACHED_VRAM_STAGE_WIDTH": str(TOP_K)}),
          "stg3k": ("block l+1's guess of three times the top-k copied ahead (LLAMA_MOECACHED_VRAM_STAGE=next, "
@@ -252,6 +261,8 @@ ROWS["rung4_100w"] = ("rung4_100, the second of two rounds in one process: the t
                        "auto", "--rounds", "2"], {}, 1.0)
 ROWS["rung5_100w"] = ("rung5_100, the second of two rounds in one process: the tier already holds every expert, looked up "
                       "with the in-place reads on", ROWS["rung5_100"][1] + ["--rounds", "2"], {}, 1.0)
+ROWS["rung5_100wnostg"] = (ROWS["rung5_100w"][0] + ", no guessed experts copied ahead (LLAMA_MOECACHED_VRAM_STAGE=off)",
+                          ROWS["rung5_100w"][1], {"LLAMA_MOECACHED_VRAM_STAGE": "off"}, 1.0)
 TWO = "rung4_100x2"   # two processes at once, each its own tier over one arena
 ROWS[TWO] = ("two engines at once (two processes) on one daemon, each rung4_100w with its own tier (the first one's figures)",
              ROWS["rung4_100w"][1], {}, 1.0)

@@ -441,7 +441,7 @@ def test_bad_tier_lookup_is_one_line(tmp_path, lookup, want):
 
 @pytest.mark.parametrize("var,value,want", [("LLAMA_MOECACHED_VRAM_FILL", "soon", "expected later"),
                                             ("LLAMA_MOECACHED_VRAM_ADMIT", "lfu", "expected freq"),
-                                            ("LLAMA_MOECACHED_VRAM_STAGE", "two", "expected off or next"),
+                                            ("LLAMA_MOECACHED_VRAM_STAGE", "two", "expected auto"),
                                             ("LLAMA_MOECACHED_VRAM_STAGE_WIDTH", "8x", "expected the experts to copy ahead")])
 def test_bad_arena_lookup_knob_is_one_line(tmp_path, monkeypatch, var, value, want):
     sock = str(tmp_path / "d.sock")
