@@ -138,16 +138,21 @@ def test_device_lookup_of_a_full_tier_reads_once_per_token_and_runs_once(residen
     assert e2["acquires"] == e1["acquires"], (e1, e2)          # the second round asks the daemon nothing
 
 
-def test_staging_knob_on_a_tier_that_reads_no_arena_in_place(resident, geometry, tmp_path, monkeypatch):
-    """LLAMA_MOECACHED_VRAM_STAGE=next where the arena is not read in place (a CPU build: the device
-    lookup copies every miss): the tier gets its staging slots, nothing is copied ahead, and the
-    tables still name the tier's own slots (the resident logits, byte for byte)."""
+@pytest.mark.parametrize("stage,share", [("next", "25%"), ("auto", "25%"), ("auto", "50%")])
+def test_staging_knob_on_a_tier_that_reads_no_arena_in_place(resident, geometry, tmp_path, monkeypatch, stage, share):
+    """LLAMA_MOECACHED_VRAM_STAGE where the arena is not read in place (a CPU build: the device
+    lookup copies every miss): next gives the tier its staging slots and copies nothing ahead, the
+    tables still name the tier's own slots (the resident logits, byte for byte); auto decides at
+    load: next where a block's guess (twice the top-k) is at most 1 MiB and the tier holds less
+    than a third of the experts, else off."""
     g = geometry
-    monkeypatch.setenv("LLAMA_MOECACHED_VRAM_STAGE", "next")
-    r, _ = served(MODEL, tmp_path, "stage", g["blocks"] * g["experts"], "--moecached-vram", "25%", "--moecached-vram-lookup", "device")
+    monkeypatch.setenv("LLAMA_MOECACHED_VRAM_STAGE", stage)
+    r, _ = served(MODEL, tmp_path, "stage", g["blocks"] * g["experts"], "--moecached-vram", share, "--moecached-vram-lookup", "device")
     assert filecmp.cmp(resident, tmp_path / "stage.bin", shallow=False), "logits differ"
     v = vram(r)
-    assert v["stage"] == "next" and v["stage_width"] == 2 * g["k"], v
+    small = g["slot_bytes"] * 2 * g["k"] <= 1 << 20
+    want = "next" if stage == "next" or (small and share == "25%") else "off"
+    assert v["stage"] == want and v["stage_width"] == (2 * g["k"] if want == "next" else 0), (v, g)
     assert v["stage_copies"] == v["stage_hits"] == v["stage_bytes"] == 0 and v["device_ubatches"] == STEPS, v
 
 
