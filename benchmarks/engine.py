@@ -14,7 +14,12 @@ round), with the same prompt and greedy steps (mc-decode); the first round is a 
 counted). Every
 run's logits are checked against the resident run's (bit-identical or the run is reported
 as wrong). ``--variant huge=--arena-dir=/mnt/huge`` adds, per fraction, a daemon started with
-those arguments as well, run in the same rounds. Prints a table and writes JSON (--json).
+those arguments as well, run in the same rounds. ``--engine-cpus 0-7`` runs every engine on those
+CPUs and this process and its daemons on the others (a run's threads then land on the same cores
+whichever kind it is). Each row gives the paired ratio to the resident run of the same round twice:
+from the decode's tokens/s, and from the median decode step (mc-decode's ``step_us_p50``: a step
+slowed by something else on the machine moves the first, rarely the second), each as median and
+mean +- standard error. Prints a table and writes JSON (--json).
 """
 from __future__ import annotations
 
@@ -50,14 +55,33 @@ def find_bin(arg):
     return b
 
 
-def run(bin_dir, model, dump, steps, threads, endpoint=None):
-    r = engine_llama.decode(bin_dir, model, str(dump), prompt=PROMPT, steps=steps, threads=threads, endpoint=endpoint)
+def run(bin_dir, model, dump, steps, threads, endpoint=None, cpus=None):
+    r = engine_llama.decode(bin_dir, model, str(dump), prompt=PROMPT, steps=steps, threads=threads, endpoint=endpoint,
+                            cpus=cpus)
     if r.returncode != 0:
         raise RuntimeError(f"mc-decode failed: {r.stderr[-1500:]}")
     # graphs llama.cpp did not build again (mc-decode's round line; None from a build that does not say)
     g = re.search(r"^round \d+ .*graphs_reused=(\d+)", r.stdout, re.M)
     return engine_llama.parse_timing(r.stdout) | {"stats": engine_llama.parse_stats(r.stdout),
                                                   "graphs_reused": int(g.group(1)) if g else None}
+
+
+def cpu_list(text: str) -> set:
+    """``0-7,12`` -> {0, ..., 7, 12}; ValueError naming the text."""
+    out = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out |= set(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"--engine-cpus {text!r}: expected CPU numbers and ranges, e.g. 0-7 or 0,2,4,6") from None
+    return out
+
+
+def mean_se(xs) -> tuple:
+    """(mean, standard error) of ``xs`` (standard error 0 for fewer than two)."""
+    m = statistics.mean(xs)
+    return m, (statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else 0.0)
 
 
 def main(argv=None):
@@ -74,8 +98,24 @@ def main(argv=None):
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "engine.json"))
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=DAEMON_ARGS",
                     help="per fraction, another daemon with these arguments (split on spaces) in the same rounds")
+    ap.add_argument("--time-limit", type=float, metavar="S",
+                    help="begin no round after S seconds (the table then covers the rounds run)")
+    ap.add_argument("--engine-cpus", metavar="LIST",
+                    help="run the engines on these CPUs (e.g. 0-7), this process and the daemons on the others")
     a = ap.parse_args(argv)
     bin_dir = find_bin(a.bin)
+    engine_cpus = None
+    if a.engine_cpus:
+        try:
+            engine_cpus = cpu_list(a.engine_cpus)
+        except ValueError as e:
+            ap.error(str(e))
+        mine = os.sched_getaffinity(0)
+        if not engine_cpus <= mine:
+            ap.error(f"--engine-cpus {a.engine_cpus}: CPUs {sorted(engine_cpus - mine)} are not this process's "
+                     f"({sorted(mine)})")
+        if mine - engine_cpus:
+            os.sched_setaffinity(0, mine - engine_cpus)   # the daemons (started below) inherit it
     variants = [("", [])]
     for v in a.variant:
         name, sep, args = v.partition("=")
@@ -104,7 +144,12 @@ def main(argv=None):
                                     f"ipc://{sock}", slots)
             rows = {"resident": []} | {f: [] for f in fracs}
             wrong = []
+            t_start = time.monotonic()
             for rnd in range(a.rounds + 1):
+                if a.time_limit and rnd > 1 and time.monotonic() - t_start > a.time_limit:
+                    print(f"--time-limit {a.time_limit:.0f} s: stopping after {rnd - 1} rounds", file=sys.stderr)
+                    a.rounds = rnd - 1
+                    break
                 ref = td / "ref.bin"
                 # the order alternates (resident first in odd rounds, last in even ones): a machine
                 # that runs the first or the last run of a round faster biases no row
@@ -114,9 +159,10 @@ def main(argv=None):
                 res = {}
                 for k in order:
                     if k == "resident":
-                        res[k] = run(bin_dir, model, ref, a.steps, a.threads)
+                        res[k] = run(bin_dir, model, ref, a.steps, a.threads, cpus=engine_cpus)
                     else:
-                        res[k] = run(bin_dir, model, td / f"out{fracs.index(k)}.bin", a.steps, a.threads, daemons[k][1])
+                        res[k] = run(bin_dir, model, td / f"out{fracs.index(k)}.bin", a.steps, a.threads, daemons[k][1],
+                                     cpus=engine_cpus)
                 for i, f in enumerate(fracs):
                     if not filecmp.cmp(ref, td / f"out{i}.bin", shallow=False):
                         wrong.append((rnd, label(f)))
@@ -138,26 +184,42 @@ def main(argv=None):
         d = med([r["decode_tps"] for r in rows[k]])
         p = med([r["prompt_tps"] for r in rows[k]])
         ratios = [x["decode_tps"] / y["decode_tps"] for x, y in zip(rows[k], rows["resident"])]
+        # the same from the median step (None from a driver that does not print it)
+        step_ratios = [y["step_us_p50"] / x["step_us_p50"] for x, y in zip(rows[k], rows["resident"])
+                       if x.get("step_us_p50") and y.get("step_us_p50")]
+        m, se = mean_se(ratios)
+        sm, sse = mean_se(step_ratios) if step_ratios else (None, None)
         table.append({"run": k if k == "resident" else label(k),
                       "slots": None if k == "resident" else daemons[k][2],
                       "decode_tps": d, "decode_ratio": d / base_d, "paired_ratio_median": med(ratios),
                       "prompt_tps": p, "prompt_ratio": p / base_p,
                       "decode_tps_rounds": [round(r["decode_tps"], 3) for r in rows[k]],
                       "paired_ratios": [round(x, 5) for x in ratios],
+                      "paired_ratio_mean": m, "paired_ratio_se": se,
+                      "step_p50_us_rounds": [r.get("step_us_p50") for r in rows[k]],
+                      "step_ratios": [round(x, 5) for x in step_ratios],
+                      "step_ratio_median": med(step_ratios) if step_ratios else None,
+                      "step_ratio_mean": sm, "step_ratio_se": sse,
                       "graphs_reused": [r["graphs_reused"] for r in rows[k]],
                       "last_stats": rows[k][-1]["stats"]})
     print(f"\nmodel {os.path.basename(model)}: {len(idx['expert_layers'])} MoE blocks x {idx['n_experts']} experts, "
-          f"top-{idx['top_k']}, {a.steps} steps, prompt {len(PROMPT)} bytes, {a.threads} threads, {a.rounds} rounds")
-    print("| run | slots | decode tok/s | vs resident | paired median | prompt tok/s | vs resident |")
-    print("|---|---|---|---|---|---|---|")
+          f"top-{idx['top_k']}, {a.steps} steps, prompt {len(PROMPT)} bytes, {a.threads} threads, {a.rounds} rounds"
+          + (f", engines on CPUs {a.engine_cpus}" if a.engine_cpus else ""))
+    print("| run | slots | decode tok/s | vs resident | paired: median, mean +- se | median step: paired median, "
+          "mean +- se | prompt tok/s | vs resident |")
+    print("|---|---|---|---|---|---|---|---|")
     for t in table:
+        step = ("-" if t["step_ratio_mean"] is None else
+                f"{t['step_ratio_median']:.3f}, {t['step_ratio_mean']:.3f} +- {t['step_ratio_se']:.3f}")
         print(f"| {t['run']} | {t['slots'] or '-'} | {t['decode_tps']:.2f} | {t['decode_ratio']:.3f} | "
-              f"{t['paired_ratio_median']:.3f} | {t['prompt_tps']:.1f} | {t['prompt_ratio']:.3f} |")
+              f"{t['paired_ratio_median']:.3f}, {t['paired_ratio_mean']:.3f} +- {t['paired_ratio_se']:.3f} | {step} | "
+              f"{t['prompt_tps']:.1f} | {t['prompt_ratio']:.3f} |")
     print(f"logits bit-identical to the resident run: {'all runs' if not wrong else f'NO: {wrong}'}")
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps({"model": idx["arch"], "blocks": len(idx["expert_layers"]),
                                         "experts": idx["n_experts"], "top_k": idx["top_k"], "steps": a.steps,
-                                        "threads": a.threads, "rounds": a.rounds, "table": table,
+                                        "threads": a.threads, "rounds": a.rounds, "engine_cpus": a.engine_cpus,
+                                        "table": table,
                                         "wrong": wrong, "time": time.time()}, indent=1))
     return 1 if wrong else 0
 

@@ -29,14 +29,18 @@ def llama_bin() -> Path | None:
 
 
 def decode(bin_dir: Path, model: str, dump: str, *, prompt: str, steps: int, threads: int = 2,
-           endpoint: str | None = None, extra=(), env=None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run mc-decode (see clients/llama.cpp/README.md); the CompletedProcess, text mode."""
+           endpoint: str | None = None, extra=(), env=None, timeout: float = 600,
+           cpus=None) -> subprocess.CompletedProcess:
+    """Run mc-decode (see clients/llama.cpp/README.md); the CompletedProcess, text mode. ``cpus``:
+    the CPUs it may run on (``sched_setaffinity``; None: this process's)."""
     cmd = [str(bin_dir / "mc-decode"), "-m", model, "-p", prompt, "-n", str(steps), "-t", str(threads),
            "--dump", dump]
     if endpoint:
         cmd += ["--moecached", endpoint]
     cmd += list(extra)
-    return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, timeout=timeout)
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, timeout=timeout,
+                          preexec_fn=pin)
 
 
 def parse_stats(stdout: str) -> dict:
@@ -46,12 +50,15 @@ def parse_stats(stdout: str) -> dict:
 
 
 def parse_timing(stdout: str) -> dict:
-    """mc-decode's ``timing`` line: prompt and decode tokens per second."""
-    m = re.search(r"timing prompt_tokens=(\d+) prompt_s=([\d.]+) decode_tokens=(\d+) decode_s=([\d.]+)", stdout)
+    """mc-decode's ``timing`` line: prompt and decode tokens per second, and (from a driver that
+    prints them) the decode steps' lower decile, median and upper decile in microseconds
+    (``step_us_p10`` / ``_p50`` / ``_p90``)."""
+    m = re.search(r"timing prompt_tokens=(\d+) prompt_s=([\d.]+) decode_tokens=(\d+) decode_s=([\d.]+)(.*)", stdout)
     if not m:
         raise ValueError("mc-decode printed no timing line")
+    steps = {k: float(v) for k, v in re.findall(r"(step_us_p\d+)=([\d.]+)", m.group(5))}
     return {"prompt_tps": int(m.group(1)) / max(float(m.group(2)), 1e-9),
-            "decode_tps": int(m.group(3)) / max(float(m.group(4)), 1e-9)}
+            "decode_tps": int(m.group(3)) / max(float(m.group(4)), 1e-9)} | steps
 
 
 def checked_decode(bin_dir: Path, model: str, endpoint: str, workdir: str, *, steps: int = 16,

@@ -11,7 +11,8 @@
 // Prints one line per step ("step I token T"), one line per round and a final "timing" line (the
 // times include the wait for the logits: on a GPU llama_decode returns before they are computed):
 //   round R prompt_s=S decode_tokens=N decode_s=S graphs_reused=G (graphs llama.cpp did not build again)
-//   timing prompt_tokens=P prompt_s=S decode_tokens=N decode_s=S
+//   timing prompt_tokens=P prompt_s=S decode_tokens=N decode_s=S step_us_p10=U step_us_p50=U step_us_p90=U
+// (step_us_*: the decode steps' times, lower decile, median and upper decile, in microseconds)
 // --dump writes the float32 logits of the prompt's last token and of each step, in order.
 // --dump-moe writes, per MoE block of every ubatch, the router's probabilities, its top-k ids,
 // the ids after substitution and the normalised routing weights, one tensor a line:
@@ -68,6 +69,7 @@
 #include "llama.h"
 #include "ggml-cpu.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -204,15 +206,23 @@ int main(int argc, char ** argv) {
 
     double t_prompt = 0, t_decode = 0;
     int n_decoded = 0;
-    // the tier's counters over the decode steps only (the prompts' are the rest)
-    auto vram_counter = [](const char * key) -> unsigned long long {
+    // the tier's counters over the decode steps only (the prompts' are the rest): one snapshot of the
+    // vram line before and one after each step, the differences summed per key and printed as decode_KEY
+    static const char * const DECODE_KEYS[] = {"hits", "misses", "copied_bytes", "spec_copies", "reruns", "copy_syncs",
+                                               "arena_reads", "arena_read_bytes", "host_us", "wait_us", "fill_us",
+                                               "stage_copies", "stage_hits", "stage_bytes"};
+    const size_t n_keys = sizeof DECODE_KEYS / sizeof DECODE_KEYS[0];
+    auto vram_snapshot = [&](std::vector<unsigned long long> & out) {
         char b[2048];
         llama_moecached_vram_stats(b, sizeof b);
-        const char * p = strstr(b, key);
-        return p ? strtoull(p + strlen(key), nullptr, 10) : 0;
+        for (size_t i = 0; i < n_keys; ++i) {
+            const std::string key = std::string(" ") + DECODE_KEYS[i] + "=";
+            const char * p = strstr(b, key.c_str());
+            out[i] = p ? strtoull(p + key.size(), nullptr, 10) : 0;
+        }
     };
-    unsigned long long dec_hits = 0, dec_misses = 0, dec_copied = 0, dec_spec = 0, dec_reruns = 0, dec_syncs = 0, dec_areads = 0, dec_abytes = 0,
-                       dec_host = 0, dec_wait = 0, dec_fill = 0, dec_scopies = 0, dec_shits = 0, dec_sbytes = 0;
+    std::vector<unsigned long long> dec(n_keys, 0), before(n_keys), after(n_keys);
+    std::vector<double> step_s;   // every decode step's time, for the quantiles on the timing line
     for (int round = 0; round < rounds; ++round) {
         llama_context_params cp = llama_context_default_params();
         cp.n_ctx = n_prompt + n_steps + 8;
@@ -262,31 +272,16 @@ int main(int argc, char ** argv) {
         llama_token tok = emit(0, llama_get_logits_ith(ctx, -1));
         for (int s = 1; s <= n_steps; ++s) {
             if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
-            const unsigned long long h0 = vram_counter(" hits="), m0 = vram_counter(" misses="), c0 = vram_counter(" copied_bytes="),
-                                     x0 = vram_counter(" spec_copies="), r0 = vram_counter(" reruns="),
-                                     y0 = vram_counter(" copy_syncs="), a0 = vram_counter(" arena_reads="),
-                                     b0 = vram_counter(" arena_read_bytes="), u0 = vram_counter(" host_us="),
-                                     w0 = vram_counter(" wait_us="), f0 = vram_counter(" fill_us="),
-                                     sc0 = vram_counter(" stage_copies="), sh0 = vram_counter(" stage_hits="),
-                                     sb0 = vram_counter(" stage_bytes=");
+            if (!endpoint.empty()) vram_snapshot(before);
             t0 = now_s();
             if (!decode(llama_batch_get_one(&tok, 1))) return 3;
             llama_synchronize(ctx);
-            t_decode += now_s() - t0;
-            dec_hits += vram_counter(" hits=") - h0;
-            dec_misses += vram_counter(" misses=") - m0;
-            dec_copied += vram_counter(" copied_bytes=") - c0;
-            dec_spec += vram_counter(" spec_copies=") - x0;
-            dec_reruns += vram_counter(" reruns=") - r0;
-            dec_syncs += vram_counter(" copy_syncs=") - y0;
-            dec_areads += vram_counter(" arena_reads=") - a0;
-            dec_abytes += vram_counter(" arena_read_bytes=") - b0;
-            dec_host += vram_counter(" host_us=") - u0;
-            dec_wait += vram_counter(" wait_us=") - w0;
-            dec_fill += vram_counter(" fill_us=") - f0;
-            dec_scopies += vram_counter(" stage_copies=") - sc0;
-            dec_shits += vram_counter(" stage_hits=") - sh0;
-            dec_sbytes += vram_counter(" stage_bytes=") - sb0;
+            step_s.push_back(now_s() - t0);
+            t_decode += step_s.back();
+            if (!endpoint.empty()) {
+                vram_snapshot(after);
+                for (size_t i = 0; i < n_keys; ++i) dec[i] += after[i] - before[i];
+            }
             n_decoded++;
             tok = emit(s, llama_get_logits_ith(ctx, -1));
         }
@@ -299,8 +294,13 @@ int main(int argc, char ** argv) {
     if (fmoe) fclose(fmoe);
     char st[256];
     llama_moecached_stats(st, sizeof st);
-    printf("timing prompt_tokens=%d prompt_s=%.6f decode_tokens=%d decode_s=%.6f rounds=%d\n",
-           n_prompt * rounds, t_prompt, n_decoded, t_decode, rounds);
+    // the decode steps' times: lower decile, median, upper decile (a step that something else on the
+    // machine slowed moves the mean, rarely the median)
+    std::vector<double> q = step_s;
+    std::sort(q.begin(), q.end());
+    auto quant = [&](double f) { return q.empty() ? 0.0 : q[(size_t) (f * (q.size() - 1) + 0.5)] * 1e6; };
+    printf("timing prompt_tokens=%d prompt_s=%.6f decode_tokens=%d decode_s=%.6f rounds=%d step_us_p10=%.1f step_us_p50=%.1f "
+           "step_us_p90=%.1f\n", n_prompt * rounds, t_prompt, n_decoded, t_decode, rounds, quant(0.1), quant(0.5), quant(0.9));
     printf("moecached %s\n", endpoint.empty() ? "off" : st);
     if (!endpoint.empty()) {
         char pf[512];
@@ -308,11 +308,9 @@ int main(int argc, char ** argv) {
         printf("prefetch %s\n", pf);
         char vr[2048];
         llama_moecached_vram_stats(vr, sizeof vr);
-        printf("vram %s decode_hits=%llu decode_misses=%llu decode_copied_bytes=%llu decode_spec_copies=%llu decode_reruns=%llu "
-               "decode_copy_syncs=%llu decode_arena_reads=%llu decode_arena_read_bytes=%llu decode_host_us=%llu decode_wait_us=%llu "
-               "decode_fill_us=%llu decode_stage_copies=%llu decode_stage_hits=%llu decode_stage_bytes=%llu\n", vr, dec_hits,
-               dec_misses, dec_copied, dec_spec, dec_reruns, dec_syncs, dec_areads, dec_abytes, dec_host, dec_wait, dec_fill,
-               dec_scopies, dec_shits, dec_sbytes);
+        printf("vram %s", vr);
+        for (size_t i = 0; i < n_keys; ++i) printf(" decode_%s=%llu", DECODE_KEYS[i], dec[i]);
+        printf("\n");
     }
     fflush(stdout);
     llama_model_free(model);
