@@ -14,7 +14,8 @@ round), with the same prompt and greedy steps (mc-decode); the first round is a 
 counted). Every
 run's logits are checked against the resident run's (bit-identical or the run is reported
 as wrong). ``--variant huge=--arena-dir=/mnt/huge`` adds, per fraction, a daemon started with
-those arguments as well, run in the same rounds. ``--engine-cpus 0-7`` runs every engine on those
+those arguments as well, run in the same rounds; ``--resident-copy shm=/dev/shm`` a resident run of a
+copy of the model there (what the memory the weights live in costs, apart from the daemon). ``--engine-cpus 0-7`` runs every engine on those
 CPUs and this process and its daemons on the others (a run's threads then land on the same cores
 whichever kind it is). Each row gives the paired ratio to the resident run of the same round twice:
 from the decode's tokens/s, and from the median decode step (mc-decode's ``step_us_p50``: a step
@@ -28,6 +29,7 @@ import filecmp
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -98,6 +100,8 @@ def main(argv=None):
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "engine.json"))
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=DAEMON_ARGS",
                     help="per fraction, another daemon with these arguments (split on spaces) in the same rounds")
+    ap.add_argument("--resident-copy", action="append", default=[], metavar="NAME=DIR",
+                    help="another resident row on a copy of the model in DIR (e.g. a tmpfs), in the same rounds")
     ap.add_argument("--time-limit", type=float, metavar="S",
                     help="begin no round after S seconds (the table then covers the rounds run)")
     ap.add_argument("--engine-cpus", metavar="LIST",
@@ -124,6 +128,12 @@ def main(argv=None):
         variants.append((name, args.split()))
     # a row: (fraction, variant name); the plain daemon's variant name is ""
     fracs = [(float(x), name) for x in a.cached.split(",") for name, _ in variants]
+    copies = {}
+    for v in a.resident_copy:
+        name, sep, d = v.partition("=")
+        if not sep or not name or not os.path.isdir(d):
+            ap.error(f"--resident-copy {v!r}: expected NAME=DIR, DIR an existing folder")
+        copies[f"resident, {name}"] = d
     vargs = dict(variants)
     label = lambda k: f"{int(k[0] * 100)}% cached" + (f", {k[1]}" if k[1] else "")
     with tempfile.TemporaryDirectory(prefix="moecache-engine-") as td:
@@ -134,6 +144,10 @@ def main(argv=None):
             q = str(bin_dir / "llama-quantize") if a.quant.lower() not in ("f32", "q8_0") else None
             write_runnable(model, arch=a.arch, geometry="qwen3-30b-a3b", blocks=a.blocks, quant=a.quant, quantize_bin=q)
         idx = open_index(model).to_json()
+        for k, d in list(copies.items()):
+            dst = os.path.join(d, f"moecache-engine-copy-{os.getpid()}.gguf")
+            shutil.copyfile(model, dst)
+            copies[k] = dst
         n_all = len(idx["expert_layers"]) * idx["n_experts"]
         daemons = {}
         try:
@@ -142,7 +156,7 @@ def main(argv=None):
                 slots = max(int(round(f * n_all)), idx["top_k"] * len(idx["size_classes"]) * 2)
                 daemons[f, name] = (start_daemon(model, sock, "--slots", str(slots), *vargs[name]),
                                     f"ipc://{sock}", slots)
-            rows = {"resident": []} | {f: [] for f in fracs}
+            rows = {"resident": []} | {k: [] for k in copies} | {f: [] for f in fracs}
             wrong = []
             t_start = time.monotonic()
             for rnd in range(a.rounds + 1):
@@ -153,19 +167,25 @@ def main(argv=None):
                 ref = td / "ref.bin"
                 # the order alternates (resident first in odd rounds, last in even ones): a machine
                 # that runs the first or the last run of a round faster biases no row
-                order = ["resident"] + fracs
+                order = ["resident"] + list(copies) + fracs
                 if rnd % 2 == 0:
                     order.reverse()
                 res = {}
                 for k in order:
                     if k == "resident":
                         res[k] = run(bin_dir, model, ref, a.steps, a.threads, cpus=engine_cpus)
+                    elif k in copies:
+                        res[k] = run(bin_dir, copies[k], td / f"copy{list(copies).index(k)}.bin", a.steps, a.threads,
+                                     cpus=engine_cpus)
                     else:
                         res[k] = run(bin_dir, model, td / f"out{fracs.index(k)}.bin", a.steps, a.threads, daemons[k][1],
                                      cpus=engine_cpus)
                 for i, f in enumerate(fracs):
                     if not filecmp.cmp(ref, td / f"out{i}.bin", shallow=False):
                         wrong.append((rnd, label(f)))
+                for i, k in enumerate(copies):
+                    if not filecmp.cmp(ref, td / f"copy{i}.bin", shallow=False):
+                        wrong.append((rnd, k))
                 r0 = res["resident"]
                 if rnd == 0:
                     continue   # warm-up: page cache, the 100 % daemon's arena filled
@@ -176,11 +196,14 @@ def main(argv=None):
         finally:
             for p, _, _ in daemons.values():
                 stop_daemon(p)
+            for dst in copies.values():
+                if os.path.exists(dst):
+                    os.unlink(dst)
     med = lambda xs: statistics.median(xs)
     base_d = med([r["decode_tps"] for r in rows["resident"]])
     base_p = med([r["prompt_tps"] for r in rows["resident"]])
     table = []
-    for k in ["resident"] + fracs:
+    for k in ["resident"] + list(copies) + fracs:
         d = med([r["decode_tps"] for r in rows[k]])
         p = med([r["prompt_tps"] for r in rows[k]])
         ratios = [x["decode_tps"] / y["decode_tps"] for x, y in zip(rows[k], rows["resident"])]
@@ -189,8 +212,8 @@ def main(argv=None):
                        if x.get("step_us_p50") and y.get("step_us_p50")]
         m, se = mean_se(ratios)
         sm, sse = mean_se(step_ratios) if step_ratios else (None, None)
-        table.append({"run": k if k == "resident" else label(k),
-                      "slots": None if k == "resident" else daemons[k][2],
+        table.append({"run": k if isinstance(k, str) else label(k),
+                      "slots": None if isinstance(k, str) else daemons[k][2],
                       "decode_tps": d, "decode_ratio": d / base_d, "paired_ratio_median": med(ratios),
                       "prompt_tps": p, "prompt_ratio": p / base_p,
                       "decode_tps_rounds": [round(r["decode_tps"], 3) for r in rows[k]],

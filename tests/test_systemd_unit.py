@@ -140,3 +140,44 @@ def test_restarts_stop_at_a_refused_configuration(tmp_path, capsys):
         err = capsys.readouterr().err
         assert rc in prevent and err.startswith("moecached: error:") and len(err.strip().splitlines()) == 1, (rc, err)
     assert not prevent & {0, 1, EXIT_MODEL_CHANGED}
+
+
+ARENA_MOUNT = os.path.join(HERE, "..", "systemd", "run-moecached\\x2darena.mount")
+
+
+@pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze not installed (apt-get install -y systemd)")
+def test_arena_mount_unit_verifies_cleanly(tmp_path):
+    unit = tmp_path / os.path.basename(ARENA_MOUNT)
+    unit.write_text(_unit_text(ARENA_MOUNT))
+    r = subprocess.run([ANALYZE, "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and (r.stdout + r.stderr).strip() == "", r.stdout + r.stderr
+    # the check can fail: a mount unit named for another path is refused
+    other = tmp_path / "run-moecached.mount"
+    other.write_text(_unit_text(ARENA_MOUNT))
+    r = subprocess.run([ANALYZE, "verify", "--man=no", str(other)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 or (r.stdout + r.stderr).strip() != ""
+
+
+def test_arena_mount_is_where_the_daemon_may_write_and_gives_huge_pages(tmp_path):
+    st = _settings(_unit_text(ARENA_MOUNT))
+    (where,) = st["Where"]
+    assert "-" + where in _settings(_unit_text())["ReadWritePaths"]   # (absent: ignored)
+    assert "Before" in st and st["Before"] == ["moecached.service"]
+    (opts,) = st["Options"]
+    assert "huge=within_size" in opts.split(",")
+    example = open(os.path.join(HERE, "..", "systemd", "moecached.toml.example")).read()
+    assert f'"{where}"' in example
+    # the unit's options, the service user's ids as root's (the user may not exist here), give
+    # a tmpfs the arena takes 2 MiB pages from
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    from moecached.engine.hostmem import tmpfs_huge
+    mnt = tmp_path / "arena"
+    mnt.mkdir()
+    o = ",".join("uid=0" if x.startswith("uid=") else "gid=0" if x.startswith("gid=") else x for x in opts.split(","))
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", o, "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs with huge= here")
+    try:
+        assert tmpfs_huge(str(mnt)) == "within_size"
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
