@@ -231,3 +231,48 @@ def test_a_server_whose_daemon_restarts_with_fewer_slots_says_to_restart_it(mode
         restart(model, open_index(model).to_json()["n_experts"] * 3 // 4)   # fewer than a prompt's experts of a block
         msg = refused(s, {"prompt": PROMPT * 4, "n_predict": 4, "temperature": 0, "cache_prompt": False})
         assert "another layout" in msg and "restart the engine" in msg and "raise the budget" not in msg, msg
+
+
+
+def test_health_says_503_while_the_daemon_does_not_answer(model, tmp_path):
+    """/health of a server through the daemon: 200 while the daemon answers; 503 with the reason
+    while it is stopped (no socket file) and after it was killed (a socket file nothing answers
+    on), the server running on; 200 again, and the same answer, once a daemon serves the model
+    again. A resident server's /health does not look for a daemon."""
+    idx = open_index(model).to_json()
+    n_experts = len(idx["expert_layers"]) * idx["n_experts"]
+    sock = str(tmp_path / "d.sock")
+    daemon = start_daemon(model, sock, "--slots", str(n_experts))
+    s = Server(model, tmp_path / "served.log", "--moecached", f"ipc://{sock}")
+    try:
+        s.wait_ready()
+        before = ask(s.port)
+        assert http(s.port, "/health") == (200, {"status": "ok"})
+        stop_daemon(daemon)
+        daemon = None
+        st, r = http(s.port, "/health")
+        assert st == 503 and "no daemon socket at" in r["error"]["message"] and sock in r["error"]["message"], (st, r)
+        daemon = start_daemon(model, sock, "--slots", str(n_experts))
+        assert http(s.port, "/health")[0] == 200
+        daemon.kill()   # no goodbye: the socket file stays, nothing answers on it
+        daemon.wait()
+        daemon = None
+        assert os.path.exists(sock)
+        t0 = time.monotonic()
+        st, r = http(s.port, "/health")
+        assert st == 503 and "no answer from the daemon" in r["error"]["message"], (st, r)
+        assert time.monotonic() - t0 < 10
+        assert s.p.poll() is None, f"llama-server exited {s.p.returncode}:\n{s.tail()}"
+        daemon = start_daemon(model, sock, "--slots", str(n_experts))
+        assert http(s.port, "/health") == (200, {"status": "ok"})
+        assert ask(s.port) == before
+    finally:
+        s.stop()
+        if daemon is not None:
+            stop_daemon(daemon)
+    resident = Server(model, tmp_path / "resident.log")
+    try:
+        resident.wait_ready()
+        assert http(resident.port, "/health") == (200, {"status": "ok"})
+    finally:
+        resident.stop()

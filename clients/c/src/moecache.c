@@ -1448,6 +1448,87 @@ int mc_ping(mc_client *c, double *rtt_us, mc_error *err) {
     return MC_OK;
 }
 
+int mc_probe(const char *endpoint, int timeout_ms, double *rtt_us, mc_error *err) {
+    if (!endpoint) endpoint = MC_DEFAULT_ENDPOINT;
+    if (strncmp(endpoint, "ipc://", 6) != 0 && strncmp(endpoint, "tcp://", 6) != 0)
+        return seterr(err, MC_ERR_INVALID_ARG, "endpoint %s: expected ipc://PATH (the daemon's socket, e.g. %s) or "
+                      "tcp://HOST:PORT", endpoint, MC_DEFAULT_ENDPOINT);
+    struct stat st;
+    if (strncmp(endpoint, "ipc://", 6) == 0 && stat(endpoint + 6, &st) != 0 && errno == ENOENT)
+        return seterr(err, MC_ERR_SYSTEM, "no daemon socket at %s: is moecached running? (systemctl status moecached)",
+                      endpoint + 6);
+    double t = now_s();
+    void *ctx = zmq_ctx_new();
+    void *s = ctx ? zmq_socket(ctx, ZMQ_DEALER) : NULL;
+    int rc = MC_OK;
+    if (!s) {
+        rc = seterr(err, MC_ERR_SYSTEM, "zmq_ctx_new/zmq_socket: %s", zmq_strerror(zmq_errno()));
+        goto out;
+    }
+    /* a little linger: the bye after the answer reaches the daemon, which then forgets this client */
+    int linger = 100;
+    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+    if (zmq_connect(s, endpoint) != 0) {
+        rc = seterr(err, MC_ERR_SYSTEM, "connect %s: %s", endpoint, zmq_strerror(zmq_errno()));
+        goto out;
+    }
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    pk_request(&sb, &pk, 1, "ping", 0);
+    int sent = zmq_send(s, sb.data, sb.size, ZMQ_DONTWAIT);
+    msgpack_sbuffer_destroy(&sb);
+    if (sent < 0) {
+        rc = seterr(err, MC_ERR_SYSTEM, "send to %s: %s", endpoint, zmq_strerror(zmq_errno()));
+        goto out;
+    }
+    zmq_pollitem_t it = {s, 0, ZMQ_POLLIN, 0};
+    int n = zmq_poll(&it, 1, timeout_ms < 0 ? -1 : timeout_ms);
+    if (n <= 0) {
+        rc = n == 0 ? seterr(err, MC_ERR_TIMEOUT, "no answer from the daemon at %s within %d ms: is moecached running? "
+                             "(systemctl status moecached)", endpoint, timeout_ms)
+                    : seterr(err, MC_ERR_SYSTEM, "poll %s: %s", endpoint, zmq_strerror(zmq_errno()));
+        goto out;
+    }
+    zmq_msg_t m;
+    zmq_msg_init(&m);
+    if (zmq_msg_recv(&m, s, ZMQ_DONTWAIT) < 0) {
+        zmq_msg_close(&m);
+        rc = seterr(err, MC_ERR_SYSTEM, "recv from %s: %s", endpoint, zmq_strerror(zmq_errno()));
+        goto out;
+    }
+    msgpack_unpacked u;
+    msgpack_unpacked_init(&u);
+    size_t off = 0;
+    if (msgpack_unpack_next(&u, zmq_msg_data(&m), zmq_msg_size(&m), &off) != MSGPACK_UNPACK_SUCCESS ||
+        u.data.type != MSGPACK_OBJECT_MAP) {
+        rc = seterr(err, MC_ERR_PROTOCOL, "ping %s: the answer is not a msgpack map", endpoint);
+    } else {
+        const msgpack_object *okv = mget(&u.data, "ok");
+        if (!(okv && okv->type == MSGPACK_OBJECT_BOOLEAN && okv->via.boolean)) {
+            const msgpack_object *e = mget(&u.data, "error");
+            char code[32] = "";
+            mstrcpy(mget(e, "code"), code, sizeof code);
+            const msgpack_object *em = mget(e, "message");
+            int has_m = em && em->type == MSGPACK_OBJECT_STR;
+            rc = seterr(err, mc_code_from_daemon(code), "ping %s: %s: %.*s", endpoint, code,
+                        has_m ? (int)em->via.str.size : 0, has_m ? em->via.str.ptr : "");
+            if (err) snprintf(err->daemon_code, sizeof err->daemon_code, "%s", code);
+        }
+    }
+    msgpack_unpacked_destroy(&u);
+    zmq_msg_close(&m);
+    if (rc == MC_OK) {
+        if (rtt_us) *rtt_us = (now_s() - t) * 1e6;
+        pk_request(&sb, &pk, 2, "bye", 0);
+        zmq_send(s, sb.data, sb.size, ZMQ_DONTWAIT);
+        msgpack_sbuffer_destroy(&sb);
+    }
+out:
+    if (s) zmq_close(s);
+    if (ctx) zmq_ctx_term(ctx);
+    return rc;
+}
+
 char *mc_stats_text(mc_client *c, mc_error *err) {
     msgpack_unpacked rep;
     if (do_call(c, "stats", 0, NULL, NULL, -1, 1, &rep, NULL, err) != MC_OK) return NULL;

@@ -39,6 +39,12 @@ static void stop_daemon(int sig) {
 }
 static void stop_all(void) { stop_daemon(SIGTERM); }
 
+static double clock_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
 static void sleep_ms(int ms) {
     struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
     nanosleep(&ts, NULL);
@@ -481,6 +487,47 @@ static void test_subst(mc_client *c) {
     CHECK(mc_acquire_subst(c, &rq7, 1, &sbad, 0, -1, &l, &e) == MC_ERR_INVALID_ARG, "r out of range refused locally");
 }
 
+/* The daemon's clients now: its stats' "clients" list, one "watched" each (the clients that
+ * left are listed after it, in "departed_clients"). */
+static int count_clients(mc_client *c) {
+    mc_error err;
+    char *st = mc_stats_text(c, &err);
+    REQUIRE(st, "stats: %s", err.message);
+    const char *b = strstr(st, "\"clients\"=>");
+    REQUIRE(b, "no clients in the stats: %.200s", st);
+    const char *e = strstr(b, "\"departed_clients\"");
+    int n = 0;
+    for (const char *p = b; (p = strstr(p, "\"watched\"")) && (!e || p < e); p++) n++;
+    free(st);
+    return n;
+}
+
+/* mc_probe: a daemon that answers, a missing socket file, a socket file nothing listens on; the
+ * probe leaves no client behind (it says bye). */
+static void test_probe(mc_client *c) {
+    mc_error err;
+    double rtt = -1;
+    CHECK(mc_probe(ENDPOINT, 2000, &rtt, &err) == MC_OK && rtt > 0, "probe: %s", err.message);
+    int n_before = count_clients(c);
+    for (int i = 0; i < 5; i++) CHECK(mc_probe(ENDPOINT, 2000, NULL, &err) == MC_OK, "probe %d: %s", i, err.message);
+    sleep_ms(300);
+    CHECK(count_clients(c) == n_before, "clients after five probes: %d (before: %d)", count_clients(c), n_before);
+    char ep[700];
+    snprintf(ep, sizeof ep, "ipc://%s/none.sock", DIR_);
+    CHECK(mc_probe(ep, 500, NULL, &err) == MC_ERR_SYSTEM && strstr(err.message, "no daemon socket at"), "%s", err.message);
+    char path[700];
+    snprintf(path, sizeof path, "%s/stale.sock", DIR_);
+    FILE *f = fopen(path, "w");   /* a socket file no daemon listens on */
+    REQUIRE(f, "fopen %s", path);
+    fclose(f);
+    snprintf(ep, sizeof ep, "ipc://%s", path);
+    double t0 = clock_ms();
+    CHECK(mc_probe(ep, 300, NULL, &err) == MC_ERR_TIMEOUT && strstr(err.message, "no answer"), "%s", err.message);
+    CHECK(clock_ms() - t0 < 3000, "the probe of a dead socket took %.0f ms", clock_ms() - t0);
+    unlink(path);
+    CHECK(mc_probe("http://x", 100, NULL, &err) == MC_ERR_INVALID_ARG, "%s", err.message);
+}
+
 int main(void) {
     PY = getenv("MC_PYTHON");
     MODEL = getenv("MC_MODEL");
@@ -498,6 +545,7 @@ int main(void) {
     start_daemon("24", "1");
     mc_client *c = connect_client("c-test", 1, 1);
     test_basic(c);
+    test_probe(c);
     test_populate();
     test_errors(c);
     test_threads(c);
