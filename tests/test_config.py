@@ -179,7 +179,7 @@ FILE_ERRORS = [
     ('client_loop_share = 1.5', 'client_loop_share = 1.5: expected a number from 0 to 1'),
     ('admin_group = "no-such-group-moecached-test"', 'admin_group = "no-such-group-moecached-test": '
                                                      'expected an existing group (name or gid), or "" for none'),
-    ('model_dirs = ["srv/models"]', "model_dirs = ['srv/models']: expected absolute directory paths (a "
+    ('model_dirs = ["srv/models"]', "model_dirs = [\"srv/models\"]: expected absolute directory paths (a "
                                     "list of strings, or one string of paths separated by ':')"),
     ('eviction = "arc"', 'eviction = "arc": expected "lru" or "lfu-decay" or "lfu-subst" or "slru"'),
     ('scan_admit = "middle"', 'scan_admit = "middle": expected "cold" or "probation"'),
@@ -394,3 +394,34 @@ def test_daemon_command_line_takes_no_abbreviation(argv, text, capsys):
     assert ei.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err == f"moecached: error: {text}; moecached --help lists them"
+
+
+def test_arena_dir_list_takes_the_first_directory_this_user_can_write(tmp_path):
+    """arena_dir = [A, B, ...] in the file: the first existing directory this user can write
+    to (a huge-page tmpfs where it is mounted, /dev/shm where not); none: one line naming them."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    a, b = tmp_path / "a", tmp_path / "b"
+    b.mkdir()
+    f = tmp_path / "c.toml"
+    f.write_text(f'model = "{model}"\nslots = 4\narena_dir = ["{a}", "{b}", "/dev/shm"]\n')
+    c = load_config(str(f), check_runnable=False)
+    assert c.arena_dir == str(b) and c.arena_dir_choices == [str(a), str(b), "/dev/shm"]
+    a.mkdir()
+    assert load_config(str(f), check_runnable=False).arena_dir == str(a)
+    if os.geteuid() != 0:   # (root writes anywhere)
+        a.chmod(0o500)
+        assert load_config(str(f), check_runnable=False).arena_dir == str(b)
+        a.chmod(0o700)
+    # the command line's --arena-dir is one directory, and replaces the file's list
+    assert load_config(str(f), {"arena_dir": "/dev/shm"}, check_runnable=False, cli=True).arena_dir == "/dev/shm"
+    f.write_text(f'model = "{model}"\nslots = 4\narena_dir = ["{tmp_path}/x", "{tmp_path}/y"]\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(str(f))
+    assert str(e.value) == (f'{f}: arena_dir = ["{tmp_path}/x", "{tmp_path}/y"]: expected an existing directory '
+                            "this user can write to among them (none is)")
+    for bad in ('[]', '["shm"]', '[1]'):
+        f.write_text(f'model = "{model}"\nslots = 4\narena_dir = {bad}\n')
+        with pytest.raises(ConfigError) as e:
+            load_config(str(f))
+        assert "expected an absolute path, or a list of them" in str(e.value), str(e.value)

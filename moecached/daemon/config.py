@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 
 from moecached import MoecacheError
 from moecached.daemon.confvalues import (MAX_IPC_PATH, MODEL_NAME, GiB, KiB, MiB, _abs_path, _admit_cold,  # noqa: F401
+                                         _arena_dir,
                          _Bad, _bool, _choice, _endpoint, _float_range, _fraction, _group, _human,
                          _hysteresis, _int_range, _log_level, _mode, _model, _MODEL_FIELDS, _models,
                          _hit_rate, _rate, _size, _state_dir)
@@ -106,6 +107,8 @@ class Config:
     fill_io: str = "direct"                  # how a fill's runs are read: direct (O_DIRECT) or buffered (read-ahead)
     # where each value came from: "default", the config file's path, or "command line"
     sources: dict = field(default_factory=dict, repr=False, compare=False)
+    # arena_dir given as a list: the list (arena_dir is then the one taken); None otherwise
+    arena_dir_choices: Optional[list] = field(default=None, repr=False, compare=False)
     path: Optional[str] = field(default=None, compare=False)   # config file read, if any
 
     @property
@@ -153,7 +156,9 @@ KEYS: dict[str, Key] = {
         reload="budget", scope="budget"),
     "endpoint": Key(_endpoint, "--endpoint", f"ZeroMQ endpoint (default {DEFAULT_ENDPOINT})", "URL"),
     "allow_tcp": Key(_bool, "--allow-tcp", "permit a tcp:// endpoint (it has no access control)", kind="bool"),
-    "arena_dir": Key(_abs_path, "--arena-dir", "directory of the arena file (default /dev/shm)", "DIR"),
+    "arena_dir": Key(_arena_dir, "--arena-dir", "directory of the arena file (default /dev/shm); in the file "
+                     "also a list, of which the first existing directory this user can write to is taken "
+                     '(e.g. ["/run/moecached-arena", "/dev/shm"]: 2 MiB pages where that mount is)', "DIR"),
     "hugetlb": Key(_bool, "--hugetlb", "back the arena with huge pages (arena_dir on hugetlbfs)", kind="bool"),
     "lock_memory": Key(_bool, "--lock-memory", "mlock the arena (default on)", kind="bool"),
     "direct_io": Key(_bool, "--direct-io", "read the model with O_DIRECT (default on)", kind="bool"),
@@ -292,7 +297,7 @@ KEYS: dict[str, Key] = {
 #: a restart.
 RELOADABLE = frozenset(k for k, key in KEYS.items() if key.reload is not None)
 
-assert set(KEYS) == {f.name for f in dataclasses.fields(Config)} - {"sources", "path"}
+assert set(KEYS) == {f.name for f in dataclasses.fields(Config)} - {"sources", "path", "arena_dir_choices"}
 assert all(k.scope in ("model", "socket", "daemon", "budget") for k in KEYS.values())
 
 
@@ -304,6 +309,8 @@ def _show(v: Any) -> str:
         return json.dumps(v)
     if isinstance(v, dict):
         return "{...}"
+    if isinstance(v, list) and not any(isinstance(x, dict) for x in v):
+        return "[" + ", ".join(_show(x) for x in v) + "]"
     return repr(v)
 
 
@@ -424,6 +431,12 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict] = None, *,
         except KeyError:
             cfg.group = None
 
+    if isinstance(cfg.arena_dir, list):
+        # the first existing directory this user can write to; none: the last (the check below
+        # then names them all)
+        usable = [d for d in cfg.arena_dir if os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK)]
+        cfg.arena_dir_choices = list(cfg.arena_dir)
+        cfg.arena_dir = usable[0] if usable else cfg.arena_dir[-1]
     _cross_check(cfg, cli, given)
     if check_runnable:
         _check_runnable(cfg, cli, given)
@@ -478,6 +491,9 @@ def _check_runnable(cfg: Config, cli: bool, given: dict) -> None:
     if cfg.budget is None and cfg.slots is None:
         raise ConfigError(f'{where}: neither budget nor slots is set: expected budget = "SIZE" or slots = N '
                           "in the config file, or --budget / --slots")
+    if cfg.arena_dir_choices and not (os.path.isdir(cfg.arena_dir) and os.access(cfg.arena_dir, os.W_OK | os.X_OK)):
+        raise ConfigError(f"{_at(cfg, 'arena_dir', cli, given)}: expected an existing directory this user "
+                          "can write to among them (none is)")
     if not os.path.isdir(cfg.arena_dir):
         raise ConfigError(f"{_at(cfg, 'arena_dir', cli, given)}: expected an existing directory")
 

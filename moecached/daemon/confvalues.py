@@ -153,6 +153,19 @@ def _abs_path(x):
     return os.path.normpath(x)
 
 
+def _arena_dir(x):
+    """An absolute path, or a list of them (the config file's form): the first existing directory
+    this user can write to is the one taken (load_config resolves it)."""
+    if isinstance(x, list):
+        if not x:
+            raise _Bad("an absolute path, or a list of them")
+        try:
+            return [_abs_path(d) for d in x]
+        except _Bad:
+            raise _Bad("an absolute path, or a list of them") from None
+    return _abs_path(x)
+
+
 def _state_dir(x):
     if not isinstance(x, str) or (x and not x.startswith("/")) or "\0" in x:
         raise _Bad('an absolute path, or "" for no warm starts')
