@@ -74,9 +74,12 @@ def cpu_list(text: str) -> set:
     try:
         for part in text.split(","):
             lo, _, hi = part.partition("-")
-            out |= set(range(int(lo), int(hi or lo) + 1))
+            lo, hi = int(lo), int(hi or lo)
+            if lo > hi:
+                raise ValueError
+            out |= set(range(lo, hi + 1))
     except ValueError:
-        raise ValueError(f"--engine-cpus {text!r}: expected CPU numbers and ranges, e.g. 0-7 or 0,2,4,6") from None
+        raise ValueError(f"--engine-cpus {text!r}: expected CPU numbers and rising ranges, e.g. 0-7 or 0,2,4,6") from None
     return out
 
 
@@ -118,8 +121,9 @@ def main(argv=None):
         if not engine_cpus <= mine:
             ap.error(f"--engine-cpus {a.engine_cpus}: CPUs {sorted(engine_cpus - mine)} are not this process's "
                      f"({sorted(mine)})")
-        if mine - engine_cpus:
-            os.sched_setaffinity(0, mine - engine_cpus)   # the daemons (started below) inherit it
+        if not mine - engine_cpus:
+            ap.error(f"--engine-cpus {a.engine_cpus}: every CPU of this process; leave some for the daemons")
+        os.sched_setaffinity(0, mine - engine_cpus)   # the daemons (started below) inherit it
     variants = [("", [])]
     for v in a.variant:
         name, sep, args = v.partition("=")
@@ -133,6 +137,8 @@ def main(argv=None):
         name, sep, d = v.partition("=")
         if not sep or not name or not os.path.isdir(d):
             ap.error(f"--resident-copy {v!r}: expected NAME=DIR, DIR an existing folder")
+        if f"resident, {name}" in copies:
+            ap.error(f"--resident-copy {v!r}: NAME {name} given twice")
         copies[f"resident, {name}"] = d
     vargs = dict(variants)
     label = lambda k: f"{int(k[0] * 100)}% cached" + (f", {k[1]}" if k[1] else "")

@@ -176,3 +176,32 @@ def test_a_departed_fast_client_keeps_its_hits_in_the_stats(daemon):
         st = w.stats()
     gone = next(x for x in st["departed_clients"] if x["name"] == "leaver")
     assert gone["hits"] + gone["prefetch_hits"] == 10
+
+
+def test_a_connection_that_only_pings_leaves_no_departure(daemon):
+    """A health check's connection (ping, then bye, no hello: libmoecache's mc_probe) is not
+    listed among the departed clients, which keep the engines' last summaries; a client that
+    said hello is."""
+    import msgpack
+    import zmq
+    ep, _ = daemon()
+    with Client(ep, name="engine") as c:
+        c.acquire(c.expert_layers[0], [1]).release()
+    ctx = zmq.Context()
+    try:
+        for i in range(40):   # more than the departed list holds
+            s = ctx.socket(zmq.DEALER)
+            s.connect(ep)
+            s.send(msgpack.packb({"v": 1, "id": 1, "op": "ping"}))
+            assert msgpack.unpackb(s.recv())["ok"]
+            s.send(msgpack.packb({"v": 1, "id": 2, "op": "bye"}))
+            assert msgpack.unpackb(s.recv())["ok"]
+            s.close(linger=0)
+    finally:
+        ctx.term()
+    with Client(ep, name="watcher", fast_path=False) as w:
+        st = w.stats()
+    gone = st["departed_clients"]
+    assert "engine" in [x["name"] for x in gone], gone
+    assert not [x for x in gone if x["name"] == x["id"]], gone   # (no hello: named by its routing id)
+    assert [x["name"] for x in st["clients"]] == ["watcher"], st["clients"]

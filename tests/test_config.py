@@ -396,32 +396,47 @@ def test_daemon_command_line_takes_no_abbreviation(argv, text, capsys):
     assert err == f"moecached: error: {text}; moecached --help lists them"
 
 
-def test_arena_dir_list_takes_the_first_directory_this_user_can_write(tmp_path):
-    """arena_dir = [A, B, ...] in the file: the first existing directory this user can write
-    to (a huge-page tmpfs where it is mounted, /dev/shm where not); none: one line naming them."""
+
+def test_arena_dir_list_takes_the_first_mount_this_user_can_write(tmp_path):
+    """arena_dir = [A, B, ...] in the file: the first mount point (a tmpfs such as a huge-page
+    one, /dev/shm) this user can write to and root or this user owns; an empty directory where a
+    mount failed is passed over; none: one line naming them. A SIGHUP with the same list keeps
+    the running arena's directory; --print-config writes the list."""
     model = tmp_path / "m.gguf"
     model.write_bytes(b"x")
     a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
     b.mkdir()
     f = tmp_path / "c.toml"
     f.write_text(f'model = "{model}"\nslots = 4\narena_dir = ["{a}", "{b}", "/dev/shm"]\n')
     c = load_config(str(f), check_runnable=False)
-    assert c.arena_dir == str(b) and c.arena_dir_choices == [str(a), str(b), "/dev/shm"]
-    a.mkdir()
-    assert load_config(str(f), check_runnable=False).arena_dir == str(a)
-    if os.geteuid() != 0:   # (root writes anywhere)
-        a.chmod(0o500)
-        assert load_config(str(f), check_runnable=False).arena_dir == str(b)
-        a.chmod(0o700)
+    assert c.arena_dir == "/dev/shm" and c.arena_dir_choices == [str(a), str(b), "/dev/shm"]
+    assert 'arena_dir = ["' + str(a) in dump_toml(c)
     # the command line's --arena-dir is one directory, and replaces the file's list
-    assert load_config(str(f), {"arena_dir": "/dev/shm"}, check_runnable=False, cli=True).arena_dir == "/dev/shm"
-    f.write_text(f'model = "{model}"\nslots = 4\narena_dir = ["{tmp_path}/x", "{tmp_path}/y"]\n')
+    assert load_config(str(f), {"arena_dir": str(a)}, check_runnable=False, cli=True).arena_dir == str(a)
+    f2 = tmp_path / "none.toml"
+    f2.write_text(f'model = "{model}"\nslots = 4\narena_dir = ["{a}", "{tmp_path}/y"]\n')
     with pytest.raises(ConfigError) as e:
-        load_config(str(f))
-    assert str(e.value) == (f'{f}: arena_dir = ["{tmp_path}/x", "{tmp_path}/y"]: expected an existing directory '
-                            "this user can write to among them (none is)")
+        load_config(str(f2))
+    assert str(e.value) == (f'{f2}: arena_dir = ["{a}", "{tmp_path}/y"]: expected among them a mount point (a '
+                            "tmpfs or hugetlbfs) this user can write to, owned by root or this user (none is)")
     for bad in ('[]', '["shm"]', '[1]'):
-        f.write_text(f'model = "{model}"\nslots = 4\narena_dir = {bad}\n')
+        f2.write_text(f'model = "{model}"\nslots = 4\narena_dir = {bad}\n')
         with pytest.raises(ConfigError) as e:
-            load_config(str(f))
+            load_config(str(f2))
         assert "expected an absolute path, or a list of them" in str(e.value), str(e.value)
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    import subprocess
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(b)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        c2 = load_config(str(f), check_runnable=False)
+        assert c2.arena_dir == str(b)
+        apply, restart = reload_changes(c, c2)   # the same list: the running arena stays put
+        assert "arena_dir" not in restart and "arena_dir" not in apply and c2.arena_dir == "/dev/shm"
+        os.chown(b, 65534, 65534)   # another user's mount: its files could be swapped under the daemon
+        os.chmod(b, 0o777)
+        assert load_config(str(f), check_runnable=False).arena_dir == "/dev/shm"
+    finally:
+        subprocess.run(["umount", "-l", str(b)], capture_output=True)

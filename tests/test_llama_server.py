@@ -8,6 +8,8 @@ answer the same tokens and text, and the daemon read each expert at most once fo
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -231,14 +233,23 @@ def test_a_server_whose_daemon_restarts_with_fewer_slots_says_to_restart_it(mode
         restart(model, open_index(model).to_json()["n_experts"] * 3 // 4)   # fewer than a prompt's experts of a block
         msg = refused(s, {"prompt": PROMPT * 4, "n_predict": 4, "temperature": 0, "cache_prompt": False})
         assert "another layout" in msg and "restart the engine" in msg and "raise the budget" not in msg, msg
+        # /health says so while this daemon runs (every request would fail the same way) ...
+        time.sleep(1.1)   # (past the shared probe's second)
+        st, r = http(s.port, "/health")
+        assert st == 503 and "another layout" in r["error"]["message"], (st, r)
+        # ... and gives a restarted daemon another chance
+        restart(model, open_index(model).to_json()["n_experts"] * len(open_index(model).to_json()["expert_layers"]))
+        time.sleep(1.1)
+        assert http(s.port, "/health") == (200, {"status": "ok"})
 
 
 
 def test_health_says_503_while_the_daemon_does_not_answer(model, tmp_path):
     """/health of a server through the daemon: 200 while the daemon answers; 503 with the reason
     while it is stopped (no socket file) and after it was killed (a socket file nothing answers
-    on), the server running on; 200 again, and the same answer, once a daemon serves the model
-    again. A resident server's /health does not look for a daemon."""
+    on), the server running on, a flood of checks sharing one probe a second; 200 again, and the
+    same answer, once a daemon serves the model again. A resident server's /health does not look
+    for a daemon."""
     idx = open_index(model).to_json()
     n_experts = len(idx["expert_layers"]) * idx["n_experts"]
     sock = str(tmp_path / "d.sock")
@@ -250,20 +261,30 @@ def test_health_says_503_while_the_daemon_does_not_answer(model, tmp_path):
         assert http(s.port, "/health") == (200, {"status": "ok"})
         stop_daemon(daemon)
         daemon = None
+        time.sleep(1.1)   # (past the probe's answer the server shares for a second)
         st, r = http(s.port, "/health")
         assert st == 503 and "no daemon socket at" in r["error"]["message"] and sock in r["error"]["message"], (st, r)
         daemon = start_daemon(model, sock, "--slots", str(n_experts))
+        time.sleep(1.1)
         assert http(s.port, "/health")[0] == 200
         daemon.kill()   # no goodbye: the socket file stays, nothing answers on it
         daemon.wait()
         daemon = None
         assert os.path.exists(sock)
+        time.sleep(1.1)
         t0 = time.monotonic()
         st, r = http(s.port, "/health")
         assert st == 503 and "no answer from the daemon" in r["error"]["message"], (st, r)
         assert time.monotonic() - t0 < 10
+        # a flood of health checks while nothing answers: one probe a second, shared; the
+        # server stays up and every answer is the 503
+        with concurrent.futures.ThreadPoolExecutor(64) as pool:
+            t0 = time.monotonic()
+            got = list(pool.map(lambda _: http(s.port, "/health", timeout=30)[0], range(256)))
+        assert got == [503] * 256 and time.monotonic() - t0 < 15, (collections.Counter(got), time.monotonic() - t0)
         assert s.p.poll() is None, f"llama-server exited {s.p.returncode}:\n{s.tail()}"
         daemon = start_daemon(model, sock, "--slots", str(n_experts))
+        time.sleep(1.1)
         assert http(s.port, "/health") == (200, {"status": "ok"})
         assert ask(s.port) == before
     finally:

@@ -157,7 +157,7 @@ KEYS: dict[str, Key] = {
     "endpoint": Key(_endpoint, "--endpoint", f"ZeroMQ endpoint (default {DEFAULT_ENDPOINT})", "URL"),
     "allow_tcp": Key(_bool, "--allow-tcp", "permit a tcp:// endpoint (it has no access control)", kind="bool"),
     "arena_dir": Key(_arena_dir, "--arena-dir", "directory of the arena file (default /dev/shm); in the file "
-                     "also a list, of which the first existing directory this user can write to is taken "
+                     "also a list, of which the first mount point this user can write to is taken "
                      '(e.g. ["/run/moecached-arena", "/dev/shm"]: 2 MiB pages where that mount is)', "DIR"),
     "hugetlb": Key(_bool, "--hugetlb", "back the arena with huge pages (arena_dir on hugetlbfs)", kind="bool"),
     "lock_memory": Key(_bool, "--lock-memory", "mlock the arena (default on)", kind="bool"),
@@ -432,15 +432,27 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict] = None, *,
             cfg.group = None
 
     if isinstance(cfg.arena_dir, list):
-        # the first existing directory this user can write to; none: the last (the check below
-        # then names them all)
-        usable = [d for d in cfg.arena_dir if os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK)]
+        # the first usable one; none: the last (the check below then names them all)
+        usable = [d for d in cfg.arena_dir if arena_dir_usable(d)]
         cfg.arena_dir_choices = list(cfg.arena_dir)
         cfg.arena_dir = usable[0] if usable else cfg.arena_dir[-1]
     _cross_check(cfg, cli, given)
     if check_runnable:
         _check_runnable(cfg, cli, given)
     return cfg
+
+
+def arena_dir_usable(d: str) -> bool:
+    """One entry of an ``arena_dir`` list is taken when it is a mounted file system's root (a
+    tmpfs or hugetlbfs such as /dev/shm or /run/moecached-arena: not the empty directory a mount
+    that failed leaves), this user may write to it, and it belongs to root or this user (no other
+    user can swap the files in it)."""
+    try:
+        st = os.stat(d)
+    except OSError:
+        return False
+    return (os.path.isdir(d) and os.path.ismount(os.path.realpath(d)) and os.access(d, os.W_OK | os.X_OK)
+            and st.st_uid in (0, os.geteuid()))
 
 
 def _where(cfg: Config, key: str) -> str:
@@ -491,9 +503,9 @@ def _check_runnable(cfg: Config, cli: bool, given: dict) -> None:
     if cfg.budget is None and cfg.slots is None:
         raise ConfigError(f'{where}: neither budget nor slots is set: expected budget = "SIZE" or slots = N '
                           "in the config file, or --budget / --slots")
-    if cfg.arena_dir_choices and not (os.path.isdir(cfg.arena_dir) and os.access(cfg.arena_dir, os.W_OK | os.X_OK)):
-        raise ConfigError(f"{_at(cfg, 'arena_dir', cli, given)}: expected an existing directory this user "
-                          "can write to among them (none is)")
+    if cfg.arena_dir_choices and not arena_dir_usable(cfg.arena_dir):
+        raise ConfigError(f"{_at(cfg, 'arena_dir', cli, given)}: expected among them a mount point (a tmpfs "
+                          "or hugetlbfs) this user can write to, owned by root or this user (none is)")
     if not os.path.isdir(cfg.arena_dir):
         raise ConfigError(f"{_at(cfg, 'arena_dir', cli, given)}: expected an existing directory")
 
@@ -546,6 +558,10 @@ def reload_changes(old: Config, new: Config) -> tuple[dict, list]:
     """Compare two configs for SIGHUP: ``({key: (old, new)} a running daemon can apply,
     [keys that changed but need a restart])``."""
     apply, restart = {}, []
+    if old.arena_dir_choices is not None and old.arena_dir_choices == new.arena_dir_choices:
+        # the same list: the running daemon's arena stays where it is, whichever entry the list
+        # resolves to now (a mount that appeared since is taken at the next start)
+        new.arena_dir = old.arena_dir
     for k in KEYS:
         a, b = getattr(old, k), getattr(new, k)
         if a != b:
@@ -567,6 +583,8 @@ def dump_toml(cfg: Config) -> str:
                     f'{f} = "{_human(m[f]).replace(" ", "")}"' if f.endswith("budget") else
                     f"{f} = {_show(m[f])}" for f in _MODEL_FIELDS if m.get(f) is not None]
             continue
+        if k == "arena_dir" and cfg.arena_dir_choices:
+            v = cfg.arena_dir_choices   # (the list as given, not the entry it resolved to)
         if v is None:
             lines.append(f"# {k} =")
         elif k in ("socket_mode", "arena_mode"):

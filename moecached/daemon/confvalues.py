@@ -154,8 +154,8 @@ def _abs_path(x):
 
 
 def _arena_dir(x):
-    """An absolute path, or a list of them (the config file's form): the first existing directory
-    this user can write to is the one taken (load_config resolves it)."""
+    """An absolute path, or a list of them (the config file's form): the first usable one is taken
+    (load_config resolves it: ``config.arena_dir_usable``)."""
     if isinstance(x, list):
         if not x:
             raise _Bad("an absolute path, or a list of them")

@@ -119,7 +119,11 @@ class Daemon:
         cfg = self.cfg
         held = {"lock": lock_endpoint(cfg.endpoint)}
         try:
-            remove_stale_arenas(cfg.arena_dir, log)  # arenas of killed daemons pin shm
+            # arenas of killed daemons pin shm: in every directory an arena_dir list names (an
+            # earlier start may have taken another one)
+            for d in dict.fromkeys([cfg.arena_dir] + list(cfg.arena_dir_choices or [])):
+                if os.path.isdir(d):
+                    remove_stale_arenas(d, log)
             self.read_queue = ReadQueue(threads=cfg.readers, chunk_bytes=cfg.chunk)
             self.server = self.models.start(held)
         except BaseException:

@@ -31,7 +31,7 @@ log = logging.getLogger("moecached.service.server")
 
 
 class _Client:
-    __slots__ = ("ident", "delim", "name", "pid", "first_seen", "last_seen", "leases", "pending",
+    __slots__ = ("ident", "delim", "name", "hello", "pid", "first_seen", "last_seen", "leases", "pending",
                  "requests", "acquires", "hits", "misses", "prefetch_hits", "prefetches",
                  "errors", "stall_s", "pidfd", "bucket", "pf", "rate_limited", "pins", "fast_closed",
                  "subst", "peer_addr", "peer", "admin", "pin_words", "loop",
@@ -56,6 +56,7 @@ class _Client:
         self.throttled = self.coalesced = 0
         self.delim = False  # the client frames requests REQ-style (empty delimiter first)
         self.name = ident.hex()
+        self.hello = False   # it said hello (a connection that only pings, a health check, never does)
         self.pid = None
         self.first_seen = self.last_seen = now
         self.leases: set[int] = set()
@@ -145,9 +146,10 @@ class ServerClients:
         self._unwatch(c)
         self.clients.pop(c.ident, None)
         self.counters["clients_dropped"] += 1
-        gone = c.summary()
-        gone["left"] = why
-        self.departed.append(gone)
+        if c.hello:   # (the engines' departures, not every health check's)
+            gone = c.summary()
+            gone["left"] = why
+            self.departed.append(gone)
         if n:
             log.info("client %s (pid %s) %s: released %d leases", c.name, c.pid, why, n)
 

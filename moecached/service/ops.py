@@ -41,6 +41,7 @@ class ServerOps:
             if not isinstance(name, str) or not name:
                 raise P.ProtocolError(P.E_BAD_TYPE, "field 'client' must be a non-empty string")
             c.name = name[:64]
+        c.hello = True
         c.pid = c.peer.pid   # as the kernel says; a claimed pid is checked against it
         self._watch_client(c, msg.get("pid"), msg.get("pid_start"))
         fast = msg.get("fast_path", False)

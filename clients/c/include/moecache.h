@@ -178,11 +178,14 @@ MC_API void mc_close(mc_client *c);
 MC_API int mc_ping(mc_client *c, double *rtt_us, mc_error *err);
 
 /* Without a client: whether a daemon answers at `endpoint` (NULL: the default) within timeout_ms
- * (-1: no limit), e.g. for an engine's health check on a thread of its own. A socket of its own
- * sends one ping, then bye, and is closed; no hello, no lease, no arena mapped. Thread-safe.
- * MC_OK and *rtt_us (may be NULL); MC_ERR_SYSTEM naming the missing socket file, MC_ERR_TIMEOUT
- * when nothing answered in time, the daemon's error code otherwise. */
-MC_API int mc_probe(const char *endpoint, int timeout_ms, double *rtt_us, mc_error *err);
+ * (> 0; -1: no limit), e.g. for an engine's health check on a thread of its own. A socket of its
+ * own sends one ping, then bye, and is closed; no hello, no lease, no arena mapped. Thread-safe;
+ * each call is a ZeroMQ context of its own for up to timeout_ms: a caller probing often (a health
+ * endpoint) should share one probe's answer between its callers. MC_OK, *rtt_us and *session (the
+ * daemon's session: another one than a client's means the daemon restarted; each may be NULL);
+ * MC_ERR_SYSTEM naming the missing socket file, MC_ERR_TIMEOUT when nothing answered in time, the
+ * daemon's error code otherwise. */
+MC_API int mc_probe(const char *endpoint, int timeout_ms, double *rtt_us, uint64_t *session, mc_error *err);
 
 /* Without the heartbeat thread: ping if idle, read late replies, notice a dropped connection.
  * Call at least every mc_heartbeat_ms(c) milliseconds. Harmless with the thread. */

@@ -1448,7 +1448,7 @@ int mc_ping(mc_client *c, double *rtt_us, mc_error *err) {
     return MC_OK;
 }
 
-int mc_probe(const char *endpoint, int timeout_ms, double *rtt_us, mc_error *err) {
+int mc_probe(const char *endpoint, int timeout_ms, double *rtt_us, uint64_t *session, mc_error *err) {
     if (!endpoint) endpoint = MC_DEFAULT_ENDPOINT;
     if (strncmp(endpoint, "ipc://", 6) != 0 && strncmp(endpoint, "tcp://", 6) != 0)
         return seterr(err, MC_ERR_INVALID_ARG, "endpoint %s: expected ipc://PATH (the daemon's socket, e.g. %s) or "
@@ -1465,8 +1465,7 @@ int mc_probe(const char *endpoint, int timeout_ms, double *rtt_us, mc_error *err
         rc = seterr(err, MC_ERR_SYSTEM, "zmq_ctx_new/zmq_socket: %s", zmq_strerror(zmq_errno()));
         goto out;
     }
-    /* a little linger: the bye after the answer reaches the daemon, which then forgets this client */
-    int linger = 100;
+    int linger = 0;   /* (100 ms once there is a bye to deliver) */
     zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
     if (zmq_connect(s, endpoint) != 0) {
         rc = seterr(err, MC_ERR_SYSTEM, "connect %s: %s", endpoint, zmq_strerror(zmq_errno()));
@@ -1482,7 +1481,12 @@ int mc_probe(const char *endpoint, int timeout_ms, double *rtt_us, mc_error *err
         goto out;
     }
     zmq_pollitem_t it = {s, 0, ZMQ_POLLIN, 0};
-    int n = zmq_poll(&it, 1, timeout_ms < 0 ? -1 : timeout_ms);
+    int n;
+    for (;;) {   /* (a signal: wait out the rest) */
+        int left = timeout_ms < 0 ? -1 : (int)(timeout_ms - (now_s() - t) * 1e3);
+        n = zmq_poll(&it, 1, timeout_ms < 0 ? -1 : (left > 0 ? left : 0));
+        if (n >= 0 || zmq_errno() != EINTR) break;
+    }
     if (n <= 0) {
         rc = n == 0 ? seterr(err, MC_ERR_TIMEOUT, "no answer from the daemon at %s within %d ms: is moecached running? "
                              "(systemctl status moecached)", endpoint, timeout_ms)
@@ -1504,6 +1508,7 @@ int mc_probe(const char *endpoint, int timeout_ms, double *rtt_us, mc_error *err
         rc = seterr(err, MC_ERR_PROTOCOL, "ping %s: the answer is not a msgpack map", endpoint);
     } else {
         const msgpack_object *okv = mget(&u.data, "ok");
+        if (session && !muint(mget(&u.data, "session"), session)) *session = 0;
         if (!(okv && okv->type == MSGPACK_OBJECT_BOOLEAN && okv->via.boolean)) {
             const msgpack_object *e = mget(&u.data, "error");
             char code[32] = "";
@@ -1519,6 +1524,9 @@ int mc_probe(const char *endpoint, int timeout_ms, double *rtt_us, mc_error *err
     zmq_msg_close(&m);
     if (rc == MC_OK) {
         if (rtt_us) *rtt_us = (now_s() - t) * 1e6;
+        /* a little linger: the bye reaches the daemon, which then forgets this client */
+        linger = 100;
+        zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
         pk_request(&sb, &pk, 2, "bye", 0);
         zmq_send(s, sb.data, sb.size, ZMQ_DONTWAIT);
         msgpack_sbuffer_destroy(&sb);

@@ -507,14 +507,17 @@ static int count_clients(mc_client *c) {
 static void test_probe(mc_client *c) {
     mc_error err;
     double rtt = -1;
-    CHECK(mc_probe(ENDPOINT, 2000, &rtt, &err) == MC_OK && rtt > 0, "probe: %s", err.message);
+    uint64_t session = 0;
+    CHECK(mc_probe(ENDPOINT, 2000, &rtt, &session, &err) == MC_OK && rtt > 0, "probe: %s", err.message);
+    CHECK(session != 0 && session == mc_session(c), "probe's session %llu, the client's %llu",
+          (unsigned long long)session, (unsigned long long)mc_session(c));
     int n_before = count_clients(c);
-    for (int i = 0; i < 5; i++) CHECK(mc_probe(ENDPOINT, 2000, NULL, &err) == MC_OK, "probe %d: %s", i, err.message);
+    for (int i = 0; i < 5; i++) CHECK(mc_probe(ENDPOINT, 2000, NULL, NULL, &err) == MC_OK, "probe %d: %s", i, err.message);
     sleep_ms(300);
     CHECK(count_clients(c) == n_before, "clients after five probes: %d (before: %d)", count_clients(c), n_before);
     char ep[700];
     snprintf(ep, sizeof ep, "ipc://%s/none.sock", DIR_);
-    CHECK(mc_probe(ep, 500, NULL, &err) == MC_ERR_SYSTEM && strstr(err.message, "no daemon socket at"), "%s", err.message);
+    CHECK(mc_probe(ep, 500, NULL, NULL, &err) == MC_ERR_SYSTEM && strstr(err.message, "no daemon socket at"), "%s", err.message);
     char path[700];
     snprintf(path, sizeof path, "%s/stale.sock", DIR_);
     FILE *f = fopen(path, "w");   /* a socket file no daemon listens on */
@@ -522,10 +525,10 @@ static void test_probe(mc_client *c) {
     fclose(f);
     snprintf(ep, sizeof ep, "ipc://%s", path);
     double t0 = clock_ms();
-    CHECK(mc_probe(ep, 300, NULL, &err) == MC_ERR_TIMEOUT && strstr(err.message, "no answer"), "%s", err.message);
+    CHECK(mc_probe(ep, 300, NULL, NULL, &err) == MC_ERR_TIMEOUT && strstr(err.message, "no answer"), "%s", err.message);
     CHECK(clock_ms() - t0 < 3000, "the probe of a dead socket took %.0f ms", clock_ms() - t0);
     unlink(path);
-    CHECK(mc_probe("http://x", 100, NULL, &err) == MC_ERR_INVALID_ARG, "%s", err.message);
+    CHECK(mc_probe("http://x", 100, NULL, NULL, &err) == MC_ERR_INVALID_ARG, "%s", err.message);
 }
 
 int main(void) {
