@@ -218,6 +218,11 @@ def main(argv=None):
                        if x.get("step_us_p50") and y.get("step_us_p50")]
         m, se = mean_se(ratios)
         sm, sse = mean_se(step_ratios) if step_ratios else (None, None)
+        # the served blocks' host ops (mc-decode's decode_op_us: the acquire, the release, ...) a decoded
+        # token, and their share of its median step (None for a resident run or an older driver)
+        ops = [r["stats"]["decode_op_us"] / a.steps for r in rows[k] if "decode_op_us" in r.get("stats", {})]
+        op_us = med(ops) if ops else None
+        step_med = med([r["step_us_p50"] for r in rows[k] if r.get("step_us_p50")] or [0])
         table.append({"run": k if isinstance(k, str) else label(k),
                       "slots": None if isinstance(k, str) else daemons[k][2],
                       "decode_tps": d, "decode_ratio": d / base_d, "paired_ratio_median": med(ratios),
@@ -229,20 +234,23 @@ def main(argv=None):
                       "step_ratios": [round(x, 5) for x in step_ratios],
                       "step_ratio_median": med(step_ratios) if step_ratios else None,
                       "step_ratio_mean": sm, "step_ratio_se": sse,
+                      "op_us_per_token": op_us, "op_share_of_step": op_us / step_med if op_us is not None and step_med else None,
                       "graphs_reused": [r["graphs_reused"] for r in rows[k]],
                       "last_stats": rows[k][-1]["stats"]})
     print(f"\nmodel {os.path.basename(model)}: {len(idx['expert_layers'])} MoE blocks x {idx['n_experts']} experts, "
           f"top-{idx['top_k']}, {a.steps} steps, prompt {len(PROMPT)} bytes, {a.threads} threads, {a.rounds} rounds"
           + (f", engines on CPUs {a.engine_cpus}" if a.engine_cpus else ""))
     print("| run | slots | decode tok/s | vs resident | paired: median, mean +- se | median step: paired median, "
-          "mean +- se | prompt tok/s | vs resident |")
-    print("|---|---|---|---|---|---|---|---|")
+          "mean +- se | prompt tok/s | vs resident | host ops us a token (of the step) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for t in table:
         step = ("-" if t["step_ratio_mean"] is None else
                 f"{t['step_ratio_median']:.3f}, {t['step_ratio_mean']:.3f} +- {t['step_ratio_se']:.3f}")
+        ops = ("-" if t["op_us_per_token"] is None else
+               f"{t['op_us_per_token']:.1f}" + (f" ({100 * t['op_share_of_step']:.2f} %)" if t["op_share_of_step"] else ""))
         print(f"| {t['run']} | {t['slots'] or '-'} | {t['decode_tps']:.2f} | {t['decode_ratio']:.3f} | "
               f"{t['paired_ratio_median']:.3f}, {t['paired_ratio_mean']:.3f} +- {t['paired_ratio_se']:.3f} | {step} | "
-              f"{t['prompt_tps']:.1f} | {t['prompt_ratio']:.3f} |")
+              f"{t['prompt_tps']:.1f} | {t['prompt_ratio']:.3f} | {ops} |")
     print(f"logits bit-identical to the resident run: {'all runs' if not wrong else f'NO: {wrong}'}")
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps({"model": idx["arch"], "blocks": len(idx["expert_layers"]),

@@ -25,20 +25,21 @@ sys.path[:0] = [str(HERE)]
 from benchutil import write_json  # noqa: E402
 
 
-def build(cache: Path, out: Path) -> Path:
-    """Compile the harness against CACHE's CPU build; the binary's path. SystemExit naming what is missing."""
+def build(cache: Path, out: Path, name: str = "mmid_slots") -> Path:
+    """Compile benchmarks/NAME.cpp against CACHE's CPU build; the binary's path. SystemExit naming
+    what is missing."""
     inc, lib = cache / "src" / "ggml" / "include", cache / "build-cpu" / "ggml" / "src"
     libs = [lib / "libggml.a", lib / "libggml-cpu.a", lib / "libggml-base.a"]
     missing = [str(p) for p in [inc] + libs if not p.exists()]
     if missing:
-        sys.exit(f"benchmarks/mmid_slots.py: no CPU build of the patched llama.cpp under {cache} ({missing[0]} is "
+        sys.exit(f"benchmarks/{name}.py: no CPU build of the patched llama.cpp under {cache} ({missing[0]} is "
                  "missing): run clients/llama.cpp/build.sh first")
-    exe = out / "mmid_slots"
-    cmd = ["c++", "-O2", "-std=c++17", "-I", str(inc), str(HERE / "mmid_slots.cpp"), *map(str, libs),
+    exe = out / name
+    cmd = ["c++", "-O2", "-std=c++17", "-I", str(inc), str(HERE / f"{name}.cpp"), *map(str, libs),
            "-lpthread", "-fopenmp", "-o", str(exe)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        sys.exit(f"benchmarks/mmid_slots.py: compiling the harness failed: {r.stderr.strip()[-800:]}")
+        sys.exit(f"benchmarks/{name}.py: compiling the harness failed: {r.stderr.strip()[-800:]}")
     return exe
 
 

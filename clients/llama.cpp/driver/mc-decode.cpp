@@ -212,16 +212,24 @@ int main(int argc, char ** argv) {
                                                "arena_reads", "arena_read_bytes", "host_us", "wait_us", "fill_us",
                                                "stage_copies", "stage_hits", "stage_bytes"};
     const size_t n_keys = sizeof DECODE_KEYS / sizeof DECODE_KEYS[0];
-    auto vram_snapshot = [&](std::vector<unsigned long long> & out) {
-        char b[2048];
-        llama_moecached_vram_stats(b, sizeof b);
-        for (size_t i = 0; i < n_keys; ++i) {
-            const std::string key = std::string(" ") + DECODE_KEYS[i] + "=";
-            const char * p = strstr(b, key.c_str());
+    // and the served blocks' host ops over the decode steps, from the moecached line the same way
+    static const char * const DECODE_OP_KEYS[] = {"acquires", "acquire_us", "ops", "op_us"};
+    const size_t n_op_keys = sizeof DECODE_OP_KEYS / sizeof DECODE_OP_KEYS[0];
+    auto values = [](const char * line, const char * const * keys, size_t n, unsigned long long * out) {
+        for (size_t i = 0; i < n; ++i) {
+            const std::string key = std::string(" ") + keys[i] + "=";
+            const char * p = strstr(line, key.c_str());
             out[i] = p ? strtoull(p + key.size(), nullptr, 10) : 0;
         }
     };
-    std::vector<unsigned long long> dec(n_keys, 0), before(n_keys), after(n_keys);
+    auto snapshot = [&](std::vector<unsigned long long> & out) {
+        char b[2048] = " ";
+        llama_moecached_vram_stats(b + 1, sizeof b - 1);
+        values(b, DECODE_KEYS, n_keys, out.data());
+        llama_moecached_stats(b + 1, sizeof b - 1);
+        values(b, DECODE_OP_KEYS, n_op_keys, out.data() + n_keys);
+    };
+    std::vector<unsigned long long> dec(n_keys + n_op_keys, 0), before(dec.size()), after(dec.size());
     std::vector<double> step_s;   // every decode step's time, for the quantiles on the timing line
     for (int round = 0; round < rounds; ++round) {
         llama_context_params cp = llama_context_default_params();
@@ -272,15 +280,15 @@ int main(int argc, char ** argv) {
         llama_token tok = emit(0, llama_get_logits_ith(ctx, -1));
         for (int s = 1; s <= n_steps; ++s) {
             if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
-            if (!endpoint.empty()) vram_snapshot(before);
+            if (!endpoint.empty()) snapshot(before);
             t0 = now_s();
             if (!decode(llama_batch_get_one(&tok, 1))) return 3;
             llama_synchronize(ctx);
             step_s.push_back(now_s() - t0);
             t_decode += step_s.back();
             if (!endpoint.empty()) {
-                vram_snapshot(after);
-                for (size_t i = 0; i < n_keys; ++i) dec[i] += after[i] - before[i];
+                snapshot(after);
+                for (size_t i = 0; i < dec.size(); ++i) dec[i] += after[i] - before[i];
             }
             n_decoded++;
             tok = emit(s, llama_get_logits_ith(ctx, -1));
@@ -292,7 +300,7 @@ int main(int argc, char ** argv) {
     }
     if (fd) fclose(fd);
     if (fmoe) fclose(fmoe);
-    char st[256];
+    char st[512];
     llama_moecached_stats(st, sizeof st);
     // the decode steps' times: lower decile, median, upper decile (a step that something else on the
     // machine slowed moves the mean, rarely the median)
@@ -301,7 +309,13 @@ int main(int argc, char ** argv) {
     auto quant = [&](double f) { return q.empty() ? 0.0 : q[(size_t) (f * (q.size() - 1) + 0.5)] * 1e6; };
     printf("timing prompt_tokens=%d prompt_s=%.6f decode_tokens=%d decode_s=%.6f rounds=%d step_us_p10=%.1f step_us_p50=%.1f "
            "step_us_p90=%.1f\n", n_prompt * rounds, t_prompt, n_decoded, t_decode, rounds, quant(0.1), quant(0.5), quant(0.9));
-    printf("moecached %s\n", endpoint.empty() ? "off" : st);
+    if (endpoint.empty()) {
+        printf("moecached off\n");
+    } else {
+        printf("moecached %s", st);
+        for (size_t i = 0; i < n_op_keys; ++i) printf(" decode_%s=%llu", DECODE_OP_KEYS[i], dec[n_keys + i]);
+        printf("\n");
+    }
     if (!endpoint.empty()) {
         char pf[512];
         llama_moecached_prefetch_stats(pf, sizeof pf);
