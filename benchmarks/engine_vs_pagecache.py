@@ -377,12 +377,13 @@ def main(argv=None) -> int:
             ratios = [dm[k] / pc[k] for k in sorted(dm) if k in pc and pc[k] > 0]
             if ratios:
                 mean = statistics.mean(ratios)
-                se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
+                se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else None   # one round: none
                 paired.append({"cached": f, "state": temp, "ratios": ratios, "mean": mean, "se": se})
     print("\n| experts in RAM | state | daemon / page cache decode: mean +- standard error | rounds' ratios |")
     print("|---|---|---|---|")
     for x in paired:
-        print(f"| {x['cached']:.0%} | {x['state']} | {x['mean']:.3f} +- {x['se']:.3f} | "
+        se = f"{x['mean']:.3f} +- {x['se']:.3f}" if x["se"] is not None else f"{x['mean']:.3f} (one round)"
+        print(f"| {x['cached']:.0%} | {x['state']} | {se} | "
               f"{' '.join(f'{v:.3f}' for v in x['ratios'])} |")
     write_json(a.json or str(work / "engine_vs_pagecache.json"), {"model": model, "blocks": len(idx.expert_layers), "experts": idx.n_experts,
                         "top_k": idx.top_k, "file_bytes": file_bytes, "routed_expert_bytes": expert_bytes,

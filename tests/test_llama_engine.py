@@ -123,6 +123,11 @@ def test_daemon_served_logits_are_bit_identical(models, reference, tmp_path, qua
         f"{quant}/{budget}: logits differ from the resident run\n{r.stdout[-1500:]}\n{log[-1500:]}"
     st = stats_of(r)
     assert st["acquires"] >= n_blocks * STEPS
+    # the decode steps' share of the served blocks' host ops: one acquire op and one release op a block
+    # and token, each timed (the acquire's own time within its op's)
+    assert st["decode_acquires"] == n_blocks * STEPS, st
+    assert st["decode_ops"] == 2 * n_blocks * STEPS and st["ops"] > st["decode_ops"], st
+    assert 0 < st["decode_acquire_us"] <= st["decode_op_us"] <= st["op_us"], st
     if budget == "tight":
         assert st["misses"] > 2 * n_blocks * k, st          # experts evicted and read again
         assert st["waves"] > 0, st                          # the prompt ran in waves
