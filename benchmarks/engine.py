@@ -20,7 +20,9 @@ CPUs and this process and its daemons on the others (a run's threads then land o
 whichever kind it is). Each row gives the paired ratio to the resident run of the same round twice:
 from the decode's tokens/s, and from the median decode step (mc-decode's ``step_us_p50``: a step
 slowed by something else on the machine moves the first, rarely the second), each as median and
-mean +- standard error. Prints a table and writes JSON (--json).
+mean +- standard error; and, for the runs through a daemon, the served blocks' host ops a decoded
+token (mc-decode's ``decode_op_us``: the acquire and release ops' time on the thread that runs them)
+and their share of the median step. Prints a table and writes JSON (--json).
 """
 from __future__ import annotations
 
