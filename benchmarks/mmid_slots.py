@@ -25,6 +25,11 @@ sys.path[:0] = [str(HERE)]
 from benchutil import write_json  # noqa: E402
 
 
+def default_cache() -> str:
+    """build.sh's cache: $MOECACHED_LLAMA_CACHE, else ~/.cache/moecached-llama."""
+    return os.environ.get("MOECACHED_LLAMA_CACHE", os.path.expanduser("~/.cache/moecached-llama"))
+
+
 def build(cache: Path, out: Path, name: str = "mmid_slots") -> Path:
     """Compile benchmarks/NAME.cpp against CACHE's CPU build; the binary's path. SystemExit naming
     what is missing."""
@@ -45,7 +50,7 @@ def build(cache: Path, out: Path, name: str = "mmid_slots") -> Path:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cache", default=os.environ.get("MOECACHED_LLAMA_CACHE", os.path.expanduser("~/.cache/moecached-llama")))
+    ap.add_argument("--cache", default=default_cache())
     ap.add_argument("--threads", default="2")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--iters", type=int, default=3000)

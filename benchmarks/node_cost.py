@@ -13,7 +13,6 @@ graphs), and a chain of empty ops alone.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
@@ -22,12 +21,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE)]
 from benchutil import write_json  # noqa: E402
-from mmid_slots import build  # noqa: E402
+from mmid_slots import build, default_cache  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cache", default=os.environ.get("MOECACHED_LLAMA_CACHE", os.path.expanduser("~/.cache/moecached-llama")))
+    ap.add_argument("--cache", default=default_cache())
     ap.add_argument("--threads", default="2")
     ap.add_argument("--pairs", type=int, default=32)
     ap.add_argument("--iters", type=int, default=200)
