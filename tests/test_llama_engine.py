@@ -474,7 +474,8 @@ def test_substitution_reads_fewer_experts_and_is_reproducible(models, reference,
     eng1 = stats_of(r1)
     assert (eng1["subst"], eng1["misses"]) == (st1["substitutions"], st1["demand_misses"]), (eng1, st1)
     assert (st2["substitutions"], st2["demand_misses"]) == (st1["substitutions"], st1["demand_misses"])
-    assert stats_of(r2) == {**eng1, "acquire_us": stats_of(r2)["acquire_us"]}
+    untimed = lambda st: {k: v for k, v in st.items() if not k.endswith("_us")}   # times differ run to run
+    assert untimed(stats_of(r2)) == untimed(eng1)
     assert filecmp.cmp(tmp_path / "subst1.bin", tmp_path / "subst2.bin", shallow=False), \
         "two substituted runs from fresh daemons differ"
     # every swap is a top-2k expert scoring >= r x the one it replaced, at most cap per block and
