@@ -8,7 +8,7 @@ import pytest
 import moecached.daemon.config as config
 from moecached import MoecacheError
 from moecached.daemon.config import (Config, ConfigError, KEYS, add_cli_args, config_from_args, dump_toml,
-                              load_config, reload_changes)
+                              arena_dir_refusal, load_config, reload_changes)
 from moecached.facts.units import SIZE_EXPECTED
 
 GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
@@ -418,13 +418,31 @@ def test_arena_dir_list_takes_the_first_mount_this_user_can_write(tmp_path):
     f2.write_text(f'model = "{model}"\nslots = 4\narena_dir = ["{a}", "{tmp_path}/y"]\n')
     with pytest.raises(ConfigError) as e:
         load_config(str(f2))
-    assert str(e.value) == (f'{f2}: arena_dir = ["{a}", "{tmp_path}/y"]: expected among them a mount point (a '
-                            "tmpfs or hugetlbfs) this user can write to, owned by root or this user (none is)")
-    for bad in ('[]', '["shm"]', '[1]'):
+    assert str(e.value) == (f'{f2}: arena_dir = ["{a}", "{tmp_path}/y"]: expected among them a tmpfs or hugetlbfs '
+                            f"mount point owned by root or this user and writable by it (none is: {a}: not a mount "
+                            f"point, {tmp_path}/y: missing); mount one (systemd/run-moecached\\x2darena.mount) or "
+                            "add /dev/shm")
+    # a mount of another kind (a disk, /proc) is passed over with its kind named; hugetlb = true takes
+    # hugetlbfs only; a SIGHUP with the running list keeps its directory even when none is usable now
+    assert arena_dir_refusal("/proc") == "a proc mount, not tmpfs or hugetlbfs"
+    f3 = tmp_path / "kinds.toml"
+    f3.write_text(f'model = "{model}"\nslots = 4\narena_dir = ["/proc", "/dev/shm"]\n')
+    c3 = load_config(str(f3), check_runnable=False)
+    assert c3.arena_dir == "/dev/shm" and c3.arena_dir_refused == {"/proc": "a proc mount, not tmpfs or hugetlbfs",
+                                                                   "/dev/shm": None}
+    f3.write_text(f'model = "{model}"\nslots = 4\nhugetlb = true\narena_dir = ["/dev/shm"]\n')
+    with pytest.raises(ConfigError, match=r"none is: /dev/shm: not hugetlbfs \(hugetlb = true\)"):
+        load_config(str(f3))
+    kept = load_config(str(f2), check_runnable=False)
+    kept.arena_dir = "/dev/shm"   # as if it had been usable when the daemon started
+    again = load_config(str(f2), running=kept)
+    assert again.arena_dir == "/dev/shm" and again.arena_dir_refused is None
+    for bad, why in (('[]', ""), ('["shm"]', " (entry 1, 'shm', is not an absolute path)"),
+                     ('["/dev/shm", 1]', " (entry 2, 1, is not an absolute path)")):
         f2.write_text(f'model = "{model}"\nslots = 4\narena_dir = {bad}\n')
         with pytest.raises(ConfigError) as e:
             load_config(str(f2))
-        assert "expected an absolute path, or a list of them" in str(e.value), str(e.value)
+        assert str(e.value).endswith("expected an absolute path, or a list of them" + why), str(e.value)
     if os.geteuid() != 0:
         pytest.skip("needs root to mount a tmpfs")
     import subprocess
@@ -435,8 +453,15 @@ def test_arena_dir_list_takes_the_first_mount_this_user_can_write(tmp_path):
         assert c2.arena_dir == str(b)
         apply, restart = reload_changes(c, c2)   # the same list: the running arena stays put
         assert "arena_dir" not in restart and "arena_dir" not in apply and c2.arena_dir == "/dev/shm"
+        # a link to the mount is resolved: clients are told the mount point, not a path a link can move
+        link = tmp_path / "link"
+        link.symlink_to(b)
+        f4 = tmp_path / "link.toml"
+        f4.write_text(f'model = "{model}"\nslots = 4\narena_dir = ["{link}", "/dev/shm"]\n')
+        assert load_config(str(f4), check_runnable=False).arena_dir == str(b)
         os.chown(b, 65534, 65534)   # another user's mount: its files could be swapped under the daemon
         os.chmod(b, 0o777)
-        assert load_config(str(f), check_runnable=False).arena_dir == "/dev/shm"
+        c5 = load_config(str(f), check_runnable=False)
+        assert c5.arena_dir == "/dev/shm" and c5.arena_dir_refused[str(b)] == "owned by uid 65534"
     finally:
         subprocess.run(["umount", "-l", str(b)], capture_output=True)

@@ -273,3 +273,15 @@ def test_displacement_under_concurrent_demand_keeps_bytes_and_counts(idx):
                 truth.check(cache, lease)
                 cache.release(lease)
     truth.close()
+
+
+def test_checker_says_how_many_ids_a_layer_was_given_against_its_experts():
+    """More ids than the layer has experts (an engine of another model's shape): the count and
+    the layer's experts, not "repeats an expert id" (they may all differ)."""
+    ck = RequestChecker([0, 1], 8)
+    with pytest.raises(ProtocolError) as ei:
+        ck.requests({"layer": 0, "experts": list(range(14))})
+    assert str(ei.value).endswith("field 'experts' of layer 0 names 14 experts: the layer has 8 (expected each "
+                                  "at most once)"), str(ei.value)
+    with pytest.raises(ProtocolError, match="repeats an expert id"):
+        ck.requests({"layer": 0, "experts": [1, 1]})

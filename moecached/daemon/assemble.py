@@ -100,10 +100,14 @@ def make_cache(cfg, idx, progress=None, fitted=None, read_queue=None):
             os.chown(arena.path, -1, grp.getgrnam(cfg.group).gr_gid)
         if arena.keep_error:
             log.warning("%s; a client that unlinks the arena cannot be repaired", arena.keep_error)
-        if cfg.arena_dir_choices:
-            skipped = cfg.arena_dir_choices[:cfg.arena_dir_choices.index(cfg.arena_dir)]
-            log.info("arena_dir: %s, the first of %s this user can write to%s", cfg.arena_dir, cfg.arena_dir_choices,
-                     f" ({', '.join(skipped)}: missing or not writable)" if skipped else "")
+        if cfg.arena_dir_refused:
+            skipped = []
+            for d, why in cfg.arena_dir_refused.items():
+                if why is None:
+                    break
+                skipped.append(f"{d}: {why}")
+            log.info("arena_dir: %s, the first usable entry of %s%s", cfg.arena_dir, cfg.arena_dir_choices,
+                     f" (passed over: {'; '.join(skipped)})" if skipped else "")
         if arena.huge_pages in ("never", "deny", "advise"):
             log.info("arena %s: 4 KiB pages (%s is a tmpfs with huge=%s); for 2 MiB pages, as a model "
                      "file's page cache has, set arena_dir to a tmpfs mounted with huge=within_size "

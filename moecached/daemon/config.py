@@ -109,6 +109,9 @@ class Config:
     sources: dict = field(default_factory=dict, repr=False, compare=False)
     # arena_dir given as a list: the list (arena_dir is then the one taken); None otherwise
     arena_dir_choices: Optional[list] = field(default=None, repr=False, compare=False)
+    # and why each entry could not take the arena (None: it could); None when the list was not
+    # looked at (no list, or a SIGHUP with the running list)
+    arena_dir_refused: Optional[dict] = field(default=None, repr=False, compare=False)
     path: Optional[str] = field(default=None, compare=False)   # config file read, if any
 
     @property
@@ -297,7 +300,8 @@ KEYS: dict[str, Key] = {
 #: a restart.
 RELOADABLE = frozenset(k for k, key in KEYS.items() if key.reload is not None)
 
-assert set(KEYS) == {f.name for f in dataclasses.fields(Config)} - {"sources", "path", "arena_dir_choices"}
+assert set(KEYS) == {f.name for f in dataclasses.fields(Config)} - {"sources", "path", "arena_dir_choices",
+                                                                     "arena_dir_refused"}
 assert all(k.scope in ("model", "socket", "daemon", "budget") for k in KEYS.values())
 
 
@@ -339,7 +343,8 @@ def _fmt(where: str, key: str, value: Any, cli: bool) -> str:
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[dict] = None, *,
-                check_runnable: bool = True, origin: str = "override", cli: bool = False) -> Config:
+                check_runnable: bool = True, origin: str = "override", cli: bool = False,
+                running: Optional[Config] = None) -> Config:
     """Build a :class:`Config` from defaults, the TOML file and ``overrides``.
 
     * ``path``: the file to read; None means :data:`DEFAULT_PATH` if it exists, else no file.
@@ -350,6 +355,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict] = None, *,
     * ``origin``: how override errors name their source ("command line" for flags).
     * ``check_runnable``: also require what the daemon needs to start: ``model`` set and an
       existing file, one of ``budget`` / ``slots``, an existing ``arena_dir``.
+    * ``running``: the running daemon's config (a SIGHUP): an ``arena_dir`` list equal to its
+      list keeps its directory, usable now or not.
 
     Raises :class:`ConfigError` (one line) on any problem.
     """
@@ -432,27 +439,68 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict] = None, *,
             cfg.group = None
 
     if isinstance(cfg.arena_dir, list):
-        # the first usable one; none: the last (the check below then names them all)
-        usable = [d for d in cfg.arena_dir if arena_dir_usable(d)]
         cfg.arena_dir_choices = list(cfg.arena_dir)
-        cfg.arena_dir = usable[0] if usable else cfg.arena_dir[-1]
+        if running is not None and running.arena_dir_choices == cfg.arena_dir_choices:
+            # a SIGHUP with the same list: the running arena stays where it is, whichever entry
+            # the list resolves to now (a mount that appeared or went since counts at the next start)
+            cfg.arena_dir = running.arena_dir
+        else:
+            # the first usable one; none: the last (the check below then names them all, with why)
+            cfg.arena_dir_refused = {d: arena_dir_refusal(d, cfg.hugetlb) for d in cfg.arena_dir_choices}
+            usable = [d for d, why in cfg.arena_dir_refused.items() if why is None]
+            # (the mount point itself: what clients are told to open, with no link on the way)
+            cfg.arena_dir = os.path.realpath(usable[0]) if usable else cfg.arena_dir_choices[-1]
     _cross_check(cfg, cli, given)
     if check_runnable:
         _check_runnable(cfg, cli, given)
     return cfg
 
 
-def arena_dir_usable(d: str) -> bool:
-    """One entry of an ``arena_dir`` list is taken when it is a mounted file system's root (a
-    tmpfs or hugetlbfs such as /dev/shm or /run/moecached-arena: not the empty directory a mount
-    that failed leaves), this user may write to it, and it belongs to root or this user (no other
-    user can swap the files in it)."""
+ARENA_FS_TYPES = ("tmpfs", "hugetlbfs")
+
+
+def mount_fs_type(d: str) -> Optional[str]:
+    """The file system type of the mount whose root ``d`` is (the last one mounted there, from
+    /proc/self/mountinfo), or None when ``d`` is not a mount point."""
+    fstype = None
     try:
-        st = os.stat(d)
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                left, sep, right = line.partition(" - ")
+                fields = left.split()
+                if sep and len(fields) > 4 and right.split() and \
+                        re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4]) == d:
+                    fstype = right.split()[0]
     except OSError:
-        return False
-    return (os.path.isdir(d) and os.path.ismount(os.path.realpath(d)) and os.access(d, os.W_OK | os.X_OK)
-            and st.st_uid in (0, os.geteuid()))
+        return "unknown" if os.path.ismount(d) else None
+    return fstype
+
+
+def arena_dir_refusal(d: str, hugetlb: bool = False) -> Optional[str]:
+    """None when one entry of an ``arena_dir`` list can take the arena, else why not (a few
+    words): the directory it names (symbolic links resolved: the daemon then uses that path) must
+    be the root of a tmpfs or hugetlbfs mount (such as /dev/shm or /run/moecached-arena; not the
+    empty directory a mount that failed leaves, not a disk), hugetlbfs when ``hugetlb`` is set,
+    owned by root or this user (no other user can swap the files in it) and writable by this user."""
+    real = os.path.realpath(d)
+    try:
+        st = os.stat(real)
+    except OSError:
+        return "missing"
+    if not os.path.isdir(real):
+        return "not a directory"
+    fstype = mount_fs_type(real)
+    if fstype is None:
+        return "not a mount point"
+    if fstype not in ARENA_FS_TYPES:
+        return f"a {fstype} mount, not tmpfs or hugetlbfs"
+    if hugetlb and fstype != "hugetlbfs":
+        return "not hugetlbfs (hugetlb = true)"
+    if st.st_uid not in (0, os.geteuid()):
+        return f"owned by uid {st.st_uid}"
+    if not os.access(real, os.W_OK | os.X_OK):
+        return "not writable by this user"
+    return None
 
 
 def _where(cfg: Config, key: str) -> str:
@@ -503,9 +551,13 @@ def _check_runnable(cfg: Config, cli: bool, given: dict) -> None:
     if cfg.budget is None and cfg.slots is None:
         raise ConfigError(f'{where}: neither budget nor slots is set: expected budget = "SIZE" or slots = N '
                           "in the config file, or --budget / --slots")
-    if cfg.arena_dir_choices and not arena_dir_usable(cfg.arena_dir):
-        raise ConfigError(f"{_at(cfg, 'arena_dir', cli, given)}: expected among them a mount point (a tmpfs "
-                          "or hugetlbfs) this user can write to, owned by root or this user (none is)")
+    refused = cfg.arena_dir_refused
+    if refused and all(refused.values()):
+        why = ", ".join(f"{d}: {w}" for d, w in refused.items())
+        raise ConfigError(f"{_at(cfg, 'arena_dir', cli, given)}: expected among them a "
+                          f"{'hugetlbfs' if cfg.hugetlb else 'tmpfs or hugetlbfs'} mount point owned by root or "
+                          f"this user and writable by it (none is: {why}); mount one (systemd/"
+                          "run-moecached\\x2darena.mount) or add /dev/shm")
     if not os.path.isdir(cfg.arena_dir):
         raise ConfigError(f"{_at(cfg, 'arena_dir', cli, given)}: expected an existing directory")
 

@@ -155,14 +155,17 @@ def _abs_path(x):
 
 def _arena_dir(x):
     """An absolute path, or a list of them (the config file's form): the first usable one is taken
-    (load_config resolves it: ``config.arena_dir_usable``)."""
+    (load_config resolves it: ``config.arena_dir_refusal``)."""
     if isinstance(x, list):
         if not x:
             raise _Bad("an absolute path, or a list of them")
-        try:
-            return [_abs_path(d) for d in x]
-        except _Bad:
-            raise _Bad("an absolute path, or a list of them") from None
+        for i, d in enumerate(x):
+            try:
+                _abs_path(d)
+            except _Bad:
+                raise _Bad(f"an absolute path, or a list of them (entry {i + 1}, {d!r}, is not an absolute "
+                           "path)") from None
+        return [_abs_path(d) for d in x]
     return _abs_path(x)
 
 

@@ -293,7 +293,7 @@ class Daemon:
         try:
             new = C.load_config(base.path, {k: v for k, v in base.as_dict().items()
                                             if base.sources.get(k) == "command line"},
-                                origin="command line", cli=False)
+                                origin="command line", cli=False, running=old)
         except MoecacheError as e:
             log.error("SIGHUP: config not reloaded: %s", e)
             return
@@ -310,6 +310,11 @@ class Daemon:
                 restart.append(f"{key} ({ok})" if isinstance(ok, str) else key)
                 if key not in self.models.keep_new:
                     setattr(new, key, getattr(old, key))  # not applied: the old value stays
+        for key in C.KEYS:
+            if key in restart and key not in self.models.keep_new:
+                setattr(new, key, getattr(old, key))   # a restart applies it; until then the old value runs
+                if key == "arena_dir":
+                    new.arena_dir_choices = old.arena_dir_choices
         if restart:
             log.warning("SIGHUP: not applied, need a restart: %s", ", ".join(restart))
         log.info("SIGHUP: applied %s", ", ".join(applied) or "nothing (no live-changeable key changed)")

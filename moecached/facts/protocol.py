@@ -202,8 +202,8 @@ class RequestChecker:
             if total > self.max_experts:
                 raise ProtocolError(E_TOO_LARGE, f"request names {total}+ experts: expected at most {self.max_experts}")
             if len(experts) > self.n_experts:   # told before each id is looked at (a flood of these is cheap)
-                raise ProtocolError(E_BAD_TYPE, f"field '{p}experts' of layer {layer} repeats an expert id "
-                                                f"({len(experts)} ids, the layer has {self.n_experts} experts)")
+                raise ProtocolError(E_BAD_TYPE, f"field '{p}experts' of layer {layer} names {len(experts)} experts: "
+                                                f"the layer has {self.n_experts} (expected each at most once)")
             for e in experts:
                 if isinstance(e, bool) or not isinstance(e, int):
                     raise ProtocolError(E_BAD_TYPE, f"field '{p}experts' holds {type(e).__name__} {e!r:.20}: expected integers")
