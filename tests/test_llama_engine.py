@@ -309,15 +309,21 @@ def test_another_model_of_the_same_size_and_times_is_refused_by_its_bytes(models
 
 @pytest.mark.parametrize("how", ["daemon restarted on another file", "file replaced under the daemon",
                                  "file replaced by one of the same size and times",
-                                 "daemon restarted on one of the same size and times under a copy's engine"])
+                                 "daemon restarted on one of the same size and times under a copy's engine",
+                                 "daemon restarted on another file with fewer experts"])
 def test_another_model_under_a_running_engine_stops_it(models, reference, tmp_path, how):
     """A new session on another file of the same shape (a daemon restarted on it, or the file
     replaced under a daemon that reloads): the engine's next acquire meets the new arena and
-    stops with the reason (before, it went on with the new model's experts: wrong logits)."""
+    stops with the reason (before, it went on with the new model's experts: wrong logits). A
+    model with fewer experts a block refuses the engine's ids itself (out of range): the engine
+    still names the new session's model file, not the refusal, and stops (before, it retried the
+    refusal forever, and llama-server's /health said ok)."""
     arch, kw = MODELS["q8_0"]
     model = str(tmp_path / "model.gguf")
     shutil.copy2(models["q8_0"], model)
-    other = write_runnable(str(tmp_path / "other.gguf"), arch=arch, **dict(kw, seed=99))
+    fewer = how.endswith("fewer experts")
+    other = write_runnable(str(tmp_path / "other.gguf"), arch=arch,
+                           **dict(kw, seed=99, **({"experts": kw["experts"] // 2} if fewer else {})))
     sock = str(tmp_path / "d.sock")
     p = start_daemon(model, sock, "--slots", "48")
     loaded = model
@@ -339,7 +345,8 @@ def test_another_model_under_a_running_engine_stops_it(models, reference, tmp_pa
                 time.sleep(0.05)
     try:
         if how.startswith("daemon"):
-            out, err = _replace_daemon_under(eng, p, other, sock, "48", 300, "the restart", when=decoding)
+            out, err = _replace_daemon_under(eng, p, other, sock, "24" if fewer else "48", 300, "the restart",
+                                             when=decoding)
         else:
             decoding()
             assert eng.poll() is None, "the engine finished before the replacement"
