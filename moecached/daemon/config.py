@@ -645,4 +645,6 @@ def dump_toml(cfg: Config) -> str:
             lines.append(f'{k} = "{_human(v).replace(" ", "")}"')
         else:
             lines.append(f"{k} = {_show(v)}")
+        if k == "arena_dir" and cfg.arena_dir_choices:
+            lines[-1] += f"   # takes {_show(cfg.arena_dir)}"
     return "\n".join(lines + tables) + "\n"
