@@ -478,7 +478,7 @@ def test_an_acquire_naming_more_ids_than_the_layer_has_is_refused_before_each_is
     many = Counted([1] * 16384)
     with pytest.raises(P.ProtocolError) as e:
         chk.requests({"layer": 3, "experts": many})
-    assert e.value.code == P.E_BAD_TYPE and "'experts'" in str(e.value) and "16384 ids" in str(e.value)
+    assert e.value.code == P.E_BAD_TYPE and "'experts'" in str(e.value) and "names 16384 experts: the layer has 128" in str(e.value)
     assert Counted.looked == 0, "each id was looked at"
     with pytest.raises(P.ProtocolError):      # in a list of layers too
         chk.requests({"layers": [[3, [0]], [4, Counted([2] * 129)]]})
