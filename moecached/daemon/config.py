@@ -608,12 +608,9 @@ def config_from_args(args: argparse.Namespace, *, check_runnable: bool = True) -
 
 def reload_changes(old: Config, new: Config) -> tuple[dict, list]:
     """Compare two configs for SIGHUP: ``({key: (old, new)} a running daemon can apply,
-    [keys that changed but need a restart])``."""
+    [keys that changed but need a restart])``. (``new`` read with ``load_config(running=old)``
+    keeps the running arena's directory when its ``arena_dir`` list is the running one.)"""
     apply, restart = {}, []
-    if old.arena_dir_choices is not None and old.arena_dir_choices == new.arena_dir_choices:
-        # the same list: the running daemon's arena stays where it is, whichever entry the list
-        # resolves to now (a mount that appeared since is taken at the next start)
-        new.arena_dir = old.arena_dir
     for k in KEYS:
         a, b = getattr(old, k), getattr(new, k)
         if a != b:

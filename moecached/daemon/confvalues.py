@@ -159,13 +159,14 @@ def _arena_dir(x):
     if isinstance(x, list):
         if not x:
             raise _Bad("an absolute path, or a list of them")
+        out = []
         for i, d in enumerate(x):
             try:
-                _abs_path(d)
+                out.append(_abs_path(d))
             except _Bad:
                 raise _Bad(f"an absolute path, or a list of them (entry {i + 1}, {d!r}, is not an absolute "
                            "path)") from None
-        return [_abs_path(d) for d in x]
+        return out
     return _abs_path(x)
 
 

@@ -310,8 +310,8 @@ class Daemon:
                 restart.append(f"{key} ({ok})" if isinstance(ok, str) else key)
                 if key not in self.models.keep_new:
                     setattr(new, key, getattr(old, key))  # not applied: the old value stays
-        for key in C.KEYS:
-            if key in restart and key not in self.models.keep_new:
+        for key in restart:   # (a failed apply's entry carries its reason: put back above)
+            if key in C.KEYS and key not in self.models.keep_new:
                 setattr(new, key, getattr(old, key))   # a restart applies it; until then the old value runs
                 if key == "arena_dir":
                     new.arena_dir_choices = old.arena_dir_choices
