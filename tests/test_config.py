@@ -459,6 +459,20 @@ def test_arena_dir_list_takes_the_first_mount_this_user_can_write(tmp_path):
         f4 = tmp_path / "link.toml"
         f4.write_text(f'model = "{model}"\nslots = 4\narena_dir = ["{link}", "/dev/shm"]\n')
         assert load_config(str(f4), check_runnable=False).arena_dir == str(b)
+        # a root-owned mount under a directory another user owns: that user could rename the
+        # directory (the mount goes with it) and put its own files at the arena's path
+        os.chown(tmp_path, 65534, 65534)
+        try:
+            c6 = load_config(str(f), check_runnable=False)
+            assert c6.arena_dir == "/dev/shm" and c6.arena_dir_refused[str(b)] == f"under {tmp_path}, owned by uid 65534"
+        finally:
+            os.chown(tmp_path, 0, 0)
+        os.chmod(tmp_path, 0o777)   # or writable by everyone, not sticky
+        try:
+            assert load_config(str(f), check_runnable=False).arena_dir_refused[str(b)] == \
+                f"under {tmp_path}, writable by other users"
+        finally:
+            os.chmod(tmp_path, 0o700)
         os.chown(b, 65534, 65534)   # another user's mount: its files could be swapped under the daemon
         os.chmod(b, 0o777)
         c5 = load_config(str(f), check_runnable=False)

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shlex
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -498,6 +499,18 @@ def arena_dir_refusal(d: str, hugetlb: bool = False) -> Optional[str]:
         return "not hugetlbfs (hugetlb = true)"
     if st.st_uid not in (0, os.geteuid()):
         return f"owned by uid {st.st_uid}"
+    # nor can another user move it away and put a directory of its own at its path: every directory
+    # above it belongs to root or this user, and is writable by no one else unless sticky (/tmp)
+    up = os.path.dirname(real)
+    while True:
+        pst = os.stat(up)
+        if pst.st_uid not in (0, os.geteuid()):
+            return f"under {up}, owned by uid {pst.st_uid}"
+        if pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
+            return f"under {up}, writable by other users"
+        if up == "/":
+            break
+        up = os.path.dirname(up)
     if not os.access(real, os.W_OK | os.X_OK):
         return "not writable by this user"
     return None

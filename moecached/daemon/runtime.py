@@ -119,9 +119,11 @@ class Daemon:
         cfg = self.cfg
         held = {"lock": lock_endpoint(cfg.endpoint)}
         try:
-            # arenas of killed daemons pin shm: in every directory an arena_dir list names (an
-            # earlier start may have taken another one)
-            for d in dict.fromkeys([cfg.arena_dir] + list(cfg.arena_dir_choices or [])):
+            # arenas of killed daemons pin shm: in every directory of an arena_dir list that could
+            # take the arena (an earlier start may have taken another one), by its resolved path;
+            # never in one that another user could swap
+            usable = [os.path.realpath(d) for d, why in (cfg.arena_dir_refused or {}).items() if why is None]
+            for d in dict.fromkeys([cfg.arena_dir] + usable):
                 if os.path.isdir(d):
                     remove_stale_arenas(d, log)
             self.read_queue = ReadQueue(threads=cfg.readers, chunk_bytes=cfg.chunk)
